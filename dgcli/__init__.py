@@ -1,0 +1,3 @@
+"""dg: DiffusionGemma on your own machine."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,194 @@
+"""The shapes that cross the engine boundary: parameters, per-step events, results, errors.
+
+The CLI, the tests and the benchmarks only ever see these; both engines (diffusion and
+autoregressive) produce the same result type so that `compare` and `bench` treat them alike.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import numpy as np
+
+
+class DgError(Exception):
+    """An error a user can act on. The CLI prints `str(err)` on one line and exits non-zero."""
+
+
+class InvalidParameter(DgError, ValueError):
+    """A sampler or generation parameter outside its allowed range."""
+
+    def __init__(self, name: str, value: Any, allowed: str):
+        self.name, self.value, self.allowed = name, value, allowed
+        super().__init__(f"invalid {name}={value!r}: must be {allowed}")
+
+
+class ModelLoadError(DgError):
+    """A file that is missing, not a GGUF, truncated, malformed, or of the wrong architecture."""
+
+
+# The reference's defaults (DiffusionGemmaGenerationConfig._get_default_generation_params).
+DEFAULT_MAX_DENOISING_STEPS = 48
+DEFAULT_T_MIN = 0.4
+DEFAULT_T_MAX = 0.8
+DEFAULT_ENTROPY_BOUND = 0.1
+DEFAULT_STABILITY_THRESHOLD = 1
+DEFAULT_CONFIDENCE_THRESHOLD = 0.005
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class DiffusionParams:
+    """The block-diffusion sampler's knobs (GGUF `diffusion.eb_*` keys give a model's defaults)."""
+
+    max_denoising_steps: int = DEFAULT_MAX_DENOISING_STEPS
+    t_min: float = DEFAULT_T_MIN
+    t_max: float = DEFAULT_T_MAX
+    entropy_bound: float = DEFAULT_ENTROPY_BOUND
+    stability_threshold: int = DEFAULT_STABILITY_THRESHOLD
+    confidence_threshold: float = DEFAULT_CONFIDENCE_THRESHOLD
+
+    def validate(self) -> "DiffusionParams":
+        """Raise InvalidParameter naming the first bad value and its allowed range."""
+        if not _is_int(self.max_denoising_steps) or self.max_denoising_steps < 1:
+            raise InvalidParameter("max_denoising_steps", self.max_denoising_steps, "an integer >= 1")
+        if not _is_real(self.t_min) or self.t_min < 0:
+            raise InvalidParameter("t_min", self.t_min, "a number >= 0")
+        if not _is_real(self.t_max) or self.t_max <= 0:
+            raise InvalidParameter("t_max", self.t_max, "a number > 0")
+        if self.t_max <= self.t_min:
+            raise InvalidParameter("t_max", self.t_max, f"greater than t_min ({self.t_min})")
+        if not _is_real(self.entropy_bound) or self.entropy_bound <= 0:
+            raise InvalidParameter("entropy_bound", self.entropy_bound, "a number > 0")
+        if not _is_int(self.stability_threshold) or self.stability_threshold < 0:
+            raise InvalidParameter("stability_threshold", self.stability_threshold, "an integer >= 0")
+        if not _is_real(self.confidence_threshold) or self.confidence_threshold <= 0:
+            raise InvalidParameter("confidence_threshold", self.confidence_threshold, "a number > 0")
+        return self
+
+    def replace(self, **overrides: Any) -> "DiffusionParams":
+        """A copy with the given fields replaced; None values are ignored (CLI flags left unset)."""
+        values = asdict(self)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return DiffusionParams(**values)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+@dataclass
+class StepEvent:
+    """One denoising step of the diffusion engine."""
+
+    canvas_index: int  # 0-based canvas within this generation
+    step: int  # 1-based step within the canvas
+    max_steps: int
+    temperature: float
+    argmax_canvas: np.ndarray  # int32 [canvas_length]: the canvas as it would be committed now
+    accepted_mask: np.ndarray  # bool [canvas_length]: positions accepted (kept) this step
+    n_accepted: int
+    mean_entropy: float
+    forward_s: float  # decoder forward (native)
+    sampling_s: float  # sampling + host work for this step
+    stopped: bool  # the adaptive stop fired on this step
+
+    kind = "step"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "canvas": self.canvas_index,
+            "step": self.step,
+            "max_steps": self.max_steps,
+            "temperature": self.temperature,
+            "argmax_canvas": [int(t) for t in self.argmax_canvas],
+            "accepted": [bool(a) for a in self.accepted_mask],
+            "n_accepted": self.n_accepted,
+            "mean_entropy": self.mean_entropy,
+            "forward_s": self.forward_s,
+            "sampling_s": self.sampling_s,
+            "stopped": self.stopped,
+        }
+
+
+@dataclass
+class TokenEvent:
+    """One decoded token of the autoregressive engine."""
+
+    index: int  # 0-based index of the new token
+    token_id: int
+    piece: str
+    forward_s: float
+    sampling_s: float
+
+    kind = "token"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "index": self.index,
+            "token_id": self.token_id,
+            "piece": self.piece,
+            "forward_s": self.forward_s,
+            "sampling_s": self.sampling_s,
+        }
+
+
+@dataclass
+class CanvasEvent:
+    """A canvas was committed (diffusion) — emitted after its last StepEvent."""
+
+    canvas_index: int
+    token_ids: list[int]  # committed tokens of this canvas, after end-token trimming
+    steps: int
+    commit_s: float  # encoder pass that appended the canvas to the KV cache
+
+    kind = "canvas"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "canvas": self.canvas_index, "token_ids": self.token_ids,
+                "steps": self.steps, "commit_s": self.commit_s}
+
+
+@dataclass
+class GenerationResult:
+    """What one generation produced. Same shape for both engines."""
+
+    mode: str  # "diffusion" | "autoregressive"
+    text: str
+    token_ids: list[int]  # new tokens, end token and everything after it dropped
+    n_prompt_tokens: int
+    steps_per_canvas: list[int] = field(default_factory=list)  # diffusion only
+    decoder_forwards: int = 0  # forwards that produced new tokens (AR: one per token)
+    tokens_per_forward: float = 0.0  # reference definition: new tokens / decoder forwards
+    prefill_s: float = 0.0
+    total_s: float = 0.0
+    forward_s: float = 0.0  # sum of forward time over steps/tokens
+    sampling_s: float = 0.0  # sum of sampling/host time over steps/tokens
+    stop_reason: str = "length"  # "end_token" | "length" | "interrupted"
+    interrupted: bool = False
+
+    @property
+    def n_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def tokens_per_second(self) -> float:
+        gen_s = self.total_s - self.prefill_s
+        return self.n_new_tokens / gen_s if gen_s > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["n_new_tokens"] = self.n_new_tokens
+        out["tokens_per_second"] = self.tokens_per_second
+        return out
