@@ -1,0 +1,2 @@
+#pragma once
+// Declarations of the native sampler (see src/diffusion-gemma-sampler.cpp).
