@@ -1,0 +1,320 @@
+"""Tiny models in the published GGUF layout, and the tiny tokenizer "dg-tiny" they all share.
+
+The tokenizer is a llama.cpp `gemma4` vocabulary (SPM-style BPE on raw UTF-8) small enough to
+read: the real Gemma special ids (0 <pad>, 1 <eos>, 2 <bos>, 3 <unk>, 4 <mask>, 105 <|turn>,
+106 <turn|>, 5..104 unused control tokens), 256 byte-fallback tokens, one token per printable
+ASCII character plus newline and tab, and a few merges. Its pure-Python `encode` follows
+llama.cpp's algorithm step by step (src/llama-vocab.cpp), so a prompt tokenized here and one
+tokenized by the native library are the same ids.
+
+Nothing here needs torch: `write_tiny_random_gguf` and `write_synthetic_gguf` use numpy + gguf.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import json
+import re
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from dgcli.engine.types import DgError
+
+TOKENIZER_NAME = "dg-tiny"
+
+# GGUF token types (gguf.TokenType): the values llama.cpp maps to token attributes.
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
+
+PAD_ID, EOS_ID, BOS_ID, UNK_ID, MASK_ID = 0, 1, 2, 3, 4
+TURN_START_ID, TURN_END_ID = 105, 106
+N_UNUSED = 100  # ids 5..104, as in the real vocabulary's reserved block
+
+# SPM-style BPE: the normalizer writes every space as U+2581 before merging.
+SPACE_MARK = "\u2581"
+
+# Renders `<bos><|turn>user\n{content}<turn|>\n<|turn>model\n` for one user message with
+# add_generation_prompt; the model's role is called "model" as in Gemma's own template.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "<|turn>{{ role }}\n{{ message['content'] }}<turn|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|turn>model\n{% endif %}"
+)
+
+# Frequent English pairs, in rank order. Each merge's result is itself a token, so a Hugging Face
+# BPE with the same merges produces the same ids as llama.cpp.
+_MERGES: tuple[tuple[str, str], ...] = (
+    ("e", "r"), ("i", "n"), ("\u2581", "t"), ("h", "e"), ("a", "n"), ("o", "n"), ("r", "e"),
+    ("\u2581", "a"), ("e", "n"), ("a", "t"), ("o", "u"), ("\u2581", "s"), ("\u2581t", "he"),
+    ("i", "s"), ("e", "s"), ("\u2581", "w"), ("o", "r"), ("e", "d"), ("i", "t"), ("\u2581", "o"),
+    ("in", "g"), ("\u2581", "i"), ("a", "r"), ("\u2581", "c"), ("a", "l"), ("l", "e"),
+    ("\u2581", "b"), ("\u2581", "f"), ("\u2581", "m"), ("\u2581", "d"), ("\u2581", "p"),
+    ("s", "t"), ("\u2581a", "n"), ("\u2581an", "d"), ("\u2581", "h"), ("\u2581o", "f"),
+    ("\u2581t", "o"), ("\u2581i", "s"), ("\u2581", "\u2581"), ("\u2581\u2581", "\u2581\u2581"),
+)
+
+
+def _build_base_tokens() -> tuple[list[str], list[int]]:
+    tokens: list[str] = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]
+    types: list[int] = [TOKEN_CONTROL, TOKEN_CONTROL, TOKEN_CONTROL, TOKEN_UNKNOWN, TOKEN_CONTROL]
+    for i in range(N_UNUSED):
+        tokens.append(f"<unused{i}>")
+        types.append(TOKEN_CONTROL)
+    tokens += ["<|turn>", "<turn|>"]
+    types += [TOKEN_CONTROL, TOKEN_CONTROL]
+    assert len(tokens) == TURN_END_ID + 1
+    for b in range(256):
+        tokens.append(f"<0x{b:02X}>")
+        types.append(TOKEN_BYTE)
+    for ch in ["\n", "\t"] + [chr(c) for c in range(0x20, 0x7F)]:
+        tokens.append(SPACE_MARK if ch == " " else ch)
+        types.append(TOKEN_NORMAL)
+    known = set(tokens)
+    for left, right in _MERGES:
+        assert left in known and right in known, (left, right)
+        merged = left + right
+        if merged not in known:
+            tokens.append(merged)
+            types.append(TOKEN_NORMAL)
+            known.add(merged)
+    return tokens, types
+
+
+class TinyVocab:
+    """The dg-tiny tokenizer: a llama.cpp `gemma4` BPE vocabulary and a Python twin of its tokenizer.
+
+    `extra_tokens` pads the vocabulary with normal tokens no text ever produces (for benchmark
+    models with a real-size vocabulary); ids of everything else do not change.
+    """
+
+    name = TOKENIZER_NAME
+    pad_id, eos_id, bos_id, unk_id, mask_id = PAD_ID, EOS_ID, BOS_ID, UNK_ID, MASK_ID
+    turn_start_id, turn_end_id = TURN_START_ID, TURN_END_ID
+    end_token_ids = (EOS_ID, TURN_END_ID)
+    chat_template = CHAT_TEMPLATE
+
+    def __init__(self, extra_tokens: int = 0):
+        tokens, types = _build_base_tokens()
+        if extra_tokens < 0:
+            raise DgError(f"extra_tokens must be >= 0, got {extra_tokens}")
+        for i in range(extra_tokens):
+            tokens.append(f"<filler{i}>")
+            types.append(TOKEN_NORMAL)
+        self.tokens: list[str] = tokens
+        self.token_types: list[int] = types
+        self.merges: list[str] = [f"{a} {b}" for a, b in _MERGES]
+        self._merge_rank = {pair: rank for rank, pair in enumerate(_MERGES)}
+        self._token_to_id = {t: i for i, t in enumerate(tokens)}
+        # llama.cpp tries longer special texts first; ours never overlap, so this order is exact.
+        self._special_texts = sorted(
+            (t for t, ty in zip(tokens, types) if ty in (TOKEN_CONTROL, TOKEN_UNKNOWN, TOKEN_USER_DEFINED)),
+            key=len, reverse=True)
+        self._special_re = re.compile("|".join(re.escape(t) for t in self._special_texts))
+
+    # -- sizes and ids -------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokens)
+
+    def token_id(self, text: str) -> int:
+        try:
+            return self._token_to_id[text]
+        except KeyError:
+            raise DgError(f"token {text!r} is not in the {self.name} vocabulary") from None
+
+    @property
+    def scores(self) -> list[float]:
+        # BPE ignores scores; llama.cpp still requires the array.
+        return [0.0] * self.vocab_size
+
+    # -- encoding (llama.cpp's gemma4 path, step by step) -----------------------------------------
+
+    def encode(self, text: str, add_bos: bool = False, special: bool = True) -> list[int]:
+        """Token ids of `text`; `special` parses control-token texts like `<|turn>` as those tokens."""
+        if not isinstance(text, str):
+            raise DgError(f"text to encode must be a str, got {type(text).__name__}")
+        ids: list[int] = [BOS_ID] if add_bos else []
+        for fragment, special_id in self._split_special(text, special):
+            if special_id is not None:
+                ids.append(special_id)
+            else:
+                ids.extend(self._encode_plain(fragment))
+        return ids
+
+    def _split_special(self, text: str, special: bool) -> Iterable[tuple[str, int | None]]:
+        if not special or not text:
+            if text:
+                yield text, None
+            return
+        pos = 0
+        for match in self._special_re.finditer(text):
+            if match.start() > pos:
+                yield text[pos:match.start()], None
+            yield match.group(), self._token_to_id[match.group()]
+            pos = match.end()
+        if pos < len(text):
+            yield text[pos:], None
+
+    def _encode_plain(self, text: str) -> list[int]:
+        text = text.replace(" ", SPACE_MARK)
+        ids: list[int] = []
+        # gemma4 pre-tokenization only splits runs of newlines from everything else.
+        for word in re.findall(r"[^\n]+|\n+", text):
+            if word[0] == "\n" and word in self._token_to_id:
+                ids.append(self._token_to_id[word])
+                continue
+            for piece in self._bpe(word):
+                token = self._token_to_id.get(piece)
+                if token is not None:
+                    ids.append(token)
+                else:
+                    ids.extend(self._token_to_id[f"<0x{b:02X}>"] for b in piece.encode("utf-8"))
+        return ids
+
+    def _bpe(self, word: str) -> list[str]:
+        """Merge by rank, lowest rank first and leftmost first among equals (llama.cpp's queue)."""
+        symbols: list[str] = list(word)
+        prev = list(range(-1, len(symbols) - 1))
+        nxt = list(range(1, len(symbols) + 1))
+        nxt[-1] = -1
+        queue: list[tuple[int, int, int, str]] = []
+
+        def push(left: int, right: int) -> None:
+            if left == -1 or right == -1:
+                return
+            rank = self._merge_rank.get((symbols[left], symbols[right]))
+            if rank is not None:
+                heapq.heappush(queue, (rank, left, right, symbols[left] + symbols[right]))
+
+        for i in range(1, len(symbols)):
+            push(i - 1, i)
+        while queue:
+            _, left, right, merged = heapq.heappop(queue)
+            if not symbols[left] or not symbols[right] or symbols[left] + symbols[right] != merged:
+                continue  # outdated bigram
+            if nxt[left] != right:
+                continue
+            symbols[left] = merged
+            symbols[right] = ""
+            nxt[left] = nxt[right]
+            if nxt[right] >= 0:
+                prev[nxt[right]] = left
+            push(prev[left], left)
+            push(left, nxt[left])
+        return [s for s in symbols if s]
+
+    # -- decoding (llama_token_to_piece, concatenated) ---------------------------------------------
+
+    def piece_bytes(self, token_id: int, special: bool = False) -> bytes:
+        """The bytes llama_token_to_piece gives for one token (control tokens only when `special`)."""
+        if not 0 <= int(token_id) < self.vocab_size:
+            raise DgError(f"token id {token_id} is outside the vocabulary (0..{self.vocab_size - 1})")
+        text, kind = self.tokens[token_id], self.token_types[token_id]
+        if kind in (TOKEN_CONTROL, TOKEN_UNKNOWN):
+            return text.encode("utf-8") if special else b""
+        if kind == TOKEN_BYTE:
+            return bytes([int(text[3:5], 16)])
+        return text.replace(SPACE_MARK, " ").encode("utf-8")
+
+    def decode(self, ids: Sequence[int], special: bool = False) -> str:
+        """Text of `ids`: byte tokens are joined before UTF-8 decoding; control tokens dropped unless `special`."""
+        data = b"".join(self.piece_bytes(int(i), special) for i in ids)
+        return data.decode("utf-8", errors="replace")
+
+    # -- chat ---------------------------------------------------------------------------------
+
+    def render_chat(self, user_text: str, add_generation_prompt: bool = True) -> str:
+        return _render_template(CHAT_TEMPLATE, [{"role": "user", "content": user_text}],
+                                add_generation_prompt, bos_token=self.tokens[BOS_ID], eos_token=self.tokens[EOS_ID])
+
+    def chat_prompt_ids(self, user_text: str) -> list[int]:
+        """`<bos><|turn>user\\n{text}<turn|>\\n<|turn>model\\n` as ids (the bos comes from the template)."""
+        return self.encode(self.render_chat(user_text), add_bos=False, special=True)
+
+    # -- serialisation --------------------------------------------------------------------------
+
+    def add_to_gguf(self, writer: Any) -> None:
+        """Write the tokenizer.ggml.* keys (and the chat template) to a gguf.GGUFWriter."""
+        writer.add_tokenizer_model("gemma4")
+        writer.add_token_list(self.tokens)
+        writer.add_token_scores(self.scores)
+        writer.add_token_types(self.token_types)
+        writer.add_token_merges(self.merges)
+        writer.add_bos_token_id(BOS_ID)
+        writer.add_eos_token_id(EOS_ID)
+        writer.add_unk_token_id(UNK_ID)
+        writer.add_pad_token_id(PAD_ID)
+        writer.add_mask_token_id(MASK_ID)
+        writer.add_add_space_prefix(False)
+        writer.add_add_bos_token(True)
+        writer.add_chat_template(CHAT_TEMPLATE)
+
+    def hf_tokenizer_json(self) -> str:
+        """A Hugging Face `tokenizers` tokenizer.json encoding exactly like `encode(special=True)`."""
+        added = [
+            {"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+             "normalized": False, "special": True}
+            for i, (t, ty) in enumerate(zip(self.tokens, self.token_types))
+            if ty in (TOKEN_CONTROL, TOKEN_UNKNOWN)
+        ]
+        data = {
+            "version": "1.0",
+            "truncation": None,
+            "padding": None,
+            "added_tokens": added,
+            "normalizer": {"type": "Replace", "pattern": {"String": " "}, "content": SPACE_MARK},
+            "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "\n+"}, "behavior": "Isolated",
+                              "invert": False},
+            "post_processor": None,
+            "decoder": {"type": "Sequence", "decoders": [
+                {"type": "Replace", "pattern": {"String": SPACE_MARK}, "content": " "},
+                {"type": "ByteFallback"},
+                {"type": "Fuse"},
+            ]},
+            "model": {
+                "type": "BPE", "dropout": None, "unk_token": "<unk>", "continuing_subword_prefix": None,
+                "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": True, "ignore_merges": False,
+                "vocab": {t: i for i, t in enumerate(self.tokens)},
+                "merges": [[a, b] for a, b in _MERGES],
+            },
+        }
+        return json.dumps(data, ensure_ascii=False)
+
+    def hf_tokenizer_config(self) -> dict[str, Any]:
+        return {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>", "pad_token": "<pad>",
+            "mask_token": "<mask>", "add_bos_token": True, "add_eos_token": False,
+            "chat_template": CHAT_TEMPLATE, "model_max_length": 1 << 20,
+        }
+
+    def save_hf(self, directory: str | Path) -> None:
+        """tokenizer.json + tokenizer_config.json + special_tokens_map.json into a checkpoint dir."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "tokenizer.json").write_text(self.hf_tokenizer_json(), encoding="utf-8")
+        (directory / "tokenizer_config.json").write_text(json.dumps(self.hf_tokenizer_config(), indent=2),
+                                                         encoding="utf-8")
+        special_map = {k: v for k, v in self.hf_tokenizer_config().items() if k.endswith("_token")}
+        (directory / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2), encoding="utf-8")
+
+
+def _render_template(template: str, messages: list[dict[str, str]], add_generation_prompt: bool,
+                     **variables: Any) -> str:
+    import jinja2
+
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                            **variables)
+
+
+@functools.lru_cache(maxsize=1)
+def tiny_vocab() -> TinyVocab:
+    """The shared dg-tiny tokenizer (immutable; one instance per process)."""
+    return TinyVocab()
