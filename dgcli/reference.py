@@ -19,28 +19,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from dgcli.engine.types import DgError
-
-# Explicit so that the tiny model has two full layers (rope_freqs duplicated, k_eq_v twice).
-TINY_LAYER_TYPES = ("sliding_attention", "sliding_attention", "full_attention",
-                    "sliding_attention", "sliding_attention", "full_attention")
-
-TINY_TEXT_DEFAULTS: dict[str, Any] = dict(
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=len(TINY_LAYER_TYPES),
-    layer_types=list(TINY_LAYER_TYPES),
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=16,
-    global_head_dim=32,
-    num_global_key_value_heads=1,
-    sliding_window=8,
-    num_experts=4,
-    top_k_experts=2,
-    moe_intermediate_size=32,
-    max_position_embeddings=4096,
-    rms_norm_eps=1e-6,
-)
+from dgcli.tiny import TINY_CANVAS_LENGTH, TINY_TEXT_CONFIG
 
 # The vision tower is never converted; it only has to exist, so it is as small as it can be.
 TINY_VISION = dict(model_type="gemma4_vision", hidden_size=16, intermediate_size=16, num_hidden_layers=1,
@@ -67,13 +46,12 @@ def tiny_config(**overrides: Any):
 
     from dgcli.tiny import tiny_vocab
 
-    text = dict(TINY_TEXT_DEFAULTS, vocab_size=tiny_vocab().vocab_size)
-    top: dict[str, Any] = {"canvas_length": 16}
+    text = dict(TINY_TEXT_CONFIG, vocab_size=tiny_vocab().vocab_size)
+    top: dict[str, Any] = {"canvas_length": TINY_CANVAS_LENGTH}
     if "num_hidden_layers" in overrides and "layer_types" not in overrides:
         text.pop("layer_types")
     for key, value in overrides.items():
         (top if key in TOP_LEVEL_KEYS else text)[key] = value
-    # Gemma's real ids, so image ids stay outside the tiny vocab without being used.
     return DiffusionGemmaConfig(text_config=text, vision_config=dict(TINY_VISION), **top)
 
 

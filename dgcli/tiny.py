@@ -318,3 +318,150 @@ def _render_template(template: str, messages: list[dict[str, str]], add_generati
 def tiny_vocab() -> TinyVocab:
     """The shared dg-tiny tokenizer (immutable; one instance per process)."""
     return TinyVocab()
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny random GGUFs (no torch)
+# ---------------------------------------------------------------------------------------------
+
+# The tiny model's text config, shared with dgcli.reference (which builds the same shapes in torch).
+TINY_LAYER_TYPES = ("sliding_attention", "sliding_attention", "full_attention",
+                    "sliding_attention", "sliding_attention", "full_attention")
+TINY_TEXT_CONFIG: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=len(TINY_LAYER_TYPES),
+    layer_types=list(TINY_LAYER_TYPES),
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    global_head_dim=32,
+    num_global_key_value_heads=1,
+    sliding_window=8,
+    num_experts=4,
+    top_k_experts=2,
+    moe_intermediate_size=32,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+)
+TINY_CANVAS_LENGTH = 16
+
+
+def tiny_hf_config_dict(**overrides: Any) -> dict[str, Any]:
+    """A Google-form config.json dict for the tiny model (what `dgcli.reference.tiny_config` builds)."""
+    text = dict(TINY_TEXT_CONFIG, vocab_size=tiny_vocab().vocab_size)
+    top: dict[str, Any] = {"model_type": "diffusion_gemma", "canvas_length": TINY_CANVAS_LENGTH}
+    if "num_hidden_layers" in overrides and "layer_types" not in overrides:
+        text.pop("layer_types")
+    for key, value in overrides.items():
+        (top if key == "canvas_length" else text)[key] = value
+    top["text_config"] = text
+    return top
+
+
+def tiny_layout_params(**overrides: Any):
+    """LayoutParams of the tiny model (same hyperparameters as the reference's tiny_config)."""
+    from dgcli.convert import params_from_hf_config
+
+    return params_from_hf_config(tiny_hf_config_dict(**overrides))
+
+
+def _rng_for(seed: int, key: str) -> np.random.Generator:
+    import zlib
+
+    # keyed by role and layer, so the AR twin gets the same weights as the diffusion file
+    return np.random.default_rng([seed, zlib.crc32(key.encode())])
+
+
+def _random_tensor(spec, params, seed: int) -> np.ndarray:
+    rng = _rng_for(seed, f"{spec.role}:{spec.layer}")
+    if spec.role == "rope_freqs":
+        return params.rope_freq_factors()
+    if spec.role == "layer_scalar_encoder":
+        return rng.uniform(0.5, 0.9, spec.shape).astype(np.float32)
+    if spec.role == "layer_scalar_decoder":
+        return rng.uniform(1.1, 1.5, spec.shape).astype(np.float32)
+    if len(spec.shape) == 1:  # norms and scales: positive, away from 1
+        return rng.uniform(0.5, 1.5, spec.shape).astype(np.float32)
+    if spec.role == "token_embd":
+        return (rng.standard_normal(spec.shape) * 0.5).astype(np.float32)
+    return (rng.standard_normal(spec.shape) / np.sqrt(spec.shape[-1])).astype(np.float32)
+
+
+def write_tiny_random_gguf(path: str | Path, seed: int = 0, arch: str = "diffusion-gemma", outtype: str = "f32",
+                           **config_overrides: Any) -> Path:
+    """A tiny random model in the published layout (or its AR gemma4 twin), dg-tiny tokenizer, no torch.
+
+    `config_overrides` take text-config names as in config.json (hidden_size, num_hidden_layers,
+    layer_types, num_experts, global_head_dim, sliding_window, ...) or canvas_length.
+    """
+    from dgcli.convert import write_layout_gguf
+
+    params = tiny_layout_params(**config_overrides)
+    return write_layout_gguf(path, params, arch, tiny_vocab().add_to_gguf,
+                             lambda spec: [_random_tensor(spec, params, seed)], outtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Real-size synthetic GGUFs for benchmarks
+# ---------------------------------------------------------------------------------------------
+
+_CHUNK_BYTES = 64 << 20
+
+
+def _synthetic_chunks(spec, qtype, params, seed: int) -> Iterable[np.ndarray]:
+    """Random data already encoded as `qtype`, generated in bounded chunks (never a whole big tensor)."""
+    import gguf
+
+    from dgcli.convert import encode_as
+
+    T = gguf.GGMLQuantizationType
+    if len(spec.shape) == 1 or spec.role == "rope_freqs" or int(np.prod(spec.shape)) * 4 <= _CHUNK_BYTES:
+        yield encode_as(_random_tensor(spec, params, seed), qtype)
+        return
+    rng = _rng_for(seed, f"{spec.role}:{spec.layer}")
+    row_len = spec.shape[-1]
+    n_rows = int(np.prod(spec.shape[:-1]))
+    std = 0.5 if spec.role == "token_embd" else 1.0 / np.sqrt(row_len)
+    rows_per_chunk = max(1, _CHUNK_BYTES // (4 * row_len))
+    for start in range(0, n_rows, rows_per_chunk):
+        rows = min(rows_per_chunk, n_rows - start)
+        if qtype == T.Q8_0:
+            n_blocks = rows * row_len // 32
+            block = np.empty((n_blocks, 34), dtype=np.uint8)
+            # |q| <= 127 uniform has std ~73; scale d so values have roughly the wanted std
+            block[:, :2] = np.full(n_blocks, std / 73.0, dtype=np.float16).view(np.uint8).reshape(-1, 2)
+            block[:, 2:] = rng.integers(-127, 128, (n_blocks, 32), dtype=np.int8).view(np.uint8)
+            yield block
+        else:
+            data = rng.standard_normal((rows, row_len), dtype=np.float32) * np.float32(std)
+            yield encode_as(data, qtype)
+
+
+def write_synthetic_gguf(path: str | Path, n_layer: int = 1, vocab_size: int = 262144, hidden: int = 2816,
+                         outtype: str = "q8_0", seed: int = 0, arch: str = "diffusion-gemma",
+                         **config_overrides: Any) -> Path:
+    """A random model with the real vocabulary and hidden sizes (26B-A4B shapes) for benchmarks.
+
+    Writing streams chunk by chunk. Sizes: the 262144 x 2816 embedding alone is ~0.8 GB in Q8_0
+    (1.5 GB F16), and each real-size MoE layer adds ~0.8 GB in Q8_0; pass num_experts=... to shrink.
+    The tokenizer is dg-tiny padded with never-produced filler tokens up to `vocab_size`.
+    """
+    from dgcli.convert import params_from_hf_config, write_layout_gguf
+
+    base = TinyVocab().vocab_size
+    if vocab_size < base:
+        raise DgError(f"vocab_size must be at least {base} (the dg-tiny tokens), got {vocab_size}")
+    text = dict(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2112, num_hidden_layers=n_layer,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=256, global_head_dim=512,
+        num_global_key_value_heads=2, sliding_window=1024, num_experts=128, top_k_experts=8,
+        moe_intermediate_size=704, max_position_embeddings=262144, rms_norm_eps=1e-6,
+    )
+    canvas_length = config_overrides.pop("canvas_length", 256)
+    text.update(config_overrides)
+    params = params_from_hf_config({"model_type": "diffusion_gemma", "canvas_length": canvas_length,
+                                    "text_config": text})
+    vocab = TinyVocab(extra_tokens=vocab_size - base)
+    return write_layout_gguf(path, params, arch, vocab.add_to_gguf, outtype=outtype,
+                             raw_source=lambda spec, qtype: _synthetic_chunks(spec, qtype, params, seed))

@@ -1,0 +1,827 @@
+"""HF DiffusionGemma checkpoint -> GGUF in the published layout (`dg convert`), and the AR gemma4 twin.
+
+No torch: safetensors are read with numpy memmaps (F32/F16/BF16), tensors are written one by
+one (3-D expert tensors one expert at a time), so memory stays near one tensor's size.
+
+Layout notes (checked against llama.cpp's gemma4 loader, src/models/gemma4.cpp, and the
+Transformers reference):
+- Linear weights keep the HF [out, in] order; ggml reads that as {in, out}. Expert tensors keep
+  [E, 2*I, H] (gate rows first, then up, as both `chunk(2)` and llama.cpp's gate_up split expect)
+  and [E, H, I].
+- RMSNorm weights are copied as they are: the reference multiplies by the weight directly
+  (no Gemma-3 style `1 + w`), and so does llama.cpp.
+- The router's `scale` becomes `ffn_gate_inp.scale`; llama.cpp applies the 1/sqrt(n_embd) itself.
+  `per_expert_scale` becomes `ffn_down_exps.scale`.
+- Full layers have no v_proj (V = K), so `attn_v` exists on sliding layers only.
+- Encoder and decoder share every weight except the per-layer scalar: the decoder's goes to
+  `layer_output_scale`, the encoder's to `enc_layer_output_scale`. The AR twin (stock gemma4)
+  takes the ENCODER scalar as its `layer_output_scale`.
+- Proportional rope of the full layers is written as `rope_freqs`: 1.0 for the rotated pairs,
+  1e30 (no rotation) for the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import numpy as np
+
+from dgcli.engine.types import (
+    DEFAULT_CONFIDENCE_THRESHOLD,
+    DEFAULT_ENTROPY_BOUND,
+    DEFAULT_MAX_DENOISING_STEPS,
+    DEFAULT_STABILITY_THRESHOLD,
+    DEFAULT_T_MAX,
+    DEFAULT_T_MIN,
+    DgError,
+    DiffusionParams,
+)
+
+DIFFUSION_ARCH = "diffusion-gemma"
+AR_ARCH = "gemma4"
+OUTTYPES = ("f32", "f16", "bf16", "q8_0")
+NO_ROTATION_FACTOR = 1e30
+
+# Token types as gguf.TokenType numbers.
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+
+
+# ---------------------------------------------------------------------------------------------
+# Hyperparameters in the published layout's terms
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LayoutParams:
+    """Everything the GGUF keys and tensor shapes are derived from."""
+
+    n_layer: int
+    n_embd: int
+    n_ff: int  # shared dense FFN
+    n_ff_exp: int
+    n_expert: int
+    n_expert_used: int
+    n_head: int
+    is_swa: list[bool]  # per layer, True = sliding
+    head_count_kv: list[int]  # per layer
+    head_dim_full: int
+    head_dim_swa: int
+    sliding_window: int
+    vocab_size: int
+    context_length: int = 131072
+    rms_eps: float = 1e-6
+    rope_base_full: float = 1_000_000.0
+    rope_base_swa: float = 10_000.0
+    partial_rotary_factor: float = 0.25
+    softcap: float = 30.0
+    canvas_length: int = 256
+    diffusion: DiffusionParams = field(default_factory=DiffusionParams)
+
+    def validate(self) -> "LayoutParams":
+        if self.n_layer < 1 or len(self.is_swa) != self.n_layer or len(self.head_count_kv) != self.n_layer:
+            raise DgError(f"inconsistent layer count: {self.n_layer} layers, {len(self.is_swa)} layer types, "
+                          f"{len(self.head_count_kv)} kv-head entries")
+        if all(self.is_swa):
+            raise DgError("the model needs at least one full-attention layer")
+        if not 1 <= self.n_expert_used <= self.n_expert:
+            raise DgError(f"top_k_experts={self.n_expert_used} must be between 1 and num_experts={self.n_expert}")
+        for i, kv in enumerate(self.head_count_kv):
+            if kv < 1 or self.n_head % kv:
+                raise DgError(f"layer {i}: {self.n_head} heads are not a multiple of {kv} kv heads")
+        if self.head_dim_full % 2 or self.head_dim_swa % 2:
+            raise DgError("head dims must be even for rope")
+        if self.canvas_length < 1:
+            raise DgError(f"canvas_length must be >= 1, got {self.canvas_length}")
+        self.diffusion.validate()
+        return self
+
+    def head_dim(self, layer: int) -> int:
+        return self.head_dim_swa if self.is_swa[layer] else self.head_dim_full
+
+    def rope_freq_factors(self) -> np.ndarray:
+        n_pairs = self.head_dim_full // 2
+        # same rounding as Transformers' proportional rope: int(factor * head_dim // 2)
+        rotated = int(self.partial_rotary_factor * self.head_dim_full // 2)
+        factors = np.full(n_pairs, NO_ROTATION_FACTOR, dtype=np.float32)
+        factors[:rotated] = 1.0
+        return factors
+
+
+def _default_layer_types(n_layer: int) -> list[str]:
+    types = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n_layer)]
+    types[-1] = "full_attention"
+    return types
+
+
+def params_from_hf_config(config: dict[str, Any], generation: dict[str, Any] | None = None) -> LayoutParams:
+    """LayoutParams from a config.json (Google's form or the save_pretrained form) + generation_config.json."""
+    if not isinstance(config, dict):
+        raise DgError("config.json must hold a JSON object")
+    model_type = config.get("model_type")
+    if model_type != "diffusion_gemma":
+        raise DgError(f"unsupported model_type {model_type!r} in config.json (expected 'diffusion_gemma')")
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise DgError("config.json has no text_config object")
+
+    def need(key: str) -> Any:
+        if text.get(key) is None:
+            raise DgError(f"config.json text_config lacks {key!r}")
+        return text[key]
+
+    try:
+        n_layer = int(need("num_hidden_layers"))
+        layer_types = list(text.get("layer_types") or _default_layer_types(n_layer))
+        if len(layer_types) != n_layer:
+            raise DgError(f"text_config.layer_types has {len(layer_types)} entries for {n_layer} layers")
+        bad = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+        if bad:
+            raise DgError(f"unknown layer type(s) {bad} in text_config.layer_types")
+        if layer_types[-1] != "full_attention":
+            layer_types[-1] = "full_attention"  # Transformers forces this too
+        if text.get("use_bidirectional_attention") == "all":
+            raise DgError("use_bidirectional_attention='all' (non-causal encoder) is not supported")
+        activation = text.get("hidden_activation", "gelu_pytorch_tanh")
+        if activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise DgError(f"unsupported hidden_activation {activation!r} (gelu_pytorch_tanh expected)")
+        if text.get("attention_bias"):
+            raise DgError("attention_bias=true is not supported by the published layout")
+
+        head_dim = int(text.get("head_dim") or 256)
+        n_kv = int(text.get("num_key_value_heads") or 4)
+        if "per_layer_config" in text and text["per_layer_config"] is not None:
+            per_layer = {str(k): v or {} for k, v in dict(text["per_layer_config"]).items()}
+            layer_head_dim = [int(per_layer.get(str(i), {}).get("head_dim", head_dim)) for i in range(n_layer)]
+            layer_kv = [int(per_layer.get(str(i), {}).get("num_key_value_heads", n_kv)) for i in range(n_layer)]
+        else:
+            # Google's form; Transformers' defaults when a key is missing (global_head_dim 512).
+            global_head_dim = int(text.get("global_head_dim") or 512)
+            global_kv = text.get("num_global_key_value_heads")
+            global_kv = int(global_kv) if global_kv is not None else n_kv
+            layer_head_dim = [head_dim if t == "sliding_attention" else global_head_dim for t in layer_types]
+            layer_kv = [n_kv if t == "sliding_attention" else global_kv for t in layer_types]
+        is_swa = [t == "sliding_attention" for t in layer_types]
+        swa_dims = {d for d, s in zip(layer_head_dim, is_swa) if s}
+        full_dims = {d for d, s in zip(layer_head_dim, is_swa) if not s}
+        if len(swa_dims) > 1 or len(full_dims) > 1:
+            raise DgError(f"layers of one type must share a head dim (sliding {sorted(swa_dims)}, full {sorted(full_dims)})")
+        head_dim_full = full_dims.pop()
+        head_dim_swa = swa_dims.pop() if swa_dims else head_dim
+
+        rope = text.get("rope_parameters") or {}
+        rope_full = rope.get("full_attention") or {}
+        rope_swa = rope.get("sliding_attention") or {}
+        if rope_full.get("rope_type", "proportional") not in ("proportional", "default"):
+            raise DgError(f"unsupported full-attention rope_type {rope_full.get('rope_type')!r}")
+        partial = rope_full.get("partial_rotary_factor", 0.25 if rope_full.get("rope_type", "proportional") == "proportional" else 1.0)
+
+        if text.get("num_experts") in (None, 0):
+            raise DgError("config.json text_config has no num_experts: only the MoE model is supported")
+        softcap = text.get("final_logit_softcapping")
+        params = LayoutParams(
+            n_layer=n_layer,
+            n_embd=int(need("hidden_size")),
+            n_ff=int(need("intermediate_size")),
+            n_ff_exp=int(need("moe_intermediate_size")),
+            n_expert=int(need("num_experts")),
+            n_expert_used=int(need("top_k_experts")),
+            n_head=int(need("num_attention_heads")),
+            is_swa=is_swa,
+            head_count_kv=layer_kv,
+            head_dim_full=head_dim_full,
+            head_dim_swa=head_dim_swa,
+            sliding_window=int(text.get("sliding_window") or 512),
+            vocab_size=int(need("vocab_size")),
+            context_length=int(text.get("max_position_embeddings") or 131072),
+            rms_eps=float(text.get("rms_norm_eps") or 1e-6),
+            rope_base_full=float(rope_full.get("rope_theta", 1_000_000.0)),
+            rope_base_swa=float(rope_swa.get("rope_theta", 10_000.0)),
+            partial_rotary_factor=float(partial),
+            softcap=float(softcap) if softcap else 30.0,
+            canvas_length=int(config.get("canvas_length") or 256),
+            diffusion=diffusion_params_from_generation(generation),
+        )
+    except (TypeError, ValueError, AttributeError) as exc:
+        if isinstance(exc, DgError):
+            raise
+        raise DgError(f"config.json has a malformed value: {exc}") from None
+    return params.validate()
+
+
+def diffusion_params_from_generation(generation: dict[str, Any] | None) -> DiffusionParams:
+    """The sampler defaults from generation_config.json; a missing or null field takes the reference default."""
+    generation = generation if isinstance(generation, dict) else {}
+    sampler = generation.get("sampler_config")
+    sampler = sampler if isinstance(sampler, dict) else {}
+
+    def pick(value: Any, default: Any) -> Any:
+        return default if value is None else value
+
+    return DiffusionParams(
+        max_denoising_steps=pick(generation.get("max_denoising_steps"), DEFAULT_MAX_DENOISING_STEPS),
+        t_min=pick(generation.get("t_min"), DEFAULT_T_MIN),
+        t_max=pick(generation.get("t_max"), DEFAULT_T_MAX),
+        entropy_bound=pick(sampler.get("entropy_bound", generation.get("entropy_bound")), DEFAULT_ENTROPY_BOUND),
+        stability_threshold=pick(generation.get("stability_threshold"), DEFAULT_STABILITY_THRESHOLD),
+        confidence_threshold=pick(generation.get("confidence_threshold"), DEFAULT_CONFIDENCE_THRESHOLD),
+    ).validate()
+
+
+# ---------------------------------------------------------------------------------------------
+# The tensor plan: names, shapes and what each one is
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One GGUF tensor. `shape` is the numpy shape (ggml's ne reversed); `role` says what it holds."""
+
+    name: str
+    shape: tuple[int, ...]
+    role: str  # e.g. "attn_q", "layer_scalar_decoder", "token_embd"
+    layer: int | None = None
+
+
+# role -> (gguf tensor suffix, HF suffix under the layer prefix)
+_LAYER_TENSORS: tuple[tuple[str, str, str], ...] = (
+    ("attn_norm", "attn_norm.weight", "input_layernorm.weight"),
+    ("attn_q", "attn_q.weight", "self_attn.q_proj.weight"),
+    ("attn_k", "attn_k.weight", "self_attn.k_proj.weight"),
+    ("attn_v", "attn_v.weight", "self_attn.v_proj.weight"),
+    ("attn_q_norm", "attn_q_norm.weight", "self_attn.q_norm.weight"),
+    ("attn_k_norm", "attn_k_norm.weight", "self_attn.k_norm.weight"),
+    ("attn_output", "attn_output.weight", "self_attn.o_proj.weight"),
+    ("post_attention_norm", "post_attention_norm.weight", "post_attention_layernorm.weight"),
+    ("ffn_norm", "ffn_norm.weight", "pre_feedforward_layernorm.weight"),
+    ("ffn_gate", "ffn_gate.weight", "mlp.gate_proj.weight"),
+    ("ffn_up", "ffn_up.weight", "mlp.up_proj.weight"),
+    ("ffn_down", "ffn_down.weight", "mlp.down_proj.weight"),
+    ("post_ffw_norm_1", "post_ffw_norm_1.weight", "post_feedforward_layernorm_1.weight"),
+    ("pre_ffw_norm_2", "pre_ffw_norm_2.weight", "pre_feedforward_layernorm_2.weight"),
+    ("ffn_gate_inp", "ffn_gate_inp.weight", "router.proj.weight"),
+    ("ffn_gate_inp_scale", "ffn_gate_inp.scale", "router.scale"),
+    ("ffn_gate_up_exps", "ffn_gate_up_exps.weight", "experts.gate_up_proj"),
+    ("ffn_down_exps", "ffn_down_exps.weight", "experts.down_proj"),
+    ("ffn_down_exps_scale", "ffn_down_exps.scale", "router.per_expert_scale"),
+    ("post_ffw_norm_2", "post_ffw_norm_2.weight", "post_feedforward_layernorm_2.weight"),
+    ("post_ffw_norm", "post_ffw_norm.weight", "post_feedforward_layernorm.weight"),
+)
+HF_LAYER_SUFFIX = {role: hf for role, _, hf in _LAYER_TENSORS}
+
+_SELF_COND: tuple[tuple[str, str, str], ...] = (
+    ("self_cond_pre_norm", "self_cond_pre_norm.weight", "self_conditioning.pre_norm.weight"),
+    ("self_cond_gate", "self_cond_gate.weight", "self_conditioning.gate_proj.weight"),
+    ("self_cond_up", "self_cond_up.weight", "self_conditioning.up_proj.weight"),
+    ("self_cond_down", "self_cond_down.weight", "self_conditioning.down_proj.weight"),
+)
+HF_SELF_COND = {role: hf for role, _, hf in _SELF_COND}
+
+
+def _layer_shapes(p: LayoutParams, i: int) -> dict[str, tuple[int, ...]]:
+    hd = p.head_dim(i)
+    kv = p.head_count_kv[i] * hd
+    H = p.n_embd
+    return {
+        "attn_norm": (H,),
+        "attn_q": (p.n_head * hd, H),
+        "attn_k": (kv, H),
+        "attn_v": (kv, H),
+        "attn_q_norm": (hd,),
+        "attn_k_norm": (hd,),
+        "attn_output": (H, p.n_head * hd),
+        "post_attention_norm": (H,),
+        "ffn_norm": (H,),
+        "ffn_gate": (p.n_ff, H),
+        "ffn_up": (p.n_ff, H),
+        "ffn_down": (H, p.n_ff),
+        "post_ffw_norm_1": (H,),
+        "pre_ffw_norm_2": (H,),
+        "ffn_gate_inp": (p.n_expert, H),
+        "ffn_gate_inp_scale": (H,),
+        "ffn_gate_up_exps": (p.n_expert, 2 * p.n_ff_exp, H),
+        "ffn_down_exps": (p.n_expert, H, p.n_ff_exp),
+        "ffn_down_exps_scale": (p.n_expert,),
+        "post_ffw_norm_2": (H,),
+        "post_ffw_norm": (H,),
+    }
+
+
+def tensor_plan(p: LayoutParams, arch: str = DIFFUSION_ARCH) -> list[TensorSpec]:
+    """Every tensor of the published layout (or of the AR twin), in file order."""
+    if arch not in (DIFFUSION_ARCH, AR_ARCH):
+        raise DgError(f"unknown architecture {arch!r} (expected {DIFFUSION_ARCH!r} or {AR_ARCH!r})")
+    H = p.n_embd
+    plan = [
+        TensorSpec("token_embd.weight", (p.vocab_size, H), "token_embd"),
+        TensorSpec("rope_freqs.weight", (p.head_dim_full // 2,), "rope_freqs"),
+    ]
+    for i in range(p.n_layer):
+        shapes = _layer_shapes(p, i)
+        for role, suffix, _ in _LAYER_TENSORS:
+            if role == "attn_v" and not p.is_swa[i]:
+                continue  # k_eq_v
+            plan.append(TensorSpec(f"blk.{i}.{suffix}", shapes[role], role, i))
+        if arch == DIFFUSION_ARCH:
+            plan.append(TensorSpec(f"blk.{i}.layer_output_scale.weight", (1,), "layer_scalar_decoder", i))
+            plan.append(TensorSpec(f"blk.{i}.enc_layer_output_scale.weight", (1,), "layer_scalar_encoder", i))
+        else:
+            plan.append(TensorSpec(f"blk.{i}.layer_output_scale.weight", (1,), "layer_scalar_encoder", i))
+    plan.append(TensorSpec("output_norm.weight", (H,), "output_norm"))
+    if arch == DIFFUSION_ARCH:
+        sc_shapes = {"self_cond_pre_norm": (H,), "self_cond_gate": (p.n_ff, H),
+                     "self_cond_up": (p.n_ff, H), "self_cond_down": (H, p.n_ff)}
+        for role, name, _ in _SELF_COND:
+            plan.append(TensorSpec(name, sc_shapes[role], role))
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+# ---------------------------------------------------------------------------------------------
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError:  # pragma: no cover - gguf is a dependency
+        raise DgError("the 'gguf' package is needed to write GGUF files (pip install gguf)") from None
+    return gguf
+
+
+def storage_type(spec: TensorSpec, outtype: str):
+    """The ggml type a tensor is stored as: vectors, scalars and the router stay F32."""
+    gguf = _gguf()
+    T = gguf.GGMLQuantizationType
+    if outtype not in OUTTYPES:
+        raise DgError(f"unknown outtype {outtype!r} (choose from {', '.join(OUTTYPES)})")
+    if len(spec.shape) == 1 or spec.role in ("ffn_gate_inp", "rope_freqs"):
+        return T.F32
+    if outtype == "f32":
+        return T.F32
+    if outtype == "f16":
+        return T.F16
+    if outtype == "bf16":
+        return T.BF16
+    block = gguf.GGML_QUANT_SIZES[T.Q8_0][0]
+    # llama.cpp's converters fall back the same way for rows that do not fill whole blocks
+    return T.Q8_0 if spec.shape[-1] % block == 0 else T.F16
+
+
+def encode_as(data: np.ndarray, qtype) -> np.ndarray:
+    """float32 data -> the bytes/array written for `qtype` (F32, F16, BF16 or Q8_0)."""
+    gguf = _gguf()
+    T = gguf.GGMLQuantizationType
+    data = np.ascontiguousarray(data, dtype=np.float32)
+    if qtype == T.F32:
+        return data
+    if qtype == T.F16:
+        return data.astype(np.float16)
+    if qtype in (T.BF16, T.Q8_0):
+        try:
+            return gguf.quants.quantize(data, qtype)
+        except Exception as exc:  # gguf raises NotImplementedError/ValueError for unsupported types
+            raise DgError(f"cannot quantize to {qtype.name} with this gguf package: {exc}") from None
+    raise DgError(f"unsupported tensor type {qtype!r}")
+
+
+def _nbytes(shape: Sequence[int], qtype) -> int:
+    gguf = _gguf()
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    n = int(np.prod(shape))
+    return n // block * type_size
+
+
+def _byte_shape(shape: Sequence[int], qtype) -> tuple[int, ...]:
+    gguf = _gguf()
+    return tuple(gguf.quants.quant_shape_to_byte_shape(tuple(shape), qtype))
+
+
+def _write_streamed(writer, nbytes: int, chunks: Iterable[np.ndarray]) -> None:
+    """Write one tensor's data from chunks (same bookkeeping as GGUFWriter.write_tensor_data)."""
+    from gguf.gguf_writer import WriterState
+
+    fout = writer.fout[0]
+    name = next(iter(writer.tensors[0]))
+    info = writer.tensors[0].pop(name)
+    if info.nbytes != nbytes:
+        raise DgError(f"internal: tensor {name} expects {info.nbytes} bytes, got {nbytes}")
+    writer.write_padding(fout, fout.tell())
+    written = 0
+    for chunk in chunks:
+        chunk = np.ascontiguousarray(chunk)
+        chunk.tofile(fout)
+        written += chunk.nbytes
+    if written != nbytes:
+        raise DgError(f"internal: tensor {name} wrote {written} bytes, expected {nbytes}")
+    writer.write_padding(fout, nbytes)
+    writer.state = WriterState.WEIGHTS
+
+
+# A tensor source yields a tensor's float32 data in row-major chunks (whole leading slices).
+TensorSource = Callable[[TensorSpec], Iterable[np.ndarray]]
+# Raw sources may yield already-encoded chunks for a given storage type (synthetic benchmarks).
+RawTensorSource = Callable[[TensorSpec, Any], Iterable[np.ndarray]]
+
+
+def add_layout_keys(writer, p: LayoutParams, arch: str) -> None:
+    """The hyperparameter keys of the published layout (diffusion) or of a stock gemma4 file (AR twin)."""
+    writer.add_block_count(p.n_layer)
+    writer.add_context_length(p.context_length)
+    writer.add_embedding_length(p.n_embd)
+    writer.add_feed_forward_length(p.n_ff)
+    writer.add_expert_feed_forward_length(p.n_ff_exp)
+    writer.add_expert_count(p.n_expert)
+    writer.add_expert_used_count(p.n_expert_used)
+    writer.add_head_count(p.n_head)
+    writer.add_head_count_kv([int(x) for x in p.head_count_kv])
+    writer.add_key_length(p.head_dim_full)
+    writer.add_value_length(p.head_dim_full)
+    writer.add_key_length_swa(p.head_dim_swa)
+    writer.add_value_length_swa(p.head_dim_swa)
+    writer.add_sliding_window(p.sliding_window)
+    writer.add_sliding_window_pattern([bool(x) for x in p.is_swa])
+    writer.add_shared_kv_layers(0)
+    writer.add_embedding_length_per_layer_input(0)
+    writer.add_layer_norm_rms_eps(p.rms_eps)
+    writer.add_rope_freq_base(p.rope_base_full)
+    writer.add_rope_freq_base_swa(p.rope_base_swa)
+    writer.add_rope_dimension_count(p.head_dim_full)
+    writer.add_rope_dimension_count_swa(p.head_dim_swa)
+    writer.add_final_logit_softcapping(p.softcap)
+    if arch == DIFFUSION_ARCH:
+        writer.add_causal_attention(False)
+        d = p.diffusion
+        writer.add_uint32("diffusion.canvas_length", p.canvas_length)
+        writer.add_uint32("diffusion.eb_max_steps", int(d.max_denoising_steps))
+        writer.add_float32("diffusion.eb_t_min", float(d.t_min))
+        writer.add_float32("diffusion.eb_t_max", float(d.t_max))
+        writer.add_float32("diffusion.eb_entropy_bound", float(d.entropy_bound))
+        writer.add_uint32("diffusion.eb_stability_threshold", int(d.stability_threshold))
+        writer.add_float32("diffusion.eb_confidence_threshold", float(d.confidence_threshold))
+
+
+def write_layout_gguf(out_path: str | Path, p: LayoutParams, arch: str, add_vocab: Callable[[Any], None],
+                      source: TensorSource | None = None, outtype: str = "f32",
+                      raw_source: RawTensorSource | None = None) -> Path:
+    """Write a GGUF in the published layout; tensors are pulled from `source` one at a time."""
+    gguf = _gguf()
+    if outtype not in OUTTYPES:
+        raise DgError(f"unknown outtype {outtype!r} (choose from {', '.join(OUTTYPES)})")
+    p.validate()
+    plan = tensor_plan(p, arch)
+    out_path = Path(out_path)
+    if out_path.is_dir():
+        raise DgError(f"output path {out_path} is a directory")
+    if not out_path.parent.exists():
+        raise DgError(f"output directory {out_path.parent} does not exist")
+    tmp_path = out_path.with_name(out_path.name + ".part")
+
+    writer = gguf.GGUFWriter(str(tmp_path), arch)
+    try:
+        add_layout_keys(writer, p, arch)
+        add_vocab(writer)
+        types = [storage_type(spec, outtype) for spec in plan]
+        for spec, qtype in zip(plan, types):
+            writer.add_tensor_info(spec.name, _byte_shape(spec.shape, qtype), np.dtype(np.uint8),
+                                   _nbytes(spec.shape, qtype), raw_dtype=qtype)
+        writer.write_header_to_file(tmp_path)
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for spec, qtype in zip(plan, types):
+            if raw_source is not None:
+                chunks = raw_source(spec, qtype)
+            else:
+                chunks = (encode_as(c, qtype) for c in _checked_chunks(spec, source(spec)))
+            _write_streamed(writer, _nbytes(spec.shape, qtype), chunks)
+        writer.close()
+    except BaseException:
+        try:
+            writer.close()
+        finally:
+            tmp_path.unlink(missing_ok=True)
+        raise
+    tmp_path.replace(out_path)
+    return out_path
+
+
+def _checked_chunks(spec: TensorSpec, chunks: Iterable[np.ndarray]) -> Iterator[np.ndarray]:
+    rows = 0
+    for chunk in chunks:
+        chunk = np.asarray(chunk, dtype=np.float32)
+        if chunk.shape[1:] != spec.shape[1:] and not (len(spec.shape) == 1 and chunk.ndim == 1):
+            raise DgError(f"tensor {spec.name}: got shape {chunk.shape}, expected rows of {spec.shape[1:]}")
+        rows += chunk.shape[0]
+        yield chunk
+    if rows != spec.shape[0]:
+        raise DgError(f"tensor {spec.name}: got {rows} rows, expected {spec.shape[0]}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading a checkpoint (safetensors without torch)
+# ---------------------------------------------------------------------------------------------
+
+_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
+
+
+class SafetensorsIndex:
+    """Tensors of one or more .safetensors files, read lazily through numpy memmaps."""
+
+    def __init__(self, files: Sequence[Path]):
+        self.entries: dict[str, tuple[Path, str, tuple[int, ...], int, int]] = {}
+        for path in files:
+            self._read_header(path)
+
+    def _read_header(self, path: Path) -> None:
+        try:
+            with open(path, "rb") as f:
+                head = f.read(8)
+                if len(head) != 8:
+                    raise DgError(f"{path.name} is not a safetensors file (too short)")
+                n = int.from_bytes(head, "little")
+                if n <= 0 or n > 100_000_000:
+                    raise DgError(f"{path.name} is not a safetensors file (bad header size)")
+                header = json.loads(f.read(n))
+        except (OSError, ValueError, UnicodeDecodeError) as exc:
+            raise DgError(f"cannot read {path}: {exc}") from None
+        size = path.stat().st_size
+        base = 8 + n
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = info["data_offsets"]
+            if base + end > size:
+                raise DgError(f"{path.name} is truncated (tensor {name} ends past the file)")
+            self.entries[name] = (path, info["dtype"], tuple(info["shape"]), base + start, end - start)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.entries[name][2]
+
+    def load(self, name: str, rows: slice | None = None) -> np.ndarray:
+        """float32 copy of a tensor (or of a slice of its leading dimension)."""
+        path, dtype, shape, offset, nbytes = self.entries[name]
+        if dtype not in _ST_DTYPES:
+            raise DgError(f"tensor {name} has unsupported dtype {dtype}")
+        np_dtype = _ST_DTYPES[dtype]
+        if int(np.prod(shape)) == 0:
+            return np.zeros(shape, np.float32)
+        mm = np.memmap(path, dtype=np_dtype, mode="r", offset=offset, shape=shape)
+        view = mm[rows] if rows is not None else mm
+        if dtype == "BF16":
+            return (np.asarray(view, dtype=np.uint32) << 16).view(np.float32)
+        return np.array(view, dtype=np.float32)
+
+
+def _checkpoint_files(hf_dir: Path) -> list[Path]:
+    index = hf_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise DgError(f"cannot read {index}: {exc}") from None
+        files = sorted({hf_dir / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise DgError(f"checkpoint shard(s) missing: {', '.join(missing)}")
+        return files
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        raise DgError(f"no .safetensors files in {hf_dir}")
+    return files
+
+
+def _read_json(path: Path, required: bool) -> dict[str, Any] | None:
+    if not path.is_file():
+        if required:
+            raise DgError(f"{path.name} is missing from {path.parent}")
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise DgError(f"cannot read {path.name}: {exc}".replace("\n", " ")) from None
+    if not isinstance(data, dict):
+        raise DgError(f"{path.name} must hold a JSON object")
+    return data
+
+
+class CheckpointReader:
+    """Resolves layout roles to checkpoint tensors, whichever copy of a tied weight was saved."""
+
+    _ENC = ("model.encoder.language_model.", "encoder.language_model.", "model.language_model.")
+    _DEC = ("model.decoder.", "decoder.")
+
+    def __init__(self, hf_dir: Path, params: LayoutParams):
+        self.params = params
+        self.st = SafetensorsIndex(_checkpoint_files(hf_dir))
+
+    def _first(self, candidates: Sequence[str], what: str) -> str:
+        for name in candidates:
+            if name in self.st:
+                return name
+        raise DgError(f"checkpoint lacks {what} (looked for {candidates[0]})")
+
+    def _tied(self, suffix: str, what: str) -> str:
+        """A weight shared by encoder and decoder: the decoder's copy when saved, else the encoder's."""
+        names = [pre + suffix for pre in self._DEC + self._ENC]
+        found = [n for n in names if n in self.st]
+        if not found:
+            raise DgError(f"checkpoint lacks {what} (looked for {names[0]})")
+        return found[0]
+
+    def hf_name(self, spec: TensorSpec) -> str:
+        i = spec.layer
+        if spec.role == "token_embd":
+            return self._tied("embed_tokens.weight", "the token embedding") if any(
+                pre + "embed_tokens.weight" in self.st for pre in self._DEC + self._ENC) else self._first(
+                ["lm_head.weight"], "the token embedding")
+        if spec.role == "output_norm":
+            return self._tied("norm.weight", "the final norm")
+        if spec.role in HF_SELF_COND:
+            return self._first([pre + HF_SELF_COND[spec.role] for pre in self._DEC], f"{spec.role} (self-conditioning)")
+        if spec.role == "layer_scalar_decoder":
+            return self._first([f"{pre}layers.{i}.layer_scalar" for pre in self._DEC], f"decoder layer {i} layer_scalar")
+        if spec.role == "layer_scalar_encoder":
+            return self._first([f"{pre}layers.{i}.layer_scalar" for pre in self._ENC], f"encoder layer {i} layer_scalar")
+        if spec.role in HF_LAYER_SUFFIX:
+            return self._tied(f"layers.{i}.{HF_LAYER_SUFFIX[spec.role]}", f"layer {i} {HF_LAYER_SUFFIX[spec.role]}")
+        raise DgError(f"internal: no checkpoint mapping for {spec.name}")
+
+    def chunks(self, spec: TensorSpec) -> Iterator[np.ndarray]:
+        if spec.role == "rope_freqs":
+            yield self.params.rope_freq_factors()
+            return
+        name = self.hf_name(spec)
+        shape = self.st.shape(name)
+        expected = spec.shape
+        if spec.role.startswith("layer_scalar") and int(np.prod(shape)) == 1:
+            shape = expected
+            yield self.st.load(name).reshape(expected)
+            return
+        if tuple(shape) != tuple(expected):
+            raise DgError(f"checkpoint tensor {name} has shape {list(shape)}, expected {list(expected)} from config.json")
+        if len(expected) == 3:
+            for e in range(expected[0]):  # one expert at a time keeps memory flat
+                yield self.st.load(name, slice(e, e + 1))
+        else:
+            yield self.st.load(name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer from tokenizer.json
+# ---------------------------------------------------------------------------------------------
+
+_BYTE_TOKEN = re.compile(r"^<0x[0-9A-F]{2}>$")
+
+
+@dataclass
+class GgufVocab:
+    """The tokenizer.ggml.* keys of a gemma4 vocabulary."""
+
+    tokens: list[str]
+    token_types: list[int]
+    merges: list[str]
+    bos_id: int = 2
+    eos_id: int = 1
+    unk_id: int = 3
+    pad_id: int = 0
+    mask_id: int | None = 4
+    chat_template: str | None = None
+
+    def add_to_gguf(self, writer) -> None:
+        writer.add_tokenizer_model("gemma4")
+        writer.add_token_list(self.tokens)
+        writer.add_token_scores([0.0] * len(self.tokens))
+        writer.add_token_types(self.token_types)
+        writer.add_token_merges(self.merges)
+        writer.add_bos_token_id(self.bos_id)
+        writer.add_eos_token_id(self.eos_id)
+        writer.add_unk_token_id(self.unk_id)
+        writer.add_pad_token_id(self.pad_id)
+        if self.mask_id is not None:
+            writer.add_mask_token_id(self.mask_id)
+        writer.add_add_space_prefix(False)
+        writer.add_add_bos_token(True)
+        if self.chat_template:
+            writer.add_chat_template(self.chat_template)
+
+
+def vocab_from_hf_dir(hf_dir: Path, vocab_size: int) -> GgufVocab:
+    """Read tokenizer.json (+ tokenizer_config.json / chat_template.jinja) into gemma4 GGUF tokenizer keys."""
+    data = _read_json(hf_dir / "tokenizer.json", required=True)
+    model = data.get("model") or {}
+    if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
+        raise DgError("tokenizer.json must hold a BPE model with a vocab (the gemma4 tokenizer)")
+    by_id: dict[int, str] = {}
+    for text, idx in model["vocab"].items():
+        by_id[int(idx)] = text
+    specials: dict[int, bool] = {}
+    for added in data.get("added_tokens") or []:
+        by_id[int(added["id"])] = added["content"]
+        specials[int(added["id"])] = bool(added.get("special", False))
+    if not by_id:
+        raise DgError("tokenizer.json has an empty vocabulary")
+    n_tokens = max(max(by_id) + 1, vocab_size)
+    if n_tokens > vocab_size:
+        raise DgError(f"tokenizer.json has {max(by_id) + 1} tokens but the model's vocab_size is {vocab_size}")
+    unk_text = model.get("unk_token")
+    tokens, types = [], []
+    for i in range(n_tokens):
+        text = by_id.get(i)
+        if text is None:
+            # ids the tokenizer never produces (embedding rows padded to a round size)
+            tokens.append(f"<unused_pad{i}>")
+            types.append(_UNUSED)
+        elif i in specials:
+            tokens.append(text)
+            types.append(_UNKNOWN if text == unk_text else (_CONTROL if specials[i] else _USER_DEFINED))
+        elif _BYTE_TOKEN.match(text):
+            tokens.append(text)
+            types.append(_BYTE)
+        else:
+            tokens.append(text)
+            types.append(_UNKNOWN if text == unk_text else _NORMAL)
+    merges = []
+    for m in model.get("merges") or []:
+        merges.append(" ".join(m) if isinstance(m, (list, tuple)) else str(m))
+
+    config = _read_json(hf_dir / "tokenizer_config.json", required=False) or {}
+    token_to_id = {t: i for i, t in enumerate(tokens)}
+
+    def special_id(key: str, default: int | None) -> int | None:
+        value = config.get(key)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str) and value in token_to_id:
+            return token_to_id[value]
+        return default
+
+    template = config.get("chat_template")
+    jinja_file = hf_dir / "chat_template.jinja"
+    if not template and jinja_file.is_file():
+        template = jinja_file.read_text(encoding="utf-8")
+    if isinstance(template, list):  # named templates: take the default one
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    return GgufVocab(tokens=tokens, token_types=types, merges=merges,
+                     bos_id=special_id("bos_token", 2), eos_id=special_id("eos_token", 1),
+                     unk_id=special_id("unk_token", 3), pad_id=special_id("pad_token", 0),
+                     mask_id=special_id("mask_token", 4 if n_tokens > 4 else None),
+                     chat_template=template)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points
+# ---------------------------------------------------------------------------------------------
+
+
+def read_checkpoint_params(hf_dir: str | Path) -> LayoutParams:
+    hf_dir = Path(hf_dir)
+    if not hf_dir.is_dir():
+        raise DgError(f"checkpoint directory {hf_dir} does not exist")
+    config = _read_json(hf_dir / "config.json", required=True)
+    generation = _read_json(hf_dir / "generation_config.json", required=False)
+    return params_from_hf_config(config, generation)
+
+
+def convert_checkpoint(hf_dir: str | Path, out_path: str | Path, outtype: str = "f32",
+                       arch: str = DIFFUSION_ARCH) -> Path:
+    """Convert an HF DiffusionGemma checkpoint dir to a GGUF (arch "diffusion-gemma" or the AR twin "gemma4")."""
+    if outtype not in OUTTYPES:
+        raise DgError(f"unknown outtype {outtype!r} (choose from {', '.join(OUTTYPES)})")
+    if arch not in (DIFFUSION_ARCH, AR_ARCH):
+        raise DgError(f"unknown architecture {arch!r} (expected {DIFFUSION_ARCH!r} or {AR_ARCH!r})")
+    hf_dir = Path(hf_dir)
+    params = read_checkpoint_params(hf_dir)
+    vocab = vocab_from_hf_dir(hf_dir, params.vocab_size)
+    reader = CheckpointReader(hf_dir, params)
+    plan = tensor_plan(params, arch)
+    for spec in plan:  # fail before writing anything if a tensor is missing
+        if spec.role != "rope_freqs":
+            reader.hf_name(spec)
+    return write_layout_gguf(out_path, params, arch, vocab.add_to_gguf, reader.chunks, outtype)
+
+
+def convert_main(hf_dir: str | Path, out_path: str | Path, outtype: str = "bf16",
+                 ar_twin: str | Path | None = None, echo: Callable[[str], None] | None = None) -> list[Path]:
+    """`dg convert HF_DIR OUT.gguf [--outtype f32|f16|bf16|q8_0] [--ar-twin OUT2.gguf]`."""
+    say = echo or (lambda _msg: None)
+    written = [convert_checkpoint(hf_dir, out_path, outtype, DIFFUSION_ARCH)]
+    say(f"wrote {written[-1]} ({DIFFUSION_ARCH}, {outtype}, {_human_size(written[-1].stat().st_size)})")
+    if ar_twin is not None:
+        written.append(convert_checkpoint(hf_dir, ar_twin, outtype, AR_ARCH))
+        say(f"wrote {written[-1]} ({AR_ARCH} AR twin, {outtype}, {_human_size(written[-1].stat().st_size)})")
+    return written
+
+
+def _human_size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
