@@ -1,0 +1,460 @@
+"""The benchmark library behind `dg bench` (usable from scripts and examples/).
+
+Two measurements, the seed write-up's EXP C/D and F made repeatable:
+- generation runs: each prompt x repeat on the diffusion model and its AR pair -> tok/s, steps per
+  canvas, tokens per forward (median and spread);
+- the speed model: the cost of one canvas forward vs one AR decode step on the same weights, the
+  speedup that implies as a function of steps per canvas, and that ratio over batch sizes.
+
+Numbers are reported, never judged: nothing here asserts on time.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+from dgcli.engine.types import DgError, DiffusionParams, GenerationResult, StepEvent, TokenEvent
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    name: str
+    text: str
+
+
+# Like the seed's set (EXP E/F): math, Korean, code, and a trivial smoke prompt.
+BUILTIN_PROMPTS: list[BenchPrompt] = [
+    BenchPrompt("math", "A train travels 120 km in 1.5 hours. What is its average speed in km/h? Show the steps."),
+    BenchPrompt("korean", "한국의 사계절에 대해 세 문장으로 설명해 주세요."),
+    BenchPrompt("code", "Write a Python function that returns the n-th Fibonacci number iteratively."),
+    BenchPrompt("trivial", "what is 3+5"),
+]
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16)
+SPEEDUP_STEPS = (1, 2, 4, 8, 12, 16, 24, 32, 48)
+
+
+def load_prompts(path: Path | str) -> list[BenchPrompt]:
+    """One prompt per line (`name<TAB>prompt` names it); blank lines and `#` comments skipped."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise DgError(f"prompt file not found: {path}") from None
+    except (UnicodeDecodeError, IsADirectoryError):
+        raise DgError(f"prompt file is not UTF-8 text: {path}") from None
+    prompts = []
+    for line in lines:
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        name, sep, text = line.partition("\t")
+        if not sep:
+            name, text = f"prompt-{len(prompts) + 1}", line
+        prompts.append(BenchPrompt(name.strip(), text.strip()))
+    if not prompts:
+        raise DgError(f"prompt file has no prompts: {path}")
+    return prompts
+
+
+def parse_batch_sizes(spec: str) -> list[int]:
+    try:
+        sizes = sorted({int(x) for x in spec.split(",") if x.strip()})
+    except ValueError:
+        raise DgError(f"invalid --batch-sizes {spec!r}: expected comma-separated integers like 1,2,4") from None
+    if not sizes or sizes[0] < 1:
+        raise DgError(f"invalid --batch-sizes {spec!r}: sizes must be integers >= 1")
+    return sizes
+
+
+class PeakRss:
+    """Peak resident memory of this process while the block runs (polled with psutil)."""
+
+    def __init__(self, interval: float = 0.02):
+        import psutil
+
+        self._proc = psutil.Process()
+        self.interval = interval
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> "PeakRss":
+        self.peak = self._proc.memory_info().rss
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
+        return False
+
+
+@dataclass
+class BenchConfig:
+    diffusion_model: str
+    diffusion_path: str
+    ar_model: str
+    ar_path: str
+    repeat: int = 3
+    max_new_tokens: int = 256
+    seed: int = 0
+    params: DiffusionParams = field(default_factory=DiffusionParams)
+    batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES
+    speed_model: bool = True
+    speed_model_repeat: int = 5
+    n_threads: Optional[int] = None
+    n_gpu_layers: int = 0
+
+
+@dataclass
+class RunRecord:
+    mode: str  # "diffusion" | "autoregressive"
+    prompt: str
+    run: int
+    n_new_tokens: int
+    total_s: float
+    tokens_per_second: float
+    tokens_per_forward: float
+    decoder_forwards: int
+    steps_per_canvas: list[int]
+    mean_forward_s: float  # mean decoder forward: a canvas forward (diffusion) or one decode (AR)
+    stop_reason: str
+
+    @property
+    def mean_steps_per_canvas(self) -> Optional[float]:
+        return statistics.fmean(self.steps_per_canvas) if self.steps_per_canvas else None
+
+
+@dataclass
+class Spread:
+    median: float
+    min: float
+    max: float
+    n: int
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Optional["Spread"]:
+        values = [v for v in values if v is not None]
+        if not values:
+            return None
+        return cls(statistics.median(values), min(values), max(values), len(values))
+
+    def fmt(self, digits: int = 2) -> str:
+        if self.n == 1 or self.min == self.max:
+            return f"{self.median:.{digits}f}"
+        return f"{self.median:.{digits}f} [{self.min:.{digits}f}–{self.max:.{digits}f}]"
+
+
+@dataclass
+class PromptSummary:
+    mode: str
+    prompt: str
+    tokens_per_second: Optional[Spread]
+    steps_per_canvas: Optional[Spread]
+    tokens_per_forward: Optional[Spread]
+    new_tokens: Optional[Spread]
+
+
+@dataclass
+class BatchPoint:
+    batch: int
+    canvas_s: Optional[float]
+    decode_s: Optional[float]
+    ratio: Optional[float]
+    speedup_at_16_steps: Optional[float]
+    error: Optional[str] = None
+
+
+@dataclass
+class SpeedModel:
+    canvas_length: int
+    canvas_forward_s: float  # decoder forward over one canvas (median)
+    decode_s: float  # one-token forward on the same weights (median)
+    commit_s: Optional[float]  # encoder pass appending a canvas to the cache (median)
+    ratio: float  # canvas_forward_s / decode_s
+    speedup_vs_steps: list[dict[str, float]]
+    batch_sweep: list[BatchPoint]
+    batch_method: str
+    ar_pair_decode_s: Optional[float] = None  # the AR pair's own decode step, from the generation runs
+
+
+@dataclass
+class BenchReport:
+    config: dict[str, Any]
+    runs: list[RunRecord]
+    summaries: list[PromptSummary]
+    speed_model: Optional[SpeedModel]
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        out = {
+            "schema": "dg-bench/1",
+            "config": self.config,
+            "runs": [asdict(r) | {"mean_steps_per_canvas": r.mean_steps_per_canvas} for r in self.runs],
+            "summaries": [asdict(s) for s in self.summaries],
+            "speed_model": asdict(self.speed_model) if self.speed_model else None,
+            "notes": self.notes,
+        }
+        return out
+
+
+def speedup_model(canvas_length: int, canvas_s: float, decode_s: float, commit_s: Optional[float],
+                  steps: int) -> float:
+    """Implied speedup of one canvas over AR: C decodes vs `steps` canvas forwards (+ the commit pass)."""
+    return canvas_length * decode_s / (steps * canvas_s + (commit_s or 0.0))
+
+
+def total_units(config: BenchConfig, prompts: Sequence[BenchPrompt]) -> int:
+    return 2 * len(prompts) * config.repeat + (1 if config.speed_model else 0)
+
+
+def _record(mode: str, prompt: str, run: int, res: GenerationResult) -> RunRecord:
+    forwards = max(res.decoder_forwards, 1)
+    return RunRecord(mode=mode, prompt=prompt, run=run, n_new_tokens=res.n_new_tokens, total_s=res.total_s,
+                     tokens_per_second=res.tokens_per_second, tokens_per_forward=res.tokens_per_forward,
+                     decoder_forwards=res.decoder_forwards, steps_per_canvas=list(res.steps_per_canvas),
+                     mean_forward_s=res.forward_s / forwards, stop_reason=res.stop_reason)
+
+
+def summarize(runs: Sequence[RunRecord]) -> list[PromptSummary]:
+    out = []
+    keys = []
+    for r in runs:
+        if (r.mode, r.prompt) not in keys:
+            keys.append((r.mode, r.prompt))
+    for mode, prompt in keys:
+        rs = [r for r in runs if r.mode == mode and r.prompt == prompt]
+        out.append(PromptSummary(
+            mode=mode, prompt=prompt,
+            tokens_per_second=Spread.of([r.tokens_per_second for r in rs]),
+            steps_per_canvas=Spread.of([r.mean_steps_per_canvas for r in rs]) if mode == "diffusion" else None,
+            tokens_per_forward=Spread.of([r.tokens_per_forward for r in rs]),
+            new_tokens=Spread.of([float(r.n_new_tokens) for r in rs]),
+        ))
+    return out
+
+
+def _median_time(fn: Callable[[], Any], repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_speed_model(model, *, batch_sizes: Sequence[int], repeat: int = 5, seed: int = 0) -> tuple[SpeedModel, list[str]]:
+    """Canvas forward vs one-token decode on one DiffusionModel (the same weights for both).
+
+    The one-token decode is the encoder's causal pass over a single token (what an AR decode step
+    computes, minus the LM head). A native multi-sequence forward (`decode_canvas_batch`) is used
+    for the batch sweep when the model has one; otherwise batch b is emulated as one causal forward
+    over b*C tokens (diffusion) vs b tokens (AR), which prices the compute but not the attention layout.
+    """
+    import numpy as np
+
+    notes: list[str] = []
+    rng = np.random.default_rng(seed)
+    C = int(model.canvas_length)
+    V = int(model.vocab_size)
+    prompt = model.chat_prompt("what is 3+5")
+
+    def fresh() -> None:
+        model.reset()
+        model.prefill(prompt)
+
+    def canvas(n: int) -> list[int]:
+        return [int(t) for t in rng.integers(0, V, size=n)]
+
+    fresh()
+    model.decode_canvas(canvas(C))  # warm-up: first forward allocates buffers
+    canvas_s = _median_time(lambda: model.decode_canvas(canvas(C)), repeat)
+
+    def one_decode() -> None:
+        model.prefill(canvas(1))
+
+    fresh()
+    one_decode()
+    decode_times = []
+    for _ in range(repeat):
+        fresh()
+        t0 = time.perf_counter()
+        one_decode()
+        decode_times.append(time.perf_counter() - t0)
+    decode_s = statistics.median(decode_times)
+
+    commit_times = []
+    for _ in range(max(1, repeat // 2)):
+        fresh()
+        t0 = time.perf_counter()
+        model.commit(canvas(C))
+        commit_times.append(time.perf_counter() - t0)
+    commit_s = statistics.median(commit_times)
+
+    batched = getattr(model, "decode_canvas_batch", None)
+    points: list[BatchPoint] = []
+    if callable(batched):
+        method = "native multi-sequence canvas forward (decode_canvas_batch)"
+    else:
+        method = ("emulated: no multi-sequence forward in the native layer; batch b = one causal forward over "
+                  "b x canvas tokens (diffusion) vs b tokens (AR) on the same weights")
+        notes.append("batch sweep " + method)
+    for b in batch_sizes:
+        try:
+            if callable(batched):
+                fresh()
+                c_s = _median_time(lambda: batched([canvas(C) for _ in range(b)]), repeat)
+                d_s = None
+                fresh()
+                d_times = []
+                for _ in range(repeat):
+                    fresh()
+                    t0 = time.perf_counter()
+                    model.prefill(canvas(b))
+                    d_times.append(time.perf_counter() - t0)
+                d_s = statistics.median(d_times)
+            else:
+                c_times, d_times = [], []
+                for _ in range(max(1, repeat // 2)):
+                    fresh()
+                    t0 = time.perf_counter()
+                    model.prefill(canvas(b * C))
+                    c_times.append(time.perf_counter() - t0)
+                    fresh()
+                    t0 = time.perf_counter()
+                    model.prefill(canvas(b))
+                    d_times.append(time.perf_counter() - t0)
+                c_s, d_s = statistics.median(c_times), statistics.median(d_times)
+            ratio = c_s / d_s if d_s > 0 else None
+            points.append(BatchPoint(b, c_s, d_s, ratio,
+                                     speedup_model(C, c_s, d_s, None, 16) if ratio else None))
+        except DgError as err:
+            points.append(BatchPoint(b, None, None, None, None, error=str(err)))
+            notes.append(f"batch {b} skipped: {err}")
+    model.reset()
+    curve = [{"steps": s, "speedup": speedup_model(C, canvas_s, decode_s, commit_s, s)} for s in SPEEDUP_STEPS]
+    return SpeedModel(canvas_length=C, canvas_forward_s=canvas_s, decode_s=decode_s, commit_s=commit_s,
+                      ratio=canvas_s / decode_s if decode_s > 0 else float("nan"),
+                      speedup_vs_steps=curve, batch_sweep=points, batch_method=method), notes
+
+
+def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], *,
+              open_diffusion: Callable[[str], Any], open_ar: Callable[[str], Any],
+              on_progress: Callable[[str], None] = lambda desc: None) -> BenchReport:
+    """Run every prompt `repeat` times on each model (one model loaded at a time), then the speed model."""
+    runs: list[RunRecord] = []
+    notes: list[str] = []
+    speed: Optional[SpeedModel] = None
+
+    engine = open_diffusion(config.diffusion_path)
+    try:
+        for p in prompts:
+            for i in range(config.repeat):
+                on_progress(f"diffusion {p.name} #{i + 1}")
+                res = engine.generate(p.text, params=config.params, max_new_tokens=config.max_new_tokens,
+                                      seed=config.seed + i)
+                runs.append(_record("diffusion", p.name, i, res))
+                if res.interrupted:
+                    raise KeyboardInterrupt
+        if config.speed_model:
+            on_progress("speed model: canvas forward vs one-token decode")
+            speed, speed_notes = measure_speed_model(engine.model, batch_sizes=config.batch_sizes,
+                                                     repeat=config.speed_model_repeat, seed=config.seed)
+            notes.extend(speed_notes)
+    finally:
+        engine.close()
+
+    ar = open_ar(config.ar_path)
+    try:
+        for p in prompts:
+            for i in range(config.repeat):
+                on_progress(f"autoregressive {p.name} #{i + 1}")
+                res = ar.generate(p.text, max_new_tokens=config.max_new_tokens, seed=config.seed + i)
+                runs.append(_record("autoregressive", p.name, i, res))
+                if res.interrupted:
+                    raise KeyboardInterrupt
+    finally:
+        ar.close()
+
+    if speed is not None:
+        ar_decodes = [r.mean_forward_s for r in runs if r.mode == "autoregressive" and r.decoder_forwards > 0]
+        speed.ar_pair_decode_s = statistics.median(ar_decodes) if ar_decodes else None
+    cfg = asdict(config)
+    cfg["params"] = asdict(config.params)
+    cfg["batch_sizes"] = list(config.batch_sizes)
+    cfg["prompts"] = [asdict(p) for p in prompts]
+    return BenchReport(config=cfg, runs=runs, summaries=summarize(runs), speed_model=speed, notes=notes)
+
+
+def report_tables(report: BenchReport):
+    """Rich tables for `dg bench`: per-prompt metrics of both models, then the speed model."""
+    from rich.table import Table
+
+    def cell(s: Optional[Spread], digits: int = 2) -> str:
+        return s.fmt(digits) if s is not None else "-"
+
+    tables = []
+    by_prompt: dict[str, dict[str, PromptSummary]] = {}
+    for s in report.summaries:
+        by_prompt.setdefault(s.prompt, {})[s.mode] = s
+    cfg = report.config
+    t = Table(title=f"generation: median [min–max] over {cfg['repeat']} run(s)")
+    for col in ("prompt", "diffusion tok/s", "AR tok/s", "speedup", "steps/canvas", "diffusion tokens/forward",
+                "AR tokens/forward", "new tokens (diff/AR)"):
+        t.add_column(col, justify="left" if col == "prompt" else "right")
+    for prompt, modes in by_prompt.items():
+        d, a = modes.get("diffusion"), modes.get("autoregressive")
+        sp = "-"
+        if d and a and d.tokens_per_second and a.tokens_per_second and a.tokens_per_second.median > 0:
+            sp = f"{d.tokens_per_second.median / a.tokens_per_second.median:.2f}x"
+        t.add_row(prompt, cell(d.tokens_per_second if d else None), cell(a.tokens_per_second if a else None), sp,
+                  cell(d.steps_per_canvas if d else None, 1), cell(d.tokens_per_forward if d else None),
+                  cell(a.tokens_per_forward if a else None),
+                  f"{cell(d.new_tokens if d else None, 0)}/{cell(a.new_tokens if a else None, 0)}")
+    t.caption = f"diffusion: {cfg['diffusion_model']}   AR: {cfg['ar_model']}"
+    tables.append(t)
+
+    sm = report.speed_model
+    if sm is not None:
+        c = Table(title="speed model: one canvas forward vs one decode step (same weights)")
+        c.add_column("quantity")
+        c.add_column("value", justify="right")
+        c.add_row(f"canvas forward ({sm.canvas_length} tokens)", f"{sm.canvas_forward_s * 1e3:.3f} ms")
+        c.add_row("one-token decode (same weights)", f"{sm.decode_s * 1e3:.3f} ms")
+        if sm.commit_s is not None:
+            c.add_row("commit pass (encode canvas)", f"{sm.commit_s * 1e3:.3f} ms")
+        if sm.ar_pair_decode_s is not None:
+            c.add_row("AR pair decode step (from runs)", f"{sm.ar_pair_decode_s * 1e3:.3f} ms")
+        c.add_row("canvas / decode cost ratio", f"{sm.ratio:.2f}")
+        tables.append(c)
+        s = Table(title="implied speedup over AR vs steps per canvas")
+        s.add_column("steps")
+        s.add_column("speedup", justify="right")
+        for point in sm.speedup_vs_steps:
+            s.add_row(str(point["steps"]), f"{point['speedup']:.2f}x")
+        tables.append(s)
+        b = Table(title="batch sweep")
+        for col in ("batch", "canvas forward", "decode", "ratio", "speedup @16 steps"):
+            b.add_column(col, justify="right")
+        for p in sm.batch_sweep:
+            if p.error:
+                b.add_row(str(p.batch), "-", "-", "-", p.error)
+            else:
+                b.add_row(str(p.batch), f"{p.canvas_s * 1e3:.3f} ms", f"{p.decode_s * 1e3:.3f} ms",
+                          f"{p.ratio:.2f}", f"{p.speedup_at_16_steps:.2f}x")
+        b.caption = sm.batch_method
+        tables.append(b)
+    return tables
