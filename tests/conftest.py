@@ -1,0 +1,76 @@
+"""Shared fixtures: tiny GGUFs (torch-free) and the tiny Transformers reference with its conversions.
+
+Session-scoped and built lazily, so a test that does not ask for the reference never imports torch.
+
+- tiny_vocab_obj           the dg-tiny tokenizer
+- tiny_gguf                torch-free tiny diffusion-gemma GGUF (f32, seed 0)
+- tiny_ar_gguf             its AR gemma4 twin (same weights, encoder scalars)
+- reference_model          tiny random DiffusionGemmaForBlockDiffusion (skips without torch/transformers)
+- reference_checkpoint     its checkpoint dir (Google's config form)
+- reference_gguf           that checkpoint converted to f32 in the published layout
+- reference_ar_gguf        the AR gemma4 twin of it
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from dgcli.tiny import tiny_vocab, write_tiny_random_gguf
+
+HAVE_TORCH = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("transformers") is not None
+NO_TORCH_REASON = "torch/transformers not installed (the Transformers reference needs them)"
+
+
+def _require_reference() -> None:
+    if not HAVE_TORCH:
+        pytest.skip(NO_TORCH_REASON)
+
+
+@pytest.fixture(scope="session")
+def tiny_vocab_obj():
+    return tiny_vocab()
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory):
+    return write_tiny_random_gguf(tmp_path_factory.mktemp("tiny") / "tiny-diffusion.gguf", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_ar_gguf(tmp_path_factory):
+    return write_tiny_random_gguf(tmp_path_factory.mktemp("tiny-ar") / "tiny-ar.gguf", seed=0, arch="gemma4")
+
+
+@pytest.fixture(scope="session")
+def reference_model():
+    _require_reference()
+    import torch
+
+    from dgcli.reference import random_model, tiny_config
+
+    torch.set_num_threads(1)
+    return random_model(tiny_config(), seed=0)
+
+
+@pytest.fixture(scope="session")
+def reference_checkpoint(reference_model, tmp_path_factory):
+    from dgcli.reference import save_checkpoint
+
+    return save_checkpoint(reference_model, tmp_path_factory.mktemp("ckpt") / "google", config_form="google")
+
+
+@pytest.fixture(scope="session")
+def reference_gguf(reference_checkpoint, tmp_path_factory):
+    from dgcli.convert import convert_checkpoint
+
+    return convert_checkpoint(reference_checkpoint, tmp_path_factory.mktemp("conv") / "ref-f32.gguf", "f32")
+
+
+@pytest.fixture(scope="session")
+def reference_ar_gguf(reference_checkpoint, tmp_path_factory):
+    from dgcli.convert import convert_checkpoint
+
+    return convert_checkpoint(reference_checkpoint, tmp_path_factory.mktemp("conv-ar") / "ref-ar-f32.gguf", "f32",
+                              arch="gemma4")
