@@ -1,0 +1,506 @@
+"""Step-level API over one GGUF: the forwards a diffusion (or autoregressive) loop is made of.
+
+    with DiffusionModel("model.gguf") as m:
+        m.prefill(m.chat_prompt("hi"))             # encoder: causal, appends to the KV cache
+        logits = m.decode_canvas(canvas)           # decoder: [C, V] softcapped logits, cache unchanged
+        logits = m.decode_canvas(canvas, sc_logits=processed_logits)   # later steps: self-conditioned
+        m.commit(final_canvas)                     # encoder over the canvas; n_past += C
+
+`ArModel` is the same surface for a stock `gemma4` GGUF (the AR base): prefill / decode_token.
+
+Files are checked here before llama.cpp sees them (exists, GGUF magic, header parses, tensor data
+inside the file, architecture), and a load llama.cpp refuses becomes a one-line ModelLoadError
+quoting llama.cpp's reason.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from dgcli.engine import native
+from dgcli.engine.types import (
+    DgError,
+    DiffusionParams,
+    InvalidParameter,
+    ModelLoadError,
+)
+
+DIFFUSION_ARCH = "diffusion-gemma"
+AR_ARCH = "gemma4"
+
+# diffusion.eb_* key -> DiffusionParams field (the reference's generation-config names)
+EB_KEYS = {
+    "diffusion.eb_max_steps": "max_denoising_steps",
+    "diffusion.eb_t_min": "t_min",
+    "diffusion.eb_t_max": "t_max",
+    "diffusion.eb_entropy_bound": "entropy_bound",
+    "diffusion.eb_stability_threshold": "stability_threshold",
+    "diffusion.eb_confidence_threshold": "confidence_threshold",
+}
+END_TOKEN_TEXTS = ("<eos>", "<turn|>")
+DEFAULT_N_CTX = 4096
+
+
+# -- GGUF header check ------------------------------------------------------------------------------
+
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+_TYPE_NAMES = {0: "uint8", 1: "int8", 2: "uint16", 3: "int16", 4: "uint32", 5: "int32", 6: "float32", 7: "bool",
+               8: "string", 9: "array", 10: "uint64", 11: "int64", 12: "float64"}
+_KEEP_ARRAYS_UP_TO = 4096  # per-layer arrays are kept; vocabularies are only scanned
+
+
+@dataclass
+class GgufHeader:
+    """What dg needs from a GGUF header without loading it: metadata (values with their type names)."""
+
+    path: Path
+    version: int
+    metadata: dict[str, tuple[str, Any]] = field(default_factory=dict)
+    token_ids: dict[str, int] = field(default_factory=dict)  # selected token texts -> id
+    n_tensors: int = 0
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.metadata[key][1] if key in self.metadata else default
+
+    @property
+    def architecture(self) -> str | None:
+        value = self.get("general.architecture")
+        return value if isinstance(value, str) else None
+
+
+class _Reader:
+    def __init__(self, f: Any, size: int):
+        self.f, self.size = f, size
+
+    def read(self, n: int) -> bytes:
+        if n < 0 or self.f.tell() + n > self.size:
+            raise EOFError
+        data = self.f.read(n)
+        if len(data) != n:
+            raise EOFError
+        return data
+
+    def unpack(self, fmt: str) -> Any:
+        return struct.unpack(fmt, self.read(struct.calcsize(fmt)))[0]
+
+    def string(self) -> bytes:
+        return self.read(self.unpack("<Q"))
+
+    def skip(self, n: int) -> None:
+        if n < 0 or self.f.tell() + n > self.size:
+            raise EOFError
+        self.f.seek(n, os.SEEK_CUR)
+
+
+def read_gguf_header(path: str | os.PathLike, wanted_tokens: Sequence[str] = ()) -> GgufHeader:
+    """Parse and sanity-check a GGUF file's header; raise ModelLoadError naming what is wrong."""
+    p = Path(path)
+    if not p.exists():
+        raise ModelLoadError(f"model file not found: {p}")
+    if not p.is_file():
+        raise ModelLoadError(f"not a file: {p}")
+    size = p.stat().st_size
+    wanted = {t.encode(): t for t in wanted_tokens}
+    try:
+        with open(p, "rb") as f:
+            r = _Reader(f, size)
+            try:
+                magic = r.read(4)
+            except EOFError:
+                raise ModelLoadError(f"{p} is not a GGUF file (only {size} bytes)") from None
+            if magic != b"GGUF":
+                raise ModelLoadError(f"{p} is not a GGUF file (magic {magic!r}, expected b'GGUF')")
+            try:
+                header = _read_header_body(r, p, wanted)
+            except (EOFError, struct.error, UnicodeDecodeError, OverflowError, MemoryError):
+                raise ModelLoadError(f"{p} is truncated or malformed: its GGUF header cannot be read") from None
+    except OSError as err:
+        raise ModelLoadError(f"cannot read {p}: {err.strerror or err}") from None
+    return header
+
+
+def _read_header_body(r: _Reader, p: Path, wanted: dict[bytes, str]) -> GgufHeader:
+    version = r.unpack("<I")
+    if version not in (2, 3):
+        raise ModelLoadError(f"{p}: unsupported GGUF version {version}")
+    n_tensors, n_kv = r.unpack("<Q"), r.unpack("<Q")
+    if n_tensors > 1 << 24 or n_kv > 1 << 24:
+        raise ModelLoadError(f"{p} is malformed: implausible counts ({n_tensors} tensors, {n_kv} keys)")
+    header = GgufHeader(path=p, version=version, n_tensors=n_tensors)
+    for _ in range(n_kv):
+        key = r.string().decode("utf-8")
+        vtype = r.unpack("<I")
+        header.metadata[key] = (_TYPE_NAMES.get(vtype, "?"), _read_value(r, vtype, key, header, wanted))
+
+    import gguf  # noqa: PLC0415 (only for the quantization block sizes)
+
+    alignment = header.get("general.alignment", 32)
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise ModelLoadError(f"{p} is malformed: general.alignment = {alignment!r}")
+    tensors = []
+    for _ in range(n_tensors):
+        name = r.string().decode("utf-8")
+        n_dims = r.unpack("<I")
+        if n_dims > 8:
+            raise ModelLoadError(f"{p} is malformed: tensor {name} has {n_dims} dimensions")
+        dims = [r.unpack("<Q") for _ in range(n_dims)]
+        ttype, offset = r.unpack("<I"), r.unpack("<Q")
+        try:
+            block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ttype)]
+        except (ValueError, KeyError):
+            raise ModelLoadError(f"{p}: tensor {name} has an unknown type id {ttype}") from None
+        n_elems = math.prod(dims)
+        tensors.append((name, offset, n_elems // block * type_size))
+    data_start = -(-r.f.tell() // alignment) * alignment
+    for name, offset, nbytes in tensors:
+        end = data_start + offset + nbytes
+        if end > r.size:
+            raise ModelLoadError(f"{p} is truncated: tensor {name} ends at byte {end}, the file has {r.size}")
+    return header
+
+
+def _read_value(r: _Reader, vtype: int, key: str, header: GgufHeader, wanted: dict[bytes, str]) -> Any:
+    if vtype in _SCALAR_FORMATS:
+        return r.unpack(_SCALAR_FORMATS[vtype])
+    if vtype == _STRING:
+        return r.string().decode("utf-8", errors="replace")
+    if vtype != _ARRAY:
+        raise ModelLoadError(f"{header.path} is malformed: key {key} has unknown type {vtype}")
+    etype, n = r.unpack("<I"), r.unpack("<Q")
+    if etype in _SCALAR_FORMATS:
+        width = struct.calcsize(_SCALAR_FORMATS[etype])
+        if n <= _KEEP_ARRAYS_UP_TO:
+            return [r.unpack(_SCALAR_FORMATS[etype]) for _ in range(n)]
+        r.skip(n * width)
+        return None
+    if etype == _STRING:
+        keep = n <= 64
+        values = []
+        for i in range(n):
+            text = r.string()
+            if key == "tokenizer.ggml.tokens" and text in wanted:
+                header.token_ids.setdefault(wanted[text], i)
+            if keep:
+                values.append(text.decode("utf-8", errors="replace"))
+        return values if keep else None
+    raise ModelLoadError(f"{header.path} is malformed: key {key} is an array of type {etype}")
+
+
+# -- models ---------------------------------------------------------------------------------------
+
+
+def _check_tokens(tokens: Any, vocab_size: int, what: str) -> np.ndarray:
+    try:
+        arr = np.asarray(tokens)
+    except (TypeError, ValueError):
+        raise InvalidParameter(what, tokens, "a sequence of token ids") from None
+    if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
+        raise InvalidParameter(what, f"array of shape {arr.shape} and dtype {arr.dtype}",
+                               "a non-empty 1-D sequence of integer token ids")
+    bad = (arr < 0) | (arr >= vocab_size)
+    if bad.any():
+        raise InvalidParameter(what, int(arr[bad][0]), f"token ids in [0, {vocab_size})")
+    return np.ascontiguousarray(arr, dtype=np.int32)
+
+
+class _LlamaModel:
+    """Model + context + tokenizer + chat template: what both model kinds share."""
+
+    architecture = ""
+
+    def __init__(self, path: str | os.PathLike, n_threads: int | None = None, n_gpu_layers: int = 0,
+                 exact: bool = False, n_ctx: int | None = None, n_seq_max: int = 1, n_ubatch: int = 512):
+        self._model = None
+        self._ctx = None
+        self.path = Path(path)
+        self.exact = bool(exact)
+        self.header = read_gguf_header(self.path, wanted_tokens=END_TOKEN_TEXTS)
+        arch = self.header.architecture
+        if arch != self.architecture:
+            raise ModelLoadError(f"{self.path} is a {arch or 'unknown-architecture'} model; "
+                                 f"{type(self).__name__} needs general.architecture = {self.architecture}")
+        if n_threads is not None and (not isinstance(n_threads, int) or n_threads < 1):
+            raise InvalidParameter("n_threads", n_threads, "an integer >= 1")
+        if not isinstance(n_seq_max, int) or n_seq_max < 1:
+            raise InvalidParameter("n_seq_max", n_seq_max, "an integer >= 1")
+        self._lib = native.lib()
+        L = self._lib
+        native.clear_log()
+
+        mparams = L.llama_model_default_params()
+        mparams.n_gpu_layers = int(n_gpu_layers)
+        model = L.llama_model_load_from_file(str(self.path).encode(), mparams)
+        if not model:
+            raise ModelLoadError(f"cannot load {self.path}: {native.last_error()}")
+        self._model = model
+        self._vocab = L.llama_model_get_vocab(model)
+        self.vocab_size = int(L.llama_vocab_n_tokens(self._vocab))
+        self.n_ctx_train = int(L.llama_model_n_ctx_train(model))
+
+        n_ctx = self._default_n_ctx() if n_ctx is None else n_ctx
+        if not isinstance(n_ctx, int) or n_ctx < 1:
+            raise InvalidParameter("n_ctx", n_ctx, "an integer >= 1")
+        cparams = L.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = cparams.n_ubatch = n_ubatch
+        cparams.n_seq_max = n_seq_max
+        threads = n_threads or max(1, os.cpu_count() or 1)
+        cparams.n_threads = cparams.n_threads_batch = threads
+        cparams.kv_unified = True
+        # a sliding-window cache of W + n_ubatch cells, as a long generation would use: the decoder
+        # must then not disturb the cells it still needs (see diffusion-gemma-api.cpp)
+        cparams.swa_full = False
+        cparams.no_perf = True
+        if self.exact:
+            cparams.type_k = cparams.type_v = native.GGML_TYPE_F32
+            cparams.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        native.clear_log()
+        ctx = L.llama_init_from_model(model, cparams)
+        if not ctx:
+            self.close()
+            raise ModelLoadError(f"cannot create a context for {self.path}: {native.last_error()}")
+        self._ctx = ctx
+        self.n_ctx = int(L.llama_n_ctx(ctx))
+        self.n_ubatch = int(L.llama_n_ubatch(ctx))
+        self.n_seq_max = n_seq_max
+        self._mem = L.llama_get_memory(ctx)
+        self.n_past = 0
+        self.end_token_ids = [self.header.token_ids[t] for t in END_TOKEN_TEXTS if t in self.header.token_ids]
+
+    def _default_n_ctx(self) -> int:
+        return min(self.n_ctx_train or DEFAULT_N_CTX, DEFAULT_N_CTX)
+
+    # -- lifecycle
+
+    def close(self) -> None:
+        L = getattr(self, "_lib", None)
+        if L is None:
+            return
+        if self._ctx:
+            L.llama_free(self._ctx)
+            self._ctx = None
+        if self._model:
+            L.llama_model_free(self._model)
+            self._model = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 (interpreter shutdown)
+            pass
+
+    def _require_open(self) -> None:
+        if not self._ctx:
+            raise DgError(f"model {self.path.name} is closed")
+
+    # -- tokens and text
+
+    def tokenize(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
+        self._require_open()
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        buf = (self._lib.llama_token * cap)()
+        n = self._lib.llama_tokenize(self._vocab, data, len(data), buf, cap, add_bos, special)
+        if n < 0:
+            cap = -n
+            buf = (self._lib.llama_token * cap)()
+            n = self._lib.llama_tokenize(self._vocab, data, len(data), buf, cap, add_bos, special)
+        if n < 0:
+            raise DgError(f"tokenization failed for a text of {len(data)} bytes")
+        return list(buf[:n])
+
+    def token_piece(self, token: int, special: bool = False) -> bytes:
+        buf = ctypes.create_string_buffer(64)
+        n = self._lib.llama_token_to_piece(self._vocab, int(token), buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = self._lib.llama_token_to_piece(self._vocab, int(token), buf, len(buf), 0, special)
+        return buf.raw[:max(n, 0)]
+
+    def detokenize(self, ids: Sequence[int], special: bool = False) -> str:
+        self._require_open()
+        ids = [int(t) for t in ids]
+        for t in ids:
+            if not 0 <= t < self.vocab_size:
+                raise InvalidParameter("token id", t, f"in [0, {self.vocab_size})")
+        return b"".join(self.token_piece(t, special) for t in ids).decode("utf-8", errors="replace")
+
+    def chat_prompt(self, user_text: str) -> list[int]:
+        """The GGUF's chat template for one user message, generation prompt appended, as token ids."""
+        template = self.header.get("tokenizer.chat_template")
+        if not isinstance(template, str) or not template.strip():
+            raise DgError(f"{self.path.name} has no chat template (tokenizer.chat_template); pass token ids "
+                          "or plain text without chat formatting")
+        import jinja2  # noqa: PLC0415
+        from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: PLC0415
+
+        def raise_exception(message: str) -> None:
+            raise jinja2.TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        bos_id = self.header.get("tokenizer.ggml.bos_token_id")
+        eos_id = self.header.get("tokenizer.ggml.eos_token_id")
+        piece = lambda i: self.token_piece(i, special=True).decode("utf-8", "replace") if isinstance(i, int) else ""  # noqa: E731
+        try:
+            text = env.from_string(template).render(
+                messages=[{"role": "user", "content": user_text}], add_generation_prompt=True,
+                bos_token=piece(bos_id), eos_token=piece(eos_id))
+        except jinja2.TemplateError as err:
+            raise DgError(f"the chat template of {self.path.name} failed: {err}") from None
+        return self.tokenize(text, add_bos=False, special=True)
+
+    # -- cache
+
+    def reset(self) -> None:
+        self._require_open()
+        self._lib.llama_memory_clear(self._mem, True)
+        self.n_past = 0
+
+    def _encode(self, tokens: Any, want_logits: bool, reserve: int = 0) -> np.ndarray | None:
+        self._require_open()
+        arr = _check_tokens(tokens, self.vocab_size, "tokens")
+        if self.n_past + arr.size + reserve > self.n_ctx:
+            raise DgError(f"context full: {self.n_past} cached + {arr.size} new tokens"
+                          + (f" + a {reserve}-token canvas" if reserve else "") + f" exceed n_ctx = {self.n_ctx}")
+        out = np.empty(self.vocab_size, dtype=np.float32) if want_logits else None
+        native.clear_log()
+        rc = self._lib._lib.dg_encode(self._ctx, native.as_token_p(arr), arr.size, 0, self.exact,
+                                      native.as_float_p(out) if out is not None else None)
+        if rc != 0:
+            raise DgError(f"encoder forward failed (status {rc}): {native.last_error('no detail logged')}")
+        self.n_past += arr.size
+        return out
+
+
+class DiffusionModel(_LlamaModel):
+    """A diffusion-gemma GGUF: encoder prefill/commit and the decoder's canvas forward."""
+
+    architecture = DIFFUSION_ARCH
+
+    def __init__(self, path: str | os.PathLike, n_threads: int | None = None, n_gpu_layers: int = 0,
+                 exact: bool = False, n_ctx: int | None = None, n_seq_max: int = 1, n_ubatch: int | None = None):
+        header = read_gguf_header(path)
+        canvas = header.get("diffusion.canvas_length")
+        canvas = canvas if isinstance(canvas, int) and 0 < canvas <= 1 << 16 else 0
+        # a canvas must be one micro-batch (the decoder is non-causal over it); prompts are chunked
+        need = canvas * (n_seq_max if isinstance(n_seq_max, int) else 1)
+        if n_ubatch is None:
+            n_ubatch = max(512, need)
+        elif not isinstance(n_ubatch, int) or n_ubatch < max(need, 1):
+            raise InvalidParameter("n_ubatch", n_ubatch, f"an integer >= {max(need, 1)} (canvas_length x n_seq_max)")
+        super().__init__(path, n_threads=n_threads, n_gpu_layers=n_gpu_layers, exact=exact, n_ctx=n_ctx,
+                         n_seq_max=n_seq_max, n_ubatch=n_ubatch)
+        self.canvas_length = int(self._lib._lib.dg_canvas_length(self._model))
+        if self.canvas_length <= 0:
+            self.close()
+            raise ModelLoadError(f"{self.path} has no valid diffusion.canvas_length")
+        self.default_params = self._read_default_params()
+
+    def _read_default_params(self) -> DiffusionParams:
+        values: dict[str, Any] = {}
+        for key, name in EB_KEYS.items():
+            if key not in self.header.metadata:
+                continue
+            vtype, value = self.header.metadata[key]
+            integral = name in ("max_denoising_steps", "stability_threshold")
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ModelLoadError(f"{self.path}: {key} has type {vtype}, expected a number")
+            values[name] = int(value) if integral else float(value)
+        try:
+            return DiffusionParams(**values).validate()
+        except InvalidParameter as err:
+            raise ModelLoadError(f"{self.path}: bad diffusion.eb_* default: {err}") from None
+
+    def prefill(self, tokens: Sequence[int], return_logits: bool = False) -> np.ndarray | None:
+        """Encoder over `tokens` (causal), appended to the cache. Optionally the last token's logits."""
+        return self._encode(tokens, return_logits, reserve=self.canvas_length)
+
+    def commit(self, canvas: Sequence[int]) -> None:
+        """Encoder over a finished canvas at n_past..n_past+C-1; n_past += C."""
+        self._encode(canvas, False, reserve=self.canvas_length)
+
+    def decode_canvas(self, canvas: Sequence[int], sc_logits: np.ndarray | None = None) -> np.ndarray:
+        """Decoder forward: float32 [len(canvas), vocab] softcapped logits. The cache is unchanged."""
+        arr = _check_tokens(canvas, self.vocab_size, "canvas")
+        sc = None if sc_logits is None else sc_logits[None]
+        return self.decode_canvases(arr[None], sc)[0]
+
+    def decode_canvases(self, canvases: Any, sc_logits: np.ndarray | None = None) -> np.ndarray:
+        """Several canvases (rows) in ONE decoder forward, all after the same cached context:
+        float32 [n, C, vocab]. Needs n <= n_seq_max (constructor). The cache is unchanged."""
+        self._require_open()
+        arr = np.asarray(canvases)
+        if arr.ndim != 2 or arr.shape[0] < 1:
+            raise InvalidParameter("canvases", f"array of shape {arr.shape}", "a 2-D [n, canvas_length] array")
+        n, length = arr.shape
+        if n > self.n_seq_max:
+            raise InvalidParameter("canvases", f"{n} canvases", f"at most n_seq_max = {self.n_seq_max} (set at load)")
+        if length < 1 or n * length > self.n_ubatch:
+            raise InvalidParameter("canvas length", length, f"between 1 and {self.n_ubatch // n}")
+        flat = _check_tokens(arr.reshape(-1), self.vocab_size, "canvas")
+        if self.n_past + length > self.n_ctx:
+            raise DgError(f"context full: {self.n_past} cached + a {length}-token canvas exceed n_ctx = {self.n_ctx}")
+        sc = None
+        if sc_logits is not None:
+            sc = np.asarray(sc_logits)
+            if sc.shape != (n, length, self.vocab_size):
+                raise InvalidParameter("sc_logits", f"array of shape {sc.shape}",
+                                       f"shape {(length, self.vocab_size)} (one row of logits per canvas position)")
+            sc = np.ascontiguousarray(sc, dtype=np.float32)
+            if not np.isfinite(sc).all():
+                raise InvalidParameter("sc_logits", "non-finite values", "finite logits")
+        out = np.empty((n, length, self.vocab_size), dtype=np.float32)
+        L = self._lib
+        # extra sequences share sequence 0's cached cells for the duration of the forward
+        for s in range(1, n):
+            L.llama_memory_seq_cp(self._mem, 0, s, -1, -1)
+        try:
+            native.clear_log()
+            rc = L._lib.dg_decode_canvases(self._ctx, native.as_token_p(flat), n, length,
+                                           native.as_float_p(sc) if sc is not None else None, self.exact,
+                                           native.as_float_p(out))
+        finally:
+            for s in range(1, n):
+                L.llama_memory_seq_rm(self._mem, s, -1, -1)
+        if rc != 0:
+            raise DgError(f"decoder forward failed (status {rc}): {native.last_error('no detail logged')}")
+        return out
+
+
+class ArModel(_LlamaModel):
+    """A stock gemma4 GGUF (the AR base): causal prefill and one-token decodes."""
+
+    architecture = AR_ARCH
+
+    def __init__(self, path: str | os.PathLike, n_threads: int | None = None, n_gpu_layers: int = 0,
+                 n_ctx: int | None = None):
+        super().__init__(path, n_threads=n_threads, n_gpu_layers=n_gpu_layers, exact=False, n_ctx=n_ctx)
+        self.default_params = None
+
+    def prefill(self, tokens: Sequence[int]) -> np.ndarray:
+        """Causal forward over `tokens`; returns the last token's logits [vocab]."""
+        out = self._encode(tokens, True)
+        assert out is not None
+        return out
+
+    def decode_token(self, token: int) -> np.ndarray:
+        """One causal step: append `token`, return the next-token logits [vocab]."""
+        out = self._encode([token], True)
+        assert out is not None
+        return out

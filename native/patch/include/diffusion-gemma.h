@@ -1,0 +1,40 @@
+#pragma once
+// C functions for driving a diffusion-gemma model (see src/models/diffusion-gemma.cpp).
+// Called through ctypes on libllama (dgcli/engine/native.py). Every function works on the KV
+// cache of the context's sequences; the caller owns model and context (llama.h API).
+//
+// Context requirements: n_ubatch >= n_seqs*canvas_length (a canvas is one non-causal micro-batch),
+// n_batch >= n_ubatch. Exact mode additionally wants an F32 KV cache and flash attention off;
+// those are context parameters, chosen by the caller.
+
+#include "llama.h"
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// diffusion.canvas_length of a diffusion-gemma model; 0 for any other model
+LLAMA_API int32_t dg_canvas_length(const struct llama_model * model);
+
+// Encoder: causal forward over `tokens`, appended to sequence `seq_id` after its last cached
+// position (the prompt, or a committed canvas). Longer inputs are split into n_batch chunks.
+// last_logits_out (nullable, n_vocab floats) receives the softcapped logits of the last token.
+// `exact`: GELU from F32 ops. Returns 0, a llama_decode status, or -1 for bad arguments.
+LLAMA_API int32_t dg_encode(struct llama_context * ctx, const llama_token * tokens, int32_t n_tokens,
+                            llama_seq_id seq_id, bool exact, float * last_logits_out);
+
+// Decoder: one forward over n_seqs canvases of n_canvas tokens; canvas s (tokens
+// canvases[s*n_canvas ...]) belongs to sequence s and sits right after that sequence's cached
+// tokens. sc_logits (nullable) holds the previous step's logits [n_seqs*n_canvas, n_vocab]
+// row-major; NULL = first step (zero self-conditioning signal). logits_out receives the
+// softcapped logits [n_seqs*n_canvas, n_vocab]. The KV cache is unchanged on return.
+// Returns 0, a llama_decode status, -1 for bad arguments, -2 if n_seqs*n_canvas > n_ubatch.
+LLAMA_API int32_t dg_decode_canvases(struct llama_context * ctx, const llama_token * canvases, int32_t n_seqs,
+                                     int32_t n_canvas, const float * sc_logits, bool exact, float * logits_out);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,156 @@
+// The dg_* C functions (include/diffusion-gemma.h) and the request side channel they share with
+// the diffusion-gemma graph (diffusion-gemma-api.h).
+
+#include "diffusion-gemma.h"
+#include "diffusion-gemma-api.h"
+
+#include "llama-model.h"
+#include "models/models.h"
+
+#include <algorithm>
+#include <cstring>
+
+static thread_local const dg_request * dg_current = nullptr;
+
+const dg_request * dg_active_request() {
+    return dg_current;
+}
+
+namespace {
+
+// publishes a request for the duration of one dg_* call, and restores the causal flag after it
+struct dg_call_scope {
+    llama_context * ctx;
+    bool            causal_before;
+
+    dg_call_scope(llama_context * ctx, const dg_request & req, bool causal) : ctx(ctx), causal_before(llama_get_causal_attn(ctx)) {
+        dg_current = &req;
+        llama_set_causal_attn(ctx, causal);
+    }
+    ~dg_call_scope() {
+        dg_current = nullptr;
+        llama_set_causal_attn(ctx, causal_before);
+    }
+};
+
+struct dg_batch {
+    llama_batch batch;
+    explicit dg_batch(int32_t n) : batch(llama_batch_init(n, 0, 1)) {}
+    ~dg_batch() { llama_batch_free(batch); }
+    void add(llama_token token, llama_pos pos, llama_seq_id seq, bool logits) {
+        const int32_t i = batch.n_tokens++;
+        batch.token[i]     = token;
+        batch.pos[i]       = pos;
+        batch.n_seq_id[i]  = 1;
+        batch.seq_id[i][0] = seq;
+        batch.logits[i]    = logits;
+    }
+};
+
+const llama_model_diffusion_gemma * dg_model_of(const llama_model * model) {
+    return model && model->arch == LLM_ARCH_DIFFUSION_GEMMA ? static_cast<const llama_model_diffusion_gemma *>(model) : nullptr;
+}
+
+bool dg_tokens_valid(const llama_context * ctx, const llama_token * tokens, int32_t n) {
+    const int32_t n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx)));
+    return std::all_of(tokens, tokens + n, [n_vocab](llama_token t) { return t >= 0 && t < n_vocab; });
+}
+
+}  // namespace
+
+int32_t dg_canvas_length(const llama_model * model) {
+    const auto * dg = dg_model_of(model);
+    return dg ? (int32_t) dg->canvas_length : 0;
+}
+
+int32_t dg_encode(llama_context * ctx, const llama_token * tokens, int32_t n_tokens, llama_seq_id seq_id, bool exact,
+                  float * last_logits_out) {
+    if (!ctx || !tokens || n_tokens <= 0 || seq_id < 0 || seq_id >= (llama_seq_id) llama_n_seq_max(ctx) ||
+        !dg_tokens_valid(ctx, tokens, n_tokens)) {
+        return -1;
+    }
+    const int32_t n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx)));
+    const int32_t n_chunk = (int32_t) llama_n_batch(ctx);
+
+    dg_request req;
+    req.exact = exact;
+    dg_call_scope scope(ctx, req, /*causal =*/ true);
+
+    llama_memory_t mem = llama_get_memory(ctx);
+    for (int32_t start = 0; start < n_tokens; start += n_chunk) {
+        const int32_t   n    = std::min(n_chunk, n_tokens - start);
+        const llama_pos pos0 = llama_memory_seq_pos_max(mem, seq_id) + 1;
+        const bool      last = start + n == n_tokens;
+
+        dg_batch b(n);
+        for (int32_t i = 0; i < n; ++i) {
+            b.add(tokens[start + i], pos0 + i, seq_id, last && i == n - 1);
+        }
+        const int32_t rc = llama_decode(ctx, b.batch);
+        if (rc != 0) {
+            return rc;
+        }
+        if (last && last_logits_out) {
+            const float * logits = llama_get_logits_ith(ctx, n - 1);
+            if (!logits) {
+                return -1;
+            }
+            std::memcpy(last_logits_out, logits, (size_t) n_vocab * sizeof(float));
+        }
+    }
+    return 0;
+}
+
+int32_t dg_decode_canvases(llama_context * ctx, const llama_token * canvases, int32_t n_seqs, int32_t n_canvas,
+                           const float * sc_logits, bool exact, float * logits_out) {
+    if (!ctx || !canvases || !logits_out || n_seqs <= 0 || n_canvas <= 0 ||
+        n_seqs > (int32_t) llama_n_seq_max(ctx) || !dg_tokens_valid(ctx, canvases, n_seqs * n_canvas)) {
+        return -1;
+    }
+    const int32_t n_total = n_seqs * n_canvas;
+    if (n_total > (int32_t) llama_n_ubatch(ctx) || n_total > (int32_t) llama_n_batch(ctx)) {
+        return -2;
+    }
+    const int32_t n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx)));
+
+    llama_memory_t mem = llama_get_memory(ctx);
+
+    dg_request req;
+    req.exact     = exact;
+    req.sc_logits = sc_logits;
+    req.n_canvas  = n_canvas;
+    req.n_vocab   = n_vocab;
+    req.pos0.resize(n_seqs);
+
+    dg_batch b(n_total);
+    for (int32_t s = 0; s < n_seqs; ++s) {
+        req.pos0[s] = llama_memory_seq_pos_max(mem, s) + 1;
+        for (int32_t k = 0; k < n_canvas; ++k) {
+            b.add(canvases[s * n_canvas + k], req.pos0[s] + k, s, true);
+        }
+    }
+
+    int32_t rc;
+    {
+        dg_call_scope scope(ctx, req, /*causal =*/ false);
+        rc = llama_decode(ctx, b.batch);
+    }
+
+    if (rc == 0) {
+        for (int32_t i = 0; i < n_total; ++i) {
+            const float * logits = llama_get_logits_ith(ctx, i);
+            if (!logits) {
+                rc = -1;
+                break;
+            }
+            std::memcpy(logits_out + (size_t) i * n_vocab, logits, (size_t) n_vocab * sizeof(float));
+        }
+    }
+
+    // the canvas went through the cache only to be attended to: take it out again. Sliding-window
+    // cells it displaced held positions <= pos0 - W, which no later query can see.
+    for (int32_t s = 0; s < n_seqs; ++s) {
+        llama_memory_seq_rm(mem, s, req.pos0[s], -1);
+    }
+    return rc;
+}
