@@ -1,0 +1,264 @@
+"""DiffusionEngine: the block-diffusion loop of Transformers' `DiffusionGemmaGenerationMixin.generate`.
+
+Outer loop, one canvas at a time (at most ceil(max_new_tokens / canvas_length) canvases):
+    initialize a uniform random canvas; denoise it (inner loop); finalize it (end-token padding);
+    stop at an end token, else commit it (encoder pass appending it to the KV cache) and go on.
+Inner loop, cur_step from max_denoising_steps down to 1 (`_denoising_step`):
+    decoder forward (self-conditioned on the previous step's processed logits); temperature,
+    entropy, argmax and multinomial sample per position (native or numpy, see sampler.py);
+    entropy-bound acceptance; renoise; adaptive stop.
+
+The committed canvas is the ARGMAX canvas of the last step. Like the reference, max_new_tokens only
+sets the number of canvases: a canvas is never cut short. Every random draw comes from an RngStream,
+in the reference's order, so a run can be replayed against the reference (tests/test_replay_*).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from dgcli.engine.rng import RngStream
+from dgcli.engine.sampler import (
+    StableAndConfidentStop,
+    StepSampler,
+    count_valid_tokens,
+    entropy_bound_accept_mask,
+    finalize_canvas,
+    first_end_index,
+    make_step_sampler,
+    mean_entropy,
+    renoise_canvas,
+    schedule_temperature,
+)
+from dgcli.engine.types import (
+    CanvasEvent,
+    DgError,
+    DiffusionParams,
+    GenerationResult,
+    InvalidParameter,
+    StepEvent,
+)
+
+EventCallback = Callable[[Any], Any]
+
+# Gemma's <pad>; used when a model object does not say (the reference reads generation_config.pad_token_id)
+GEMMA_PAD_TOKEN_ID = 0
+
+
+class _StopRequested(Exception):
+    """on_event returned False."""
+
+
+@dataclass
+class _LoopState:
+    """Everything generate() has produced so far, so an interruption can still return it."""
+
+    prompt_ids: list[int] = field(default_factory=list)
+    committed: list[np.ndarray] = field(default_factory=list)  # finalized canvases (padded after the end token)
+    current_argmax: np.ndarray | None = None  # the in-progress canvas's argmax after its latest step
+    steps_per_canvas: list[int] = field(default_factory=list)
+    decoder_forwards: int = 0
+    forward_s: float = 0.0
+    sampling_s: float = 0.0
+    prefill_s: float = 0.0
+    found_end: bool = False
+
+
+@dataclass
+class _StepOutcome:
+    canvas: np.ndarray  # the next step's input canvas
+    argmax: np.ndarray
+    accepted_mask: np.ndarray
+    sc_logits: np.ndarray  # processed logits, the next step's self-conditioning input
+    stopped: bool
+    mean_entropy: float
+    forward_s: float
+    sampling_s: float
+
+
+def validate_max_new_tokens(max_new_tokens: Any) -> int:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise InvalidParameter("max_new_tokens", max_new_tokens, "an integer >= 1")
+    return int(max_new_tokens)
+
+
+def _emit(on_event: EventCallback | None, event: Any) -> None:
+    if on_event is not None and on_event(event) is False:
+        raise _StopRequested
+
+
+class DiffusionEngine:
+    """Block-diffusion generation over a DiffusionGemma GGUF (or any object with the step-level API)."""
+
+    def __init__(self, model: str | os.PathLike | Any, n_threads: int | None = None, n_gpu_layers: int = 0,
+                 exact: bool = False, n_ctx: int | None = None, sampler: str = "auto"):
+        if isinstance(model, (str, os.PathLike)):
+            from dgcli.engine.model import DiffusionModel
+
+            self.model = DiffusionModel(os.fspath(model), n_threads=n_threads, n_gpu_layers=n_gpu_layers,
+                                        exact=exact, n_ctx=n_ctx)
+            self._owns_model = True
+        else:
+            self.model = model
+            self._owns_model = False
+        self.step_sampler: StepSampler = make_step_sampler(sampler, n_threads=n_threads)
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._owns_model and hasattr(self.model, "close"):
+            self.model.close()
+
+    def __enter__(self) -> "DiffusionEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def default_params(self) -> DiffusionParams:
+        return getattr(self.model, "default_params", None) or DiffusionParams()
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return getattr(self.model, "pad_token_id", GEMMA_PAD_TOKEN_ID)
+
+    # ---- generate ----------------------------------------------------------------------------------
+
+    def generate(self, prompt: str | Sequence[int], params: DiffusionParams | None = None, max_new_tokens: int = 256,
+                 seed: int | None = None, chat: bool = True, on_event: EventCallback | None = None,
+                 rng: RngStream | None = None) -> GenerationResult:
+        started = time.perf_counter()
+        params = (params or self.default_params).validate()
+        max_new_canvases = math.ceil(validate_max_new_tokens(max_new_tokens) / self.model.canvas_length)
+        state = _LoopState()
+        rng = rng if rng is not None else RngStream(seed)
+        stop_reason = "length"
+        try:
+            state.prompt_ids = self._prepare_prompt(prompt, chat)
+            self._prefill(state)
+            for canvas_index in range(max_new_canvases):
+                argmax_canvas = self._denoise_canvas(canvas_index, params, rng, state, on_event)
+                canvas, state.found_end = finalize_canvas(argmax_canvas, self.model.end_token_ids,
+                                                          self.pad_token_id)
+                state.committed.append(canvas)
+                state.current_argmax = None
+                is_last = state.found_end or canvas_index + 1 == max_new_canvases
+                commit_s = 0.0 if is_last else self._commit_canvas(argmax_canvas)
+                _emit(on_event, CanvasEvent(canvas_index=canvas_index, token_ids=self._trim(canvas),
+                                            steps=state.steps_per_canvas[-1], commit_s=commit_s))
+                if state.found_end:
+                    stop_reason = "end_token"
+                    break
+        except (KeyboardInterrupt, _StopRequested):
+            stop_reason = "interrupted"
+        return self._build_result(state, stop_reason, started)
+
+    # ---- stages ------------------------------------------------------------------------------------
+
+    def _prepare_prompt(self, prompt: str | Sequence[int], chat: bool) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt.strip() and not chat:
+                raise DgError("empty prompt")
+            ids = self.model.chat_prompt(prompt) if chat else self.model.tokenize(prompt, add_bos=True)
+        else:
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.model.vocab_size]
+            if bad:
+                raise DgError(f"prompt token id {bad[0]} outside the vocabulary [0, {self.model.vocab_size})")
+        if not ids:
+            raise DgError("empty prompt: nothing to condition on")
+        return ids
+
+    def _prefill(self, state: _LoopState) -> None:
+        began = time.perf_counter()
+        self.model.reset()
+        self.model.prefill(state.prompt_ids)
+        state.prefill_s = time.perf_counter() - began
+
+    def _commit_canvas(self, argmax_canvas: np.ndarray) -> float:
+        began = time.perf_counter()
+        self.model.commit(argmax_canvas)
+        return time.perf_counter() - began
+
+    def _denoise_canvas(self, canvas_index: int, params: DiffusionParams, rng: RngStream, state: _LoopState,
+                        on_event: EventCallback | None) -> np.ndarray:
+        """The inner loop; returns the argmax canvas of its last step."""
+        canvas = rng.canvas_init(self.model.canvas_length, self.model.vocab_size)
+        stop_rule = StableAndConfidentStop(params.stability_threshold, params.confidence_threshold)
+        sc_logits = None  # no self-conditioning signal on a canvas's first step
+        state.steps_per_canvas.append(0)
+        for step, cur_step in enumerate(range(params.max_denoising_steps, 0, -1), start=1):
+            state.decoder_forwards += 1
+            outcome = self._denoising_step(canvas, sc_logits, cur_step, params, rng, stop_rule)
+            canvas, sc_logits = outcome.canvas, outcome.sc_logits
+            state.current_argmax = outcome.argmax
+            state.steps_per_canvas[-1] = step
+            state.forward_s += outcome.forward_s
+            state.sampling_s += outcome.sampling_s
+            _emit(on_event, StepEvent(
+                canvas_index=canvas_index, step=step, max_steps=params.max_denoising_steps,
+                temperature=float(schedule_temperature(cur_step, params.max_denoising_steps, params.t_min,
+                                                       params.t_max)),
+                argmax_canvas=outcome.argmax.astype(np.int32), accepted_mask=outcome.accepted_mask,
+                n_accepted=int(outcome.accepted_mask.sum()), mean_entropy=outcome.mean_entropy,
+                forward_s=outcome.forward_s, sampling_s=outcome.sampling_s, stopped=outcome.stopped))
+            if outcome.stopped:
+                break
+        return state.current_argmax
+
+    def _denoising_step(self, canvas: np.ndarray, sc_logits: np.ndarray | None, cur_step: int,
+                        params: DiffusionParams, rng: RngStream, stop_rule: StableAndConfidentStop) -> _StepOutcome:
+        """One decoder forward and the sampler rules (reference: `_denoising_step`)."""
+        began = time.perf_counter()
+        logits = self.model.decode_canvas(canvas, sc_logits)
+        forwarded = time.perf_counter()
+        temperature = schedule_temperature(cur_step, params.max_denoising_steps, params.t_min, params.t_max)
+        stats = self.step_sampler.process_logits(logits, temperature, rng.multinomial_uniforms(len(canvas)))
+        accepted = entropy_bound_accept_mask(stats.entropy, params.entropy_bound)
+        next_canvas = renoise_canvas(stats.sampled, accepted, rng.renoise(len(canvas), self.model.vocab_size))
+        stopped = stop_rule(stats.argmax, stats.entropy)
+        return _StepOutcome(canvas=next_canvas, argmax=stats.argmax, accepted_mask=accepted,
+                            sc_logits=stats.processed, stopped=stopped, mean_entropy=mean_entropy(stats.entropy),
+                            forward_s=forwarded - began, sampling_s=time.perf_counter() - forwarded)
+
+    def _trim(self, tokens: np.ndarray) -> list[int]:
+        """Tokens before the first end token (the end token and everything after it dropped)."""
+        end_at = first_end_index(tokens, self.model.end_token_ids)
+        return [int(t) for t in (tokens if end_at is None else tokens[:end_at])]
+
+    def _build_result(self, state: _LoopState, stop_reason: str, started: float) -> GenerationResult:
+        new_tokens: list[int] = []
+        padded: list[np.ndarray] = list(state.committed)
+        for canvas in state.committed:
+            new_tokens.extend(self._trim(canvas))
+            if first_end_index(canvas, self.model.end_token_ids) is not None:
+                break
+        interrupted = stop_reason == "interrupted"
+        if interrupted and state.current_argmax is not None and not state.found_end:
+            partial = self._trim(state.current_argmax)
+            new_tokens.extend(partial)
+            padded.append(np.asarray(partial, dtype=np.int64))
+        valid = count_valid_tokens(np.concatenate(padded) if padded else np.zeros(0, np.int64), self.pad_token_id)
+        forwards = state.decoder_forwards
+        return GenerationResult(
+            mode="diffusion",
+            text=self.model.detokenize(new_tokens),
+            token_ids=new_tokens,
+            n_prompt_tokens=len(state.prompt_ids),
+            steps_per_canvas=list(state.steps_per_canvas),
+            decoder_forwards=forwards,
+            tokens_per_forward=valid / forwards if forwards else 0.0,
+            prefill_s=state.prefill_s,
+            total_s=time.perf_counter() - started,
+            forward_s=state.forward_s,
+            sampling_s=state.sampling_s,
+            stop_reason=stop_reason,
+            interrupted=interrupted,
+        )
