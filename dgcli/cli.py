@@ -107,7 +107,7 @@ def _download_with_progress(resolved: ResolvedModel) -> Path:
             return hub.download(resolved.repo, resolved.filename, approx_size=resolved.approx_size_bytes,
                                 on_progress=on_progress)
         except KeyboardInterrupt:
-            raise DgError(f"download interrupted; run `dg pull {resolved.display_name}` again to resume") from None
+            raise DgError(f"download interrupted (partial file removed); run `dg pull {resolved.display_name}` to start again") from None
 
 
 def ensure_local(resolved: ResolvedModel, *, yes: bool) -> Path:
@@ -697,18 +697,14 @@ def bench(
 def convert(
     hf_dir: Path = typer.Argument(..., help="A Hugging Face DiffusionGemma checkpoint directory."),
     out: Path = typer.Argument(..., help="The GGUF file to write."),
-    outtype: str = typer.Option("f16", "--outtype", help="f32, f16, bf16 or q8_0."),
+    outtype: str = typer.Option("bf16", "--outtype", help="f32, f16, bf16 or q8_0."),
+    ar_twin: Optional[Path] = typer.Option(None, "--ar-twin", help="Also write the AR (gemma4) twin of the same weights here."),
 ) -> None:
     """Convert a Hugging Face DiffusionGemma checkpoint to a GGUF in the published layout."""
     with user_errors():
-        if outtype not in ("f32", "f16", "bf16", "q8_0"):
-            raise DgError(f"invalid --outtype {outtype!r}: must be one of f32, f16, bf16, q8_0")
-        if not hf_dir.is_dir():
-            raise DgError(f"not a directory: {hf_dir}")
         from dgcli.convert import convert_main
 
-        written = convert_main(hf_dir, out, outtype=outtype)
-        typer.echo(f"wrote {written or out}")
+        convert_main(hf_dir, out, outtype=outtype, ar_twin=ar_twin, echo=typer.echo)
 
 
 def main() -> None:

@@ -1,8 +1,10 @@
 """`dg pull`: download registry models with huggingface-hub into its cache.
 
-huggingface-hub writes to `blobs/<etag>.incomplete` and only links the file into
-`snapshots/<commit>/` once it is complete, so `cached_path` (which reads the snapshot) never
-returns a partial file, and a re-run resumes from the `.incomplete` bytes.
+huggingface-hub (2.x) downloads into a process-unique `blobs/<etag>.<id>.incomplete` file, resumes
+it with Range requests when the connection drops mid-transfer, deletes it when the download fails
+or is interrupted, and only links the file into `snapshots/<commit>/` once complete. `cached_path`
+reads the snapshot, so a partial file is never loaded. (Older huggingface-hub versions kept
+`<etag>.incomplete` across runs and resumed it; 2.x starts over after Ctrl-C.)
 """
 
 from __future__ import annotations
@@ -52,12 +54,10 @@ def _repo_cache_folder(repo: str) -> Path:
     return cache_dir() / ("models--" + repo.replace("/", "--"))
 
 
-def incomplete_bytes(repo: str) -> int:
-    """Bytes already downloaded into `.incomplete` blobs of this repo (resumable)."""
+def incomplete_files(repo: str) -> list[Path]:
+    """Partial downloads of this repo left in the cache (never loaded; removed by `dg pull`)."""
     blobs = _repo_cache_folder(repo) / "blobs"
-    if not blobs.is_dir():
-        return 0
-    return sum(p.stat().st_size for p in blobs.glob("*.incomplete"))
+    return sorted(blobs.glob("*.incomplete")) if blobs.is_dir() else []
 
 
 @dataclass(frozen=True)
@@ -77,13 +77,13 @@ def _translate(err: BaseException, repo: str, filename: str) -> HubError:
         return HubError(f"repository not found on the Hub: {repo} (or it is private and you are not logged in)")
     if isinstance(err, errors.RevisionNotFoundError):
         return HubError(f"revision not found in {repo}")
-    if isinstance(err, (errors.EntryNotFoundError, getattr(errors, "RemoteEntryNotFoundError", ()))):
-        return HubError(f"file {filename} not found in {repo}")
     if isinstance(err, (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled)):
         return HubError(
             f"cannot reach the Hugging Face Hub ({hub_endpoint() or 'huggingface.co'}) to fetch {repo}/{filename}; "
             "check your connection (or HF_ENDPOINT / HF_HUB_OFFLINE)"
         )
+    if isinstance(err, (errors.EntryNotFoundError, getattr(errors, "RemoteEntryNotFoundError", ()))):
+        return HubError(f"file {filename} not found in {repo}")
     if isinstance(err, errors.HfHubHTTPError):
         status = getattr(getattr(err, "response", None), "status_code", None)
         return HubError(f"the Hub answered HTTP {status} for {repo}/{filename}")
@@ -161,7 +161,8 @@ def download(
     """Download one file into the huggingface-hub cache (resuming a partial one) and return its path.
 
     Checks free disk space first, against the Hub's size for the file (the registry's approximate
-    size only if the Hub gave none), minus what a previous interrupted run already fetched.
+    size only if the Hub gave none). Partial files left by an older huggingface-hub are removed
+    first: this version cannot resume them, and they would only hold disk space.
     """
     from huggingface_hub import hf_hub_download
 
@@ -174,8 +175,10 @@ def download(
     remote = remote_file(repo, filename)
     size = remote.size or approx_size
     target = cache_dir()
+    for stale in incomplete_files(repo):
+        stale.unlink(missing_ok=True)
     if size:
-        check_free_disk(max(size - incomplete_bytes(repo), 0), target, filename)
+        check_free_disk(size, target, filename)
 
     tqdm_class = None
     if on_progress is not None:

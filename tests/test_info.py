@@ -1,0 +1,100 @@
+"""dg info: GGUF inspection without llama.cpp, and the pre-flight checks on bad files."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+
+from dgcli import info
+from dgcli.engine.types import ModelLoadError
+from dgcli.tiny import write_tiny_random_gguf
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    return (write_tiny_random_gguf(d / "diff.gguf", seed=1),
+            write_tiny_random_gguf(d / "ar.gguf", seed=1, arch="gemma4"),
+            write_tiny_random_gguf(d / "q8.gguf", seed=1, outtype="q8_0"))
+
+
+def test_reads_architecture_params_canvas_and_sampler_defaults(tiny_models):
+    diff, ar, _ = tiny_models
+    meta = info.read_info(diff)
+    assert meta.architecture == "diffusion-gemma" and meta.is_diffusion
+    assert meta.canvas_length == 16
+    assert meta.vocab_size == 500 and meta.block_count == 6 and meta.context_length == 4096
+    assert meta.file_size == Path(diff).stat().st_size
+    assert meta.parameter_count == sum(t.parameters for t in meta.tensor_types) > 0
+    assert set(meta.sampler_defaults) == {"max_denoising_steps", "t_min", "t_max", "entropy_bound",
+                                          "stability_threshold", "confidence_threshold"}
+    assert meta.sampler_defaults["t_min"] < meta.sampler_defaults["t_max"]
+    assert meta.has_chat_template
+    ar_meta = info.read_info(ar)
+    assert ar_meta.architecture == "gemma4" and not ar_meta.is_diffusion
+    assert ar_meta.sampler_defaults == {} and ar_meta.canvas_length is None
+
+
+def test_sampler_defaults_from_file_round_to_what_was_written(tmp_path):
+    import gguf
+    import numpy as np
+
+    p = tmp_path / "s.gguf"
+    w = gguf.GGUFWriter(str(p), "diffusion-gemma")
+    w.add_uint32("diffusion.canvas_length", 8)
+    w.add_float32("diffusion.eb_t_min", 0.3)
+    w.add_uint32("diffusion.eb_max_steps", 12)
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    meta = info.read_info(p)
+    assert meta.sampler_defaults["t_min"] == 0.3 and meta.sampler_defaults_source["t_min"] == "gguf"
+    assert meta.sampler_defaults["max_denoising_steps"] == 12
+    assert meta.sampler_defaults["t_max"] == 0.8 and meta.sampler_defaults_source["t_max"] == "default"
+
+
+def test_quant_histogram_names_the_weight_type(tiny_models):
+    _, _, q8 = tiny_models
+    meta = info.read_info(q8)
+    assert meta.file_type == "Q8_0"
+    types = {t.type: t for t in meta.tensor_types}
+    assert "Q8_0" in types and "F32" in types  # norms stay F32
+    assert sum(t.tensors for t in meta.tensor_types) == meta.tensor_count
+
+
+def test_missing_not_gguf_and_truncated_files(tmp_path, tiny_models):
+    with pytest.raises(ModelLoadError, match="model file not found"):
+        info.read_info(tmp_path / "nope.gguf")
+    text = tmp_path / "notes.gguf"
+    text.write_text("hello, not a model")
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        info.read_info(text)
+    data = Path(tiny_models[0]).read_bytes()
+    for cut in (100, len(data) // 2, len(data) - 10):
+        trunc = tmp_path / f"trunc{cut}.gguf"
+        trunc.write_bytes(data[:cut])
+        with pytest.raises(ModelLoadError, match="truncated"):
+            info.read_info(trunc)
+
+
+def test_architecture_check(tiny_models):
+    diff, ar, _ = tiny_models
+    assert info.check_architecture(diff, diffusion=True, command="generate") == "diffusion-gemma"
+    with pytest.raises(ModelLoadError, match="'gemma4' model, not a DiffusionGemma"):
+        info.check_architecture(ar, diffusion=True, command="generate")
+    with pytest.raises(ModelLoadError, match="is a diffusion model"):
+        info.check_architecture(diff, diffusion=False, command="compare")
+
+
+def test_memory_fit(tiny_models, monkeypatch):
+    diff = tiny_models[0]
+    VM = namedtuple("VM", "total available")
+    monkeypatch.setattr("psutil.virtual_memory", lambda: VM(64 * 1024**3, 32 * 1024**3))
+    info.check_fits_memory(diff)
+    assert info.read_info(diff).fits_ram
+    monkeypatch.setattr("psutil.virtual_memory", lambda: VM(1024**2, 1024**2))
+    with pytest.raises(info.TooBigForMemory, match=r"needs about .* of RAM but this machine has 1.0 MB"):
+        info.check_fits_memory(diff)
+    assert not info.read_info(diff).fits_ram
+    info.check_fits_memory(diff, n_gpu_layers=-1)  # offloaded: not a RAM question
