@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""What one native forward costs, on a synthetic model with the real vocabulary and hidden size.
+
+    .venv/bin/python benchmarks/native_costs.py [--layers 1] [--quant q8_0] [--experts 128]
+                                                [--reps 3] [--threads N] [--batch 1,2] [--json]
+
+Writes (once, cached under ~/.cache/dg/bench) a random diffusion-gemma GGUF with vocab 262144 and
+hidden 2816 but only `--layers` layers, and its AR gemma4 twin (same weights), then times, as
+medians of `--reps`:
+  decoder forward   one 256-token canvas, first step (no self-conditioning)
+  decoder + sc      the same with previous logits (adds softmax(logits) @ E: ~190 G multiply-adds)
+  encoder commit    256 tokens appended to the cache (logits of the last token only)
+  AR token decode   one token on the gemma4 twin
+and, with --batch, n canvases as n sequences in one decoder forward.
+
+With few layers the vocabulary-sized matrices dominate (the LM head over 256 positions and the
+self-conditioning product), so the ratios here are an upper bound of the real model's overhead
+from those two; the per-layer cost scales with --layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dgcli.engine.types import DgError  # noqa: E402
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("DG_CACHE_DIR")
+    return (Path(base) if base else Path.home() / ".cache" / "dg") / "bench"
+
+
+def synthetic_pair(layers: int, quant: str, experts: int) -> tuple[Path, Path]:
+    from dgcli.tiny import write_synthetic_gguf
+
+    d = cache_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    stem = f"synthetic-v262144-h2816-l{layers}-e{experts}-{quant}"
+    paths = []
+    for arch in ("diffusion-gemma", "gemma4"):
+        path = d / f"{stem}-{arch}.gguf"
+        if not path.exists():
+            tmp = path.with_suffix(".partial")
+            write_synthetic_gguf(tmp, n_layer=layers, outtype=quant, arch=arch, num_experts=experts,
+                                 top_k_experts=min(8, experts))
+            tmp.replace(path)
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def median_time(fn, reps: int, setup=None) -> float:
+    times = []
+    for _ in range(reps):
+        if setup:
+            setup()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--quant", default="q8_0", choices=["q8_0", "f16"])
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--batch", default="", help="comma-separated canvases per forward, e.g. 1,2,4")
+    parser.add_argument("--prompt", type=int, default=64, help="prompt tokens before the canvas")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+
+    from dgcli.engine.model import ArModel, DiffusionModel
+
+    try:
+        batches = [int(b) for b in args.batch.split(",") if b.strip()]
+        t0 = time.perf_counter()
+        diff_path, ar_path = synthetic_pair(args.layers, args.quant, args.experts)
+        write_s = time.perf_counter() - t0
+        rng = np.random.default_rng(0)
+        n_seq = max([1, *batches])
+        results: dict[str, float] = {}
+        with DiffusionModel(diff_path, n_threads=args.threads, n_ctx=2048, n_seq_max=n_seq) as m:
+            C, V = m.canvas_length, m.vocab_size
+            prompt = [int(t) for t in rng.integers(200, 400, args.prompt)]
+            canvas = [int(t) for t in rng.integers(0, V, C)]
+            sc = rng.standard_normal((C, V), dtype=np.float32)
+
+            def fresh():
+                m.reset()
+                m.prefill(prompt)
+
+            fresh()
+            m.decode_canvas(canvas)  # warm-up: page in the weights, size the buffers
+            results["decoder forward (256 canvas)"] = median_time(lambda: m.decode_canvas(canvas), args.reps)
+            results["decoder forward + self-cond"] = median_time(lambda: m.decode_canvas(canvas, sc), args.reps)
+            results["encoder commit (256 tokens)"] = median_time(lambda: m.commit(canvas), args.reps, setup=fresh)
+            for n in batches:
+                fresh()
+                canvases = np.array([[int(t) for t in rng.integers(0, V, C)] for _ in range(n)])
+                results[f"decoder batch of {n} canvases"] = median_time(lambda: m.decode_canvases(canvases), args.reps)
+        with ArModel(ar_path, n_threads=args.threads, n_ctx=2048) as ar:
+            ar.prefill(prompt)
+            token = iter(rng.integers(200, 400, 10_000).tolist())
+            ar.decode_token(next(token))
+            results["AR token decode"] = median_time(lambda: ar.decode_token(next(token)), max(args.reps, 5))
+    except DgError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+
+    ar_s = results["AR token decode"]
+    meta = dict(layers=args.layers, quant=args.quant, experts=args.experts, vocab=262144, hidden=2816, canvas=256,
+                prompt=args.prompt, threads=args.threads or os.cpu_count(), reps=args.reps, file_write_s=round(write_s, 1))
+    if args.json:
+        print(json.dumps({"config": meta, "seconds": results,
+                          "ratio_to_ar_decode": {k: v / ar_s for k, v in results.items()}}, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"native costs: {args.layers} layer(s), {args.quant}, {args.experts} experts, "
+                        f"vocab 262144, hidden 2816 (median of {args.reps})")
+    table.add_column("forward")
+    table.add_column("seconds", justify="right")
+    table.add_column("x AR token", justify="right")
+    for name, secs in results.items():
+        table.add_row(name, f"{secs:.3f}", f"{secs / ar_s:.1f}")
+    Console().print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

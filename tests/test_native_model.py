@@ -1,0 +1,257 @@
+"""The native diffusion-gemma architecture against the Transformers reference.
+
+Tiny random model (dgcli.reference: every tensor randomized, encoder and decoder layer scalars
+different, norms / router scale / per-expert scale away from 1): 6 layers (4 sliding with window 8,
+2 full with their own head dim and V = K), 4 experts top-2, canvas 16.
+
+Tolerances (max |logit difference| over the whole [C, V] canvas; logits are softcapped, |x| < 30):
+- EXACT_TOL, exact mode on F32 weights (F32 KV cache, no flash attention, F32 GELU): what is left
+  is float32 rounding in a different summation order (matmul blocking, softmax, out_prod). Measured
+  ~1e-5 on this model; 1e-4 leaves headroom for other CPUs / thread counts and is still more than
+  1000x below the smallest error a wrong computation produces here (`test_tolerance_discriminates`).
+- DEFAULT_TOL, default mode: F16 KV cache (K and V rounded to 11 bits) and ggml's GELU from an F16
+  lookup table, both ~1e-3 relative per element, compounded over 6 layers; measured ~5e-3.
+- quantized files: F16 weights ~1e-3 relative, Q8_0 ~4e-3 relative per weight (an 8-bit value with
+  a block scale); measured max errors below in `test_quantized_files_*`.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from tests.native_helpers import requires_native
+
+pytestmark = requires_native
+
+EXACT_TOL = 1e-4
+DEFAULT_TOL = 2e-2
+F16_TOL = 5e-2
+Q8_TOL = 2.5e-1
+
+# a prompt longer than the sliding window (8) and than a 16-token micro-batch
+PROMPT = [2, 105, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 106, 107, 105, 60,
+          61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74]
+
+
+def _canvas(seed: int, vocab: int, length: int = 16) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(0, vocab, length)]
+
+
+def _sc_logits(seed: int, length: int, vocab: int) -> np.ndarray:
+    # peaked enough that soft embeddings differ clearly from a uniform mixture
+    return (np.random.default_rng(seed).standard_normal((length, vocab)) * 4.0).astype(np.float32)
+
+
+def _maxdiff(a: np.ndarray, b: np.ndarray) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))))
+
+
+@pytest.fixture(scope="module")
+def vocab_size(reference_model):
+    return reference_model.config.get_text_config().vocab_size
+
+
+@pytest.fixture(scope="module")
+def exact_model(reference_gguf):
+    from dgcli.engine.model import DiffusionModel
+
+    with DiffusionModel(reference_gguf, n_threads=2, exact=True, n_ctx=256, n_ubatch=16) as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def scenario(reference_model, vocab_size):
+    """Reference logits for: canvas A after the prompt (no self-conditioning), canvas A with given
+    previous logits, and canvas B after committing canvas A (second canvas)."""
+    from dgcli.reference import ReferenceRunner
+
+    canvas_a, canvas_b = _canvas(1, vocab_size), _canvas(2, vocab_size)
+    sc = _sc_logits(3, len(canvas_a), vocab_size)
+    ref = ReferenceRunner(reference_model)
+    ref.prefill(PROMPT)
+    first = ref.decode_canvas(canvas_a)
+    self_cond = ref.decode_canvas(canvas_a, sc)
+    ref.commit(canvas_a)
+    second = ref.decode_canvas(canvas_b, sc)
+    return dict(canvas_a=canvas_a, canvas_b=canvas_b, sc=sc, first=first, self_cond=self_cond, second=second)
+
+
+def _run_native(m, s) -> dict[str, np.ndarray]:
+    m.reset()
+    m.prefill(PROMPT)
+    out = dict(first=m.decode_canvas(s["canvas_a"]), self_cond=m.decode_canvas(s["canvas_a"], s["sc"]))
+    m.commit(s["canvas_a"])
+    out["second"] = m.decode_canvas(s["canvas_b"], s["sc"])
+    return out
+
+
+def test_exact_mode_matches_reference(exact_model, scenario):
+    got = _run_native(exact_model, scenario)
+    for key in ("first", "self_cond", "second"):
+        diff = _maxdiff(got[key], scenario[key])
+        print(f"exact {key}: max |diff| = {diff:.3e}")
+        assert diff < EXACT_TOL, f"{key}: {diff}"
+    assert exact_model.n_past == len(PROMPT) + len(scenario["canvas_a"])
+
+
+def test_default_mode_matches_reference_loosely(reference_gguf, scenario):
+    from dgcli.engine.model import DiffusionModel
+
+    with DiffusionModel(reference_gguf, n_threads=2, n_ctx=256) as m:
+        got = _run_native(m, scenario)
+    for key in ("first", "self_cond", "second"):
+        diff = _maxdiff(got[key], scenario[key])
+        print(f"default {key}: max |diff| = {diff:.3e}")
+        assert diff < DEFAULT_TOL, f"{key}: {diff}"
+
+
+def test_tolerance_discriminates(exact_model, reference_model, scenario, vocab_size):
+    """Plausible mistakes land far outside EXACT_TOL: the encoder scalar used in one decoder layer,
+    a context shifted by one token, a sliding layer seeing one cached token too many, no
+    self-conditioning."""
+    from dgcli.reference import ReferenceRunner
+
+    got = _run_native(exact_model, scenario)
+
+    swapped = copy.deepcopy(reference_model)
+    layer = swapped.model.decoder.layers[1]
+    layer.layer_scalar.copy_(swapped.model.encoder.language_model.layers[1].layer_scalar)
+    ref = ReferenceRunner(swapped)
+    ref.prefill(PROMPT)
+    assert _maxdiff(got["first"], ref.decode_canvas(scenario["canvas_a"])) > 100 * EXACT_TOL
+
+    shifted = ReferenceRunner(reference_model)
+    shifted.prefill(PROMPT[1:])
+    assert _maxdiff(got["first"], shifted.decode_canvas(scenario["canvas_a"])) > 100 * EXACT_TOL
+
+    # the cached token just outside the sliding window (position n_past - W) only reaches the
+    # canvas through full layers; changing it must still move the logits, and by far less than a
+    # change inside the window (sanity of the window boundary)
+    window = reference_model.config.get_text_config().sliding_window
+    inside, outside = list(PROMPT), list(PROMPT)
+    inside[-1] = (inside[-1] + 1) % vocab_size
+    outside[-window] = (outside[-window] + 1) % vocab_size
+    for changed in (inside, outside):
+        r = ReferenceRunner(reference_model)
+        r.prefill(changed)
+        assert _maxdiff(got["first"], r.decode_canvas(scenario["canvas_a"])) > 10 * EXACT_TOL
+
+    assert _maxdiff(got["first"], got["self_cond"]) > 100 * EXACT_TOL
+
+
+def test_sliding_window_boundary(reference_model, reference_gguf, vocab_size):
+    """Contexts of W-1, W, W+1 and 2W+3 tokens: every canvas query must see the same last W-1 cached
+    tokens on sliding layers (llama.cpp's per-query SWA mask would show later queries fewer)."""
+    from dgcli.engine.model import DiffusionModel
+    from dgcli.reference import ReferenceRunner
+
+    window = reference_model.config.get_text_config().sliding_window
+    canvas = _canvas(7, vocab_size)
+    with DiffusionModel(reference_gguf, n_threads=2, exact=True, n_ctx=128, n_ubatch=16) as m:
+        for n_ctx_tokens in (window - 1, window, window + 1, 2 * window + 3):
+            prompt = PROMPT[:n_ctx_tokens]
+            m.reset()
+            m.prefill(prompt)
+            ref = ReferenceRunner(reference_model)
+            ref.prefill(prompt)
+            diff = _maxdiff(m.decode_canvas(canvas), ref.decode_canvas(canvas))
+            assert diff < EXACT_TOL, f"context {n_ctx_tokens}: {diff}"
+
+
+def test_decode_leaves_cache_unchanged(exact_model, scenario):
+    m, s = exact_model, scenario
+    m.reset()
+    m.prefill(PROMPT)
+    once = m.decode_canvas(s["canvas_a"], s["sc"])
+    twice = m.decode_canvas(s["canvas_a"], s["sc"])
+    assert m.n_past == len(PROMPT)
+    assert _maxdiff(once, twice) <= 1e-6
+
+    # commit after a decode == commit without one
+    m.commit(s["canvas_a"])
+    after_decode = m.decode_canvas(s["canvas_b"], s["sc"])
+    m.reset()
+    m.prefill(PROMPT)
+    m.commit(s["canvas_a"])
+    without = m.decode_canvas(s["canvas_b"], s["sc"])
+    assert _maxdiff(after_decode, without) <= 1e-6
+    assert _maxdiff(without, s["second"]) < EXACT_TOL
+
+
+def test_many_decodes_do_not_evict_needed_window(exact_model, scenario, reference_model, vocab_size):
+    """Sliding-window cells displaced by canvases must be ones no later query can see: after many
+    decode/commit rounds in a small SWA cache the logits still match the reference."""
+    from dgcli.reference import ReferenceRunner
+
+    m = exact_model
+    m.reset()
+    m.prefill(PROMPT)
+    ref = ReferenceRunner(reference_model)
+    ref.prefill(PROMPT)
+    for round_ in range(4):
+        canvas = _canvas(100 + round_, vocab_size)
+        for _ in range(3):
+            got = m.decode_canvas(canvas)
+        assert _maxdiff(got, ref.decode_canvas(canvas)) < EXACT_TOL
+        m.commit(canvas)
+        ref.commit(canvas)
+
+
+def test_batched_canvases_equal_single(reference_gguf, scenario):
+    from dgcli.engine.model import DiffusionModel
+
+    s = scenario
+    with DiffusionModel(reference_gguf, n_threads=2, exact=True, n_ctx=256, n_seq_max=2) as m:
+        m.prefill(PROMPT)
+        both = m.decode_canvases(np.array([s["canvas_a"], s["canvas_b"]]), np.stack([s["sc"], s["sc"]]))
+        single_b = m.decode_canvas(s["canvas_b"], s["sc"])
+        single_a = m.decode_canvas(s["canvas_a"], s["sc"])
+    assert _maxdiff(both[0], single_a) < EXACT_TOL
+    assert _maxdiff(both[1], single_b) < EXACT_TOL
+    assert _maxdiff(both[0], s["self_cond"]) < EXACT_TOL
+
+
+def test_encoder_logits_match_reference_causal(exact_model, reference_model):
+    from dgcli.reference import reference_causal_logits
+
+    ref = reference_causal_logits(reference_model, PROMPT)
+    exact_model.reset()
+    last = exact_model.prefill(PROMPT, return_logits=True)
+    assert _maxdiff(last, ref[-1]) < EXACT_TOL
+
+
+def test_ar_twin_matches_reference_encoder(reference_ar_gguf, reference_model):
+    from dgcli.engine.model import ArModel
+    from dgcli.reference import reference_causal_logits
+
+    ref = reference_causal_logits(reference_model, PROMPT)
+    with ArModel(reference_ar_gguf, n_threads=2, n_ctx=128) as ar:
+        logits = ar.prefill(PROMPT[:20])
+        # default mode (F16 cache, table GELU)
+        assert _maxdiff(logits, ref[19]) < DEFAULT_TOL
+        for i in range(20, 24):
+            logits = ar.decode_token(PROMPT[i])
+            assert _maxdiff(logits, ref[i]) < DEFAULT_TOL
+        assert int(np.argmax(logits)) == int(np.argmax(ref[23]))
+        ar.reset()
+        assert _maxdiff(ar.prefill(PROMPT[:5]), ref[4]) < DEFAULT_TOL
+
+
+@pytest.mark.parametrize("outtype,tol", [("f16", F16_TOL), ("q8_0", Q8_TOL)])
+def test_quantized_files_load_and_agree(outtype, tol, reference_checkpoint, scenario, tmp_path):
+    from dgcli.convert import convert_checkpoint
+    from dgcli.engine.model import DiffusionModel
+
+    path = convert_checkpoint(reference_checkpoint, tmp_path / f"ref-{outtype}.gguf", outtype)
+    with DiffusionModel(path, n_threads=2, exact=True, n_ctx=256) as m:
+        got = _run_native(m, scenario)
+    for key in ("first", "self_cond", "second"):
+        diff = _maxdiff(got[key], scenario[key])
+        print(f"{outtype} {key}: max |diff| = {diff:.3e}")
+        assert diff < tol
+        # ... but a quantized file is not bit-identical to the F32 one
+        assert diff > EXACT_TOL
