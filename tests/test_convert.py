@@ -1,0 +1,435 @@
+"""The converter: HF DiffusionGemma checkpoint -> GGUF in the published layout, and the AR gemma4 twin."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from dgcli.convert import convert_checkpoint, convert_main, params_from_hf_config
+from dgcli.engine.types import DgError, DiffusionParams
+HAVE_TORCH = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("transformers") is not None
+needs_torch = pytest.mark.skipif(not HAVE_TORCH, reason="torch/transformers not installed (the reference model needs them)")
+
+# The reference doc's key list for the published layout ("A tiny checkpoint converted by the
+# published converter has exactly these keys"), plus the chat template the tokenizer carries.
+ARCH_KEYS = [
+    "block_count", "context_length", "embedding_length", "feed_forward_length", "expert_feed_forward_length",
+    "expert_count", "expert_used_count", "attention.head_count", "attention.head_count_kv",
+    "attention.key_length", "attention.value_length", "attention.key_length_swa", "attention.value_length_swa",
+    "attention.sliding_window", "attention.sliding_window_pattern", "attention.shared_kv_layers",
+    "embedding_length_per_layer_input", "attention.layer_norm_rms_epsilon", "rope.freq_base",
+    "rope.freq_base_swa", "rope.dimension_count", "rope.dimension_count_swa", "final_logit_softcapping",
+]
+DIFFUSION_KEYS = ["diffusion.canvas_length", "diffusion.eb_max_steps", "diffusion.eb_t_min", "diffusion.eb_t_max",
+                  "diffusion.eb_entropy_bound", "diffusion.eb_stability_threshold",
+                  "diffusion.eb_confidence_threshold"]
+TOKENIZER_KEYS = ["tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.scores",
+                  "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id",
+                  "tokenizer.ggml.eos_token_id", "tokenizer.ggml.unknown_token_id",
+                  "tokenizer.ggml.padding_token_id", "tokenizer.ggml.mask_token_id",
+                  "tokenizer.ggml.add_space_prefix", "tokenizer.ggml.add_bos_token", "tokenizer.chat_template"]
+PER_LAYER = ["attn_norm", "attn_q", "attn_k", "attn_q_norm", "attn_k_norm", "attn_output", "post_attention_norm",
+             "ffn_norm", "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm_1", "pre_ffw_norm_2", "ffn_gate_inp",
+             "ffn_gate_up_exps", "ffn_down_exps", "post_ffw_norm_2", "post_ffw_norm", "layer_output_scale",
+             "enc_layer_output_scale"]
+
+
+def _reader(path):
+    from gguf import GGUFReader
+
+    return GGUFReader(path)
+
+
+def _fields(path) -> dict:
+    r = _reader(path)
+    return {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
+
+
+def _tensors(path) -> dict[str, np.ndarray]:
+    """name -> float32 numpy array in the HF orientation (ggml ne reversed), dequantized."""
+    from gguf.quants import dequantize
+
+    out = {}
+    for t in _reader(path).tensors:
+        shape = tuple(int(x) for x in reversed(t.shape))
+        out[t.name] = dequantize(np.array(t.data), t.tensor_type).astype(np.float32).reshape(shape)
+    return out
+
+
+def _expected_tensors(model) -> dict[str, np.ndarray]:
+    """Each GGUF tensor as read straight off the Transformers modules (independent of the converter)."""
+    text = model.config.get_text_config()
+    dec = model.model.decoder
+    enc = model.model.encoder.language_model
+    t = lambda x: x.detach().float().numpy()  # noqa: E731
+    inv_freq = model.model.decoder.rotary_emb.full_attention_inv_freq
+    out = {
+        "token_embd.weight": t(dec.embed_tokens.weight),
+        "output_norm.weight": t(dec.norm.weight),
+        "rope_freqs.weight": np.where(t(inv_freq) > 0, 1.0, 1e30).astype(np.float32),
+        "self_cond_pre_norm.weight": t(dec.self_conditioning.pre_norm.weight),
+        "self_cond_gate.weight": t(dec.self_conditioning.gate_proj.weight),
+        "self_cond_up.weight": t(dec.self_conditioning.up_proj.weight),
+        "self_cond_down.weight": t(dec.self_conditioning.down_proj.weight),
+    }
+    for i, layer in enumerate(dec.layers):
+        a = layer.self_attn
+        p = f"blk.{i}."
+        out.update({
+            p + "attn_norm.weight": t(layer.input_layernorm.weight),
+            p + "attn_q.weight": t(a.q_proj.weight),
+            p + "attn_k.weight": t(a.k_proj.weight),
+            p + "attn_q_norm.weight": t(a.q_norm.weight),
+            p + "attn_k_norm.weight": t(a.k_norm.weight),
+            p + "attn_output.weight": t(a.o_proj.weight),
+            p + "post_attention_norm.weight": t(layer.post_attention_layernorm.weight),
+            p + "ffn_norm.weight": t(layer.pre_feedforward_layernorm.weight),
+            p + "ffn_gate.weight": t(layer.mlp.gate_proj.weight),
+            p + "ffn_up.weight": t(layer.mlp.up_proj.weight),
+            p + "ffn_down.weight": t(layer.mlp.down_proj.weight),
+            p + "post_ffw_norm_1.weight": t(layer.post_feedforward_layernorm_1.weight),
+            p + "pre_ffw_norm_2.weight": t(layer.pre_feedforward_layernorm_2.weight),
+            p + "ffn_gate_inp.weight": t(layer.router.proj.weight),
+            p + "ffn_gate_inp.scale": t(layer.router.scale),
+            p + "ffn_gate_up_exps.weight": t(layer.experts.gate_up_proj),
+            p + "ffn_down_exps.weight": t(layer.experts.down_proj),
+            p + "ffn_down_exps.scale": t(layer.router.per_expert_scale),
+            p + "post_ffw_norm_2.weight": t(layer.post_feedforward_layernorm_2.weight),
+            p + "post_ffw_norm.weight": t(layer.post_feedforward_layernorm.weight),
+            p + "layer_output_scale.weight": t(layer.layer_scalar),
+            p + "enc_layer_output_scale.weight": t(enc.layers[i].layer_scalar),
+        })
+        if text.layer_types[i] == "sliding_attention":
+            out[p + "attn_v.weight"] = t(a.v_proj.weight)
+    return out
+
+
+def _sha(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# -- the published layout ---------------------------------------------------------------------
+
+
+@needs_torch
+def test_every_tensor_equals_the_checkpoint(reference_model, reference_gguf):
+    got = _tensors(reference_gguf)
+    expected = _expected_tensors(reference_model)
+    assert sorted(got) == sorted(expected)
+    for name, value in expected.items():
+        assert got[name].shape == value.shape, name
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+@needs_torch
+def test_layer_scalars_are_split_and_ties_hold(reference_model, reference_gguf):
+    from dgcli.reference import check_ties
+
+    check_ties(reference_model)
+    got = _tensors(reference_gguf)
+    for i in range(6):
+        assert got[f"blk.{i}.layer_output_scale.weight"] != got[f"blk.{i}.enc_layer_output_scale.weight"]
+
+
+@needs_torch
+def test_tensor_set_per_layer(reference_gguf):
+    names = set(_tensors(reference_gguf))
+    for i, sliding in enumerate([True, True, False, True, True, False]):
+        for role in PER_LAYER:
+            assert any(n.startswith(f"blk.{i}.{role}.") for n in names), (i, role)
+        assert (f"blk.{i}.attn_v.weight" in names) == sliding  # full layers are k_eq_v
+        assert f"blk.{i}.ffn_gate_inp.scale" in names and f"blk.{i}.ffn_down_exps.scale" in names
+    assert "output.weight" not in names  # the LM head is tied to token_embd
+    assert not any("vision" in n for n in names)
+
+
+@needs_torch
+def test_ggml_shapes_follow_the_gemma4_loader(reference_gguf):
+    # ggml ne order, as src/models/gemma4.cpp creates them (n_embd 64, vocab 500, 2 heads, ...)
+    shapes = {t.name: [int(x) for x in t.shape] for t in _reader(reference_gguf).tensors}
+    assert shapes["token_embd.weight"] == [64, 500]
+    assert shapes["rope_freqs.weight"] == [16]
+    assert shapes["blk.0.attn_q.weight"] == [64, 2 * 16]
+    assert shapes["blk.2.attn_q.weight"] == [64, 2 * 32]
+    assert shapes["blk.2.attn_k.weight"] == [64, 1 * 32]
+    assert shapes["blk.2.attn_output.weight"] == [2 * 32, 64]
+    assert shapes["blk.0.ffn_gate_inp.weight"] == [64, 4]
+    assert shapes["blk.0.ffn_gate_up_exps.weight"] == [64, 2 * 32, 4]
+    assert shapes["blk.0.ffn_down_exps.weight"] == [32, 64, 4]
+    assert shapes["blk.0.ffn_down_exps.scale"] == [4]
+    assert shapes["blk.0.layer_output_scale.weight"] == [1]
+
+
+@needs_torch
+def test_key_set_and_values(reference_model, reference_gguf, tiny_vocab_obj):
+    fields = _fields(reference_gguf)
+    arch = "diffusion-gemma"
+    expected_keys = {"general.architecture", f"{arch}.attention.causal"} | {f"{arch}.{k}" for k in ARCH_KEYS}
+    expected_keys |= set(DIFFUSION_KEYS) | set(TOKENIZER_KEYS)
+    assert set(fields) == expected_keys
+
+    text = reference_model.config.get_text_config()
+    assert fields["general.architecture"] == arch
+    v = lambda k: fields[f"{arch}.{k}"]  # noqa: E731
+    assert v("block_count") == text.num_hidden_layers
+    assert v("context_length") == text.max_position_embeddings
+    assert v("embedding_length") == text.hidden_size
+    assert v("feed_forward_length") == text.intermediate_size
+    assert v("expert_feed_forward_length") == text.moe_intermediate_size
+    assert v("expert_count") == text.num_experts
+    assert v("expert_used_count") == text.top_k_experts
+    assert v("attention.head_count") == text.num_attention_heads
+    assert v("attention.head_count_kv") == [text.per_layer_config[i].num_key_value_heads for i in range(6)]
+    assert v("attention.key_length") == v("attention.value_length") == 32
+    assert v("attention.key_length_swa") == v("attention.value_length_swa") == 16
+    assert v("attention.sliding_window") == 8
+    assert v("attention.sliding_window_pattern") == [t == "sliding_attention" for t in text.layer_types]
+    assert v("attention.shared_kv_layers") == 0
+    assert v("embedding_length_per_layer_input") == 0
+    assert v("attention.layer_norm_rms_epsilon") == pytest.approx(text.rms_norm_eps)
+    assert v("rope.freq_base") == text.rope_parameters["full_attention"]["rope_theta"]
+    assert v("rope.freq_base_swa") == text.rope_parameters["sliding_attention"]["rope_theta"]
+    assert v("rope.dimension_count") == 32 and v("rope.dimension_count_swa") == 16
+    assert v("final_logit_softcapping") == text.final_logit_softcapping
+    assert v("attention.causal") is False
+    assert fields["diffusion.canvas_length"] == reference_model.config.canvas_length
+    assert fields["tokenizer.ggml.model"] == "gemma4"
+    assert fields["tokenizer.ggml.tokens"] == tiny_vocab_obj.tokens
+
+
+@needs_torch
+def test_rope_freqs_rotate_a_quarter_of_the_full_head(reference_gguf):
+    freqs = _tensors(reference_gguf)["rope_freqs.weight"]
+    # partial_rotary_factor 0.25 of head dim 32: 4 rotated pairs out of 16
+    assert list(freqs[:4]) == [1.0] * 4 and np.all(freqs[4:] == np.float32(1e30))
+
+
+@needs_torch
+def test_tokenizer_round_trips_through_the_checkpoint(reference_gguf, tiny_gguf):
+    # tokenizer.json written into the checkpoint -> the same tokenizer keys the tiny vocab writes itself
+    converted, direct = _fields(reference_gguf), _fields(tiny_gguf)
+    for key in TOKENIZER_KEYS:
+        assert converted[key] == direct[key], key
+
+
+# -- config forms and generation config -----------------------------------------------------------
+
+
+@needs_torch
+def test_both_config_forms_give_identical_ggufs(reference_model, reference_checkpoint, tmp_path):
+    from dgcli.reference import save_checkpoint
+
+    saved = save_checkpoint(reference_model, tmp_path / "saved", config_form="saved")
+    text_config = json.loads((saved / "config.json").read_text())["text_config"]
+    assert "per_layer_config" in text_config and "global_head_dim" not in text_config
+    google_text = json.loads((reference_checkpoint / "config.json").read_text())["text_config"]
+    assert "global_head_dim" in google_text and "per_layer_config" not in google_text
+    a = convert_checkpoint(saved, tmp_path / "saved.gguf")
+    b = convert_checkpoint(reference_checkpoint, tmp_path / "google.gguf")
+    assert _sha(a) == _sha(b)
+
+
+@needs_torch
+def test_per_layer_kv_heads_in_both_forms(tmp_path):
+    import torch
+
+    from dgcli.reference import random_model, save_checkpoint, tiny_config
+
+    torch.set_num_threads(1)
+    model = random_model(tiny_config(num_attention_heads=4, num_key_value_heads=2, num_global_key_value_heads=1),
+                         seed=3)
+    outputs = []
+    for form in ("google", "saved"):
+        ckpt = save_checkpoint(model, tmp_path / form, config_form=form)
+        outputs.append(convert_checkpoint(ckpt, tmp_path / f"{form}.gguf"))
+        assert _fields(outputs[-1])["diffusion-gemma.attention.head_count_kv"] == [2, 2, 1, 2, 2, 1]
+    assert _sha(outputs[0]) == _sha(outputs[1])
+    np.testing.assert_array_equal(_tensors(outputs[0])["blk.2.attn_k.weight"],
+                                  model.model.decoder.layers[2].self_attn.k_proj.weight.detach().numpy())
+
+
+@needs_torch
+def test_generation_config_nulls_fall_back_to_defaults(reference_model, tmp_path):
+    from dgcli.reference import save_checkpoint
+
+    ckpt = save_checkpoint(reference_model, tmp_path / "nulls", generation_nulls=True)
+    fields = _fields(convert_checkpoint(ckpt, tmp_path / "nulls.gguf"))
+    d = DiffusionParams()
+    assert fields["diffusion.eb_max_steps"] == d.max_denoising_steps
+    assert fields["diffusion.eb_t_min"] == pytest.approx(d.t_min)
+    assert fields["diffusion.eb_t_max"] == pytest.approx(d.t_max)
+    assert fields["diffusion.eb_entropy_bound"] == pytest.approx(d.entropy_bound)
+    assert fields["diffusion.eb_stability_threshold"] == d.stability_threshold
+    assert fields["diffusion.eb_confidence_threshold"] == pytest.approx(d.confidence_threshold)
+
+
+@needs_torch
+def test_generation_config_values_are_carried(reference_checkpoint, tmp_path):
+    ckpt = tmp_path / "custom"
+    shutil.copytree(reference_checkpoint, ckpt)
+    (ckpt / "generation_config.json").write_text(json.dumps({
+        "max_denoising_steps": 12, "t_min": 0.25, "t_max": 0.9, "stability_threshold": 3,
+        "confidence_threshold": 0.01, "sampler_config": {"entropy_bound": 0.3}}))
+    fields = _fields(convert_checkpoint(ckpt, tmp_path / "custom.gguf"))
+    assert fields["diffusion.eb_max_steps"] == 12
+    assert fields["diffusion.eb_t_min"] == pytest.approx(0.25)
+    assert fields["diffusion.eb_t_max"] == pytest.approx(0.9)
+    assert fields["diffusion.eb_entropy_bound"] == pytest.approx(0.3)
+    assert fields["diffusion.eb_stability_threshold"] == 3
+    assert fields["diffusion.eb_confidence_threshold"] == pytest.approx(0.01)
+    (ckpt / "generation_config.json").unlink()
+    assert _fields(convert_checkpoint(ckpt, tmp_path / "nogen.gguf"))["diffusion.eb_max_steps"] == 48
+
+
+# -- output types -----------------------------------------------------------------------------------
+
+
+@needs_torch
+@pytest.mark.parametrize("outtype", ["f16", "bf16", "q8_0"])
+def test_outtypes_within_rounding(reference_checkpoint, reference_gguf, tmp_path, outtype):
+    from gguf import GGMLQuantizationType as T
+
+    path = convert_checkpoint(reference_checkpoint, tmp_path / f"{outtype}.gguf", outtype)
+    exact = _tensors(reference_gguf)
+    got = _tensors(path)
+    types = {t.name: t.tensor_type for t in _reader(path).tensors}
+    wanted = {"f16": T.F16, "bf16": T.BF16, "q8_0": T.Q8_0}[outtype]
+    assert types["blk.0.attn_q.weight"] == wanted and types["token_embd.weight"] == wanted
+    assert types["blk.0.attn_norm.weight"] == T.F32 and types["blk.0.ffn_gate_inp.weight"] == T.F32
+    assert path.stat().st_size < reference_gguf.stat().st_size
+    for name, ref in exact.items():
+        err = np.abs(got[name] - ref)
+        if types[name] == T.F32:
+            np.testing.assert_array_equal(got[name], ref, err_msg=name)
+        elif types[name] == T.F16:
+            assert np.all(err <= np.abs(ref) * 2 ** -11 + 6e-8), name
+        elif types[name] == T.BF16:
+            assert np.all(err <= np.abs(ref) * 2 ** -8), name
+        else:  # Q8_0: each block of 32 is rounded to multiples of max|block| / 127
+            blocks_ref = ref.reshape(-1, 32)
+            bound = np.abs(blocks_ref).max(axis=1, keepdims=True) / 127 * (0.5 + 127 * 2 ** -11) + 1e-6
+            assert np.all(err.reshape(-1, 32) <= bound), name
+        if types[name] != T.F32:
+            assert np.any(err > 0), f"{name} was not rounded at all"
+
+
+def test_unknown_outtype_is_refused(tmp_path):
+    with pytest.raises(DgError, match="outtype"):
+        convert_checkpoint(tmp_path, tmp_path / "x.gguf", outtype="q4_k")
+
+
+# -- the AR twin ------------------------------------------------------------------------------
+
+
+@needs_torch
+def test_ar_twin_layout(reference_model, reference_gguf, reference_ar_gguf):
+    fields = _fields(reference_ar_gguf)
+    assert fields["general.architecture"] == "gemma4"
+    assert not any(k.startswith("diffusion") for k in fields)
+    assert set(fields) == {"general.architecture"} | {f"gemma4.{k}" for k in ARCH_KEYS} | set(TOKENIZER_KEYS)
+    twin = _tensors(reference_ar_gguf)
+    diff = _tensors(reference_gguf)
+    assert not any(n.startswith("self_cond") or "enc_layer_output_scale" in n for n in twin)
+    enc = reference_model.model.encoder.language_model
+    for i in range(6):
+        np.testing.assert_array_equal(twin[f"blk.{i}.layer_output_scale.weight"],
+                                      enc.layers[i].layer_scalar.detach().numpy())
+    for name, value in twin.items():
+        if "layer_output_scale" not in name:
+            np.testing.assert_array_equal(value, diff[name], err_msg=name)
+
+
+@needs_torch
+def test_convert_main_writes_both(reference_checkpoint, tmp_path):
+    messages = []
+    written = convert_main(reference_checkpoint, tmp_path / "m.gguf", outtype="f32", ar_twin=tmp_path / "ar.gguf",
+                           echo=messages.append)
+    assert [p.name for p in written] == ["m.gguf", "ar.gguf"]
+    assert len(messages) == 2 and "gemma4" in messages[1]
+
+
+# -- bad inputs -------------------------------------------------------------------------------------
+
+
+def _minimal_dir(tmp_path, config) -> object:
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    return d
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(DgError, match="does not exist"):
+        convert_checkpoint(tmp_path / "nope", tmp_path / "x.gguf")
+
+
+def test_missing_config(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DgError, match="config.json is missing"):
+        convert_checkpoint(tmp_path / "empty", tmp_path / "x.gguf")
+
+
+def test_unreadable_config(tmp_path):
+    d = _minimal_dir(tmp_path, "{not json")
+    with pytest.raises(DgError, match="cannot read config.json"):
+        convert_checkpoint(d, tmp_path / "x.gguf")
+
+
+def test_unknown_model_type(tmp_path):
+    d = _minimal_dir(tmp_path, {"model_type": "llama", "text_config": {}})
+    with pytest.raises(DgError, match="unsupported model_type 'llama'"):
+        convert_checkpoint(d, tmp_path / "x.gguf")
+
+
+def test_config_without_experts(tmp_path):
+    from dgcli.tiny import tiny_hf_config_dict
+
+    config = tiny_hf_config_dict()
+    del config["text_config"]["num_experts"]
+    with pytest.raises(DgError, match="num_experts"):
+        params_from_hf_config(config)
+
+
+def test_missing_weights(tmp_path):
+    from dgcli.tiny import tiny_hf_config_dict, tiny_vocab
+
+    d = _minimal_dir(tmp_path, tiny_hf_config_dict())
+    tiny_vocab().save_hf(d)
+    with pytest.raises(DgError, match="no .safetensors"):
+        convert_checkpoint(d, tmp_path / "x.gguf")
+
+
+@needs_torch
+def test_config_that_does_not_match_the_weights(reference_checkpoint, tmp_path):
+    ckpt = tmp_path / "mismatch"
+    shutil.copytree(reference_checkpoint, ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["text_config"]["intermediate_size"] = 128
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DgError, match="has shape"):
+        convert_checkpoint(ckpt, tmp_path / "x.gguf")
+    assert not (tmp_path / "x.gguf").exists() and not (tmp_path / "x.gguf.part").exists()
+
+
+@needs_torch
+def test_truncated_weights(reference_checkpoint, tmp_path):
+    ckpt = tmp_path / "trunc"
+    shutil.copytree(reference_checkpoint, ckpt)
+    weights = ckpt / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    with pytest.raises(DgError, match="truncated"):
+        convert_checkpoint(ckpt, tmp_path / "x.gguf")
+
+
+@needs_torch
+def test_missing_tokenizer(reference_checkpoint, tmp_path):
+    ckpt = tmp_path / "notok"
+    shutil.copytree(reference_checkpoint, ckpt)
+    (ckpt / "tokenizer.json").unlink()
+    with pytest.raises(DgError, match="tokenizer.json is missing"):
+        convert_checkpoint(ckpt, tmp_path / "x.gguf")
