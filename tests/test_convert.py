@@ -310,7 +310,7 @@ def test_outtypes_within_rounding(reference_checkpoint, reference_gguf, tmp_path
             assert np.all(err <= np.abs(ref) * 2 ** -11 + 6e-8), name
         elif types[name] == T.BF16:
             assert np.all(err <= np.abs(ref) * 2 ** -8), name
-        else:  # Q8_0: each block of 32 is rounded to multiples of max|block| / 127
+        else:  # Q8_0: blocks of 32 in steps of d = max|block| / 127, with d itself stored as f16
             blocks_ref = ref.reshape(-1, 32)
             bound = np.abs(blocks_ref).max(axis=1, keepdims=True) / 127 * (0.5 + 127 * 2 ** -11) + 1e-6
             assert np.all(err.reshape(-1, 32) <= bound), name
