@@ -433,3 +433,29 @@ def test_missing_tokenizer(reference_checkpoint, tmp_path):
     (ckpt / "tokenizer.json").unlink()
     with pytest.raises(DgError, match="tokenizer.json is missing"):
         convert_checkpoint(ckpt, tmp_path / "x.gguf")
+
+
+# -- the AR twin in stock llama.cpp ---------------------------------------------------------------
+
+
+@needs_torch
+def test_ar_twin_runs_in_llama_cpp_with_reference_logits(reference_model, reference_ar_gguf, tiny_vocab_obj):
+    try:
+        from llama_cpp import Llama
+    except Exception:
+        pytest.skip("native build not installed (llama_cpp is not importable)")
+    from dgcli.reference import reference_causal_logits
+
+    # longer than the sliding window (8), so the sliding layers' window matters
+    ids = tiny_vocab_obj.chat_prompt_ids("The quick brown fox jumps over the lazy dog")
+    llm = Llama(model_path=str(reference_ar_gguf), n_ctx=128, n_batch=128, n_threads=1, logits_all=True,
+                verbose=False)
+    try:
+        llm.eval(ids)
+        got = np.array(llm.scores[: len(ids)], dtype=np.float32)
+    finally:
+        llm.close()
+    expected = reference_causal_logits(reference_model, ids)
+    assert got.shape == expected.shape
+    np.testing.assert_allclose(got, expected, rtol=1e-3, atol=2e-3 * float(np.abs(expected).max()))
+    assert np.array_equal(got.argmax(-1), expected.argmax(-1))
