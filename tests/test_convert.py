@@ -459,3 +459,43 @@ def test_ar_twin_runs_in_llama_cpp_with_reference_logits(reference_model, refere
     assert got.shape == expected.shape
     np.testing.assert_allclose(got, expected, rtol=1e-3, atol=2e-3 * float(np.abs(expected).max()))
     assert np.array_equal(got.argmax(-1), expected.argmax(-1))
+
+
+# -- checkpoint storage variants ------------------------------------------------------------------
+
+
+@needs_torch
+def test_bf16_checkpoint_is_read_exactly(tmp_path):
+    import torch
+
+    from dgcli.reference import random_model, save_checkpoint, tiny_config
+
+    torch.set_num_threads(1)
+    model = random_model(tiny_config(), seed=5).to(torch.bfloat16)
+    ckpt = save_checkpoint(model, tmp_path / "bf16")
+    header_len = int.from_bytes((ckpt / "model.safetensors").read_bytes()[:8], "little")
+    header = json.loads((ckpt / "model.safetensors").read_bytes()[8:8 + header_len])
+    assert header["model.decoder.layers.0.self_attn.q_proj.weight"]["dtype"] == "BF16"
+    got = _tensors(convert_checkpoint(ckpt, tmp_path / "bf16.gguf", "f32"))
+    expected = _expected_tensors(model)
+    for name, value in expected.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+@needs_torch
+def test_sharded_checkpoint(reference_model, reference_gguf, tmp_path):
+    ckpt = tmp_path / "sharded"
+    reference_model.save_pretrained(ckpt, max_shard_size="100KB")
+    assert (ckpt / "model.safetensors.index.json").is_file()
+    assert len(list(ckpt.glob("*.safetensors"))) > 1
+    from dgcli.reference import to_google_config
+    from dgcli.tiny import tiny_vocab
+
+    (ckpt / "config.json").write_text(json.dumps(to_google_config(json.loads((ckpt / "config.json").read_text()))))
+    (ckpt / "generation_config.json").unlink(missing_ok=True)
+    tiny_vocab().save_hf(ckpt)
+    converted = convert_checkpoint(ckpt, tmp_path / "sharded.gguf")
+    got, expected = _tensors(converted), _tensors(reference_gguf)
+    assert sorted(got) == sorted(expected)
+    for name in expected:
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
