@@ -93,21 +93,27 @@ def _registry() -> Registry:
 def _download_with_progress(resolved: ResolvedModel) -> Path:
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
+    # Started on the first byte count, so a missing repo/file or a full disk prints only its error.
     progress = Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
         TimeRemainingColumn(), console=stderr, transient=False,
     )
-    with progress:
-        task = progress.add_task(resolved.filename or "download", total=None)
+    task = None
 
-        def on_progress(done: int, total: int | None) -> None:
-            progress.update(task, completed=done, total=total)
+    def on_progress(done: int, total: int | None) -> None:
+        nonlocal task
+        if task is None:
+            progress.start()
+            task = progress.add_task(resolved.filename or "download", total=total)
+        progress.update(task, completed=done, total=total)
 
-        try:
-            return hub.download(resolved.repo, resolved.filename, approx_size=resolved.approx_size_bytes,
-                                on_progress=on_progress)
-        except KeyboardInterrupt:
-            raise DgError(f"download interrupted (partial file removed); run `dg pull {resolved.display_name}` to start again") from None
+    try:
+        return hub.download(resolved.repo, resolved.filename, approx_size=resolved.approx_size_bytes,
+                            on_progress=on_progress)
+    except KeyboardInterrupt:
+        raise DgError(f"download interrupted (partial file removed); run `dg pull {resolved.display_name}` to start again") from None
+    finally:
+        progress.stop()
 
 
 def ensure_local(resolved: ResolvedModel, *, yes: bool) -> Path:
