@@ -499,3 +499,97 @@ def test_sharded_checkpoint(reference_model, reference_gguf, tmp_path):
     assert sorted(got) == sorted(expected)
     for name in expected:
         np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+
+
+# -- the layout carries everything the forward pass needs -----------------------------------------
+
+
+def _rms(x, w=None, eps=1e-6):
+    y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    return y * w if w is not None else y
+
+
+def _gelu_tanh(x):
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def _rope_neox(x, positions, base, freq_factors=None):
+    """llama.cpp's NEOX rope over the whole head: pair (i, i + d/2), theta = pos * base^(-2i/d) / factor."""
+    d = x.shape[-1]
+    inv = base ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+    if freq_factors is not None:
+        inv = inv / freq_factors
+    ang = positions[:, None] * inv[None, :]  # [T, d/2]
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    a, b = x[..., : d // 2], x[..., d // 2:]
+    return np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
+
+
+def _gemma4_causal_logits_from_gguf(path, ids):
+    """A numpy reading of a gemma4 GGUF, following llama.cpp's gemma4 graph (src/models/gemma4.cpp)."""
+    f = _fields(path)
+    W = {k: v.astype(np.float64) for k, v in _tensors(path).items()}
+    a = lambda k: f[f"gemma4.{k}"]  # noqa: E731
+    n_embd, n_head, eps = a("embedding_length"), a("attention.head_count"), a("attention.layer_norm_rms_epsilon")
+    is_swa, kv_heads, n_swa = a("attention.sliding_window_pattern"), a("attention.head_count_kv"), a("attention.sliding_window")
+    n_used, cap = a("expert_used_count"), a("final_logit_softcapping")
+    T = len(ids)
+    pos = np.arange(T, dtype=np.float64)
+    x = W["token_embd.weight"][ids] * np.sqrt(n_embd)
+    for il in range(a("block_count")):
+        L = lambda k: W[f"blk.{il}.{k}"]  # noqa: E731
+        hd = a("attention.key_length_swa") if is_swa[il] else a("attention.key_length")
+        base = a("rope.freq_base_swa") if is_swa[il] else a("rope.freq_base")
+        ff = None if is_swa[il] else W["rope_freqs.weight"]
+        h = _rms(x, L("attn_norm.weight"), eps)
+        q = _rms((h @ L("attn_q.weight").T).reshape(T, n_head, hd), L("attn_q_norm.weight"), eps)
+        k_raw = (h @ L("attn_k.weight").T).reshape(T, kv_heads[il], hd)
+        v_raw = (h @ L("attn_v.weight").T).reshape(T, kv_heads[il], hd) if is_swa[il] else k_raw
+        k = _rope_neox(_rms(k_raw, L("attn_k_norm.weight"), eps), pos, base, ff)
+        q = _rope_neox(q, pos, base, ff)
+        v = _rms(v_raw, None, eps)
+        group = n_head // kv_heads[il]
+        allowed = pos[None, :] <= pos[:, None]
+        if is_swa[il]:
+            allowed &= pos[:, None] - pos[None, :] < n_swa
+        out = np.zeros((T, n_head, hd))
+        for hh in range(n_head):
+            s = q[:, hh] @ k[:, hh // group].T  # attention scale 1.0
+            s = np.where(allowed, s, -np.inf)
+            p = np.exp(s - s.max(-1, keepdims=True))
+            out[:, hh] = (p / p.sum(-1, keepdims=True)) @ v[:, hh // group]
+        attn = _rms(out.reshape(T, -1) @ L("attn_output.weight").T, L("post_attention_norm.weight"), eps)
+        x_attn = x + attn
+        m = _rms(x_attn, L("ffn_norm.weight"), eps)
+        mlp = (_gelu_tanh(m @ L("ffn_gate.weight").T) * (m @ L("ffn_up.weight").T)) @ L("ffn_down.weight").T
+        mlp = _rms(mlp, L("post_ffw_norm_1.weight"), eps)
+        router_in = _rms(x_attn, None, eps) / np.sqrt(n_embd) * L("ffn_gate_inp.scale")
+        logits = router_in @ L("ffn_gate_inp.weight").T
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        e_in = _rms(x_attn, L("pre_ffw_norm_2.weight"), eps)
+        moe = np.zeros_like(x)
+        for t in range(T):
+            top = np.argsort(-probs[t])[:n_used]
+            weights = probs[t, top] / probs[t, top].sum()
+            for e, w in zip(top, weights):
+                gu = L("ffn_gate_up_exps.weight")[e] @ e_in[t]
+                half = gu.shape[0] // 2
+                y = L("ffn_down_exps.weight")[e] @ (_gelu_tanh(gu[:half]) * gu[half:])
+                moe[t] += w * L("ffn_down_exps.scale")[e] * y
+        moe = _rms(moe, L("post_ffw_norm_2.weight"), eps)
+        x = (x_attn + _rms(mlp + moe, L("post_ffw_norm.weight"), eps)) * L("layer_output_scale.weight")
+    out = _rms(x, W["output_norm.weight"], eps) @ W["token_embd.weight"].T
+    return cap * np.tanh(out / cap)
+
+
+@needs_torch
+def test_ar_twin_reproduces_the_reference_encoder(reference_model, reference_ar_gguf, tiny_vocab_obj):
+    from dgcli.reference import reference_causal_logits
+
+    # 19 tokens: longer than the sliding window (8), so the window matters
+    ids = tiny_vocab_obj.chat_prompt_ids("The quick brown fox jumps")
+    assert len(ids) > 8
+    got = _gemma4_causal_logits_from_gguf(reference_ar_gguf, ids)
+    expected = reference_causal_logits(reference_model, ids)
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
