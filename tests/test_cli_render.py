@@ -1,0 +1,131 @@
+"""Rendering: the live canvas view, thinking channel, compare table — from hand-made events."""
+
+from __future__ import annotations
+
+import io
+import re
+
+import numpy as np
+import pytest
+from rich.console import Console
+
+from dgcli import cli, render
+from dgcli.engine.diffusion import DiffusionEngine
+from dgcli.engine.types import CanvasEvent, GenerationResult, StepEvent, TokenEvent
+
+WORDS = {0: "<pad>", 1: "<eos>", 5: "The", 6: " cat", 7: " sat", 8: "\n", 9: "zz"}
+
+
+def piece(t: int) -> str:
+    return WORDS.get(t, f"t{t}")
+
+
+def detok(ids) -> str:
+    return "".join(piece(t) for t in ids if t > 1)
+
+
+def step(canvas, accepted, *, index=0, step=3, max_steps=48, temperature=0.75, entropy=0.1234, stopped=False):
+    accepted = np.array(accepted, bool)
+    return StepEvent(canvas_index=index, step=step, max_steps=max_steps, temperature=temperature,
+                     argmax_canvas=np.array(canvas, np.int32), accepted_mask=accepted, n_accepted=int(accepted.sum()),
+                     mean_entropy=entropy, forward_s=0.01, sampling_s=0.001, stopped=stopped)
+
+
+def to_text(renderable, width=100) -> str:
+    console = Console(record=True, width=width, file=io.StringIO())
+    console.print(renderable)
+    return console.export_text()
+
+
+def test_status_line_has_canvas_step_temperature_accepted_entropy():
+    ev = step([5, 6, 7, 9], [True, True, False, False], index=1, step=3, temperature=0.75, entropy=0.1234)
+    assert render.step_status(ev) == "canvas 2  step 3/48  T=0.750  accepted 2/4  mean H=0.1234"
+    assert render.step_status(step([5], [True], stopped=True)).endswith("[stop]")
+
+
+def test_canvas_accepted_bright_noisy_dim_end_marked():
+    ev = step([5, 6, 9, 1, 7], [True, False, True, True, False])
+    text = render.canvas_text(ev, piece, end_token_ids=[1])
+    assert text.plain == "The  cat zz ⟨end⟩ ▪ "
+    styles = {text.plain[s.start:s.end]: str(s.style) for s in text.spans}
+    assert styles["The"] == render.ACCEPTED_STYLE and styles["zz"] == render.ACCEPTED_STYLE
+    assert styles[" cat"] == render.NOISY_STYLE
+    assert styles["⟨end⟩"] == render.END_STYLE and styles["▪"] == render.END_STYLE
+
+
+def test_canvas_shows_whitespace_tokens_visibly():
+    text = render.canvas_text(step([8, 5], [True, True]), piece)
+    assert text.plain.startswith("⏎ The")
+
+
+def test_live_view_shows_committed_text_canvas_and_status():
+    view = render.DiffusionLiveView(piece, detok, end_token_ids=[1], title="diffusion: demo")
+    assert "prefilling prompt" in to_text(view)
+    view.on_event(step([5, 6, 9, 9], [True, False, False, False], step=1, temperature=0.8, entropy=2.5))
+    out = to_text(view)
+    assert "diffusion: demo" in out and "canvas 1  step 1/48  T=0.800  accepted 1/4  mean H=2.5000" in out
+    assert "The  cat zz zz" in out
+    view.on_event(CanvasEvent(canvas_index=0, token_ids=[5, 6, 7], steps=5, commit_s=0.01))
+    out = to_text(view)
+    assert "The cat sat" in out and "1 canvas(es) committed, 3 tokens" in out
+    assert view.steps_per_canvas == [5] and view.forwards == 1
+
+
+def test_split_thinking():
+    t = "<|channel>thought\nadd 3 and 5<channel|>The answer is 8."
+    assert render.split_thinking(t) == ("add 3 and 5", "The answer is 8.")
+    assert render.split_thinking("plain answer") == (None, "plain answer")
+    assert render.split_thinking("<|channel>thought\nstill thinking") == ("still thinking", "")
+    assert render.answer_plain(t, "hide") == "The answer is 8."
+    assert render.answer_plain(t, "show") == "[thinking] add 3 and 5\n[answer] The answer is 8."
+    shown = to_text(render.answer_renderable(t, "show"))
+    assert "thinking: add 3 and 5" in shown and "The answer is 8." in shown
+    assert "add 3" not in to_text(render.answer_renderable(t, "hide"))
+
+
+def test_ar_view_accumulates_pieces():
+    view = render.AutoregressiveLiveView(title="autoregressive: demo-ar")
+    for i, p in enumerate(["The", " cat"]):
+        view.on_event(TokenEvent(index=i, token_id=i, piece=p, forward_s=0.5, sampling_s=0.0))
+    out = to_text(view)
+    assert "The cat" in out and "tokens 2" in out and "2.0 tok/s" in out
+
+
+def _result(mode, n, total, forwards, spc=()):
+    return GenerationResult(mode=mode, text="x", token_ids=list(range(n)), n_prompt_tokens=3,
+                            steps_per_canvas=list(spc), decoder_forwards=forwards, tokens_per_forward=n / forwards,
+                            prefill_s=0.0, total_s=total, stop_reason="end_token")
+
+
+def test_compare_table_numbers_and_speedup():
+    d = _result("diffusion", 40, 2.0, 10, [6, 4])
+    a = _result("autoregressive", 40, 8.0, 40)
+    rows = {r[0]: r[1:] for r in render.compare_rows(d, a, 2 * 1024**3, 1024**3)}
+    assert rows["new tokens"] == ("40", "40")
+    assert rows["tok/s"] == ("20.00", "5.00")
+    assert rows["forwards"] == ("10", "40")
+    assert rows["tokens/forward"] == ("4.00", "1.00")
+    assert rows["steps/canvas"] == ("6,4", "-")
+    assert rows["peak RSS"] == ("2.0 GB", "1.0 GB")
+    assert render.speedup(d, a) == pytest.approx(4.0)
+    assert "speedup (diffusion tok/s ÷ AR tok/s): 4.00x" in to_text(render.compare_table(d, a, 1, 1), width=120)
+
+
+def test_generate_live_view_on_a_terminal(tiny_gguf, monkeypatch):
+    """The Rich Live path (what a user at a terminal sees), captured from a forced-terminal console."""
+    from test_cli import ScriptedModel
+
+    buf = io.StringIO()
+    monkeypatch.setattr(cli, "stdout", Console(file=buf, force_terminal=True, width=100, color_system=None))
+    monkeypatch.setattr(cli, "stderr", Console(file=io.StringIO(), force_terminal=True, width=100))
+    monkeypatch.setattr(cli, "open_diffusion_engine", lambda p, threads=None, gpu_layers=0: DiffusionEngine(ScriptedModel()))
+    monkeypatch.setattr(cli.Throttle, "ready", lambda self, force=False: True)  # render every step
+    from typer.testing import CliRunner
+
+    r = CliRunner().invoke(cli.app, ["generate", "what is 3+5", "-m", str(tiny_gguf), "--seed", "0"])
+    assert r.exit_code == 0, r.stderr
+    screen = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", buf.getvalue())
+    assert "canvas 1  step 1/48  T=0.800" in screen  # the status line, live
+    assert "accepted " in screen and "mean H=" in screen
+    # After the transient live panel: the final answer, on its own line.
+    assert [line for line in screen.splitlines() if line.strip()][-1].strip() == "the answer is 8"
