@@ -375,18 +375,20 @@ def list_cmd(json_out: bool = typer.Option(False, "--json", help="Machine-readab
         if json_out:
             typer.echo(json.dumps(rows, indent=2))
             return
-        table = Table(title=f"dg models ({registry.source})")
-        for col, kw in (("name", {}), ("role", {}), ("pair", {}), ("size", {"justify": "right"}),
-                        ("on disk", {}), ("source", {"overflow": "fold"})):
+        table = Table(title="dg models", caption_justify="left")
+        table.add_column("name", no_wrap=True)
+        table.add_column("quant", no_wrap=True)
+        for col, kw in (("role", {}), ("pair", {}), ("size", {"justify": "right"}), ("on disk", {})):
             table.add_column(col, **kw)
         for r in rows:
-            name = r["name"] + (f":{r['quant']}" if r["quant"] else "") + (" *" if r["default"] and r["quant"] else "")
+            quant = (r["quant"] or "-") + (" *" if r["default"] and r["quant"] else "")
             size = hub.format_bytes(r["size"]) if r["size"] else "-"
             if not r["on_disk"] and r["size"]:
                 size = "~" + size
-            table.add_row(name, r["role"], r["pair"] or "-", size, "yes" if r["on_disk"] else "no",
-                          r["repo"] or "shipped")
-        table.caption = "* default quant; `dg pull NAME[:QUANT]` downloads; --model takes NAME, NAME:QUANT or a path"
+            table.add_row(r["name"], quant, r["role"], r["pair"] or "-", size, "yes" if r["on_disk"] else "no")
+        sources = [f"{e.name}: {e.repo or 'shipped with dg'}" for e in registry.entries.values()]
+        table.caption = ("* default quant.  " + "; ".join(sources) +
+                         ".  `dg pull NAME[:QUANT]` downloads; --model takes NAME, NAME:QUANT or a .gguf path.")
         stdout.print(table)
 
 

@@ -144,9 +144,12 @@ def assert_one_line_error(result, *fragments):
 def test_list_shows_every_registry_entry_size_and_presence():
     r = run("list")
     assert r.exit_code == 0, r.stderr
-    for name in ("demo", "demo-ar", "diffusiongemma-26b:Q4_K_M", "diffusiongemma-26b:Q8_0", "gemma4-26b:Q4_0"):
-        assert name in r.stdout
-    assert "~16.0 GB" in r.stdout and "~25.0 GB" in r.stdout
+    rows = [[c.strip() for c in line.split("│")[1:-1]] for line in r.stdout.splitlines() if line.startswith("│")]
+    assert ["diffusiongemma-26b", "Q4_K_M *", "diffusion", "gemma4-26b", "~16.0 GB", "no"] in rows
+    assert ["diffusiongemma-26b", "Q8_0", "diffusion", "gemma4-26b", "~25.0 GB", "no"] in rows
+    assert ["gemma4-26b", "Q4_0 *", "ar", "diffusiongemma-26b", "~15.0 GB", "no"] in rows
+    assert {row[0] for row in rows} == {"demo", "demo-ar", "diffusiongemma-26b", "gemma4-26b"}
+    assert "unsloth/diffusiongemma-26B-A4B-it-GGUF" in r.stdout
     rows = json.loads(run("list", "--json").stdout)
     by_name = {(x["name"], x["quant"]): x for x in rows}
     assert by_name[("diffusiongemma-26b", "Q4_K_M")]["default"] is True
