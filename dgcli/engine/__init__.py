@@ -11,7 +11,20 @@ from dgcli.engine.types import (
     TokenEvent,
 )
 
+# The engines and the sampler pieces import lazily-heavy modules only on use (model.py loads llama.cpp
+# when a GGUF is opened, torch_model.py needs torch), so importing them here stays cheap.
+from dgcli.engine.autoregressive import AutoregressiveEngine
+from dgcli.engine.diffusion import DiffusionEngine
+from dgcli.engine.rng import RngStream
+from dgcli.engine.sampler import NativeStepSampler, NumpyStepSampler, make_step_sampler
+
 __all__ = [
+    "AutoregressiveEngine",
+    "DiffusionEngine",
+    "NativeStepSampler",
+    "NumpyStepSampler",
+    "RngStream",
+    "make_step_sampler",
     "CanvasEvent",
     "DgError",
     "DiffusionParams",

@@ -1,0 +1,141 @@
+"""AutoregressiveEngine: token-by-token generation on a stock gemma4 GGUF (the AR base), for comparison.
+
+Same result shape as the diffusion engine (GenerationResult, mode="autoregressive"): one decoder
+forward per new token, so tokens_per_forward is 1. Greedy by default; temperature > 0 samples
+from softmax(logits / temperature) with a seeded RngStream (inverse CDF, as the diffusion engine).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from dgcli.engine.diffusion import validate_max_new_tokens
+from dgcli.engine.rng import RngStream, inverse_cdf_sample
+from dgcli.engine.types import DgError, GenerationResult, InvalidParameter, TokenEvent
+
+EventCallback = Callable[[Any], Any]
+
+
+class _StopRequested(Exception):
+    """on_event returned False."""
+
+
+def validate_temperature(temperature: Any) -> float:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.integer, np.floating)) \
+            or not math.isfinite(temperature) or temperature < 0:
+        raise InvalidParameter("temperature", temperature, "a number >= 0 (0 = greedy)")
+    return float(temperature)
+
+
+def select_token(logits: np.ndarray, temperature: float, rng: RngStream) -> int:
+    """Greedy argmax at temperature 0, else one inverse-CDF sample from softmax(logits / temperature)."""
+    logits = np.asarray(logits, dtype=np.float32).reshape(-1)
+    if not np.isfinite(logits).all():
+        raise DgError("the model returned non-finite logits")
+    if temperature == 0.0:
+        return int(np.argmax(logits))
+    processed = logits / np.float32(temperature)
+    weights = np.exp(processed - processed.max())
+    return int(inverse_cdf_sample(weights[None, :], rng.multinomial_uniforms(1))[0])
+
+
+class AutoregressiveEngine:
+    """Greedy (or seeded sampling) AR decoding over a gemma4 GGUF, or any object with ArModel's API."""
+
+    def __init__(self, model: str | os.PathLike | Any, n_threads: int | None = None, n_gpu_layers: int = 0,
+                 n_ctx: int | None = None):
+        if isinstance(model, (str, os.PathLike)):
+            from dgcli.engine.model import ArModel
+
+            self.model = ArModel(os.fspath(model), n_threads=n_threads, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx)
+            self._owns_model = True
+        else:
+            self.model = model
+            self._owns_model = False
+
+    def close(self) -> None:
+        if self._owns_model and hasattr(self.model, "close"):
+            self.model.close()
+
+    def __enter__(self) -> "AutoregressiveEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 256, seed: int | None = None,
+                 chat: bool = True, temperature: float = 0.0, on_event: EventCallback | None = None
+                 ) -> GenerationResult:
+        started = time.perf_counter()
+        max_new_tokens = validate_max_new_tokens(max_new_tokens)
+        temperature = validate_temperature(temperature)
+        rng = RngStream(seed)
+        end_ids = set(int(t) for t in self.model.end_token_ids)
+        prompt_ids: list[int] = []
+        new_tokens: list[int] = []
+        forward_s = sampling_s = prefill_s = 0.0
+        stop_reason = "length"
+        try:
+            prompt_ids = self._prepare_prompt(prompt, chat)
+            began = time.perf_counter()
+            self.model.reset()
+            logits = self.model.prefill(prompt_ids)
+            prefill_s = time.perf_counter() - began
+            step_forward_s = 0.0  # the prefill produced the first token's logits
+            for index in range(max_new_tokens):
+                began = time.perf_counter()
+                token = select_token(logits, temperature, rng)
+                step_sampling_s = time.perf_counter() - began
+                sampling_s += step_sampling_s
+                if token in end_ids:
+                    stop_reason = "end_token"
+                    break
+                new_tokens.append(token)
+                event = TokenEvent(index=index, token_id=token, piece=self._piece(token),
+                                   forward_s=step_forward_s, sampling_s=step_sampling_s)
+                if on_event is not None and on_event(event) is False:
+                    raise _StopRequested
+                if index + 1 == max_new_tokens:
+                    break  # no forward for a token nobody will read
+                began = time.perf_counter()
+                logits = self.model.decode_token(token)
+                step_forward_s = time.perf_counter() - began
+                forward_s += step_forward_s
+        except (KeyboardInterrupt, _StopRequested):
+            stop_reason = "interrupted"
+        forwards = len(new_tokens)
+        return GenerationResult(
+            mode="autoregressive",
+            text=self.model.detokenize(new_tokens),
+            token_ids=new_tokens,
+            n_prompt_tokens=len(prompt_ids),
+            decoder_forwards=forwards,
+            tokens_per_forward=1.0 if forwards else 0.0,
+            prefill_s=prefill_s,
+            total_s=time.perf_counter() - started,
+            forward_s=forward_s,
+            sampling_s=sampling_s,
+            stop_reason=stop_reason,
+            interrupted=stop_reason == "interrupted",
+        )
+
+    def _prepare_prompt(self, prompt: str | Sequence[int], chat: bool) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.model.chat_prompt(prompt) if chat else self.model.tokenize(prompt, add_bos=True)
+        else:
+            ids = [int(t) for t in prompt]
+            vocab = getattr(self.model, "vocab_size", None)
+            bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
+            if bad:
+                raise DgError(f"prompt token id {bad[0]} outside the vocabulary [0, {vocab})")
+        if not ids:
+            raise DgError("empty prompt: nothing to condition on")
+        return ids
+
+    def _piece(self, token: int) -> str:
+        return self.model.detokenize([token])

@@ -1,0 +1,107 @@
+"""AutoregressiveEngine over a scripted ArModel: greedy, seeded sampling, end tokens, interrupts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dgcli.engine.autoregressive import AutoregressiveEngine
+from dgcli.engine.types import DgError, InvalidParameter, TokenEvent
+
+VOCAB, EOS = 10, 1
+
+
+class ScriptedArModel:
+    """Next token = (last token + 1) mod VOCAB as the clear favourite; `end_after` tokens then EOS."""
+
+    def __init__(self, end_after=None, interrupt_at=None):
+        self.vocab_size, self.end_token_ids = VOCAB, [EOS, 9]
+        self.end_after, self.interrupt_at = end_after, interrupt_at
+        self.fed: list[int] = []
+        self.decodes = 0
+
+    def tokenize(self, text, add_bos=True, special=True):
+        return [2] + [3] * len(text)
+
+    def chat_prompt(self, user_text):
+        return [2, 4, 4]
+
+    def detokenize(self, ids):
+        return "".join(str(t) for t in ids)
+
+    def reset(self):
+        self.fed = []
+
+    def _logits(self):
+        logits = np.zeros(VOCAB, dtype=np.float32)
+        produced = self.decodes
+        favourite = EOS if self.end_after is not None and produced >= self.end_after else (self.fed[-1] % 7) + 2
+        logits[favourite] = 3.0
+        return logits
+
+    def prefill(self, tokens):
+        self.fed += list(tokens)
+        return self._logits()
+
+    def decode_token(self, token):
+        self.decodes += 1
+        if self.interrupt_at == self.decodes:
+            raise KeyboardInterrupt
+        self.fed.append(token)
+        return self._logits()
+
+
+def test_greedy_follows_the_argmax_and_stops_at_max_new_tokens():
+    model = ScriptedArModel()
+    events = []
+    result = AutoregressiveEngine(model).generate([2, 3], max_new_tokens=4, on_event=events.append)
+    assert result.token_ids == [5, 7, 2, 4]
+    assert result.mode == "autoregressive" and result.stop_reason == "length"
+    assert result.decoder_forwards == 4 and result.tokens_per_forward == 1.0
+    assert [e.token_id for e in events] == result.token_ids
+    assert all(isinstance(e, TokenEvent) for e in events)
+    assert model.decodes == 3  # no forward after the last token
+
+
+def test_end_token_stops_and_is_dropped():
+    result = AutoregressiveEngine(ScriptedArModel(end_after=2)).generate([2, 3], max_new_tokens=50)
+    assert result.token_ids == [5, 7]
+    assert result.stop_reason == "end_token"
+
+
+def test_sampling_is_seeded_and_differs_from_greedy_somewhere():
+    def run(seed):
+        return AutoregressiveEngine(ScriptedArModel()).generate([2, 3], max_new_tokens=20, seed=seed,
+                                                                 temperature=2.0).token_ids
+
+    assert run(1) == run(1)
+    greedy = AutoregressiveEngine(ScriptedArModel()).generate([2, 3], max_new_tokens=20).token_ids
+    assert any(run(seed) != greedy for seed in range(3))
+
+
+def test_interrupt_and_on_event_false_return_what_was_made():
+    result = AutoregressiveEngine(ScriptedArModel(interrupt_at=2)).generate([2], max_new_tokens=10)
+    assert result.interrupted and result.token_ids == [4, 6]
+    result = AutoregressiveEngine(ScriptedArModel()).generate([2], max_new_tokens=10,
+                                                              on_event=lambda e: e.index < 2)
+    assert result.interrupted and len(result.token_ids) == 3
+
+
+def test_chat_template_applied_to_text():
+    model = ScriptedArModel()
+    AutoregressiveEngine(model).generate("hello", max_new_tokens=1)
+    assert model.fed[:3] == [2, 4, 4]
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(temperature=-1.0), InvalidParameter, "temperature=-1.0"),
+    (dict(max_new_tokens=0), InvalidParameter, "max_new_tokens=0"),
+])
+def test_bad_arguments(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        AutoregressiveEngine(ScriptedArModel()).generate([2], **kwargs)
+
+
+def test_prompt_outside_vocab():
+    with pytest.raises(DgError, match="outside the vocabulary"):
+        AutoregressiveEngine(ScriptedArModel()).generate([2, 55])
