@@ -247,103 +247,88 @@ def summarize(runs: Sequence[RunRecord]) -> list[PromptSummary]:
     return out
 
 
-def _median_time(fn: Callable[[], Any], repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _logits_bytes(n_tokens: int, vocab: int) -> int:
+    return n_tokens * vocab * 4
 
 
 def measure_speed_model(model, *, batch_sizes: Sequence[int], repeat: int = 5, seed: int = 0) -> tuple[SpeedModel, list[str]]:
     """Canvas forward vs one-token decode on one DiffusionModel (the same weights for both).
 
-    The one-token decode is the encoder's causal pass over a single token (what an AR decode step
-    computes, minus the LM head). A native multi-sequence forward (`decode_canvas_batch`) is used
-    for the batch sweep when the model has one; otherwise batch b is emulated as one causal forward
-    over b*C tokens (diffusion) vs b tokens (AR), which prices the compute but not the attention layout.
+    With the native multi-sequence forward (`decode_canvases`, up to the model's n_seq_max rows),
+    batch b is b canvases in one decoder forward vs b one-token rows in one forward (a batched AR
+    decode step, logits included). Without it (or past n_seq_max), batch b is emulated as one causal
+    forward over b*C tokens vs b tokens, which prices the compute but not the attention layout.
     """
     import numpy as np
+    import psutil
 
     notes: list[str] = []
     rng = np.random.default_rng(seed)
     C = int(model.canvas_length)
     V = int(model.vocab_size)
     prompt = model.chat_prompt("what is 3+5")
+    multi = getattr(model, "decode_canvases", None)
+    n_seq_max = int(getattr(model, "n_seq_max", 1) or 1) if callable(multi) else 0
 
     def fresh() -> None:
         model.reset()
         model.prefill(prompt)
 
-    def canvas(n: int) -> list[int]:
-        return [int(t) for t in rng.integers(0, V, size=n)]
+    def tokens(*shape: int):
+        return rng.integers(0, V, size=shape).astype(np.int32)
 
-    fresh()
-    model.decode_canvas(canvas(C))  # warm-up: first forward allocates buffers
-    canvas_s = _median_time(lambda: model.decode_canvas(canvas(C)), repeat)
+    def timed(fn: Callable[[], Any], reps: int) -> float:
+        times = []
+        for _ in range(reps):
+            fresh()
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
 
     def one_decode() -> None:
-        model.prefill(canvas(1))
+        if n_seq_max >= 1:
+            multi(tokens(1, 1))  # one row of one token through the decoder, with its logits
+        else:
+            model.prefill([int(tokens(1)[0])])
 
     fresh()
+    model.decode_canvas(tokens(C))  # warm-up: the first forward allocates buffers
     one_decode()
-    decode_times = []
-    for _ in range(repeat):
-        fresh()
-        t0 = time.perf_counter()
-        one_decode()
-        decode_times.append(time.perf_counter() - t0)
-    decode_s = statistics.median(decode_times)
+    canvas_s = timed(lambda: model.decode_canvas(tokens(C)), repeat)
+    decode_s = timed(one_decode, repeat)
+    commit_s = timed(lambda: model.commit(tokens(C)), max(1, repeat // 2))
 
-    commit_times = []
-    for _ in range(max(1, repeat // 2)):
-        fresh()
-        t0 = time.perf_counter()
-        model.commit(canvas(C))
-        commit_times.append(time.perf_counter() - t0)
-    commit_s = statistics.median(commit_times)
-
-    batched = getattr(model, "decode_canvas_batch", None)
-    points: list[BatchPoint] = []
-    if callable(batched):
-        method = "native multi-sequence canvas forward (decode_canvas_batch)"
+    if n_seq_max > 1:
+        method = f"native multi-sequence forward (decode_canvases, up to {n_seq_max} sequences)"
     else:
-        method = ("emulated: no multi-sequence forward in the native layer; batch b = one causal forward over "
+        method = ("emulated: no multi-sequence forward loaded; batch b = one causal forward over "
                   "b x canvas tokens (diffusion) vs b tokens (AR) on the same weights")
-        notes.append("batch sweep " + method)
+    points: list[BatchPoint] = []
+    budget = psutil.virtual_memory().available // 4
     for b in batch_sizes:
+        if _logits_bytes(b * C, V) > budget:
+            msg = f"skipped: {b} canvases of logits need {_logits_bytes(b * C, V) / 1024**3:.1f} GiB"
+            points.append(BatchPoint(b, None, None, None, None, error=msg))
+            notes.append(f"batch {b} {msg}")
+            continue
         try:
-            if callable(batched):
-                fresh()
-                c_s = _median_time(lambda: batched([canvas(C) for _ in range(b)]), repeat)
-                d_s = None
-                fresh()
-                d_times = []
-                for _ in range(repeat):
-                    fresh()
-                    t0 = time.perf_counter()
-                    model.prefill(canvas(b))
-                    d_times.append(time.perf_counter() - t0)
-                d_s = statistics.median(d_times)
+            if b <= n_seq_max:
+                c_s = timed(lambda: multi(tokens(b, C)), repeat)
+                d_s = timed(lambda: multi(tokens(b, 1)), repeat)
+                how = "native"
             else:
-                c_times, d_times = [], []
-                for _ in range(max(1, repeat // 2)):
-                    fresh()
-                    t0 = time.perf_counter()
-                    model.prefill(canvas(b * C))
-                    c_times.append(time.perf_counter() - t0)
-                    fresh()
-                    t0 = time.perf_counter()
-                    model.prefill(canvas(b))
-                    d_times.append(time.perf_counter() - t0)
-                c_s, d_s = statistics.median(c_times), statistics.median(d_times)
+                c_s = timed(lambda: model.prefill([int(t) for t in tokens(b * C)]), max(1, repeat // 2))
+                d_s = timed(lambda: model.prefill([int(t) for t in tokens(b)]), max(1, repeat // 2))
+                how = "emulated"
             ratio = c_s / d_s if d_s > 0 else None
-            points.append(BatchPoint(b, c_s, d_s, ratio,
-                                     speedup_model(C, c_s, d_s, None, 16) if ratio else None))
+            points.append(BatchPoint(b, c_s, d_s, ratio, speedup_model(C, c_s, d_s, None, 16) if ratio else None,
+                                     error=None if how == "native" or n_seq_max <= 1 else "emulated (past n_seq_max)"))
         except DgError as err:
             points.append(BatchPoint(b, None, None, None, None, error=str(err)))
             notes.append(f"batch {b} skipped: {err}")
+    if n_seq_max <= 1:
+        notes.append("batch sweep " + method)
     model.reset()
     curve = [{"steps": s, "speedup": speedup_model(C, canvas_s, decode_s, commit_s, s)} for s in SPEEDUP_STEPS]
     return SpeedModel(canvas_length=C, canvas_forward_s=canvas_s, decode_s=decode_s, commit_s=commit_s,
@@ -353,8 +338,14 @@ def measure_speed_model(model, *, batch_sizes: Sequence[int], repeat: int = 5, s
 
 def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], *,
               open_diffusion: Callable[[str], Any], open_ar: Callable[[str], Any],
+              open_speed_model: Optional[Callable[[str, int], Any]] = None,
               on_progress: Callable[[str], None] = lambda desc: None) -> BenchReport:
-    """Run every prompt `repeat` times on each model (one model loaded at a time), then the speed model."""
+    """Run every prompt `repeat` times on each model (one model loaded at a time), then the speed model.
+
+    `open_speed_model(path, n_seq_max)` loads the diffusion weights for the speed model with room for
+    the largest batch (a separate load, after the generation engine is closed); without it the
+    generation engine's own model is measured (batch sizes it cannot hold are emulated).
+    """
     runs: list[RunRecord] = []
     notes: list[str] = []
     speed: Optional[SpeedModel] = None
@@ -369,13 +360,23 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], *,
                 runs.append(_record("diffusion", p.name, i, res))
                 if res.interrupted:
                     raise KeyboardInterrupt
-        if config.speed_model:
+        if config.speed_model and open_speed_model is None:
             on_progress("speed model: canvas forward vs one-token decode")
             speed, speed_notes = measure_speed_model(engine.model, batch_sizes=config.batch_sizes,
                                                      repeat=config.speed_model_repeat, seed=config.seed)
             notes.extend(speed_notes)
     finally:
         engine.close()
+    if config.speed_model and open_speed_model is not None:
+        on_progress("speed model: canvas forward vs one-token decode")
+        model = open_speed_model(config.diffusion_path, max(config.batch_sizes))
+        try:
+            speed, speed_notes = measure_speed_model(model, batch_sizes=config.batch_sizes,
+                                                     repeat=config.speed_model_repeat, seed=config.seed)
+            notes.extend(speed_notes)
+        finally:
+            if hasattr(model, "close"):
+                model.close()
 
     ar = open_ar(config.ar_path)
     try:

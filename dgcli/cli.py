@@ -165,6 +165,13 @@ def open_diffusion_engine(path: Path, *, threads: Optional[int], gpu_layers: int
     return DiffusionEngine(str(path), n_threads=threads, n_gpu_layers=gpu_layers)
 
 
+def open_speed_model(path: Path, n_seq_max: int, *, threads: Optional[int], gpu_layers: int):
+    """The diffusion weights loaded with room for `n_seq_max` canvases in one forward (bench's batch sweep)."""
+    from dgcli.engine.model import DiffusionModel
+
+    return DiffusionModel(str(path), n_threads=threads, n_gpu_layers=gpu_layers, n_seq_max=n_seq_max)
+
+
 def open_ar_engine(path: Path, *, threads: Optional[int], gpu_layers: int):
     from dgcli.engine.autoregressive import AutoregressiveEngine
 
@@ -689,7 +696,8 @@ def bench(
 
                 report = benchlib.run_bench(config, prompt_set, on_progress=on_progress,
                                             open_diffusion=lambda p: open_diffusion_engine(p, threads=threads, gpu_layers=gpu_layers),
-                                            open_ar=lambda p: open_ar_engine(p, threads=threads, gpu_layers=gpu_layers))
+                                            open_ar=lambda p: open_ar_engine(p, threads=threads, gpu_layers=gpu_layers),
+                                            open_speed_model=lambda p, n: open_speed_model(p, n, threads=threads, gpu_layers=gpu_layers))
             doc = report.to_json()
             out.write_all(doc)
         if json_out:

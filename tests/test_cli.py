@@ -63,7 +63,7 @@ class ScriptedModel:
     def reset(self):
         self.n_past = 0
 
-    def prefill(self, tokens):
+    def prefill(self, tokens, return_logits=False):
         self.n_past += len(tokens)
 
     def commit(self, canvas):
@@ -120,6 +120,7 @@ def scripted(monkeypatch):
             return engine
         monkeypatch.setattr(cli, "open_diffusion_engine", open_engine)
         monkeypatch.setattr(cli, "open_ar_engine", lambda path, threads=None, gpu_layers=0: ScriptedAr())
+        monkeypatch.setattr(cli, "open_speed_model", lambda path, n, threads=None, gpu_layers=0: ScriptedModel())
         return opened
 
     return factory
@@ -439,6 +440,39 @@ def test_bench_speed_model_over_batch_sizes(tiny_gguf, tiny_ar_gguf, scripted):
     assert sm["ratio"] == pytest.approx(sm["canvas_forward_s"] / sm["decode_s"])
     assert [p["steps"] for p in sm["speedup_vs_steps"]][:3] == [1, 2, 4]
     assert "emulated" in sm["batch_method"]  # the scripted model has no multi-sequence forward
+
+
+class MultiSeqModel(ScriptedModel):
+    """Adds the native multi-sequence forward's API; records the shapes it was asked for."""
+
+    def __init__(self, n_seq_max):
+        super().__init__()
+        self.n_seq_max, self.shapes = n_seq_max, []
+
+    def decode_canvases(self, canvases, sc_logits=None):
+        canvases = np.asarray(canvases)
+        self.shapes.append(canvases.shape)
+        return np.stack([self.decode_canvas(row)[: canvases.shape[1]] for row in canvases])
+
+
+def test_bench_batch_sweep_uses_multi_sequence_forward(tiny_gguf, tiny_ar_gguf, scripted, monkeypatch):
+    scripted()
+    loaded = []
+
+    def open_speed(path, n, threads=None, gpu_layers=0):
+        loaded.append(MultiSeqModel(n))
+        return loaded[-1]
+
+    monkeypatch.setattr(cli, "open_speed_model", open_speed)
+    r = run("bench", "-m", tiny_gguf, "--ar-model", tiny_ar_gguf, "--repeat", "1", "--batch-sizes", "1,4",
+            "--max-new-tokens", "8", "--json")
+    assert r.exit_code == 0, r.stderr
+    sm = json.loads(r.stdout)["speed_model"]
+    assert sm["batch_method"].startswith("native multi-sequence")
+    assert loaded[0].n_seq_max == 4 and loaded[0].closed
+    C = ScriptedModel.canvas_length
+    assert {(4, C), (4, 1), (1, C), (1, 1)} <= set(loaded[0].shapes)  # b canvases vs b one-token rows
+    assert all(p["error"] is None for p in sm["batch_sweep"])
 
 
 @pytest.mark.parametrize("flags,fragment", [
