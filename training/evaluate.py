@@ -1,0 +1,194 @@
+"""Measure the demo pair on held-out examples: accuracy, denoising steps per canvas, tokens per forward.
+
+    .venv/bin/python -m training.evaluate --checkpoint build/demo-hf              # Transformers reference
+    .venv/bin/python -m training.evaluate --gguf dgcli/models/demo-diffusion.gguf \\
+        --ar-gguf dgcli/models/demo-ar.gguf                                    # through dg's engines
+
+Both back-ends run the default sampler settings (entropy bound 0.1, temperature 0.8 -> 0.4,
+confidence 0.005, stability 1, 48-step cap), batch 1, one seed per example, and print one table
+row per (task, difficulty): accuracy of the diffusion decode, mean steps, mean tokens per forward,
+the share of canvases stopped before the cap, and the AR twin's accuracy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+from training import tasks
+
+
+@dataclass
+class Outcome:
+    answer: str
+    steps: int
+    tokens_per_forward: float
+
+
+@dataclass
+class Row:
+    task: str
+    difficulty: int
+    n: int
+    accuracy: float
+    mean_steps: float
+    mean_tokens_per_forward: float
+    stopped_early: float
+    ar_accuracy: float | None
+
+
+# -- back-ends: each returns a function example -> Outcome (diffusion) or example -> str (AR) ------
+
+
+def reference_backends(checkpoint: Path, threads: int = 1):
+    """Transformers' DiffusionGemmaForBlockDiffusion.generate and a greedy AR loop on the encoder."""
+    import torch
+    from transformers.models.diffusion_gemma import DiffusionGemmaForBlockDiffusion
+
+    from dgcli.tiny import tiny_vocab
+
+    torch.set_num_threads(threads)
+    vocab = tiny_vocab()
+    model = DiffusionGemmaForBlockDiffusion.from_pretrained(checkpoint).eval()
+    canvas_length = model.config.canvas_length
+    decoder_calls = [0]
+    original_forward = model.forward
+
+    def counting_forward(*args, **kwargs):
+        decoder_calls[0] += 1
+        return original_forward(*args, **kwargs)
+
+    model.forward = counting_forward  # generate() calls self.forward once per denoising step
+
+    def diffusion(example: tasks.Example, seed: int) -> Outcome:
+        ids = torch.tensor([tasks.prompt_ids(example, vocab)])
+        torch.manual_seed(seed)
+        decoder_calls[0] = 0
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, max_new_tokens=canvas_length, eos_token_id=list(vocab.end_token_ids),
+                                 pad_token_id=vocab.pad_id)
+        generated = out.sequences[0, ids.shape[1]:].tolist()
+        return Outcome(tasks.parse_answer(generated, vocab), decoder_calls[0], float(out.tokens_per_forward[0]))
+
+    def autoregressive(example: tasks.Example) -> str:
+        from transformers.cache_utils import DynamicCache
+
+        ids = tasks.prompt_ids(example, vocab)
+        cache = DynamicCache(config=model.config.text_config)
+        generated: list[int] = []
+        step_input = torch.tensor([ids])
+        cap = model.config.text_config.final_logit_softcapping
+        with torch.no_grad():
+            for _ in range(canvas_length):
+                hidden = model.model.encoder(input_ids=step_input, past_key_values=cache).last_hidden_state
+                logits = torch.tanh(model.lm_head(hidden[:, -1]).float() / cap) * cap
+                token = int(logits.argmax(-1))
+                if token in vocab.end_token_ids:
+                    break
+                generated.append(token)
+                step_input = torch.tensor([[token]])
+        return tasks.parse_answer(generated, vocab)
+
+    return diffusion, autoregressive
+
+
+def engine_backends(gguf: Path, ar_gguf: Path | None, threads: int | None = None):
+    """dg's DiffusionEngine / AutoregressiveEngine over the patched llama.cpp."""
+    from dgcli.engine import AutoregressiveEngine, DiffusionEngine
+
+    engine = DiffusionEngine(str(gguf), n_threads=threads)
+    ar_engine = AutoregressiveEngine(str(ar_gguf), n_threads=threads) if ar_gguf else None
+
+    def diffusion(example: tasks.Example, seed: int) -> Outcome:
+        result = engine.generate(example.question, max_new_tokens=engine.model.canvas_length, seed=seed, chat=True)
+        steps = _engine_steps(result)
+        return Outcome(result.text.strip(), steps, float(result.tokens_per_forward))
+
+    def autoregressive(example: tasks.Example) -> str:
+        result = ar_engine.generate(example.question, max_new_tokens=tasks.CANVAS_LENGTH, chat=True)
+        return result.text.strip()
+
+    return diffusion, (autoregressive if ar_engine else None)
+
+
+def _engine_steps(result) -> int:
+    for name in ("steps", "num_steps", "decoder_forwards", "n_steps", "forwards"):
+        value = getattr(result, name, None)
+        if isinstance(value, int):
+            return value
+        if isinstance(value, (list, tuple)) and value and isinstance(value[0], int):
+            return sum(value)
+    raise AttributeError(f"GenerationResult has no step count field: {sorted(vars(result))}")
+
+
+# -- measurement -----------------------------------------------------------------------------
+
+
+def measure(diffusion: Callable, autoregressive: Callable | None, per_cell: int, max_steps: int = 48,
+            difficulties: dict[str, list[int]] | None = None, seed: int = 0) -> list[Row]:
+    rows = []
+    for task in tasks.TASKS:
+        levels = (difficulties or {}).get(task) or list(range(1, tasks.MAX_DIFFICULTY[task] + 1))
+        for difficulty in levels:
+            examples = tasks.evaluation_set(task, difficulty, per_cell)
+            outcomes = [diffusion(e, seed + i) for i, e in enumerate(examples)]
+            ar_correct = None
+            if autoregressive is not None:
+                ar_correct = statistics.mean(autoregressive(e) == e.answer for e in examples)
+            rows.append(Row(
+                task=task, difficulty=difficulty, n=len(examples),
+                accuracy=statistics.mean(o.answer == e.answer for o, e in zip(outcomes, examples)),
+                mean_steps=statistics.mean(o.steps for o in outcomes),
+                mean_tokens_per_forward=statistics.mean(o.tokens_per_forward for o in outcomes),
+                stopped_early=statistics.mean(o.steps < max_steps for o in outcomes),
+                ar_accuracy=ar_correct,
+            ))
+            print(json.dumps(asdict(rows[-1])), flush=True)
+    return rows
+
+
+def markdown_table(rows: list[Row]) -> str:
+    lines = ["| task | difficulty | n | diffusion acc | mean steps | tokens/forward | stopped < cap | AR acc |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        ar = "-" if r.ar_accuracy is None else f"{r.ar_accuracy:.2f}"
+        lines.append(f"| {r.task} | {r.difficulty} | {r.n} | {r.accuracy:.2f} | {r.mean_steps:.1f} | "
+                     f"{r.mean_tokens_per_forward:.2f} | {r.stopped_early:.2f} | {ar} |")
+    total = sum(r.n for r in rows)
+    weighted = lambda attr: sum(getattr(r, attr) * r.n for r in rows) / total  # noqa: E731
+    ar_rows = [r for r in rows if r.ar_accuracy is not None]
+    ar_total = (sum(r.ar_accuracy * r.n for r in ar_rows) / sum(r.n for r in ar_rows)) if ar_rows else None
+    lines.append(f"| **all** | | {total} | {weighted('accuracy'):.2f} | {weighted('mean_steps'):.1f} | "
+                 f"{weighted('mean_tokens_per_forward'):.2f} | {weighted('stopped_early'):.2f} | "
+                 f"{'-' if ar_total is None else f'{ar_total:.2f}'} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--checkpoint", type=Path, help="HF checkpoint (Transformers reference back-end)")
+    parser.add_argument("--gguf", type=Path, help="diffusion GGUF (dg engine back-end)")
+    parser.add_argument("--ar-gguf", type=Path, help="AR twin GGUF (dg engine back-end)")
+    parser.add_argument("--per-cell", type=int, default=10, help="held-out examples per task and difficulty")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--no-ar", action="store_true")
+    parser.add_argument("--json-out", type=Path)
+    args = parser.parse_args(argv)
+    if args.checkpoint:
+        diffusion, autoregressive = reference_backends(args.checkpoint, args.threads)
+    elif args.gguf:
+        diffusion, autoregressive = engine_backends(args.gguf, args.ar_gguf, args.threads)
+    else:
+        parser.error("give --checkpoint or --gguf")
+    rows = measure(diffusion, None if args.no_ar else autoregressive, args.per_cell)
+    print(markdown_table(rows))
+    if args.json_out:
+        args.json_out.write_text(json.dumps([asdict(r) for r in rows], indent=1))
+
+
+if __name__ == "__main__":
+    main()
