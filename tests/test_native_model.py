@@ -22,7 +22,7 @@ import copy
 import numpy as np
 import pytest
 
-from tests.native_helpers import requires_native
+from native_helpers import requires_native
 
 pytestmark = requires_native
 

@@ -421,7 +421,13 @@ class DiffusionModel(_LlamaModel):
             integral = name in ("max_denoising_steps", "stability_threshold")
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ModelLoadError(f"{self.path}: {key} has type {vtype}, expected a number")
-            values[name] = int(value) if integral else float(value)
+            if integral:
+                values[name] = int(value)
+            elif vtype == "float32":
+                # the float32's shortest decimal (0.4, not 0.4000000059604645): what the writer meant
+                values[name] = float(str(np.float32(value)))
+            else:
+                values[name] = float(value)
         try:
             return DiffusionParams(**values).validate()
         except InvalidParameter as err:

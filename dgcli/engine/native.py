@@ -23,7 +23,7 @@ from dgcli.engine.types import DgError
 BUILD_HINT = "build it with `python native/build.py`"
 
 # ggml_log_level
-LOG_NONE, LOG_INFO, LOG_WARN, LOG_ERROR, LOG_DEBUG, LOG_CONT = 0, 1, 2, 3, 4, 5
+LOG_NONE, LOG_DEBUG, LOG_INFO, LOG_WARN, LOG_ERROR, LOG_CONT = 0, 1, 2, 3, 4, 5
 
 GGML_TYPE_F32 = 0
 
@@ -69,7 +69,11 @@ def last_error(default: str = "unknown error (run with DG_VERBOSE=1 for llama.cp
     for text in reversed(errors):
         for marker in ("error loading model: ", "failed to load model: "):
             if marker in text:
-                return text.split(marker, 1)[1].strip()
+                reason = text.split(marker, 1)[1].strip()
+                # "check_tensor_dims: tensor 'x' has wrong shape; expected     96,     64, got ..."
+                head, sep, tail = reason.partition(": ")
+                reason = tail if sep and " " not in head else reason
+                return " ".join(reason.split())
     if errors:
         text = errors[-1]
         # "func_name: message" -> "message"
