@@ -18,9 +18,11 @@ from typer.testing import CliRunner
 
 from dgcli import cli
 
-NATIVE = importlib.util.find_spec("llama_cpp") is not None
+from dgcli.engine import native
+
+NATIVE, WHY_NOT = native.available()
 AR_ENGINE = importlib.util.find_spec("dgcli.engine.autoregressive") is not None
-pytestmark = pytest.mark.skipif(not NATIVE, reason="native layer not built (run `make setup` / python native/build.py)")
+pytestmark = pytest.mark.skipif(not NATIVE, reason=f"native layer unavailable: {WHY_NOT}")
 needs_ar = pytest.mark.skipif(not AR_ENGINE, reason="dgcli.engine.autoregressive not available yet")
 
 runner = CliRunner()
