@@ -101,9 +101,12 @@ def run_reference(hf_model, prompt, params: DiffusionParams, max_new_tokens: int
     return new_tokens, steps, float(out.tokens_per_forward[0]), calls
 
 
-def run_ours(hf_model, prompt, params: DiffusionParams, max_new_tokens: int, seed: int):
-    model = TorchDiffusionModel(hf_model, end_token_ids=END_TOKEN_IDS, pad_token_id=PAD_TOKEN_ID)
-    engine = DiffusionEngine(model, sampler="numpy")
+def run_ours(hf_model, prompt, params: DiffusionParams, max_new_tokens: int, seed: int, model=None,
+             sampler: str = "numpy"):
+    """Our engine over `model` (default: TorchDiffusionModel around `hf_model`)."""
+    if model is None:
+        model = TorchDiffusionModel(hf_model, end_token_ids=END_TOKEN_IDS, pad_token_id=PAD_TOKEN_ID)
+    engine = DiffusionEngine(model, sampler=sampler)
     stream = RngStream(seed)
     canvases: list[list[int]] = []
     events: list = []
@@ -130,14 +133,13 @@ def random_hf_model():
     return random_model(tiny_config(), seed=3)
 
 
-@pytest.fixture(scope="module")
-def confident_hf_model():
+def make_confident_model(seed: int = 5):
     """The random model made confident: layer and self-conditioning outputs damped so the decoder
     nearly copies its input canvas (a token's own embedding wins the tied LM head by a wide margin),
     and the final norm doubled so that margin is far above the temperature. Entropies fall to ~1e-3:
     whole canvases are accepted per step and the adaptive stop fires after a few steps, while the
     damped layers still let the context and the self-conditioning move the argmax now and then."""
-    model = random_model(tiny_config(), seed=5)
+    model = random_model(tiny_config(), seed=seed)
     with torch.no_grad():
         for layer in model.model.decoder.layers:
             layer.post_attention_layernorm.weight.mul_(0.3)
@@ -147,9 +149,16 @@ def confident_hf_model():
     return model
 
 
-def assert_same_generation(hf_model, params: DiffusionParams, max_new_tokens: int, seed: int):
+@pytest.fixture(scope="module")
+def confident_hf_model():
+    return make_confident_model()
+
+
+def assert_same_generation(hf_model, params: DiffusionParams, max_new_tokens: int, seed: int, model=None,
+                           sampler: str = "numpy"):
     ref_tokens, ref_steps, ref_tpf, ref_calls = run_reference(hf_model, PROMPT, params, max_new_tokens, seed)
-    result, our_calls, events, _ = run_ours(hf_model, PROMPT, params, max_new_tokens, seed)
+    result, our_calls, events, _ = run_ours(hf_model, PROMPT, params, max_new_tokens, seed, model=model,
+                                            sampler=sampler)
     canvas_length = hf_model.config.canvas_length
 
     assert our_calls == ref_calls
