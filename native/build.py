@@ -1,0 +1,389 @@
+#!/usr/bin/env python3
+"""Build llama-cpp-python with our diffusion-gemma patch and install it into this environment.
+
+    python native/build.py              # CPU (default)
+    python native/build.py --cuda       # -DGGML_CUDA=on
+    python native/build.py --metal      # -DGGML_METAL=on
+    python native/build.py --cmake-arg -DGGML_AVX512=off   # any other llama.cpp CMake option
+
+Steps: fetch the pinned sdist from the package registry (once; sha256 checked every time), lay our
+patch over a persistent copy of its source (new files copied in, `llama.cpp.diff` applied to
+pristine copies; only changed files are touched so CMake rebuilds only what changed), build a wheel
+with a persistent CMake build folder, install it. Everything lives under ~/.cache/dg/native (or
+$DG_CACHE_DIR/native), keyed by sdist + patch + options: an unchanged tree does not rebuild, and a
+wheel already built for the same key is reinstalled without compiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections import deque
+from pathlib import Path
+
+SDIST_NAME = "llama-cpp-python"
+SDIST_VERSION = "0.3.36"
+SDIST_FILE = f"llama_cpp_python-{SDIST_VERSION}.tar.gz"
+SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+
+# mtmd (llava) is not needed by dg and costs a third of the build time.
+BASE_CMAKE_ARGS = ["-DLLAVA_BUILD=OFF"]
+BUILD_DEPS = {"scikit_build_core": "scikit-build-core>=0.9.2", "cmake": "cmake>=3.21", "ninja": "ninja"}
+
+NATIVE_DIR = Path(__file__).resolve().parent
+PATCH_DIR = NATIVE_DIR / "patch"
+PATCH_DIFF = PATCH_DIR / "llama.cpp.diff"
+INSTALLED_KEY_FILE = ".dg-build-key"
+
+
+class BuildError(Exception):
+    """A failed step: the message names the step; `log` points at the full output."""
+
+    def __init__(self, step: str, reason: str, log: Path | None = None):
+        self.step, self.reason, self.log = step, reason, log
+        where = f" (full log: {log})" if log else ""
+        super().__init__(f"native build failed at step '{step}': {reason}{where}")
+
+
+def cache_root() -> Path:
+    base = os.environ.get("DG_CACHE_DIR")
+    return (Path(base) if base else Path.home() / ".cache" / "dg") / "native"
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def patch_files() -> list[Path]:
+    """Every file of our patch, in a stable order (the diff and the new sources)."""
+    return sorted(p for p in PATCH_DIR.rglob("*") if p.is_file())
+
+
+def new_source_files() -> dict[str, Path]:
+    """New files of ours, keyed by their path inside vendor/llama.cpp."""
+    out = {}
+    for sub in ("src", "include"):
+        root = PATCH_DIR / sub
+        for path in sorted(root.rglob("*")) if root.exists() else []:
+            if path.is_file():
+                out[str(Path(sub) / path.relative_to(root))] = path
+    return out
+
+
+def cpu_signature() -> str:
+    # GGML_NATIVE compiles for this CPU, so a wheel must not be reused on a different one.
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags") or line.startswith("Features"):
+                return hashlib.sha256(line.encode()).hexdigest()[:16]
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def build_key(cmake_args: list[str]) -> str:
+    digest = hashlib.sha256()
+    for part in (SDIST_SHA256, " ".join(cmake_args), sys.implementation.cache_tag, platform.machine(),
+                 platform.system(), cpu_signature()):
+        digest.update(part.encode() + b"\0")
+    for path in patch_files():
+        digest.update(str(path.relative_to(PATCH_DIR)).encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()[:20]
+
+
+def options_key(cmake_args: list[str]) -> str:
+    # The CMake build folder is shared by every patch version with the same options, so that an
+    # edit to our sources recompiles only the edited files.
+    return hashlib.sha256((SDIST_SHA256 + " ".join(cmake_args)).encode()).hexdigest()[:12]
+
+
+def run_logged(cmd: list[str], log: Path, step: str, env: dict | None = None, cwd: Path | None = None,
+               on_line=None) -> None:
+    with open(log, "a") as out:
+        out.write(f"\n$ {' '.join(cmd)}\n")
+        out.flush()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                cwd=cwd, bufsize=1)
+        tail: deque[str] = deque(maxlen=25)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            out.write(line)
+            tail.append(line.rstrip())
+            if on_line:
+                on_line(line.rstrip())
+        code = proc.wait()
+    if code != 0:
+        last = next((t for t in reversed(tail) if "error" in t.lower()), tail[-1] if tail else "")
+        raise BuildError(step, f"`{cmd[0]} {cmd[1] if len(cmd) > 1 else ''}` exited {code}: {last.strip()[:200]}", log)
+
+
+# -- steps ---------------------------------------------------------------------------------------
+
+
+def fetch_sdist(log: Path) -> Path:
+    sdist_dir = cache_root().parent / "sdist"
+    sdist_dir.mkdir(parents=True, exist_ok=True)
+    sdist = sdist_dir / SDIST_FILE
+    if not sdist.exists():
+        with tempfile.TemporaryDirectory(dir=sdist_dir) as tmp:
+            run_logged([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", SDIST_NAME,
+                        f"{SDIST_NAME}=={SDIST_VERSION}", "-d", tmp], log, "fetch sdist")
+            downloaded = Path(tmp) / SDIST_FILE
+            if not downloaded.exists():
+                raise BuildError("fetch sdist", f"pip did not produce {SDIST_FILE}", log)
+            downloaded.replace(sdist)
+    actual = sha256_file(sdist)
+    if actual != SDIST_SHA256:
+        bad = sdist.with_suffix(".mismatch")
+        sdist.replace(bad)
+        raise BuildError("verify sdist", f"sha256 {actual} != pinned {SDIST_SHA256} (moved aside to {bad})")
+    return sdist
+
+
+def extract_pristine(sdist: Path) -> Path:
+    """The untouched sdist source, extracted once per sdist."""
+    pristine = cache_root() / f"pristine-{SDIST_SHA256[:12]}"
+    top = pristine / f"llama_cpp_python-{SDIST_VERSION}"
+    if not (pristine / ".complete").exists():
+        shutil.rmtree(pristine, ignore_errors=True)
+        pristine.mkdir(parents=True)
+        with tarfile.open(sdist) as tar:
+            tar.extractall(pristine, filter="data")
+        (pristine / ".complete").touch()
+    return top
+
+
+def write_if_changed(dst: Path, data: bytes) -> bool:
+    if dst.exists() and dst.read_bytes() == data:
+        return False
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(dst.name + ".dgtmp")
+    tmp.write_bytes(data)
+    tmp.replace(dst)
+    return True
+
+
+def files_in_diff(diff_text: str) -> list[str]:
+    names = []
+    for line in diff_text.splitlines():
+        if line.startswith("+++ "):
+            name = line[4:].split("\t")[0].strip()
+            if name != "/dev/null":
+                names.append(name.split("/", 1)[1] if name.startswith(("a/", "b/")) else name)
+    return names
+
+
+def patched_contents(pristine_llama: Path, log: Path) -> dict[str, bytes]:
+    """Path inside vendor/llama.cpp -> content after our patch, for every file the patch touches."""
+    contents = {rel: path.read_bytes() for rel, path in new_source_files().items()}
+    if PATCH_DIFF.exists() and PATCH_DIFF.stat().st_size:
+        diff_text = PATCH_DIFF.read_text()
+        with tempfile.TemporaryDirectory() as tmp:
+            scratch = Path(tmp)
+            for rel in files_in_diff(diff_text):
+                src = pristine_llama / rel
+                if src.exists():
+                    (scratch / rel).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(src, scratch / rel)
+            run_logged(["patch", "-p1", "--batch", "--forward", "--no-backup-if-mismatch", "-i", str(PATCH_DIFF)],
+                       log, "apply patch", cwd=scratch)
+            for rel in files_in_diff(diff_text):
+                contents[rel] = (scratch / rel).read_bytes()
+    return contents
+
+
+def prepare_source(pristine_top: Path, log: Path) -> tuple[Path, int]:
+    """A persistent patched copy of the sdist. Returns (source dir, number of files rewritten)."""
+    work_top = cache_root() / f"src-{SDIST_SHA256[:12]}"
+    if not (work_top / ".complete").exists():
+        shutil.rmtree(work_top, ignore_errors=True)
+        shutil.copytree(pristine_top, work_top, symlinks=True)
+        (work_top / ".complete").touch()
+    vendor = "vendor/llama.cpp"
+    wanted = patched_contents(pristine_top / vendor, log)
+    manifest_path = work_top / ".dg-patched.json"
+    previous = set(json.loads(manifest_path.read_text())) if manifest_path.exists() else set()
+    changed = 0
+    # Files the previous patch touched but this one does not go back to pristine (or away).
+    for rel in sorted(previous - set(wanted)):
+        original = pristine_top / vendor / rel
+        target = work_top / vendor / rel
+        if original.exists():
+            changed += write_if_changed(target, original.read_bytes())
+        elif target.exists():
+            target.unlink()
+            changed += 1
+    for rel, data in wanted.items():
+        changed += write_if_changed(work_top / vendor / rel, data)
+    manifest_path.write_text(json.dumps(sorted(wanted)))
+    return work_top, changed
+
+
+def ensure_build_deps(log: Path) -> None:
+    missing = []
+    for module, requirement in BUILD_DEPS.items():
+        try:
+            __import__(module)
+        except ImportError:
+            missing.append(requirement)
+    if missing:
+        run_logged([sys.executable, "-m", "pip", "install", "-q", *missing], log, "install build tools")
+
+
+def build_wheel(source: Path, cmake_args: list[str], key: str, log: Path, jobs: int, on_line=None) -> Path:
+    wheel_dir = cache_root() / "wheels" / key
+    existing = sorted(wheel_dir.glob("*.whl")) if wheel_dir.exists() else []
+    if existing:
+        return existing[0]
+    build_dir = cache_root() / f"build-{options_key(cmake_args)}"
+    tmp_dir = cache_root() / "wheels" / f".{key}.partial"
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    tmp_dir.mkdir(parents=True)
+    env = dict(os.environ)
+    env["CMAKE_ARGS"] = " ".join(cmake_args)
+    env["CMAKE_BUILD_PARALLEL_LEVEL"] = str(jobs)
+    run_logged([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_dir),
+                "-C", f"build-dir={build_dir}", "-v", str(source)], log, "compile", env=env, on_line=on_line)
+    wheels = sorted(tmp_dir.glob("*.whl"))
+    if not wheels:
+        raise BuildError("compile", "pip wheel produced no wheel", log)
+    # Only a finished wheel gets the key's name, so an interrupted build is never reused.
+    shutil.rmtree(wheel_dir, ignore_errors=True)
+    tmp_dir.replace(wheel_dir)
+    return wheel_dir / wheels[0].name
+
+
+def installed_key() -> str | None:
+    spec = _llama_cpp_dir()
+    marker = spec / INSTALLED_KEY_FILE if spec else None
+    return marker.read_text().strip() if marker and marker.exists() else None
+
+
+def _llama_cpp_dir() -> Path | None:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def install_wheel(wheel: Path, key: str, log: Path) -> None:
+    run_logged([sys.executable, "-m", "pip", "install", "--force-reinstall", "--no-deps", str(wheel)], log,
+               "install")
+    # llama-cpp-python's own runtime needs (numpy, jinja2, ...) without touching anything else.
+    run_logged([sys.executable, "-m", "pip", "install", "-q", "typing-extensions>=4.5.0", "numpy>=1.20.0",
+                "diskcache>=5.6.1", "jinja2>=2.11.3"], log, "install")
+    target = _llama_cpp_dir()
+    if target is None:
+        raise BuildError("install", "llama_cpp is not importable after installing the wheel", log)
+    (target / INSTALLED_KEY_FILE).write_text(key + "\n")
+
+
+# -- command line ---------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    backend = parser.add_mutually_exclusive_group()
+    backend.add_argument("--cuda", action="store_true", help="build the CUDA backend (-DGGML_CUDA=on)")
+    backend.add_argument("--metal", action="store_true", help="build the Metal backend (-DGGML_METAL=on)")
+    parser.add_argument("--cmake-arg", action="append", default=[], metavar="ARG",
+                        help="extra llama.cpp CMake option, e.g. -DGGML_NATIVE=off (repeatable)")
+    parser.add_argument("--jobs", type=int, default=min(os.cpu_count() or 2, 8), help="parallel compile jobs")
+    parser.add_argument("--force", action="store_true", help="rebuild the wheel even if one is cached")
+    parser.add_argument("--print-key", action="store_true", help="print the cache key and exit")
+    return parser.parse_args(argv)
+
+
+def cmake_args_for(args: argparse.Namespace) -> list[str]:
+    cmake_args = list(BASE_CMAKE_ARGS)
+    if args.cuda:
+        cmake_args.append("-DGGML_CUDA=on")
+    if args.metal:
+        cmake_args.append("-DGGML_METAL=on")
+    cmake_args.extend(args.cmake_arg)
+    return cmake_args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cmake_args = cmake_args_for(args)
+    key = build_key(cmake_args)
+    if args.print_key:
+        print(key)
+        return 0
+    if not args.force and installed_key() == key:
+        print(f"dg native: up to date (key {key})")
+        return 0
+
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    log = root / "logs" / f"build-{key}-{time.strftime('%Y%m%d-%H%M%S')}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    try:
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                      console=console, transient=False) as progress:
+            def step(description: str):
+                return progress.add_task(description, total=1)
+
+            t = step(f"sdist {SDIST_NAME} {SDIST_VERSION} (sha256 pinned)")
+            sdist = fetch_sdist(log)
+            pristine = extract_pristine(sdist)
+            progress.update(t, completed=1)
+
+            t = step("applying the diffusion-gemma patch")
+            source, changed = prepare_source(pristine, log)
+            progress.update(t, completed=1, description=f"applied the diffusion-gemma patch ({changed} files changed)")
+
+            t = step("build tools")
+            ensure_build_deps(log)
+            progress.update(t, completed=1)
+
+            wheel_dir = root / "wheels" / key
+            cached = wheel_dir.exists() and any(wheel_dir.glob("*.whl")) and not args.force
+            if args.force:
+                shutil.rmtree(wheel_dir, ignore_errors=True)
+            t = step("compiling llama.cpp" + (" (cached wheel)" if cached else f" -j{args.jobs}"))
+
+            def show(line: str) -> None:
+                if line.startswith("[") and "]" in line[:12]:
+                    progress.update(t, description=f"compiling llama.cpp {line[:90]}")
+
+            wheel = build_wheel(source, cmake_args, key, log, args.jobs, on_line=show)
+            progress.update(t, completed=1, description=f"built {wheel.name}" + (" (cached)" if cached else ""))
+
+            t = step("installing into " + sys.prefix)
+            install_wheel(wheel, key, log)
+            progress.update(t, completed=1)
+    except BuildError as err:
+        console.print(f"[red]error:[/red] {err}")
+        return 1
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted[/yellow]: nothing was installed; the next run resumes the build")
+        return 130
+    console.print(f"dg native: installed (key {key}, {time.monotonic() - started:.0f} s; log {log})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
