@@ -238,6 +238,10 @@ class _LlamaModel:
 
         mparams = L.llama_model_default_params()
         mparams.n_gpu_layers = int(n_gpu_layers)
+        # DG_CPU_REPACK=0 keeps weights out of the CPU repack/AMX buffers (llama.cpp's AMX Q8_0
+        # kernel crashes on tiny shapes such as the test models' 64-wide rows)
+        if os.environ.get("DG_CPU_REPACK", "1") == "0":
+            mparams.use_extra_bufts = False
         model = L.llama_model_load_from_file(str(self.path).encode(), mparams)
         if not model:
             raise ModelLoadError(f"cannot load {self.path}: {native.last_error()}")

@@ -236,6 +236,7 @@ ggml_tensor * llama_model_diffusion_gemma::graph::build_moe_exact(ggml_tensor * 
                                                                     const llama_layer & layer, int il) {
     const int64_t n_expert      = hparams.n_expert;
     const int64_t n_expert_used = hparams.n_expert_used(il);
+    const int64_t n_tokens      = cur->ne[1]; // the last layer keeps only the output rows
 
     ggml_tensor * probs    = ggml_soft_max(ctx0, router_logits);                // [n_expert, n_tokens]
     ggml_tensor * selected = ggml_argsort_top_k(ctx0, probs, n_expert_used);    // [n_expert_used, n_tokens]
