@@ -204,3 +204,14 @@ def test_confident_model_replays_reference_with_adaptive_stop(confident_hf_model
 def test_confident_model_replays_reference_stability_thresholds(confident_hf_model, stability_threshold):
     params = DiffusionParams(max_denoising_steps=12, stability_threshold=stability_threshold)
     assert_same_generation(confident_hf_model, params, max_new_tokens=32, seed=3)
+
+
+@pytest.mark.parametrize("seed", [0, 4])
+def test_native_sampler_replays_reference(confident_hf_model, random_hf_model, tmp_path_factory, seed):
+    from test_sampler import build_native_sampler
+
+    native = build_native_sampler(tmp_path_factory)
+    assert_same_generation(confident_hf_model, DiffusionParams(max_denoising_steps=20), max_new_tokens=48,
+                           seed=seed, sampler=native)
+    assert_same_generation(random_hf_model, DiffusionParams(max_denoising_steps=6), max_new_tokens=40,
+                           seed=seed, sampler=native)

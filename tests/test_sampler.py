@@ -200,8 +200,7 @@ def test_unknown_sampler_backend_is_a_clear_error():
 # ---- the logits pass: native against numpy -----------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def native_sampler(tmp_path_factory):
+def build_native_sampler(tmp_path_factory) -> S.NativeStepSampler:
     """The installed library's dg_sampler_step if built, else the source compiled here."""
     lib = S.native_library()
     if lib is None:
@@ -213,6 +212,11 @@ def native_sampler(tmp_path_factory):
                         str(NATIVE_SOURCE), "-o", str(out), "-lpthread"], check=True)
         lib = ctypes.CDLL(str(out))
     return S.NativeStepSampler(lib, n_threads=2)
+
+
+@pytest.fixture(scope="module")
+def native_sampler(tmp_path_factory):
+    return build_native_sampler(tmp_path_factory)
 
 
 @pytest.mark.parametrize("rows, vocab, scale", [(16, 500, 3.0), (7, 4099, 30.0), (3, 64, 0.01)])

@@ -97,7 +97,7 @@ class DiffusionEngine:
     """Block-diffusion generation over a DiffusionGemma GGUF (or any object with the step-level API)."""
 
     def __init__(self, model: str | os.PathLike | Any, n_threads: int | None = None, n_gpu_layers: int = 0,
-                 exact: bool = False, n_ctx: int | None = None, sampler: str = "auto"):
+                 exact: bool = False, n_ctx: int | None = None, sampler: str | StepSampler = "auto"):
         if isinstance(model, (str, os.PathLike)):
             from dgcli.engine.model import DiffusionModel
 
@@ -107,7 +107,9 @@ class DiffusionEngine:
         else:
             self.model = model
             self._owns_model = False
-        self.step_sampler: StepSampler = make_step_sampler(sampler, n_threads=n_threads)
+        # "auto" | "native" | "numpy", or a StepSampler object (tests hand in a freshly compiled one)
+        self.step_sampler: StepSampler = (make_step_sampler(sampler, n_threads=n_threads)
+                                          if isinstance(sampler, str) else sampler)
 
     # ---- lifecycle ---------------------------------------------------------------------------------
 
