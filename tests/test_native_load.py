@@ -143,3 +143,10 @@ def test_misshaped_tensor_refused(tiny_gguf, tmp_path):
     path = rewrite_gguf(tiny_gguf, tmp_path / "misshaped.gguf", tensor_edit=cut_row)
     message = _refused(path)
     assert "self_cond_down.weight" in message and "shape" in message
+
+
+def test_model_without_sliding_layers_refused(tmp_path):
+    from dgcli.tiny import write_tiny_random_gguf
+
+    path = write_tiny_random_gguf(tmp_path / "all-full.gguf", layer_types=["full_attention"] * 6)
+    assert "sliding" in _refused(path)

@@ -39,6 +39,14 @@ void llama_model_diffusion_gemma::load_arch_hparams(llama_model_loader & ml) {
     if (n_embd_per_layer != 0) {
         throw std::runtime_error("diffusion-gemma: per-layer embeddings are not supported (embedding_length_per_layer_input must be 0)");
     }
+    bool any_swa = false;
+    for (uint32_t il = 0; il < hparams.n_layer(); ++il) {
+        any_swa = any_swa || hparams.is_swa(il);
+    }
+    // the KV cache is the sliding + full pair (iSWA); a model without sliding layers has no use for it
+    if (!any_swa) {
+        throw std::runtime_error("diffusion-gemma: attention.sliding_window_pattern has no sliding layer (at least one is required)");
+    }
     if (hparams.n_swa == 0) {
         throw std::runtime_error("diffusion-gemma: attention.sliding_window must be > 0");
     }
