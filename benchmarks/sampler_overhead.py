@@ -7,7 +7,7 @@ threshold ~0) so every step runs.
 
     .venv/bin/python benchmarks/sampler_overhead.py [--gguf PATH] [--steps 4] [--threads N] [--json]
 
-Without --gguf a 1-layer synthetic model (few experts, Q8_0) is written to a temp dir first.
+Without --gguf a 2-layer synthetic model (one sliding, one full) (few experts, Q8_0) is written to a temp dir first.
 `--forward lmhead` replaces the model by a numpy stand-in (LM head matmul + softcap only), for
 machines without the patched llama.cpp: a lower bound of the forward, so an upper bound of the ratio.
 """
@@ -74,7 +74,7 @@ def open_model(args, workdir: Path):
 
         path = workdir / "synthetic.gguf"
         print(f"writing synthetic GGUF (vocab {REAL_VOCAB}, hidden {REAL_HIDDEN}) to {path} ...", file=sys.stderr)
-        write_synthetic_gguf(path, n_layer=1, num_experts=8, top_k_experts=2)
+        write_synthetic_gguf(path, n_layer=2, num_experts=8, top_k_experts=2)
     model = DiffusionModel(path, n_threads=args.threads)
     return model, f"{Path(path).name} (llama.cpp)"
 
