@@ -195,6 +195,14 @@ def _read_value(r: _Reader, vtype: int, key: str, header: GgufHeader, wanted: di
     raise ModelLoadError(f"{header.path} is malformed: key {key} is an array of type {etype}")
 
 
+def _cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and "amx_int8" in line.split() for line in f)
+    except OSError:
+        return False
+
+
 # -- models ---------------------------------------------------------------------------------------
 
 
@@ -238,9 +246,9 @@ class _LlamaModel:
 
         mparams = L.llama_model_default_params()
         mparams.n_gpu_layers = int(n_gpu_layers)
-        # DG_CPU_REPACK=0 keeps weights out of the CPU repack/AMX buffers (llama.cpp's AMX Q8_0
-        # kernel crashes on tiny shapes such as the test models' 64-wide rows)
-        if os.environ.get("DG_CPU_REPACK", "1") == "0":
+        # Weights stay out of llama.cpp's CPU repack buffers on AMX CPUs: its AMX Q8_0 matmul
+        # segfaults here (stock gemma4 included, tiny and real shapes). DG_CPU_REPACK=1/0 overrides.
+        if os.environ.get("DG_CPU_REPACK", "0" if _cpu_has_amx() else "1") == "0":
             mparams.use_extra_bufts = False
         model = L.llama_model_load_from_file(str(self.path).encode(), mparams)
         if not model:
