@@ -17,6 +17,8 @@ wheel already built for the same key is reinstalled without compiling.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -297,6 +299,20 @@ def install_wheel(wheel: Path, key: str, log: Path) -> None:
 # -- command line ---------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def exclusive_build_lock():
+    """One build at a time per cache: two builds of the same key would share (and wipe) one folder."""
+    lock_path = cache_root() / "build.lock"
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print("dg native: another build is running; waiting for it to finish", file=sys.stderr)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     backend = parser.add_mutually_exclusive_group()
@@ -330,6 +346,15 @@ def main(argv: list[str] | None = None) -> int:
     if not args.force and installed_key() == key:
         print(f"dg native: up to date (key {key})")
         return 0
+    with exclusive_build_lock():
+        # The build we waited for may have installed exactly this key.
+        if not args.force and installed_key() == key:
+            print(f"dg native: up to date (key {key})")
+            return 0
+        return build_and_install(args, cmake_args, key)
+
+
+def build_and_install(args: argparse.Namespace, cmake_args: list[str], key: str) -> int:
 
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
