@@ -41,19 +41,35 @@ class Row:
     ar_accuracy: float | None
 
 
+def load_reference(checkpoint: Path):
+    """The checkpoint as a Transformers model with the reference's default sampler settings.
+
+    The generation config is passed explicitly: a generation_config.json whose sampler_config lacks
+    Transformers' `_cls_name` tag does not load through from_pretrained.
+    """
+    from transformers.models.diffusion_gemma import DiffusionGemmaForBlockDiffusion
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import DiffusionGemmaGenerationConfig
+
+    from dgcli.tiny import tiny_vocab
+
+    vocab = tiny_vocab()
+    generation_config = DiffusionGemmaGenerationConfig(eos_token_id=list(vocab.end_token_ids), pad_token_id=vocab.pad_id,
+                                                       bos_token_id=vocab.bos_id)
+    return DiffusionGemmaForBlockDiffusion.from_pretrained(checkpoint, generation_config=generation_config).eval()
+
+
 # -- back-ends: each returns a function example -> Outcome (diffusion) or example -> str (AR) ------
 
 
 def reference_backends(checkpoint: Path, threads: int = 1):
     """Transformers' DiffusionGemmaForBlockDiffusion.generate and a greedy AR loop on the encoder."""
     import torch
-    from transformers.models.diffusion_gemma import DiffusionGemmaForBlockDiffusion
 
     from dgcli.tiny import tiny_vocab
 
     torch.set_num_threads(threads)
     vocab = tiny_vocab()
-    model = DiffusionGemmaForBlockDiffusion.from_pretrained(checkpoint).eval()
+    model = load_reference(checkpoint)
     canvas_length = model.config.canvas_length
     decoder_calls = [0]
     original_forward = model.forward
@@ -96,6 +112,29 @@ def reference_backends(checkpoint: Path, threads: int = 1):
     return diffusion, autoregressive
 
 
+def engine_over_reference_backend(checkpoint: Path, threads: int = 1):
+    """dg's DiffusionEngine loop (its numpy sampler and random stream) over the Transformers forward."""
+    import torch
+
+    from dgcli.engine import DiffusionEngine
+    from dgcli.engine.torch_model import TorchDiffusionModel
+    from dgcli.tiny import tiny_vocab
+
+    torch.set_num_threads(threads)
+    vocab = tiny_vocab()
+    model = load_reference(checkpoint)
+    engine = DiffusionEngine(TorchDiffusionModel(model, end_token_ids=vocab.end_token_ids, pad_token_id=vocab.pad_id),
+                             sampler="numpy")
+
+    def diffusion(example: tasks.Example, seed: int) -> Outcome:
+        result = engine.generate(tasks.prompt_ids(example, vocab), max_new_tokens=model.config.canvas_length,
+                                 seed=seed, chat=False)
+        return Outcome(tasks.parse_answer(result.token_ids, vocab), _engine_steps(result),
+                       float(result.tokens_per_forward))
+
+    return diffusion
+
+
 def engine_backends(gguf: Path, ar_gguf: Path | None, threads: int | None = None):
     """dg's DiffusionEngine / AutoregressiveEngine over the patched llama.cpp."""
     from dgcli.engine import AutoregressiveEngine, DiffusionEngine
@@ -105,8 +144,7 @@ def engine_backends(gguf: Path, ar_gguf: Path | None, threads: int | None = None
 
     def diffusion(example: tasks.Example, seed: int) -> Outcome:
         result = engine.generate(example.question, max_new_tokens=engine.model.canvas_length, seed=seed, chat=True)
-        steps = _engine_steps(result)
-        return Outcome(result.text.strip(), steps, float(result.tokens_per_forward))
+        return Outcome(result.text.strip(), _engine_steps(result), float(result.tokens_per_forward))
 
     def autoregressive(example: tasks.Example) -> str:
         result = ar_engine.generate(example.question, max_new_tokens=tasks.CANVAS_LENGTH, chat=True)
@@ -116,13 +154,8 @@ def engine_backends(gguf: Path, ar_gguf: Path | None, threads: int | None = None
 
 
 def _engine_steps(result) -> int:
-    for name in ("steps", "num_steps", "decoder_forwards", "n_steps", "forwards"):
-        value = getattr(result, name, None)
-        if isinstance(value, int):
-            return value
-        if isinstance(value, (list, tuple)) and value and isinstance(value[0], int):
-            return sum(value)
-    raise AttributeError(f"GenerationResult has no step count field: {sorted(vars(result))}")
+    # One canvas per example (max_new_tokens = canvas_length), so its step count is the first entry.
+    return int(result.steps_per_canvas[0])
 
 
 # -- measurement -----------------------------------------------------------------------------
@@ -175,16 +208,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ar-gguf", type=Path, help="AR twin GGUF (dg engine back-end)")
     parser.add_argument("--per-cell", type=int, default=10, help="held-out examples per task and difficulty")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--via-engine", action="store_true",
+                        help="with --checkpoint: run dg's DiffusionEngine loop over the Transformers forward")
     parser.add_argument("--no-ar", action="store_true")
     parser.add_argument("--json-out", type=Path)
+    parser.add_argument("--levels", help="difficulties to run, e.g. 1,4,8 (default: all)")
     args = parser.parse_args(argv)
-    if args.checkpoint:
+    if args.checkpoint and args.via_engine:
+        diffusion, autoregressive = engine_over_reference_backend(args.checkpoint, args.threads), None
+    elif args.checkpoint:
         diffusion, autoregressive = reference_backends(args.checkpoint, args.threads)
     elif args.gguf:
         diffusion, autoregressive = engine_backends(args.gguf, args.ar_gguf, args.threads)
     else:
         parser.error("give --checkpoint or --gguf")
-    rows = measure(diffusion, None if args.no_ar else autoregressive, args.per_cell)
+    levels = None
+    if args.levels:
+        wanted = [int(x) for x in args.levels.split(",")]
+        levels = {t: [d for d in wanted if d <= tasks.MAX_DIFFICULTY[t]] for t in tasks.TASKS}
+    rows = measure(diffusion, None if args.no_ar else autoregressive, args.per_cell, difficulties=levels)
     print(markdown_table(rows))
     if args.json_out:
         args.json_out.write_text(json.dumps([asdict(r) for r in rows], indent=1))

@@ -2,9 +2,14 @@
 
 Three tasks, each a chat turn whose answer fits one 32-token canvas:
 
-    sort: dbca          -> abcd          (difficulty = number of letters, 1..12)
-    reverse: hello      -> olleh         (difficulty = number of letters, 1..12)
+    sort: DBCA          -> ABCD          (difficulty = number of letters, 1..12)
+    reverse: HELLO      -> OLLEH         (difficulty = number of letters, 1..12)
     add: 123+45         -> 168           (difficulty = digits of the longer operand, 1..6)
+
+Letters are upper case because dg-tiny has no merges for upper-case letters or digits (nor for a
+space before them): every letter is one token, so the answer's tokens line up with the question's.
+Lower-case letters merge ("er", "st", " d"...), which makes reversing and sorting a tokenization
+puzzle that a model this small learns far more slowly.
 
 Every answer token depends on the whole question, but once a few answer tokens are fixed the rest
 become easier, so a bidirectional decoder can commit several tokens per step, and longer inputs
@@ -23,7 +28,7 @@ from dataclasses import dataclass
 from dgcli.tiny import TinyVocab, tiny_vocab
 
 TASKS = ("sort", "reverse", "add")
-LETTERS = "abcdefghijklmnopqrstuvwxyz"
+LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 MAX_DIFFICULTY = {"sort": 12, "reverse": 12, "add": 6}
 CANVAS_LENGTH = 32
 
