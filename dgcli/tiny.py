@@ -388,18 +388,34 @@ def _random_tensor(spec, params, seed: int) -> np.ndarray:
     return (rng.standard_normal(spec.shape) / np.sqrt(spec.shape[-1])).astype(np.float32)
 
 
+def _untrained_tensor(spec, params, seed: int) -> np.ndarray:
+    """Transformers' fresh initialisation: matrices N(0, 0.02), norms, scales and layer scalars one."""
+    if spec.role == "rope_freqs":
+        return params.rope_freq_factors()
+    if len(spec.shape) == 1:
+        return np.ones(spec.shape, dtype=np.float32)
+    rng = _rng_for(seed, f"{spec.role}:{spec.layer}")
+    return (rng.standard_normal(spec.shape) * 0.02).astype(np.float32)
+
+
 def write_tiny_random_gguf(path: str | Path, seed: int = 0, arch: str = "diffusion-gemma", outtype: str = "f32",
-                           **config_overrides: Any) -> Path:
+                           init: str = "random", **config_overrides: Any) -> Path:
     """A tiny random model in the published layout (or its AR gemma4 twin), dg-tiny tokenizer, no torch.
 
-    `config_overrides` take text-config names as in config.json (hidden_size, num_hidden_layers,
-    layer_types, num_experts, global_head_dim, sliding_window, ...) or canvas_length.
+    `init="random"` randomizes every tensor at a scale that gives peaked logits (norms and scalars
+    away from one, so a swapped tensor shows); `init="untrained"` is a freshly initialised model
+    (near-uniform logits: the seed's EXP A). `config_overrides` take text-config names as in
+    config.json (hidden_size, num_hidden_layers, layer_types, num_experts, global_head_dim,
+    sliding_window, ...) or canvas_length.
     """
     from dgcli.convert import write_layout_gguf
 
+    tensor_for = {"random": _random_tensor, "untrained": _untrained_tensor}.get(init)
+    if tensor_for is None:
+        raise DgError(f"unknown init {init!r}: use 'random' or 'untrained'")
     params = tiny_layout_params(**config_overrides)
     return write_layout_gguf(path, params, arch, tiny_vocab().add_to_gguf,
-                             lambda spec: [_random_tensor(spec, params, seed)], outtype)
+                             lambda spec: [tensor_for(spec, params, seed)], outtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """EXP A: an untrained (random-weight) DiffusionGemma degenerates to one token per step.
 
-Writes a tiny random GGUF in the published layout, generates with `dg generate --trace`, and shows
+Writes a tiny freshly initialised GGUF in the published layout (Transformers' init: N(0, 0.02)
+matrices, unit norms), generates with `dg generate --trace`, and shows
 per-step accepted tokens (the entropy bound's at-least-one guarantee) and the mean entropy, which
 stays near the uniform bound log(V) so adaptive stopping never fires.
 
@@ -24,7 +25,7 @@ def main() -> None:
     if not model:
         from dgcli.tiny import write_tiny_random_gguf
 
-        model = str(write_tiny_random_gguf(args.out / "untrained-tiny.gguf", seed=0))
+        model = str(write_tiny_random_gguf(args.out / "untrained-tiny.gguf", seed=0, init="untrained"))
     info = json.loads(run_dg("info", model, "--json"))
     trace_path = args.out / "exp_a.trace.jsonl"
     result = json.loads(run_dg("generate", "what is 3+5", "-m", model, "--steps", args.steps,
@@ -34,9 +35,10 @@ def main() -> None:
     rows = [[e["canvas"], e["step"], e["n_accepted"], f"{e['mean_entropy']:.4f}", e["stopped"]] for e in steps]
     write_table(args.out / "exp_a.tsv", ["canvas", "step", "accepted", "mean_entropy", "stopped"], rows)
     uniform = math.log(info["vocab_size"])
+    mean_accepted = sum(e["n_accepted"] for e in steps) / len(steps)
     print(f"steps per canvas: {result['steps_per_canvas']} (cap {args.steps}); "
           f"tokens/forward {result['tokens_per_forward']:.2f}; "
-          f"accepted per step: mean {sum(e['n_accepted'] for e in steps) / len(steps):.2f}; "
+          f"accepted per step: mean {mean_accepted:.2f}; "
           f"uniform entropy log(V) = {uniform:.2f} nats")
 
     import matplotlib.pyplot as plt
@@ -51,8 +53,9 @@ def main() -> None:
     ax2.axhline(uniform, color="tab:red", linestyle=":", label="uniform log(V)")
     ax2.set_ylabel("mean entropy (nats)")
     ax2.set_ylim(0, uniform * 1.1)
-    fig.legend(loc="lower right")
-    ax.set_title("EXP A: untrained model, 1 token per step, no early stop")
+    fig.legend(loc="upper right", bbox_to_anchor=(0.88, 0.88), fontsize="small")
+    ax.set_title(f"EXP A: untrained model: {mean_accepted:.2f} tokens accepted per step, "
+                 f"steps per canvas {result['steps_per_canvas']}", fontsize="medium")
     fig.tight_layout()
     fig.savefig(args.out / "exp_a.png", dpi=120)
     print(f"-> {args.out / 'exp_a.png'}")
