@@ -4,7 +4,8 @@ Outer loop, one canvas at a time (at most ceil(max_new_tokens / canvas_length) c
     initialize a uniform random canvas; denoise it (inner loop); finalize it (end-token padding);
     stop at an end token, else commit it (encoder pass appending it to the KV cache) and go on.
 Inner loop, cur_step from max_denoising_steps down to 1 (`_denoising_step`):
-    decoder forward (self-conditioned on the previous step's processed logits); temperature,
+    decoder forward (self-conditioned on the previous step's processed logits: dense as the
+    reference on small vocabularies, else the sampler's top-k of their softmax); temperature,
     entropy, argmax and multinomial sample per position (native or numpy, see sampler.py);
     entropy-bound acceptance; renoise; adaptive stop.
 
@@ -50,6 +51,37 @@ EventCallback = Callable[[Any], Any]
 # Gemma's <pad>; used when a model object does not say (the reference reads generation_config.pad_token_id)
 GEMMA_PAD_TOKEN_ID = 0
 
+# Self-conditioning input (the previous step's softmax over the vocabulary, times E): dense, as the
+# reference, up to this vocabulary size (tiny and demo models: exact reference behaviour, cheap);
+# above it the sampler's top SPARSE_SC_TOP_K tokens per position. On the real vocabulary (262144)
+# the dense product is ~190 G multiply-adds per step, 10x the rest of a 2-layer forward; the
+# dropped tail mass is reported per step (StepEvent.sc_dropped_mass).
+DENSE_SC_MAX_VOCAB = 4096
+SPARSE_SC_TOP_K = 64
+
+
+def resolve_self_cond_top_k(value: Any, vocab_size: int) -> int:
+    """The top-k width for a `self_cond_top_k` setting; 0 means dense (the reference's form).
+    None: dense when vocab_size <= DENSE_SC_MAX_VOCAB, else SPARSE_SC_TOP_K. 0 or "dense": dense.
+    k >= vocab_size is dense too (nothing would be dropped)."""
+    if value is None:
+        return 0 if vocab_size <= DENSE_SC_MAX_VOCAB else min(SPARSE_SC_TOP_K, vocab_size)
+    if isinstance(value, str) and value.strip().lower() == "dense":
+        return 0
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise InvalidParameter("self_cond_top_k", value, 'an integer >= 0 (0 = dense), "dense" or None (auto)')
+    return 0 if value >= vocab_size else int(value)
+
+
+@dataclass
+class _SelfCond:
+    """The next decoder forward's self-conditioning input: dense processed logits, or top-k."""
+
+    logits: np.ndarray | None = None  # float32 [C, V]
+    ids: np.ndarray | None = None  # int32 [C, k]
+    probs: np.ndarray | None = None  # float32 [C, k]
+    dropped_mass: float = 0.0  # largest probability mass left out of a position's top-k
+
 
 class _StopRequested(Exception):
     """on_event returned False."""
@@ -75,7 +107,7 @@ class _StepOutcome:
     canvas: np.ndarray  # the next step's input canvas
     argmax: np.ndarray
     accepted_mask: np.ndarray
-    sc_logits: np.ndarray  # processed logits, the next step's self-conditioning input
+    self_cond: _SelfCond  # the next step's self-conditioning input
     stopped: bool
     mean_entropy: float
     forward_s: float
@@ -97,7 +129,8 @@ class DiffusionEngine:
     """Block-diffusion generation over a DiffusionGemma GGUF (or any object with the step-level API)."""
 
     def __init__(self, model: str | os.PathLike | Any, n_threads: int | None = None, n_gpu_layers: int = 0,
-                 exact: bool = False, n_ctx: int | None = None, sampler: str | StepSampler = "auto"):
+                 exact: bool = False, n_ctx: int | None = None, sampler: str | StepSampler = "auto",
+                 self_cond_top_k: int | str | None = None):
         if isinstance(model, (str, os.PathLike)):
             from dgcli.engine.model import DiffusionModel
 
@@ -110,6 +143,9 @@ class DiffusionEngine:
         # "auto" | "native" | "numpy", or a StepSampler object (tests hand in a freshly compiled one)
         self.step_sampler: StepSampler = (make_step_sampler(sampler, n_threads=n_threads)
                                           if isinstance(sampler, str) else sampler)
+        # an engine option, not a DiffusionParams knob: the reference has no such setting
+        resolve_self_cond_top_k(self_cond_top_k, self.model.vocab_size)  # fail early on a bad value
+        self.self_cond_top_k = self_cond_top_k
 
     # ---- lifecycle ---------------------------------------------------------------------------------
 
@@ -135,9 +171,11 @@ class DiffusionEngine:
 
     def generate(self, prompt: str | Sequence[int], params: DiffusionParams | None = None, max_new_tokens: int = 256,
                  seed: int | None = None, chat: bool = True, on_event: EventCallback | None = None,
-                 rng: RngStream | None = None) -> GenerationResult:
+                 rng: RngStream | None = None, self_cond_top_k: int | str | None = None) -> GenerationResult:
         started = time.perf_counter()
         params = (params or self.default_params).validate()
+        setting = self.self_cond_top_k if self_cond_top_k is None else self_cond_top_k
+        top_k = resolve_self_cond_top_k(setting, self.model.vocab_size)
         max_new_canvases = math.ceil(validate_max_new_tokens(max_new_tokens) / self.model.canvas_length)
         state = _LoopState()
         rng = rng if rng is not None else RngStream(seed)
@@ -146,7 +184,7 @@ class DiffusionEngine:
             state.prompt_ids = self._prepare_prompt(prompt, chat)
             self._prefill(state)
             for canvas_index in range(max_new_canvases):
-                argmax_canvas = self._denoise_canvas(canvas_index, params, rng, state, on_event)
+                argmax_canvas = self._denoise_canvas(canvas_index, params, rng, state, on_event, top_k)
                 canvas, state.found_end = finalize_canvas(argmax_canvas, self.model.end_token_ids,
                                                           self.pad_token_id)
                 state.committed.append(canvas)
@@ -190,16 +228,17 @@ class DiffusionEngine:
         return time.perf_counter() - began
 
     def _denoise_canvas(self, canvas_index: int, params: DiffusionParams, rng: RngStream, state: _LoopState,
-                        on_event: EventCallback | None) -> np.ndarray:
-        """The inner loop; returns the argmax canvas of its last step."""
+                        on_event: EventCallback | None, top_k: int = 0) -> np.ndarray:
+        """The inner loop; returns the argmax canvas of its last step. top_k: 0 dense self-conditioning."""
         canvas = rng.canvas_init(self.model.canvas_length, self.model.vocab_size)
         stop_rule = StableAndConfidentStop(params.stability_threshold, params.confidence_threshold)
-        sc_logits = None  # no self-conditioning signal on a canvas's first step
+        self_cond = None  # no self-conditioning signal on a canvas's first step
         state.steps_per_canvas.append(0)
         for step, cur_step in enumerate(range(params.max_denoising_steps, 0, -1), start=1):
             state.decoder_forwards += 1
-            outcome = self._denoising_step(canvas, sc_logits, cur_step, params, rng, stop_rule)
-            canvas, sc_logits = outcome.canvas, outcome.sc_logits
+            used_dropped = self_cond.dropped_mass if self_cond is not None else 0.0
+            outcome = self._denoising_step(canvas, self_cond, cur_step, params, rng, stop_rule, top_k)
+            canvas, self_cond = outcome.canvas, outcome.self_cond
             state.current_argmax = outcome.argmax
             state.steps_per_canvas[-1] = step
             state.forward_s += outcome.forward_s
@@ -210,24 +249,36 @@ class DiffusionEngine:
                                                        params.t_max)),
                 argmax_canvas=outcome.argmax.astype(np.int32), accepted_mask=outcome.accepted_mask,
                 n_accepted=int(outcome.accepted_mask.sum()), mean_entropy=outcome.mean_entropy,
-                forward_s=outcome.forward_s, sampling_s=outcome.sampling_s, stopped=outcome.stopped))
+                forward_s=outcome.forward_s, sampling_s=outcome.sampling_s, stopped=outcome.stopped,
+                sc_dropped_mass=used_dropped))
             if outcome.stopped:
                 break
         return state.current_argmax
 
-    def _denoising_step(self, canvas: np.ndarray, sc_logits: np.ndarray | None, cur_step: int,
-                        params: DiffusionParams, rng: RngStream, stop_rule: StableAndConfidentStop) -> _StepOutcome:
+    def _denoising_step(self, canvas: np.ndarray, self_cond: _SelfCond | None, cur_step: int,
+                        params: DiffusionParams, rng: RngStream, stop_rule: StableAndConfidentStop,
+                        top_k: int = 0) -> _StepOutcome:
         """One decoder forward and the sampler rules (reference: `_denoising_step`)."""
         began = time.perf_counter()
-        logits = self.model.decode_canvas(canvas, sc_logits)
+        if self_cond is not None and self_cond.ids is not None:
+            logits = self.model.decode_canvas(canvas, sc_topk=(self_cond.ids, self_cond.probs))
+        else:
+            logits = self.model.decode_canvas(canvas, None if self_cond is None else self_cond.logits)
         forwarded = time.perf_counter()
         temperature = schedule_temperature(cur_step, params.max_denoising_steps, params.t_min, params.t_max)
-        stats = self.step_sampler.process_logits(logits, temperature, rng.multinomial_uniforms(len(canvas)))
+        uniforms = rng.multinomial_uniforms(len(canvas))
+        if top_k:
+            stats = self.step_sampler.process_logits(logits, temperature, uniforms, top_k=top_k)
+            next_sc = _SelfCond(ids=stats.topk_ids, probs=stats.topk_probs,
+                                dropped_mass=float(np.max(stats.dropped_mass)))
+        else:
+            stats = self.step_sampler.process_logits(logits, temperature, uniforms)
+            next_sc = _SelfCond(logits=stats.processed)
         accepted = entropy_bound_accept_mask(stats.entropy, params.entropy_bound)
         next_canvas = renoise_canvas(stats.sampled, accepted, rng.renoise(len(canvas), self.model.vocab_size))
         stopped = stop_rule(stats.argmax, stats.entropy)
         return _StepOutcome(canvas=next_canvas, argmax=stats.argmax, accepted_mask=accepted,
-                            sc_logits=stats.processed, stopped=stopped, mean_entropy=mean_entropy(stats.entropy),
+                            self_cond=next_sc, stopped=stopped, mean_entropy=mean_entropy(stats.entropy),
                             forward_s=forwarded - began, sampling_s=time.perf_counter() - forwarded)
 
     def _trim(self, tokens: np.ndarray) -> list[int]:

@@ -3,7 +3,8 @@
     with DiffusionModel("model.gguf") as m:
         m.prefill(m.chat_prompt("hi"))             # encoder: causal, appends to the KV cache
         logits = m.decode_canvas(canvas)           # decoder: [C, V] softcapped logits, cache unchanged
-        logits = m.decode_canvas(canvas, sc_logits=processed_logits)   # later steps: self-conditioned
+        logits = m.decode_canvas(canvas, sc_logits=processed_logits)   # later steps: self-conditioned (dense)
+        logits = m.decode_canvas(canvas, sc_topk=(ids, probs))         # ... or the sampler's top-k
         m.commit(final_canvas)                     # encoder over the canvas; n_past += C
 
 `ArModel` is the same surface for a stock `gemma4` GGUF (the AR base): prefill / decode_token.
@@ -257,6 +258,7 @@ class _LlamaModel:
         self._vocab = L.llama_model_get_vocab(model)
         self.vocab_size = int(L.llama_vocab_n_tokens(self._vocab))
         self.n_ctx_train = int(L.llama_model_n_ctx_train(model))
+        self.n_embd = int(L.llama_model_n_embd(model))
 
         n_ctx = self._default_n_ctx() if n_ctx is None else n_ctx
         if not isinstance(n_ctx, int) or n_ctx < 1:
@@ -453,15 +455,42 @@ class DiffusionModel(_LlamaModel):
         """Encoder over a finished canvas at n_past..n_past+C-1; n_past += C."""
         self._encode(canvas, False, reserve=self.canvas_length)
 
-    def decode_canvas(self, canvas: Sequence[int], sc_logits: np.ndarray | None = None) -> np.ndarray:
-        """Decoder forward: float32 [len(canvas), vocab] softcapped logits. The cache is unchanged."""
-        arr = _check_tokens(canvas, self.vocab_size, "canvas")
-        sc = None if sc_logits is None else sc_logits[None]
-        return self.decode_canvases(arr[None], sc)[0]
+    def decode_canvas(self, canvas: Sequence[int], sc_logits: np.ndarray | None = None,
+                      sc_topk: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+        """Decoder forward: float32 [len(canvas), vocab] softcapped logits. The cache is unchanged.
 
-    def decode_canvases(self, canvases: Any, sc_logits: np.ndarray | None = None) -> np.ndarray:
+        Self-conditioning input (at most one; neither = a canvas's first step, zero signal):
+        sc_logits [C, V], the previous step's processed logits (dense: softmax over the whole
+        vocabulary, the reference's computation), or sc_topk = (ids [C, k], probs [C, k]), the k
+        most probable tokens per position and their softmax probabilities (the sampler's top-k)."""
+        arr = _check_tokens(canvas, self.vocab_size, "canvas")
+        sc = None if sc_logits is None else np.asarray(sc_logits)[None]
+        topk = None if sc_topk is None else tuple(np.asarray(a)[None] for a in sc_topk)
+        return self.decode_canvases(arr[None], sc, sc_topk=topk)[0]
+
+    # the dense form gathers every row of E for every position: [n_embd, V * C] floats in the graph
+    DENSE_SC_MAX_BYTES = 2 << 30
+
+    def _dense_topk(self, sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The dense self-conditioning input as top-k with k = V: ids 0..V-1, probs = softmax(sc)."""
+        n, length, vocab = sc.shape
+        need = n * length * vocab * self.n_embd * 4
+        if need > self.DENSE_SC_MAX_BYTES:
+            raise DgError(f"dense self-conditioning over a {vocab}-token vocabulary needs {need / 2**30:.0f} GiB "
+                          "of graph memory: pass sc_topk (the sampler's top-k) instead")
+        if not np.isfinite(sc).all():
+            raise InvalidParameter("sc_logits", "non-finite values", "finite logits")
+        # float32 like the reference (softmax(dtype=float32)); exp(x - max) <= 1 cannot overflow
+        probs = np.exp(sc - sc.max(axis=-1, keepdims=True), dtype=np.float32)
+        probs /= probs.sum(axis=-1, keepdims=True, dtype=np.float32)
+        ids = np.broadcast_to(np.arange(vocab, dtype=np.int32), sc.shape)
+        return np.ascontiguousarray(ids), probs
+
+    def decode_canvases(self, canvases: Any, sc_logits: np.ndarray | None = None,
+                        sc_topk: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
         """Several canvases (rows) in ONE decoder forward, all after the same cached context:
-        float32 [n, C, vocab]. Needs n <= n_seq_max (constructor). The cache is unchanged."""
+        float32 [n, C, vocab]. Needs n <= n_seq_max (constructor). The cache is unchanged.
+        sc_logits [n, C, V] or sc_topk = (ids [n, C, k], probs [n, C, k]): see decode_canvas."""
         self._require_open()
         arr = np.asarray(canvases)
         if arr.ndim != 2 or arr.shape[0] < 1:
@@ -474,15 +503,18 @@ class DiffusionModel(_LlamaModel):
         flat = _check_tokens(arr.reshape(-1), self.vocab_size, "canvas")
         if self.n_past + length > self.n_ctx:
             raise DgError(f"context full: {self.n_past} cached + a {length}-token canvas exceed n_ctx = {self.n_ctx}")
-        sc = None
+        if sc_logits is not None and sc_topk is not None:
+            raise DgError("pass sc_logits or sc_topk, not both")
+        ids = probs = None
         if sc_logits is not None:
             sc = np.asarray(sc_logits)
             if sc.shape != (n, length, self.vocab_size):
                 raise InvalidParameter("sc_logits", f"array of shape {sc.shape}",
                                        f"shape {(length, self.vocab_size)} (one row of logits per canvas position)")
-            sc = np.ascontiguousarray(sc, dtype=np.float32)
-            if not np.isfinite(sc).all():
-                raise InvalidParameter("sc_logits", "non-finite values", "finite logits")
+            ids, probs = self._dense_topk(np.asarray(sc, dtype=np.float32))
+        elif sc_topk is not None:
+            ids, probs = self._check_topk(sc_topk, n, length)
+        k = 0 if ids is None else ids.shape[-1]
         out = np.empty((n, length, self.vocab_size), dtype=np.float32)
         L = self._lib
         # extra sequences share sequence 0's cached cells for the duration of the forward
@@ -491,14 +523,33 @@ class DiffusionModel(_LlamaModel):
         try:
             native.clear_log()
             rc = L._lib.dg_decode_canvases(self._ctx, native.as_token_p(flat), n, length,
-                                           native.as_float_p(sc) if sc is not None else None, self.exact,
-                                           native.as_float_p(out))
+                                           native.as_token_p(ids) if ids is not None else None,
+                                           native.as_float_p(probs) if probs is not None else None, k,
+                                           self.exact, native.as_float_p(out))
         finally:
             for s in range(1, n):
                 L.llama_memory_seq_rm(self._mem, s, -1, -1)
         if rc != 0:
             raise DgError(f"decoder forward failed (status {rc}): {native.last_error('no detail logged')}")
         return out
+
+    def _check_topk(self, sc_topk: Any, n: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+        if not isinstance(sc_topk, (tuple, list)) or len(sc_topk) != 2:
+            raise InvalidParameter("sc_topk", type(sc_topk).__name__, "a pair (ids, probs)")
+        ids, probs = (np.asarray(a) for a in sc_topk)
+        if ids.ndim != 3 or ids.shape[:2] != (n, length) or ids.shape != probs.shape \
+                or not 1 <= ids.shape[2] <= self.vocab_size:
+            raise InvalidParameter("sc_topk", f"arrays of shapes {ids.shape} and {probs.shape}",
+                                   f"two [{length}, k] arrays with 1 <= k <= {self.vocab_size}")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise InvalidParameter("sc_topk ids", f"dtype {ids.dtype}", "integer token ids")
+        # the k x C values are few: checking them costs nothing next to the forward
+        if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
+            raise InvalidParameter("sc_topk ids", "an id outside the vocabulary", f"ids in [0, {self.vocab_size})")
+        probs = np.ascontiguousarray(probs, dtype=np.float32)
+        if not np.isfinite(probs).all() or (probs < 0).any():
+            raise InvalidParameter("sc_topk probs", "negative or non-finite values", "probabilities")
+        return np.ascontiguousarray(ids, dtype=np.int32), probs
 
 
 class ArModel(_LlamaModel):

@@ -90,8 +90,9 @@ def _declare(lib_mod: Any) -> None:
         "dg_canvas_length": ([lib_mod.llama_model_p_ctypes], ctypes.c_int32),
         "dg_encode": ([lib_mod.llama_context_p_ctypes, token_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_bool, c_float_p],
                       ctypes.c_int32),
-        "dg_decode_canvases": ([lib_mod.llama_context_p_ctypes, token_p, ctypes.c_int32, ctypes.c_int32, c_float_p,
-                                ctypes.c_bool, c_float_p], ctypes.c_int32),
+        # (ctx, canvases, n_seqs, n_canvas, sc_ids, sc_probs, sc_k, exact, logits_out)
+        "dg_decode_canvases": ([lib_mod.llama_context_p_ctypes, token_p, ctypes.c_int32, ctypes.c_int32, token_p,
+                                c_float_p, ctypes.c_int32, ctypes.c_bool, c_float_p], ctypes.c_int32),
         "dg_sampler_step": ([c_float_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_float, ctypes.POINTER(ctypes.c_double),
                              ctypes.POINTER(ctypes.c_double), token_p, token_p, ctypes.c_int32], ctypes.c_int),
     }

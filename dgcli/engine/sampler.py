@@ -47,13 +47,19 @@ class StepStats:
     argmax: np.ndarray  # int64 [C]: argmax of logits / t
     sampled: np.ndarray  # int64 [C]: multinomial sample from softmax(logits / t)
     processed: np.ndarray  # float32 [C, V]: logits / t (the self-conditioning input of the next step)
+    # with top_k > 0: the next step's self-conditioning input in top-k form (see `top_k_softmax`)
+    topk_ids: np.ndarray | None = None  # int32 [C, k]: most probable first
+    topk_probs: np.ndarray | None = None  # float32 [C, k]: softmax(processed) at those ids
+    dropped_mass: np.ndarray | None = None  # float64 [C]: 1 - sum(topk_probs), the mass left out
 
 
 class StepSampler(Protocol):
     name: str
 
-    def process_logits(self, logits: np.ndarray, temperature: np.float32, uniforms: np.ndarray) -> StepStats:
-        """May overwrite `logits` with logits / temperature and return it as `processed`."""
+    def process_logits(self, logits: np.ndarray, temperature: np.float32, uniforms: np.ndarray,
+                       top_k: int = 0) -> StepStats:
+        """May overwrite `logits` with logits / temperature and return it as `processed`.
+        top_k > 0 also fills the top-k fields of StepStats."""
         ...
 
 
@@ -65,12 +71,37 @@ def _as_float32_matrix(logits: np.ndarray) -> np.ndarray:
     return logits
 
 
+def _check_top_k(top_k: int, vocab: int) -> int:
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or not 0 <= top_k <= vocab:
+        raise DgError(f"top_k must be an integer in [0, {vocab}], got {top_k!r}")
+    return int(top_k)
+
+
+def top_k_softmax(weights: np.ndarray, total: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ids int32 [C, k], probs float32 [C, k], dropped float64 [C]) from the rows' unnormalised
+    softmax weights exp(x - max) and their sums: the k most probable ids per row, most probable
+    first (ties: lower id first), p = w / total, dropped = 1 - sum(p). The native pass does the same."""
+    rows, vocab = weights.shape
+    if top_k < vocab:
+        part = np.argpartition(-weights, top_k - 1, axis=1)[:, :top_k]
+    else:
+        part = np.broadcast_to(np.arange(vocab), (rows, vocab))
+    w = np.take_along_axis(weights, part, axis=1)
+    # lexsort's last key is primary: larger weight first, then the lower id
+    order = np.lexsort((part, -w), axis=1)
+    ids = np.take_along_axis(part, order, axis=1).astype(np.int32)
+    p = np.take_along_axis(w, order, axis=1).astype(np.float64) / total[:, None]
+    dropped = np.maximum(1.0 - p.sum(axis=1), 0.0)
+    return ids, p.astype(np.float32), dropped
+
+
 class NumpyStepSampler:
     """The reference implementation of the per-step logits pass (and the fallback without the native library)."""
 
     name = "numpy"
 
-    def process_logits(self, logits: np.ndarray, temperature: np.float32, uniforms: np.ndarray) -> StepStats:
+    def process_logits(self, logits: np.ndarray, temperature: np.float32, uniforms: np.ndarray,
+                       top_k: int = 0) -> StepStats:
         processed = _as_float32_matrix(logits)
         np.divide(processed, np.float32(temperature), out=processed)
         argmax = processed.argmax(axis=1).astype(np.int64)
@@ -82,12 +113,15 @@ class NumpyStepSampler:
         weighted = np.einsum("ij,ij->i", weights, shifted, dtype=np.float64)
         entropy = np.log(total) - weighted / total
         sampled = inverse_cdf_sample(weights, uniforms)
-        return StepStats(entropy=np.maximum(entropy, 0.0), argmax=argmax, sampled=sampled, processed=processed)
+        stats = StepStats(entropy=np.maximum(entropy, 0.0), argmax=argmax, sampled=sampled, processed=processed)
+        if _check_top_k(top_k, processed.shape[1]):
+            stats.topk_ids, stats.topk_probs, stats.dropped_mass = top_k_softmax(weights, total, top_k)
+        return stats
 
 
 # ---- native fast path -------------------------------------------------------------------------
 
-_NATIVE_SYMBOL = "dg_sampler_step"
+_NATIVE_SYMBOL = "dg_sampler_step_topk"
 
 
 def _bind_native(lib: ctypes.CDLL):
@@ -102,13 +136,17 @@ def _bind_native(lib: ctypes.CDLL):
         ctypes.POINTER(ctypes.c_double),  # entropy out [rows]
         ctypes.POINTER(ctypes.c_int32),  # argmax out [rows]
         ctypes.POINTER(ctypes.c_int32),  # sampled out [rows]
+        ctypes.c_int32,  # top_k (0: none)
+        ctypes.POINTER(ctypes.c_int32),  # top-k ids out [rows, top_k]
+        ctypes.POINTER(ctypes.c_float),  # top-k probabilities out [rows, top_k]
+        ctypes.POINTER(ctypes.c_double),  # dropped mass out [rows]
         ctypes.c_int32,  # threads (<= 0: all hardware threads)
     ]
     return fn
 
 
 def _find_native_library() -> ctypes.CDLL | None:
-    """Our patched libllama (it carries dg_sampler_step), or a library named by $DG_SAMPLER_LIB."""
+    """Our patched libllama (it carries dg_sampler_step_topk), or a library named by $DG_SAMPLER_LIB."""
     explicit = os.environ.get("DG_SAMPLER_LIB")
     if explicit:
         try:
@@ -134,15 +172,20 @@ class NativeStepSampler:
         self._fn = _bind_native(lib)
         self.n_threads = int(n_threads) if n_threads else 0
 
-    def process_logits(self, logits: np.ndarray, temperature: np.float32, uniforms: np.ndarray) -> StepStats:
+    def process_logits(self, logits: np.ndarray, temperature: np.float32, uniforms: np.ndarray,
+                       top_k: int = 0) -> StepStats:
         processed = _as_float32_matrix(logits)
         rows, vocab = processed.shape
+        top_k = _check_top_k(top_k, vocab)
         uniforms = np.ascontiguousarray(uniforms, dtype=np.float64)
         if uniforms.shape != (rows,):
             raise DgError(f"native sampler: need {rows} uniforms, got {uniforms.shape}")
         entropy = np.empty(rows, dtype=np.float64)
         argmax = np.empty(rows, dtype=np.int32)
         sampled = np.empty(rows, dtype=np.int32)
+        topk_ids = np.empty((rows, top_k), dtype=np.int32)
+        topk_probs = np.empty((rows, top_k), dtype=np.float32)
+        dropped = np.empty(rows, dtype=np.float64)
         status = self._fn(
             processed.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
             rows,
@@ -152,12 +195,19 @@ class NativeStepSampler:
             entropy.ctypes.data_as(ctypes.POINTER(ctypes.c_double)),
             argmax.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
             sampled.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+            top_k,
+            topk_ids.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+            topk_probs.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
+            dropped.ctypes.data_as(ctypes.POINTER(ctypes.c_double)),
             self.n_threads,
         )
         if status != 0:
             raise DgError(f"native sampler failed (status {status}): non-finite logits or bad arguments")
-        return StepStats(entropy=entropy, argmax=argmax.astype(np.int64), sampled=sampled.astype(np.int64),
-                         processed=processed)
+        stats = StepStats(entropy=entropy, argmax=argmax.astype(np.int64), sampled=sampled.astype(np.int64),
+                          processed=processed)
+        if top_k:
+            stats.topk_ids, stats.topk_probs, stats.dropped_mass = topk_ids, topk_probs, dropped
+        return stats
 
 
 _native_lock = threading.Lock()

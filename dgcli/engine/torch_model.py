@@ -93,8 +93,13 @@ class TorchDiffusionModel:
             raise DgError(f"commit needs a canvas of {self.canvas_length} tokens, got {len(canvas)}")
         self._encode(canvas)
 
-    def decode_canvas(self, canvas: Sequence[int] | np.ndarray, sc_logits: np.ndarray | None = None) -> np.ndarray:
+    def decode_canvas(self, canvas: Sequence[int] | np.ndarray, sc_logits: np.ndarray | None = None,
+                      sc_topk: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+        """As DiffusionModel.decode_canvas: dense sc_logits go to the reference unchanged; sc_topk =
+        (ids [C, k], probs [C, k]) replaces the reference's soft embeddings by sum_j probs_j * E[ids_j]."""
         torch = self._torch
+        if sc_logits is not None and sc_topk is not None:
+            raise DgError("pass sc_logits or sc_topk, not both")
         if self.n_past == 0:
             raise DgError("decode_canvas before prefill: the decoder needs a context")
         canvas_ids = torch.as_tensor(np.asarray(canvas, dtype=np.int64), device=self._device)[None, :]
@@ -112,15 +117,39 @@ class TorchDiffusionModel:
         if sc_logits is not None:
             dtype = self.hf_model.model.decoder.embed_tokens.weight.dtype
             sc = torch.from_numpy(np.ascontiguousarray(sc_logits, dtype=np.float32))[None].to(self._device, dtype)
-        with torch.no_grad():
-            out = self.hf_model(
-                decoder_input_ids=canvas_ids,
-                self_conditioning_logits=sc,
-                decoder_attention_mask=mask_mapping,
-                past_key_values=self._cache,
-                decoder_position_ids=position_ids,
-            )
+        hook = None
+        if sc_topk is not None:
+            soft = self._sparse_soft_embeddings(*sc_topk)
+            # the reference has no sparse input: its soft embeddings (zeros without logits) are
+            # swapped for ours on their way into the self-conditioning block
+            hook = self.hf_model.model.decoder.self_conditioning.register_forward_pre_hook(
+                lambda _module, args: (args[0], soft.to(args[0].dtype)))
+        try:
+            with torch.no_grad():
+                out = self.hf_model(
+                    decoder_input_ids=canvas_ids,
+                    self_conditioning_logits=sc,
+                    decoder_attention_mask=mask_mapping,
+                    past_key_values=self._cache,
+                    decoder_position_ids=position_ids,
+                )
+        finally:
+            if hook is not None:
+                hook.remove()
         return out.logits[0].to(torch.float32).cpu().numpy()
+
+    def _sparse_soft_embeddings(self, ids: np.ndarray, probs: np.ndarray) -> Any:
+        torch = self._torch
+        embed = self.hf_model.model.decoder.embed_tokens
+        ids_t = torch.as_tensor(np.asarray(ids, dtype=np.int64), device=self._device)
+        probs_t = torch.as_tensor(np.asarray(probs, dtype=np.float32), device=self._device)
+        if ids_t.ndim != 2 or ids_t.shape[0] != self.canvas_length or ids_t.shape != probs_t.shape:
+            raise DgError(f"sc_topk needs two [{self.canvas_length}, k] arrays, got {tuple(ids_t.shape)} "
+                          f"and {tuple(probs_t.shape)}")
+        with torch.no_grad():
+            rows = embed.weight[ids_t].to(torch.float32)  # [C, k, hidden]
+            soft = torch.einsum("ck,ckh->ch", probs_t, rows) * embed.embed_scale.to(torch.float32)
+        return soft[None]
 
     def close(self) -> None:
         self._cache = None

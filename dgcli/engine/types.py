@@ -101,6 +101,9 @@ class StepEvent:
     forward_s: float  # decoder forward (native)
     sampling_s: float  # sampling + host work for this step
     stopped: bool  # the adaptive stop fired on this step
+    # largest softmax mass any position's top-k left out of this step's self-conditioning input
+    # (0.0: dense, or a canvas's first step): the size of the sparse approximation
+    sc_dropped_mass: float = 0.0
 
     kind = "step"
 
@@ -118,6 +121,7 @@ class StepEvent:
             "forward_s": self.forward_s,
             "sampling_s": self.sampling_s,
             "stopped": self.stopped,
+            "sc_dropped_mass": self.sc_dropped_mass,
         }
 
 

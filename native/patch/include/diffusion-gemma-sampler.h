@@ -21,6 +21,17 @@ int dg_sampler_step(float * logits, int32_t n_rows, int32_t n_vocab, float tempe
                     const double * uniforms, double * entropy_out, int32_t * argmax_out,
                     int32_t * sampled_out, int32_t n_threads);
 
+// dg_sampler_step, and per row the self-conditioning input of the next step in top-k form:
+//   topk_ids_out[r, :top_k]   = the top_k indices of softmax(logits[r] / temperature), most probable
+//                               first (equal probabilities: the lower index first)
+//   topk_probs_out[r, :top_k] = their softmax probabilities (float32 of a double quotient)
+//   dropped_out[r]            = 1 - sum of those probabilities (the mass left out, >= 0)
+// top_k in [0, n_vocab]; 0 = no top-k output (the out pointers may be NULL).
+int dg_sampler_step_topk(float * logits, int32_t n_rows, int32_t n_vocab, float temperature,
+                         const double * uniforms, double * entropy_out, int32_t * argmax_out,
+                         int32_t * sampled_out, int32_t top_k, int32_t * topk_ids_out,
+                         float * topk_probs_out, double * dropped_out, int32_t n_threads);
+
 #ifdef __cplusplus
 }
 #endif

@@ -28,12 +28,18 @@ LLAMA_API int32_t dg_encode(struct llama_context * ctx, const llama_token * toke
 
 // Decoder: one forward over n_seqs canvases of n_canvas tokens; canvas s (tokens
 // canvases[s*n_canvas ...]) belongs to sequence s and sits right after that sequence's cached
-// tokens. sc_logits (nullable) holds the previous step's logits [n_seqs*n_canvas, n_vocab]
-// row-major; NULL = first step (zero self-conditioning signal). logits_out receives the
+// tokens. Self-conditioning input, in top-k form: for every canvas position (row r of
+// n_seqs*n_canvas), sc_k token ids sc_ids[r*sc_k ...] and their probabilities
+// sc_probs[r*sc_k ...] under softmax(previous step's processed logits); the decoder input then uses
+// soft = sum_j sc_probs[r, j] * E[sc_ids[r, j]] * sqrt(n_embd). With sc_k = n_vocab and every id
+// once this is the reference's dense softmax(logits) @ E; a small sc_k drops the tail mass (not
+// renormalised). sc_ids NULL = first step (zero self-conditioning signal). logits_out receives the
 // softcapped logits [n_seqs*n_canvas, n_vocab]. The KV cache is unchanged on return.
-// Returns 0, a llama_decode status, -1 for bad arguments, -2 if n_seqs*n_canvas > n_ubatch.
+// Returns 0, a llama_decode status, -1 for bad arguments (including sc_k outside [1, n_vocab] or
+// an id outside the vocabulary), -2 if n_seqs*n_canvas > n_ubatch.
 LLAMA_API int32_t dg_decode_canvases(struct llama_context * ctx, const llama_token * canvases, int32_t n_seqs,
-                                     int32_t n_canvas, const float * sc_logits, bool exact, float * logits_out);
+                                     int32_t n_canvas, const int32_t * sc_ids, const float * sc_probs,
+                                     int32_t sc_k, bool exact, float * logits_out);
 
 #ifdef __cplusplus
 }

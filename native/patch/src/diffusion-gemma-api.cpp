@@ -102,12 +102,21 @@ int32_t dg_encode(llama_context * ctx, const llama_token * tokens, int32_t n_tok
 }
 
 int32_t dg_decode_canvases(llama_context * ctx, const llama_token * canvases, int32_t n_seqs, int32_t n_canvas,
-                           const float * sc_logits, bool exact, float * logits_out) {
+                           const int32_t * sc_ids, const float * sc_probs, int32_t sc_k, bool exact,
+                           float * logits_out) {
     if (!ctx || !canvases || !logits_out || n_seqs <= 0 || n_canvas <= 0 ||
         n_seqs > (int32_t) llama_n_seq_max(ctx) || !dg_tokens_valid(ctx, canvases, n_seqs * n_canvas)) {
         return -1;
     }
     const int32_t n_total = n_seqs * n_canvas;
+    if (sc_ids) {
+        const int32_t n_vocab_model = llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx)));
+        // get_rows reads E at these ids without a bounds check of its own
+        if (!sc_probs || sc_k <= 0 || sc_k > n_vocab_model ||
+            !dg_tokens_valid(ctx, sc_ids, n_total * sc_k)) {
+            return -1;
+        }
+    }
     if (n_total > (int32_t) llama_n_ubatch(ctx) || n_total > (int32_t) llama_n_batch(ctx)) {
         return -2;
     }
@@ -117,7 +126,9 @@ int32_t dg_decode_canvases(llama_context * ctx, const llama_token * canvases, in
 
     dg_request req;
     req.exact     = exact;
-    req.sc_logits = sc_logits;
+    req.sc_ids    = sc_ids;
+    req.sc_probs  = sc_ids ? sc_probs : nullptr;
+    req.sc_k      = sc_ids ? sc_k : 0;
     req.n_canvas  = n_canvas;
     req.n_vocab   = n_vocab;
     req.pos0.resize(n_seqs);

@@ -12,9 +12,13 @@
 struct dg_request {
     bool exact = false; // GELU composed from F32 ops instead of ggml's F16-table GELU
 
-    // decoder only: previous step's logits, row r = seq_index*n_canvas + (pos - pos0[seq_index]),
-    // [n_seqs*n_canvas, n_vocab] row-major; null = zero self-conditioning signal
-    const float *          sc_logits = nullptr;
+    // decoder only: the previous step's self-conditioning input in top-k form. Row
+    // r = seq_index*n_canvas + (pos - pos0[seq_index]) holds sc_k token ids (sc_ids) and their
+    // softmax probabilities (sc_probs), [n_seqs*n_canvas, sc_k] row-major each; the graph forms
+    // sum_j sc_probs[r, j] * E[sc_ids[r, j]]. Null ids = zero self-conditioning signal.
+    const int32_t *        sc_ids    = nullptr;
+    const float *          sc_probs  = nullptr;
+    int32_t                sc_k      = 0;
     int32_t                n_canvas  = 0;
     int32_t                n_vocab   = 0;
     std::vector<llama_pos> pos0; // first canvas position per sequence id

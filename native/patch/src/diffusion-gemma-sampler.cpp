@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <utility>
 #include <cmath>
 #include <cstring>
 #include <thread>
@@ -86,7 +87,58 @@ struct step_args {
     double *       entropy_out;
     int32_t *      argmax_out;
     int32_t *      sampled_out;
+    int32_t        top_k;          // 0: no top-k output
+    int32_t *      topk_ids_out;   // [n_rows, top_k]
+    float *        topk_probs_out; // [n_rows, top_k]
+    double *       dropped_out;    // [n_rows]
 };
+
+// (weight, index), ordered best first: larger weight, then the lower index (deterministic ties)
+typedef std::pair<float, int32_t> candidate;
+
+inline bool better(const candidate & a, const candidate & b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+}
+
+// The k largest weights of a row, best first, into `heap`. A min-heap (std heap with `better` as
+// its "less": the front is the worst kept candidate) of k entries; a row is scanned 8 at a time
+// and only a block holding a weight above the current k-th best goes through the heap, which after
+// the first few thousand entries is almost never.
+DG_SAMPLER_CLONES
+void select_top_k(const float * w, int32_t n, int32_t k, std::vector<candidate> & heap) {
+    heap.clear();
+    for (int32_t i = 0; i < k; ++i) {
+        heap.emplace_back(w[i], i);
+    }
+    std::make_heap(heap.begin(), heap.end(), better);
+    float   worst = heap.front().first;
+    int32_t i     = k;
+    auto offer = [&](int32_t j) {
+        // strictly above: an equal weight at a later index is the worse candidate
+        if (w[j] > worst) {
+            std::pop_heap(heap.begin(), heap.end(), better);
+            heap.back() = candidate(w[j], j);
+            std::push_heap(heap.begin(), heap.end(), better);
+            worst = heap.front().first;
+        }
+    };
+    for (; i + LANES <= n; i += LANES) {
+        const v8i above = load8(w + i) > splat(worst);
+        bool any = false;
+        for (int32_t l = 0; l < LANES; ++l) {
+            any = any || above[l] != 0;
+        }
+        if (any) {
+            for (int32_t l = 0; l < LANES; ++l) {
+                offer(i + l);
+            }
+        }
+    }
+    for (; i < n; ++i) {
+        offer(i);
+    }
+    std::sort_heap(heap.begin(), heap.end(), better);  // ascending under `better`: best first
+}
 
 // logits /= t in place; returns the row maximum, and whether every value was finite.
 DG_SAMPLER_CLONES
@@ -149,7 +201,7 @@ void exp_and_sums(const float * x, float * weights, int32_t n, float best, doubl
 }
 
 // Returns false if the row held a non-finite value.
-bool process_row(const step_args & a, int32_t row, std::vector<float> & weights) {
+bool process_row(const step_args & a, int32_t row, std::vector<float> & weights, std::vector<candidate> & heap) {
     float *       x = a.logits + (size_t) row * (size_t) a.n_vocab;
     const int32_t n = a.n_vocab;
 
@@ -169,6 +221,22 @@ bool process_row(const step_args & a, int32_t row, std::vector<float> & weights)
     const double entropy = std::log(total) - weighted / total;
     a.entropy_out[row] = entropy > 0.0 ? entropy : 0.0;
     a.argmax_out[row]  = best_idx;
+
+    if (a.top_k > 0) {
+        // the self-conditioning input of the next step: softmax(processed row) at its k most
+        // probable tokens, and the probability mass left out
+        select_top_k(weights.data(), n, a.top_k, heap);
+        int32_t * ids   = a.topk_ids_out + (size_t) row * (size_t) a.top_k;
+        float *   probs = a.topk_probs_out + (size_t) row * (size_t) a.top_k;
+        double    kept  = 0.0;
+        for (int32_t j = 0; j < a.top_k; ++j) {
+            const double p = (double) heap[j].first / total;
+            ids[j]   = heap[j].second;
+            probs[j] = (float) p;
+            kept += p;
+        }
+        a.dropped_out[row] = kept < 1.0 ? 1.0 - kept : 0.0;
+    }
 
     if (a.uniforms != nullptr) {
         // inverse CDF in index order, cumsum in double (numpy: searchsorted(cumsum, u * sum, 'right'))
@@ -196,11 +264,22 @@ bool process_row(const step_args & a, int32_t row, std::vector<float> & weights)
 extern "C" int dg_sampler_step(float * logits, int32_t n_rows, int32_t n_vocab, float temperature,
                                const double * uniforms, double * entropy_out, int32_t * argmax_out,
                                int32_t * sampled_out, int32_t n_threads) {
+    return dg_sampler_step_topk(logits, n_rows, n_vocab, temperature, uniforms, entropy_out, argmax_out, sampled_out,
+                                0, nullptr, nullptr, nullptr, n_threads);
+}
+
+extern "C" int dg_sampler_step_topk(float * logits, int32_t n_rows, int32_t n_vocab, float temperature,
+                                    const double * uniforms, double * entropy_out, int32_t * argmax_out,
+                                    int32_t * sampled_out, int32_t top_k, int32_t * topk_ids_out,
+                                    float * topk_probs_out, double * dropped_out, int32_t n_threads) {
     if (logits == nullptr || entropy_out == nullptr || argmax_out == nullptr || n_rows <= 0 || n_vocab <= 0 ||
-        !(temperature > 0.0f) || !std::isfinite(temperature) || (uniforms != nullptr && sampled_out == nullptr)) {
+        !(temperature > 0.0f) || !std::isfinite(temperature) || (uniforms != nullptr && sampled_out == nullptr) ||
+        top_k < 0 || top_k > n_vocab ||
+        (top_k > 0 && (topk_ids_out == nullptr || topk_probs_out == nullptr || dropped_out == nullptr))) {
         return 1;
     }
-    const step_args args = { logits, n_vocab, temperature, uniforms, entropy_out, argmax_out, sampled_out };
+    const step_args args = { logits,   n_vocab,      temperature,    uniforms,   entropy_out, argmax_out,
+                             sampled_out, top_k, topk_ids_out, topk_probs_out, dropped_out };
 
     int32_t threads = n_threads > 0 ? n_threads : (int32_t) std::max(1u, std::thread::hardware_concurrency());
     threads = std::min(threads, n_rows);
@@ -208,10 +287,12 @@ extern "C" int dg_sampler_step(float * logits, int32_t n_rows, int32_t n_vocab, 
     std::atomic<int32_t> next_row{0};
     std::atomic<bool>    all_finite{true};
     auto worker = [&]() {
-        std::vector<float> weights((size_t) n_vocab);
+        std::vector<float>     weights((size_t) n_vocab);
+        std::vector<candidate> heap;
+        heap.reserve((size_t) top_k);
         // rows handed out one at a time: an even split even when threads are descheduled
         for (int32_t row = next_row.fetch_add(1); row < n_rows; row = next_row.fetch_add(1)) {
-            if (!process_row(args, row, weights)) {
+            if (!process_row(args, row, weights, heap)) {
                 all_finite = false;
             }
         }

@@ -158,65 +158,85 @@ static ggml_tensor * dg_gelu_tanh_f32(ggml_context * ctx, ggml_tensor * x) {
 }
 
 // Graph inputs of ours. Both compare the request they were built for with the current one, so a
-// graph built with (or without) self-conditioning or exact GELU is never reused for the other.
+// graph built with (or without) self-conditioning, with another top-k width, or with(out) exact
+// GELU is never reused for the other.
 class llm_graph_input_dg_mode : public llm_graph_input_i {
 public:
-    llm_graph_input_dg_mode(bool exact, bool has_sc) : exact(exact), has_sc(has_sc) {}
+    llm_graph_input_dg_mode(bool exact, bool has_sc, int32_t sc_k) : exact(exact), has_sc(has_sc), sc_k(sc_k) {}
 
     void set_input(const llama_ubatch *) override {}
 
     bool can_reuse(const llm_graph_params &) override {
         const dg_request * req = dg_active_request();
-        const bool cur_exact  = req && req->exact;
-        const bool cur_has_sc = req && req->sc_logits;
-        return cur_exact == exact && cur_has_sc == has_sc;
+        const bool    cur_exact  = req && req->exact;
+        const bool    cur_has_sc = req && req->sc_ids;
+        const int32_t cur_k      = cur_has_sc ? req->sc_k : 0;
+        return cur_exact == exact && cur_has_sc == has_sc && cur_k == sc_k;
     }
 
-    const bool exact;
-    const bool has_sc;
+    const bool    exact;
+    const bool    has_sc;
+    const int32_t sc_k;
 };
 
 class llm_graph_input_dg_self_cond : public llm_graph_input_i {
 public:
+    llm_graph_input_dg_self_cond(int32_t k) : k(k) {}
+
     void set_input(const llama_ubatch * ubatch) override {
         const dg_request * req = dg_active_request();
-        GGML_ASSERT(req && req->sc_logits && req->n_vocab == logits->ne[0]);
+        GGML_ASSERT(req && req->sc_ids && req->sc_probs && req->sc_k == k);
 
-        const size_t row_bytes = (size_t) req->n_vocab * sizeof(float);
+        const size_t ids_bytes   = (size_t) k * sizeof(int32_t);
+        const size_t probs_bytes = (size_t) k * sizeof(float);
         for (uint32_t i = 0; i < ubatch->n_tokens; ++i) {
             // ubatch order may differ from batch order: locate the row by (sequence, position)
             const llama_seq_id seq = ubatch->seq_id[i][0];
             GGML_ASSERT(seq >= 0 && (size_t) seq < req->pos0.size());
-            const int64_t k = ubatch->pos[i] - req->pos0[seq];
-            GGML_ASSERT(k >= 0 && k < req->n_canvas);
-            const float * row = req->sc_logits + ((size_t) seq * req->n_canvas + (size_t) k) * req->n_vocab;
-            ggml_backend_tensor_set(logits, row, i * row_bytes, row_bytes);
+            const int64_t c = ubatch->pos[i] - req->pos0[seq];
+            GGML_ASSERT(c >= 0 && c < req->n_canvas);
+            const size_t row = ((size_t) seq * req->n_canvas + (size_t) c) * (size_t) k;
+            ggml_backend_tensor_set(ids,   req->sc_ids   + row, i * ids_bytes,   ids_bytes);
+            ggml_backend_tensor_set(probs, req->sc_probs + row, i * probs_bytes, probs_bytes);
         }
     }
 
     bool can_reuse(const llm_graph_params & params) override {
-        return logits->ne[1] == params.ubatch.n_tokens;
+        return probs->ne[1] == params.ubatch.n_tokens;
     }
 
-    ggml_tensor * logits = nullptr; // F32 [n_vocab, n_tokens]
+    const int32_t k;
+    ggml_tensor * ids   = nullptr; // I32 [k * n_tokens]: token ids, k per canvas position
+    ggml_tensor * probs = nullptr; // F32 [k, n_tokens]: their probabilities under softmax(prev logits)
 };
 
 // e + sc, where sc is the self-conditioning block on the previous step's soft embeddings
 ggml_tensor * llama_model_diffusion_gemma::graph::build_self_cond_input(const llama_model_diffusion_gemma & model, ggml_tensor * inp_embd) {
     const dg_request * req = dg_active_request();
-    const bool exact = req && req->exact;
+    const bool    exact = req && req->exact;
+    const int32_t k     = req->sc_k;
 
-    auto inp = std::make_unique<llm_graph_input_dg_self_cond>();
-    inp->logits = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, model.tok_embd->ne[1], n_tokens);
-    ggml_set_input(inp->logits);
-    cb(inp->logits, "sc_logits", -1);
-    ggml_tensor * probs = ggml_soft_max(ctx0, inp->logits); // [n_vocab, n_tokens]
+    auto inp = std::make_unique<llm_graph_input_dg_self_cond>(k);
+    inp->ids   = ggml_new_tensor_1d(ctx0, GGML_TYPE_I32, (int64_t) k * n_tokens);
+    inp->probs = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, k, n_tokens);
+    ggml_set_input(inp->ids);
+    ggml_set_input(inp->probs);
+    cb(inp->probs, "sc_probs", -1);
+
+    // soft[:, c] = sum_j probs[j, c] * E[:, ids[j, c]]. The dense product softmax(logits) @ E is
+    // ~190 G multiply-adds per 256-token step on the real vocabulary (and ggml's quantized
+    // out_prod dequantizes all of E once per canvas row); the probability mass sits on a few
+    // tokens, so the caller keeps the top k per position (k = n_vocab reproduces the dense sum).
+    // get_rows dequantizes only the k rows of E needed (F32 out); the batched out_prod then
+    // contracts over the k rows of each position: [n_embd, k, C] x [1, k, C] -> [n_embd, 1, C].
+    // note: tok_embd, not the tied output: the output copy may sit in a repacked CPU buffer
+    ggml_tensor * rows = ggml_get_rows(ctx0, model.tok_embd, inp->ids);      // [n_embd, k*C]
+    rows = ggml_reshape_3d(ctx0, rows, n_embd, k, n_tokens);
+    ggml_tensor * weights = ggml_reshape_3d(ctx0, inp->probs, 1, k, n_tokens);
     res->add_input(std::move(inp));
 
-    // soft = probs @ E: E is stored [n_embd, n_vocab] (and maybe quantized), so mul_mat cannot
-    // contract over the vocabulary; out_prod can, reading probs through a transposed view
-    // note: tok_embd, not the tied output: the output copy may sit in a repacked CPU buffer
-    ggml_tensor * soft = ggml_out_prod(ctx0, model.tok_embd, ggml_transpose(ctx0, probs)); // [n_embd, n_tokens]
+    ggml_tensor * soft = ggml_out_prod(ctx0, rows, weights);                 // [n_embd, 1, C]
+    soft = ggml_reshape_2d(ctx0, soft, n_embd, n_tokens);
     soft = ggml_scale(ctx0, soft, sqrtf((float) n_embd));
     cb(soft, "sc_soft_embd", -1);
 
@@ -279,9 +299,9 @@ llama_model_diffusion_gemma::graph::graph(const llama_model & model_base, const 
     const dg_request * req = dg_active_request();
     const bool decoder = !cparams.causal_attn;
     const bool exact   = req && req->exact;
-    const bool has_sc  = decoder && req && req->sc_logits;
+    const bool has_sc  = decoder && req && req->sc_ids;
 
-    res->add_input(std::make_unique<llm_graph_input_dg_mode>(exact, has_sc));
+    res->add_input(std::make_unique<llm_graph_input_dg_mode>(exact, has_sc, has_sc ? req->sc_k : 0));
 
     ggml_tensor * cur;
     ggml_tensor * inpL = build_inp_embd(model.tok_embd);
@@ -289,7 +309,7 @@ llama_model_diffusion_gemma::graph::graph(const llama_model & model_base, const 
     cb(inpL, "inp_scaled", -1);
 
     if (decoder) {
-        // layer-0 input: rms_norm(e + sc) without a weight; sc is exactly 0 without previous logits
+        // layer-0 input: rms_norm(e + sc) without a weight; sc is exactly 0 without a previous step
         if (has_sc) {
             inpL = build_self_cond_input(model, inpL);
         }
