@@ -24,6 +24,7 @@ class ScriptedModel:
         self.margin_per_step, self.flat = margin_per_step, flat
         self.raise_in_forward_at = raise_in_forward_at
         self.log: list[tuple] = []
+        self.topk_log: list[tuple] = []  # (canvas, step, ids, probs) of each top-k self-conditioned decode
         self.n_past = 0
         self._canvas_index = 0
         self._step = 0
@@ -52,9 +53,11 @@ class ScriptedModel:
         self._canvas_index += 1
         self._step = 0
 
-    def decode_canvas(self, canvas, sc_logits=None):
+    def decode_canvas(self, canvas, sc_logits=None, sc_topk=None):
         self._step += 1
         self.log.append(("decode", self._canvas_index, None if sc_logits is None else sc_logits.copy()))
+        if sc_topk is not None:
+            self.topk_log.append((self._canvas_index, self._step, sc_topk[0].copy(), sc_topk[1].copy()))
         if self.raise_in_forward_at == (self._canvas_index, self._step):
             raise KeyboardInterrupt
         if self.flat:
@@ -214,3 +217,59 @@ def test_bad_prompts_are_clear_errors(prompt, message):
 
 def test_the_numpy_sampler_is_used_when_asked():
     assert isinstance(make_engine(ScriptedModel([[1, 2, 3, 4]])).step_sampler, NumpyStepSampler)
+
+
+# ---- self-conditioning form --------------------------------------------------------------------
+
+
+def test_self_cond_top_k_setting_resolves_to_dense_or_a_width():
+    from dgcli.engine.diffusion import resolve_self_cond_top_k
+
+    assert resolve_self_cond_top_k(None, 4096) == 0  # small vocabulary: the reference's dense form
+    assert resolve_self_cond_top_k(None, 262144) == 64
+    assert resolve_self_cond_top_k("dense", 262144) == 0
+    assert resolve_self_cond_top_k(0, 262144) == 0
+    assert resolve_self_cond_top_k(8, 262144) == 8
+    assert resolve_self_cond_top_k(12, 12) == 0  # nothing to drop
+    for bad in (-1, 2.5, "sparse", True):
+        with pytest.raises(InvalidParameter, match="self_cond_top_k"):
+            resolve_self_cond_top_k(bad, 100)
+    with pytest.raises(InvalidParameter, match="self_cond_top_k"):
+        DiffusionEngine(ScriptedModel([[5, 6, 7, 8]]), sampler="numpy", self_cond_top_k=-3)
+
+
+def test_top_k_self_conditioning_feeds_the_samplers_top_k_and_reports_the_dropped_mass():
+    model = ScriptedModel([[5, 6, 7, 8]], flat=True)
+    params = DiffusionParams(max_denoising_steps=3, t_min=0.5, t_max=2.0)
+    events = []
+    DiffusionEngine(model, sampler="numpy", self_cond_top_k=3).generate(
+        [2], params=params, max_new_tokens=4, seed=0, on_event=events.append)
+    decodes = [entry for entry in model.log if entry[0] == "decode"]
+    assert decodes[0][2] is None and all(entry[2] is None for entry in decodes)  # no dense logits
+    assert [(c, s) for c, s, _, _ in model.topk_log] == [(0, 2), (0, 3)]
+    # step 2's input is the top-3 of softmax(step 1's logits / t)
+    noise = np.random.default_rng(0)
+    first_logits = noise.standard_normal((CANVAS, VOCAB)).astype(np.float32) * 0.01
+    first_logits[:, EOS] = -10.0
+    z = first_logits.astype(np.float64) / float(schedule_temperature(3, 3, 0.5, 2.0))
+    softmax = np.exp(z - z.max(axis=1, keepdims=True))
+    softmax /= softmax.sum(axis=1, keepdims=True)
+    _, _, ids, probs = model.topk_log[0]
+    assert ids.shape == probs.shape == (CANVAS, 3)
+    assert [set(row) for row in ids.tolist()] == [set(np.argsort(-row)[:3].tolist()) for row in softmax]
+    np.testing.assert_allclose(probs, np.take_along_axis(softmax, ids.astype(np.int64), axis=1), rtol=1e-5)
+    steps = [e for e in events if isinstance(e, StepEvent)]
+    assert steps[0].sc_dropped_mass == 0.0  # first step: no self-conditioning input
+    expected = float(np.max(1.0 - probs.astype(np.float64).sum(axis=1)))
+    assert steps[1].sc_dropped_mass == pytest.approx(expected, abs=1e-6)
+    assert steps[1].sc_dropped_mass > 0.5  # a flat 12-token softmax keeps ~3/12 in its top 3
+    assert steps[1].to_json()["sc_dropped_mass"] == steps[1].sc_dropped_mass
+
+
+def test_dense_self_conditioning_reports_no_dropped_mass():
+    model = ScriptedModel([[5, 6, 7, 8]], flat=True)
+    events = []
+    make_engine(model).generate([2], params=DiffusionParams(max_denoising_steps=3), max_new_tokens=4, seed=0,
+                                on_event=events.append)
+    assert not model.topk_log
+    assert all(e.sc_dropped_mass == 0.0 for e in events if isinstance(e, StepEvent))

@@ -267,3 +267,117 @@ def test_quantized_files_load_and_agree(outtype, tol, reference_checkpoint, scen
         assert diff < tol[0] and mean < tol[1]
         # ... but a quantized file is not bit-identical to the F32 one
         assert diff > EXACT_TOL
+
+
+# ---- self-conditioning in top-k form -----------------------------------------------------------------
+
+
+def _peaked_logits(seed: int, length: int, vocab: int) -> np.ndarray:
+    """Most of each row's softmax mass on a handful of tokens, the rest spread thin (a late step)."""
+    rng = np.random.default_rng(seed)
+    logits = rng.standard_normal((length, vocab)).astype(np.float32)
+    for row in logits:
+        row[rng.choice(vocab, 5, replace=False)] += rng.uniform(8.0, 10.0, 5).astype(np.float32)
+    return logits
+
+
+def _softmax64(logits: np.ndarray) -> np.ndarray:
+    z = logits.astype(np.float64)
+    p = np.exp(z - z.max(axis=-1, keepdims=True))
+    return p / p.sum(axis=-1, keepdims=True)
+
+
+def _reference_with_soft(reference_model, canvas, soft: np.ndarray) -> np.ndarray:
+    """The reference decoder with its soft embeddings replaced by `soft` [C, hidden] (it has no sparse input)."""
+    import torch
+
+    from dgcli.reference import ReferenceRunner
+
+    ref = ReferenceRunner(reference_model)
+    ref.prefill(PROMPT)
+    soft_t = torch.as_tensor(soft, dtype=torch.float32)[None]
+    hook = reference_model.model.decoder.self_conditioning.register_forward_pre_hook(
+        lambda _module, args: (args[0], soft_t.to(args[0].dtype)))
+    try:
+        return ref.decode_canvas(canvas)
+    finally:
+        hook.remove()
+
+
+def test_dense_top_k_in_any_order_equals_the_dense_reference(exact_model, scenario, vocab_size):
+    """k = V with every id once is the reference's softmax(logits) @ E, whatever the order of the ids."""
+    sc = scenario["sc"]
+    rng = np.random.default_rng(5)
+    ids = np.stack([rng.permutation(vocab_size) for _ in range(sc.shape[0])]).astype(np.int32)
+    probs = np.take_along_axis(_softmax64(sc), ids.astype(np.int64), axis=1).astype(np.float32)
+    exact_model.reset()
+    exact_model.prefill(PROMPT)
+    got = exact_model.decode_canvas(scenario["canvas_a"], sc_topk=(ids, probs))
+    assert _maxdiff(got, scenario["self_cond"]) < EXACT_TOL
+
+
+def test_sparse_top_k_is_the_reference_on_sparse_soft_embeddings_within_the_dropped_mass_bound(
+        exact_model, reference_model, scenario, vocab_size):
+    from dgcli.engine.sampler import make_step_sampler
+
+    canvas = scenario["canvas_a"]
+    logits = _peaked_logits(11, len(canvas), vocab_size)
+    stats = make_step_sampler("auto", n_threads=2).process_logits(logits.copy(), np.float32(1.0),
+                                                                  np.zeros(len(canvas)), top_k=8)
+    ids, probs, dropped = stats.topk_ids, stats.topk_probs, stats.dropped_mass
+    assert 0.0 < dropped.max() < 0.2  # peaked: a small but real approximation
+
+    embed = reference_model.model.decoder.embed_tokens
+    E = embed.weight.detach().double().numpy()  # [V, hidden]
+    scale = np.sqrt(E.shape[1])
+    sparse = np.einsum("ck,ckh->ch", probs.astype(np.float64), E[ids.astype(np.int64)]) * scale
+    dense = _softmax64(logits) @ E * scale
+    # |soft_k - soft_dense| = |sum over the dropped tokens of p_i E_i| * sqrt(n_embd)
+    bound = dropped * np.linalg.norm(E, axis=1).max() * scale
+    err = np.linalg.norm(sparse - dense, axis=1)
+    assert np.all(err <= bound * (1 + 1e-5) + 1e-6), (err, bound)
+
+    # the native graph computes exactly that sparse sum (checked through the whole decoder)
+    exact_model.reset()
+    exact_model.prefill(PROMPT)
+    got = exact_model.decode_canvas(canvas, sc_topk=(ids, probs))
+    assert _maxdiff(got, _reference_with_soft(reference_model, canvas, sparse)) < EXACT_TOL
+    # and the dropped tail does move the logits (the comparison above could tell k = 8 from dense)
+    assert _maxdiff(got, _reference_with_soft(reference_model, canvas, dense)) > 10 * EXACT_TOL
+
+
+def test_graph_is_rebuilt_when_the_top_k_width_changes(exact_model, scenario, vocab_size):
+    canvas, sc = scenario["canvas_a"], scenario["sc"]
+    p = _softmax64(sc)
+    order = np.argsort(-p, axis=1, kind="stable")
+
+    def topk(k):
+        ids = order[:, :k].astype(np.int32)
+        return ids, np.take_along_axis(p, ids.astype(np.int64), axis=1).astype(np.float32)
+
+    exact_model.reset()
+    exact_model.prefill(PROMPT)
+    k8 = exact_model.decode_canvas(canvas, sc_topk=topk(8))
+    k16 = exact_model.decode_canvas(canvas, sc_topk=topk(16))
+    dense = exact_model.decode_canvas(canvas, sc)
+    none = exact_model.decode_canvas(canvas)
+    again = exact_model.decode_canvas(canvas, sc_topk=topk(8))
+    assert _maxdiff(k8, again) == 0.0
+    assert _maxdiff(dense, scenario["self_cond"]) < EXACT_TOL
+    assert _maxdiff(none, scenario["first"]) < EXACT_TOL
+    assert _maxdiff(k8, k16) > 10 * EXACT_TOL
+
+
+def test_bad_top_k_input_is_refused(exact_model, scenario, vocab_size):
+    from dgcli.engine.types import DgError
+
+    canvas = scenario["canvas_a"]
+    ids = np.zeros((len(canvas), 4), np.int32)
+    probs = np.full((len(canvas), 4), 0.25, np.float32)
+    exact_model.reset()
+    exact_model.prefill(PROMPT)
+    for bad in ((ids + vocab_size, probs), (ids, -probs), (ids[:, :2], probs), (ids[:-1], probs[:-1])):
+        with pytest.raises(DgError, match="sc_topk"):
+            exact_model.decode_canvas(canvas, sc_topk=bad)
+    with pytest.raises(DgError, match="not both"):
+        exact_model.decode_canvas(canvas, scenario["sc"], sc_topk=(ids, probs))

@@ -246,3 +246,69 @@ def test_native_pass_rejects_non_finite_logits(native_sampler):
     logits[1, 3] = np.nan
     with pytest.raises(DgError, match="non-finite"):
         native_sampler.process_logits(logits, np.float32(1.0), np.zeros(2))
+
+
+# ---- the next step's self-conditioning input in top-k form ----------------------------------------
+
+
+def test_numpy_top_k_keeps_the_most_probable_ids_with_their_softmax_probabilities():
+    logits = np.log(np.array([[0.1, 0.4, 0.2, 0.3], [0.25, 0.25, 0.4, 0.1]], dtype=np.float32))
+    stats = S.NumpyStepSampler().process_logits(logits, np.float32(1.0), np.zeros(2), top_k=2)
+    # most probable first; the tie in row 1 goes to the lower id
+    assert stats.topk_ids.tolist() == [[1, 3], [2, 0]]
+    np.testing.assert_allclose(stats.topk_probs, [[0.4, 0.3], [0.4, 0.25]], rtol=1e-6)
+    np.testing.assert_allclose(stats.dropped_mass, [0.3, 0.35], rtol=1e-6)
+
+
+def test_numpy_top_k_of_the_whole_vocabulary_is_the_softmax():
+    rng = np.random.default_rng(7)
+    logits = (rng.standard_normal((3, 50)) * 2).astype(np.float32)
+    temperature = np.float32(0.7)
+    stats = S.NumpyStepSampler().process_logits(logits.copy(), temperature, rng.random(3), top_k=50)
+    z = logits.astype(np.float64) / float(temperature)
+    softmax = np.exp(z - z.max(axis=1, keepdims=True))
+    softmax /= softmax.sum(axis=1, keepdims=True)
+    dense = np.zeros_like(softmax)
+    np.put_along_axis(dense, stats.topk_ids.astype(np.int64), stats.topk_probs.astype(np.float64), axis=1)
+    np.testing.assert_allclose(dense, softmax, rtol=1e-5, atol=1e-9)
+    assert np.all(stats.dropped_mass < 1e-6)
+
+
+def test_top_k_width_is_checked():
+    from dgcli.engine.types import DgError
+
+    with pytest.raises(DgError, match="top_k"):
+        S.NumpyStepSampler().process_logits(np.zeros((1, 4), np.float32), np.float32(1.0), np.zeros(1), top_k=5)
+
+
+@pytest.mark.parametrize("rows, vocab, scale, k", [(16, 500, 3.0, 8), (7, 4099, 30.0, 64), (3, 64, 0.5, 64),
+                                                   (5, 1000, 4.0, 1)])
+def test_native_top_k_agrees_with_numpy(native_sampler, rows, vocab, scale, k):
+    rng = np.random.default_rng(rows * vocab + k)
+    logits = (rng.standard_normal((rows, vocab)) * scale).astype(np.float32)
+    uniforms = rng.random(rows)
+    temperature = S.schedule_temperature(5, 9, 0.4, 0.8)
+    reference = S.NumpyStepSampler().process_logits(logits.copy(), temperature, uniforms, top_k=k)
+    native = native_sampler.process_logits(logits.copy(), temperature, uniforms, top_k=k)
+    assert native.topk_ids.shape == native.topk_probs.shape == (rows, k)
+    for r in range(rows):
+        assert set(native.topk_ids[r].tolist()) == set(reference.topk_ids[r].tolist()), r
+        ours = dict(zip(native.topk_ids[r].tolist(), native.topk_probs[r].tolist()))
+        theirs = dict(zip(reference.topk_ids[r].tolist(), reference.topk_probs[r].tolist()))
+        assert max(abs(ours[i] - theirs[i]) for i in ours) < 1e-6
+    np.testing.assert_allclose(native.dropped_mass, reference.dropped_mass, atol=1e-6)
+    # the reported dropped mass is what the kept probabilities leave out
+    kept = native.topk_probs.astype(np.float64).sum(axis=1)
+    np.testing.assert_allclose(native.dropped_mass, 1.0 - kept, atol=1e-6)
+    # most probable first
+    assert np.all(np.diff(native.topk_probs, axis=1) <= 0)
+    # and the rest of the pass is unchanged by the top-k
+    assert native.argmax.tolist() == reference.argmax.tolist()
+    assert native.sampled.tolist() == reference.sampled.tolist()
+
+
+def test_native_top_k_rejects_a_width_beyond_the_vocabulary(native_sampler):
+    from dgcli.engine.types import DgError
+
+    with pytest.raises(DgError, match="top_k"):
+        native_sampler.process_logits(np.zeros((2, 5), np.float32), np.float32(1.0), np.zeros(2), top_k=6)
