@@ -62,10 +62,18 @@ def test_generate_plain_through_the_console_script(tiny_gguf):
 def test_prompt_longer_than_context_with_the_real_model(tiny_gguf, monkeypatch):
     from dgcli.engine.diffusion import DiffusionEngine
 
-    monkeypatch.setattr(cli, "open_diffusion_engine",
-                        lambda p, threads=None, gpu_layers=0: DiffusionEngine(str(p), n_threads=1, n_ctx=64))
+    opened = []
+
+    def open_small_context(p, threads=None, gpu_layers=0):
+        # llama.cpp rounds n_ctx up (to 256 here): the message must quote the context actually used.
+        opened.append(DiffusionEngine(str(p), n_threads=1, n_ctx=64))
+        return opened[-1]
+
+    monkeypatch.setattr(cli, "open_diffusion_engine", open_small_context)
     r = dg("generate", "word " * 200, "-m", tiny_gguf)
-    assert r.exit_code == 1 and r.stderr.startswith("error: ") and "exceeds the context of 64 tokens" in r.stderr
+    n_ctx = opened[0].model.n_ctx
+    assert n_ctx < 600
+    assert r.exit_code == 1 and r.stderr.startswith("error: ") and f"exceeds the context of {n_ctx} tokens" in r.stderr
 
 
 @needs_ar
