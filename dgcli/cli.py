@@ -22,7 +22,7 @@ except ImportError:  # pragma: no cover - older typer on real click
     from click.exceptions import ClickException
 
 from dgcli import hub, info as ginfo, render
-from dgcli.engine.types import DgError, DiffusionParams, GenerationResult, StepEvent, CanvasEvent, TokenEvent
+from dgcli.engine.types import CanvasEvent, DgError, DiffusionParams, GenerationResult, InvalidParameter, StepEvent, TokenEvent
 from dgcli.registry import DEFAULT_MODEL, Registry, ResolvedModel, missing_shipped_message
 
 EXIT_INTERRUPTED = 130
@@ -308,7 +308,7 @@ def _piece_of(model):
 def run_diffusion(engine, prompt: str, *, params: DiffusionParams, max_new_tokens: int, seed: Optional[int],
                   live: bool, thinking: str, trace: Optional[AtomicOutput], events: Optional[list],
                   stream_plain: bool = False, title: str = "diffusion", live_obj: Optional[Live] = None,
-                  panel_slot=None) -> GenerationResult:
+                  panel_slot=None, self_cond_top_k: Optional[int] = None) -> GenerationResult:
     """One diffusion generation with the chosen display; returns the engine's result.
 
     live: a Rich Live panel (its own, or `live_obj` shared with compare); stream_plain: per-step status
@@ -340,12 +340,16 @@ def run_diffusion(engine, prompt: str, *, params: DiffusionParams, max_new_token
 
     if panel_slot is not None:
         panel_slot(view)
+    # Only an explicit choice reaches the engine; otherwise it picks (dense for small vocabularies).
+    options = {} if self_cond_top_k is None else {"self_cond_top_k": self_cond_top_k}
     if live and live_obj is None:
         with Live(view, console=stdout, auto_refresh=False, transient=True) as lv:
             live_obj = lv
-            result = engine.generate(prompt, params=params, max_new_tokens=max_new_tokens, seed=seed, on_event=on_event)
+            result = engine.generate(prompt, params=params, max_new_tokens=max_new_tokens, seed=seed,
+                                     on_event=on_event, **options)
     else:
-        result = engine.generate(prompt, params=params, max_new_tokens=max_new_tokens, seed=seed, on_event=on_event)
+        result = engine.generate(prompt, params=params, max_new_tokens=max_new_tokens, seed=seed, on_event=on_event,
+                                 **options)
     if live_obj is not None:
         live_obj.refresh()
     result._streamed_chars = streamed["n"]  # type: ignore[attr-defined]
@@ -501,6 +505,10 @@ def generate(
     confidence_threshold: Optional[float] = ConfOpt,
     threads: Optional[int] = ThreadsOpt, gpu_layers: int = GpuOpt,
     thinking: str = ThinkingOpt,
+    self_cond_top_k: Optional[int] = typer.Option(
+        None, "--self-cond-top-k",
+        help="Tokens per position fed back to self-conditioning (0 = all; default: all for small vocabularies, "
+             "else 64; the mass left out is in the trace as sc_dropped_mass)."),
     no_live: bool = typer.Option(False, "--no-live", help="Plain streaming (automatic when stdout is not a terminal)."),
     json_out: bool = typer.Option(False, "--json", help="Print the result and the per-step trace as JSON."),
     trace: Optional[Path] = typer.Option(None, "--trace", help="Write per-step JSON lines to this file."),
@@ -509,6 +517,8 @@ def generate(
     """Generate with DiffusionGemma, watching the canvas denoise live."""
     with user_errors():
         _check_thinking(thinking)
+        if self_cond_top_k is not None and self_cond_top_k < 0:
+            raise InvalidParameter("self_cond_top_k", self_cond_top_k, "an integer >= 0 (0 = all tokens)")
         check_generation_args(max_new_tokens, threads, gpu_layers)
         text = read_prompt(prompt)
         resolved, path = resolve_model(model, yes=yes, want="diffusion")
@@ -523,7 +533,7 @@ def generate(
                 events: Optional[list] = [] if json_out else None
                 result = run_diffusion(engine, text, params=params, max_new_tokens=max_new_tokens, seed=seed,
                                        live=live, thinking=thinking, trace=trace_out if trace else None, events=events,
-                                       stream_plain=not live and not json_out)
+                                       stream_plain=not live and not json_out, self_cond_top_k=self_cond_top_k)
             finally:
                 engine.close()
         thought, answer = render.split_thinking(result.text)

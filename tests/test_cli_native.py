@@ -89,3 +89,19 @@ def test_compare_and_bench_on_the_tiny_pair(tiny_gguf, tiny_ar_gguf):
     assert b.exit_code == 0, b.stderr
     sm = json.loads(b.stdout)["speed_model"]
     assert sm["canvas_forward_s"] > 0 and sm["decode_s"] > 0 and [p["batch"] for p in sm["batch_sweep"]] == [1, 2]
+
+
+def test_self_cond_top_k_flag_reaches_the_engine(tiny_gguf, tmp_path):
+    # The tiny vocabulary is fed back densely by default; --self-cond-top-k 2 leaves mass out, and the
+    # trace shows how much.
+    dense = dg("generate", "hi", "-m", tiny_gguf, "--steps", "3", "--max-new-tokens", "16", "--seed", "0",
+               "--threads", "1", "--json")
+    sparse = dg("generate", "hi", "-m", tiny_gguf, "--steps", "3", "--max-new-tokens", "16", "--seed", "0",
+                "--threads", "1", "--json", "--self-cond-top-k", "2")
+    assert dense.exit_code == 0 and sparse.exit_code == 0, (dense.stderr, sparse.stderr)
+    dense_mass = [s["sc_dropped_mass"] for s in json.loads(dense.stdout)["trace"] if s["kind"] == "step"]
+    sparse_mass = [s["sc_dropped_mass"] for s in json.loads(sparse.stdout)["trace"] if s["kind"] == "step"]
+    assert dense_mass == [0.0, 0.0, 0.0]
+    assert sparse_mass[0] == 0.0 and all(m > 0.0 for m in sparse_mass[1:])
+    bad = dg("generate", "hi", "-m", tiny_gguf, "--self-cond-top-k", "-1")
+    assert bad.exit_code == 1 and "self_cond_top_k" in bad.stderr
