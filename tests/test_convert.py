@@ -448,8 +448,13 @@ def test_ar_twin_runs_in_llama_cpp_with_reference_logits(reference_model, refere
 
     # longer than the sliding window (8), so the sliding layers' window matters
     ids = tiny_vocab_obj.chat_prompt_ids("The quick brown fox jumps over the lazy dog")
+    # F32 K/V and no flash attention: with llama.cpp's default F16 cache, the rounding flips an MoE
+    # routing near-tie of this random model at position 38 (logits jump by ~9 there; a discrete
+    # choice, not a layout error: every position before it agrees to 0.1). What remains is stock
+    # gemma4's F16-table GELU, measured 0.045 max here.
+    f32 = 0  # GGML_TYPE_F32
     llm = Llama(model_path=str(reference_ar_gguf), n_ctx=128, n_batch=128, n_threads=1, logits_all=True,
-                verbose=False)
+                verbose=False, flash_attn=False, type_k=f32, type_v=f32)
     try:
         llm.eval(ids)
         got = np.array(llm.scores[: len(ids)], dtype=np.float32)
@@ -457,7 +462,7 @@ def test_ar_twin_runs_in_llama_cpp_with_reference_logits(reference_model, refere
         llm.close()
     expected = reference_causal_logits(reference_model, ids)
     assert got.shape == expected.shape
-    np.testing.assert_allclose(got, expected, rtol=1e-3, atol=2e-3 * float(np.abs(expected).max()))
+    np.testing.assert_allclose(got, expected, rtol=0, atol=0.1)
     assert np.array_equal(got.argmax(-1), expected.argmax(-1))
 
 
