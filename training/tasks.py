@@ -2,9 +2,9 @@
 
 Three tasks, each a chat turn whose answer fits one 32-token canvas:
 
-    sort: DBCA          -> ABCD          (difficulty = number of letters, 1..12)
-    reverse: HELLO      -> OLLEH         (difficulty = number of letters, 1..12)
-    add: 123+45         -> 168           (difficulty = digits of the longer operand, 1..6)
+    sort: DBCA          -> ABCD          (difficulty = number of letters, 1..8)
+    reverse: HELLO      -> OLLEH         (difficulty = number of letters, 1..8)
+    add: 123+45         -> 168           (difficulty = digits of the longer operand, 1..4)
 
 Letters are upper case because dg-tiny has no merges for upper-case letters or digits (nor for a
 space before them): every letter is one token, so the answer's tokens line up with the question's.
@@ -29,7 +29,7 @@ from dgcli.tiny import TinyVocab, tiny_vocab
 
 TASKS = ("sort", "reverse", "add")
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
-MAX_DIFFICULTY = {"sort": 12, "reverse": 12, "add": 6}
+MAX_DIFFICULTY = {"sort": 8, "reverse": 8, "add": 4}
 CANVAS_LENGTH = 32
 
 

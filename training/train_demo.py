@@ -224,7 +224,7 @@ def train(out_dir: Path, steps: int, batch_size: int, lr: float, ar_weight: floa
                 log.write(json.dumps(record) + "\n")
                 log.flush()
                 print(json.dumps(record), flush=True)
-            if save_every and step and step % save_every == 0:
+            if save_every and (step + 1) % save_every == 0:
                 save_hf_checkpoint(model, out_dir)  # an intermediate checkpoint to evaluate while training goes on
                 model.train()
     save_hf_checkpoint(model, out_dir)
@@ -248,12 +248,12 @@ def save_hf_checkpoint(model, out_dir: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("build/demo-hf"))
-    parser.add_argument("--steps", type=int, default=2800)
+    parser.add_argument("--steps", type=int, default=1800)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--ar-weight", type=float, default=0.5)
     parser.add_argument("--seed", type=int, default=SEED)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--save-every", type=int, default=0)
