@@ -23,13 +23,15 @@ MAX_SHIPPED_BYTES = 8 * 1024 * 1024
 CAP = 48
 
 # Held-out cells the checks run on (task, difficulty), a few examples each.
-EASY = [("sort", 2), ("reverse", 2), ("add", 1)]
-HARD = [("sort", 8), ("reverse", 8), ("add", 4)]
-ACCURACY_CELLS = [("sort", 4), ("reverse", 4), ("add", 2)]
+EASY = [("sort", 1), ("reverse", 2), ("add", 1)]
+HARD = [("sort", 8), ("add", 4)]
+ACCURACY_CELLS = [("sort", 2), ("reverse", 5), ("reverse", 6)]
+MULTI_TOKEN_CELLS = [("reverse", 5), ("reverse", 6)]
 PER_CELL = 4
-# Measured on these cells (training/README.md), minus a margin for the engine's own random stream.
-MIN_DIFFUSION_ACCURACY = 0.6
-MIN_AR_ACCURACY = 0.6
+# Measured on these cells with 10 examples each (training/README.md: diffusion 0.93, AR 1.00),
+# minus a margin for 12 examples and the engine's own random stream.
+MIN_DIFFUSION_ACCURACY = 0.7
+MIN_AR_ACCURACY = 0.8
 
 
 def _native_reason() -> str | None:
@@ -56,7 +58,7 @@ def test_held_out_split_is_disjoint_from_training():
 
     rng = random.Random(0)
     training = {tasks.sample_example(rng, held_out=False).question for _ in range(2000)}
-    held_out = {e.question for task in tasks.TASKS for e in tasks.evaluation_set(task, 5, 20)}
+    held_out = {e.question for task in tasks.TASKS for e in tasks.evaluation_set(task, 3, 20)}
     assert held_out and not training & held_out
 
 
@@ -93,16 +95,21 @@ def diffusion_engine():
         pytest.skip(f"native library unavailable: {reason}")
     from dgcli.engine import DiffusionEngine
 
-    with DiffusionEngine(str(DIFFUSION_GGUF), n_threads=2) as engine:
+    with DiffusionEngine(str(DIFFUSION_GGUF), n_threads=1) as engine:
         yield engine
 
 
-def _run(engine, examples):
-    results = []
-    for seed, example in enumerate(examples):
-        result = engine.generate(example.question, max_new_tokens=tasks.CANVAS_LENGTH, seed=seed, chat=True)
-        results.append((example, result))
-    return results
+_RESULTS: dict[tuple, list] = {}
+
+
+def _run(engine, cells):
+    """(example, GenerationResult) for the cells' held-out examples, fixed seeds; computed once per module."""
+    key = (id(engine), tuple(cells))
+    if key not in _RESULTS:
+        _RESULTS[key] = [(example, engine.generate(example.question, max_new_tokens=tasks.CANVAS_LENGTH,
+                                                   seed=seed, chat=True))
+                         for seed, example in enumerate(_examples(cells))]
+    return _RESULTS[key]
 
 
 def test_demo_uses_the_default_sampler_settings(diffusion_engine):
@@ -112,21 +119,27 @@ def test_demo_uses_the_default_sampler_settings(diffusion_engine):
 
 
 def test_diffusion_demo_solves_held_out_examples(diffusion_engine):
-    results = _run(diffusion_engine, _examples(ACCURACY_CELLS))
+    results = _run(diffusion_engine, ACCURACY_CELLS)
     accuracy = statistics.mean(r.text.strip() == e.answer for e, r in results)
     assert accuracy >= MIN_DIFFUSION_ACCURACY, [(e.question, r.text) for e, r in results]
 
 
 def test_adaptive_stopping_fires_before_the_cap_on_easy_inputs(diffusion_engine):
-    results = _run(diffusion_engine, _examples(EASY))
+    results = _run(diffusion_engine, EASY)
     steps = [r.steps_per_canvas[0] for _, r in results]
     assert max(steps) < CAP, steps
-    assert statistics.mean(r.tokens_per_forward for _, r in results) > 1.0
+    assert statistics.mean(steps) < CAP / 4, steps
+
+
+def test_several_tokens_per_forward_on_longer_answers(diffusion_engine):
+    """Answers of 5-6 tokens: a model committing one token per step would be at <= 1 (seed EXP A)."""
+    results = _run(diffusion_engine, MULTI_TOKEN_CELLS)
+    assert statistics.mean(r.tokens_per_forward for _, r in results) > 1.5
 
 
 def test_harder_inputs_take_more_steps(diffusion_engine):
-    easy = [r.steps_per_canvas[0] for _, r in _run(diffusion_engine, _examples(EASY))]
-    hard = [r.steps_per_canvas[0] for _, r in _run(diffusion_engine, _examples(HARD))]
+    easy = [r.steps_per_canvas[0] for _, r in _run(diffusion_engine, EASY)]
+    hard = [r.steps_per_canvas[0] for _, r in _run(diffusion_engine, HARD)]
     assert statistics.mean(hard) > statistics.mean(easy), (easy, hard)
 
 
@@ -137,7 +150,7 @@ def test_ar_twin_solves_held_out_examples():
     from dgcli.engine import AutoregressiveEngine
 
     examples = _examples(ACCURACY_CELLS)
-    with AutoregressiveEngine(str(AR_GGUF), n_threads=2) as engine:
+    with AutoregressiveEngine(str(AR_GGUF), n_threads=1) as engine:
         answers = [engine.generate(e.question, max_new_tokens=tasks.CANVAS_LENGTH, chat=True).text.strip()
                    for e in examples]
     accuracy = statistics.mean(a == e.answer for a, e in zip(answers, examples))
