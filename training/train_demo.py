@@ -1,6 +1,6 @@
 """Train the demo DiffusionGemma pair (diffusion + its AR twin: the same weights) on training/tasks.py.
 
-    .venv/bin/python -m training.train_demo --out build/demo-hf            # train, seeded, ~20 min on 2 cores
+    .venv/bin/python -m training.train_demo --out build/demo-hf            # train, seeded, ~14 min on 1 core
     .venv/bin/python -m training.train_demo --out build/demo-hf --steps 50 # a smoke run
 
 The model is the real architecture in miniature (Transformers' DiffusionGemmaForBlockDiffusion):
