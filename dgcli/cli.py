@@ -360,7 +360,7 @@ def run_diffusion(engine, prompt: str, *, params: DiffusionParams, max_new_token
 
 ModelOpt = typer.Option(None, "--model", "-m", help="Registry name (`name` or `name:QUANT`, see `dg list`) or a .gguf path. Default: demo.")
 YesOpt = typer.Option(False, "--yes", "-y", help="Download a missing registry model without asking.")
-ThreadsOpt = typer.Option(None, "--threads", "-t", help="CPU threads (default: llama.cpp's choice).")
+ThreadsOpt = typer.Option(None, "--threads", "-t", help="CPU threads (default: 1 for tiny models under 64 MB, else every core).")
 GpuOpt = typer.Option(0, "--gpu-layers", "-ngl", help="Layers to offload to the GPU (-1 = all).")
 
 

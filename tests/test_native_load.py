@@ -150,3 +150,17 @@ def test_model_without_sliding_layers_refused(tmp_path):
 
     path = write_tiny_random_gguf(tmp_path / "all-full.gguf", layer_types=["full_attention"] * 6)
     assert "sliding" in _refused(path)
+
+
+def test_default_threads_is_one_for_tiny_files_and_all_cores_for_big_ones(tmp_path):
+    import os
+
+    from dgcli.engine.model import SINGLE_THREAD_BELOW_BYTES, default_threads
+
+    small = tmp_path / "small.gguf"
+    small.write_bytes(b"\0" * 1024)
+    big = tmp_path / "big.gguf"
+    with open(big, "wb") as f:  # sparse: the size is what counts
+        f.truncate(SINGLE_THREAD_BELOW_BYTES + 1)
+    assert default_threads(small) == 1
+    assert default_threads(big) == max(1, os.cpu_count() or 1)
