@@ -28,9 +28,9 @@ HARD = [("sort", 8), ("add", 4)]
 ACCURACY_CELLS = [("sort", 2), ("reverse", 5), ("reverse", 6)]
 MULTI_TOKEN_CELLS = [("reverse", 5), ("reverse", 6)]
 PER_CELL = 4
-# Measured on these cells with 10 examples each (training/README.md: diffusion 0.93, AR 1.00),
+# Measured on these cells with 10 examples each (training/README.md: diffusion 0.97, AR 1.00),
 # minus a margin for 12 examples and the engine's own random stream.
-MIN_DIFFUSION_ACCURACY = 0.7
+MIN_DIFFUSION_ACCURACY = 0.8
 MIN_AR_ACCURACY = 0.8
 
 

@@ -1,6 +1,6 @@
 """Train the demo DiffusionGemma pair (diffusion + its AR twin: the same weights) on training/tasks.py.
 
-    .venv/bin/python -m training.train_demo --out build/demo-hf            # train, seeded, ~14 min on 1 core
+    .venv/bin/python -m training.train_demo --out build/demo-hf            # train, seeded, ~25 min on 1 core
     .venv/bin/python -m training.train_demo --out build/demo-hf --steps 50 # a smoke run
 
 The model is the real architecture in miniature (Transformers' DiffusionGemmaForBlockDiffusion):
@@ -248,7 +248,7 @@ def save_hf_checkpoint(model, out_dir: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("build/demo-hf"))
-    parser.add_argument("--steps", type=int, default=1800)
+    parser.add_argument("--steps", type=int, default=3200)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--ar-weight", type=float, default=0.5)
