@@ -2,7 +2,7 @@
 PY      ?= python3
 VENV    ?= .venv
 BIN      = $(VENV)/bin
-PROMPT  ?= sort: dbca
+PROMPT  ?= reverse: HELLO
 
 .PHONY: setup native demo test clean-native
 

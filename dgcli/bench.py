@@ -23,8 +23,9 @@ from dgcli.engine.types import DgError, DiffusionParams, GenerationResult, StepE
 
 @dataclass(frozen=True)
 class BenchPrompt:
-    name: str
+    name: str  # prompts sharing a name are summarised together (e.g. one difficulty level)
     text: str
+    expected: Optional[str] = None  # the right answer, when the prompt has one: bench reports accuracy
 
 
 # Like the seed's set (EXP E/F): math, Korean, code, and a trivial smoke prompt.
@@ -40,7 +41,8 @@ SPEEDUP_STEPS = (1, 2, 4, 8, 12, 16, 24, 32, 48)
 
 
 def load_prompts(path: Path | str) -> list[BenchPrompt]:
-    """One prompt per line (`name<TAB>prompt` names it); blank lines and `#` comments skipped."""
+    """One prompt per line: `prompt`, `name<TAB>prompt` or `name<TAB>prompt<TAB>expected answer`;
+    blank lines and `#` comments skipped."""
     path = Path(path)
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -52,10 +54,13 @@ def load_prompts(path: Path | str) -> list[BenchPrompt]:
     for line in lines:
         if not line.strip() or line.lstrip().startswith("#"):
             continue
-        name, sep, text = line.partition("\t")
-        if not sep:
-            name, text = f"prompt-{len(prompts) + 1}", line
-        prompts.append(BenchPrompt(name.strip(), text.strip()))
+        fields = line.split("\t")
+        if len(fields) == 1:
+            fields = [f"prompt-{len(prompts) + 1}", line]
+        if len(fields) > 3 or not fields[1].strip():
+            raise DgError(f"{path}: expected `prompt`, `name<TAB>prompt` or `name<TAB>prompt<TAB>answer`: {line[:60]!r}")
+        expected = fields[2].strip() if len(fields) == 3 else None
+        prompts.append(BenchPrompt(fields[0].strip(), fields[1].strip(), expected))
     if not prompts:
         raise DgError(f"prompt file has no prompts: {path}")
     return prompts
@@ -132,6 +137,7 @@ class RunRecord:
     steps_per_canvas: list[int]
     mean_forward_s: float  # mean decoder forward: a canvas forward (diffusion) or one decode (AR)
     stop_reason: str
+    correct: Optional[bool] = None  # the answer equals the prompt's expected answer (None: no answer given)
 
     @property
     def mean_steps_per_canvas(self) -> Optional[float]:
@@ -166,6 +172,7 @@ class PromptSummary:
     steps_per_canvas: Optional[Spread]
     tokens_per_forward: Optional[Spread]
     new_tokens: Optional[Spread]
+    accuracy: Optional[float] = None  # fraction of runs with the expected answer
 
 
 @dataclass
@@ -221,12 +228,13 @@ def total_units(config: BenchConfig, prompts: Sequence[BenchPrompt]) -> int:
     return 2 * len(prompts) * config.repeat + (1 if config.speed_model else 0)
 
 
-def _record(mode: str, prompt: str, run: int, res: GenerationResult) -> RunRecord:
+def _record(mode: str, prompt: BenchPrompt, run: int, res: GenerationResult) -> RunRecord:
     forwards = max(res.decoder_forwards, 1)
-    return RunRecord(mode=mode, prompt=prompt, run=run, n_new_tokens=res.n_new_tokens, total_s=res.total_s,
+    correct = None if prompt.expected is None else res.text.strip() == prompt.expected
+    return RunRecord(mode=mode, prompt=prompt.name, run=run, n_new_tokens=res.n_new_tokens, total_s=res.total_s,
                      tokens_per_second=res.tokens_per_second, tokens_per_forward=res.tokens_per_forward,
                      decoder_forwards=res.decoder_forwards, steps_per_canvas=list(res.steps_per_canvas),
-                     mean_forward_s=res.forward_s / forwards, stop_reason=res.stop_reason)
+                     mean_forward_s=res.forward_s / forwards, stop_reason=res.stop_reason, correct=correct)
 
 
 def summarize(runs: Sequence[RunRecord]) -> list[PromptSummary]:
@@ -243,8 +251,14 @@ def summarize(runs: Sequence[RunRecord]) -> list[PromptSummary]:
             steps_per_canvas=Spread.of([r.mean_steps_per_canvas for r in rs]) if mode == "diffusion" else None,
             tokens_per_forward=Spread.of([r.tokens_per_forward for r in rs]),
             new_tokens=Spread.of([float(r.n_new_tokens) for r in rs]),
+            accuracy=_accuracy(rs),
         ))
     return out
+
+
+def _accuracy(runs: Sequence[RunRecord]) -> Optional[float]:
+    graded = [r.correct for r in runs if r.correct is not None]
+    return sum(graded) / len(graded) if graded else None
 
 
 def _logits_bytes(n_tokens: int, vocab: int) -> int:
@@ -357,7 +371,7 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], *,
                 on_progress(f"diffusion {p.name} #{i + 1}")
                 res = engine.generate(p.text, params=config.params, max_new_tokens=config.max_new_tokens,
                                       seed=config.seed + i)
-                runs.append(_record("diffusion", p.name, i, res))
+                runs.append(_record("diffusion", p, i, res))
                 if res.interrupted:
                     raise KeyboardInterrupt
         if config.speed_model and open_speed_model is None:
@@ -384,7 +398,7 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], *,
             for i in range(config.repeat):
                 on_progress(f"autoregressive {p.name} #{i + 1}")
                 res = ar.generate(p.text, max_new_tokens=config.max_new_tokens, seed=config.seed + i)
-                runs.append(_record("autoregressive", p.name, i, res))
+                runs.append(_record("autoregressive", p, i, res))
                 if res.interrupted:
                     raise KeyboardInterrupt
     finally:
@@ -412,19 +426,28 @@ def report_tables(report: BenchReport):
     for s in report.summaries:
         by_prompt.setdefault(s.prompt, {})[s.mode] = s
     cfg = report.config
-    t = Table(title=f"generation: median [min–max] over {cfg['repeat']} run(s)")
-    for col in ("prompt", "diffusion tok/s", "AR tok/s", "speedup", "steps/canvas", "diffusion tokens/forward",
-                "AR tokens/forward", "new tokens (diff/AR)"):
+    graded = any(s.accuracy is not None for s in report.summaries)
+    t = Table(title=f"generation: median [min–max] over {cfg['repeat']} run(s) per prompt")
+    columns = ["prompt", "diffusion tok/s", "AR tok/s", "speedup", "steps/canvas", "diffusion tokens/forward",
+               "AR tokens/forward", "new tokens (diff/AR)"] + (["accuracy (diff/AR)"] if graded else [])
+    for col in columns:
         t.add_column(col, justify="left" if col == "prompt" else "right")
+
+    def pct(value: Optional[float]) -> str:
+        return "-" if value is None else f"{100 * value:.0f}%"
+
     for prompt, modes in by_prompt.items():
         d, a = modes.get("diffusion"), modes.get("autoregressive")
         sp = "-"
         if d and a and d.tokens_per_second and a.tokens_per_second and a.tokens_per_second.median > 0:
             sp = f"{d.tokens_per_second.median / a.tokens_per_second.median:.2f}x"
-        t.add_row(prompt, cell(d.tokens_per_second if d else None), cell(a.tokens_per_second if a else None), sp,
-                  cell(d.steps_per_canvas if d else None, 1), cell(d.tokens_per_forward if d else None),
-                  cell(a.tokens_per_forward if a else None),
-                  f"{cell(d.new_tokens if d else None, 0)}/{cell(a.new_tokens if a else None, 0)}")
+        row = [prompt, cell(d.tokens_per_second if d else None), cell(a.tokens_per_second if a else None), sp,
+               cell(d.steps_per_canvas if d else None, 1), cell(d.tokens_per_forward if d else None),
+               cell(a.tokens_per_forward if a else None),
+               f"{cell(d.new_tokens if d else None, 0)}/{cell(a.new_tokens if a else None, 0)}"]
+        if graded:
+            row.append(f"{pct(d.accuracy if d else None)}/{pct(a.accuracy if a else None)}")
+        t.add_row(*row)
     t.caption = f"diffusion: {cfg['diffusion_model']}   AR: {cfg['ar_model']}"
     tables.append(t)
 

@@ -658,7 +658,7 @@ def compare(
 def bench(
     model: Optional[str] = ModelOpt,
     ar_model: Optional[str] = typer.Option(None, "--ar-model", help="The autoregressive side (default: the registry pair)."),
-    prompts: Optional[Path] = typer.Option(None, "--prompts", help="Prompt file: one prompt per line, or `name<TAB>prompt`."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="Prompt file: one prompt per line, `name<TAB>prompt`, or `name<TAB>prompt<TAB>answer` (accuracy). Default: the model's own set (demo), else math/Korean/code/trivial."),
     repeat: int = typer.Option(3, "--repeat", "-r", help="Runs per prompt and model (median and spread reported)."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n"),
     seed: int = typer.Option(0, "--seed", help="Base seed; run i uses seed+i."),
@@ -680,8 +680,10 @@ def bench(
         if repeat < 1:
             raise DgError(f"invalid repeat={repeat}: must be an integer >= 1")
         sizes = benchlib.parse_batch_sizes(batch_sizes)
-        prompt_set = benchlib.load_prompts(prompts) if prompts else benchlib.BUILTIN_PROMPTS
         diff_res, diff_path = resolve_model(model, yes=yes, want="diffusion")
+        own_prompts = diff_res.entry.bench_prompts if diff_res.entry is not None else None
+        prompt_set = benchlib.load_prompts(prompts or own_prompts) if (prompts or own_prompts) \
+            else benchlib.BUILTIN_PROMPTS
         ar_res, ar_path = resolve_pair(diff_res, ar_model, yes=yes)
         preflight(diff_path, diffusion=True, command="bench", gpu_layers=gpu_layers)
         preflight(ar_path, diffusion=False, command="bench", gpu_layers=gpu_layers)

@@ -41,6 +41,7 @@ class RegistryEntry:
     default_quant: str | None = None
     pair: str | None = None
     shipped: Path | None = None  # absolute path of a file shipped inside the package
+    bench_prompts: Path | None = None  # `dg bench`'s default prompt set for this model (inside the package)
 
     @property
     def downloadable(self) -> bool:
@@ -128,6 +129,7 @@ class Registry:
                 name=name, role=role, description=raw.get("description", ""), repo=repo, files=files,
                 default_quant=default_quant, pair=raw.get("pair"),
                 shipped=(PACKAGE_DIR / shipped) if shipped else None,
+                bench_prompts=(PACKAGE_DIR / raw["bench_prompts"]) if raw.get("bench_prompts") else None,
             )
         for entry in entries.values():
             if entry.pair is not None and entry.pair not in entries:

@@ -1,0 +1,49 @@
+"""dg bench's prompt sets: graded prompts (with an expected answer) give accuracy per prompt name."""
+
+from __future__ import annotations
+
+import pytest
+
+from dgcli import bench
+from dgcli.engine.types import DgError, GenerationResult
+from dgcli.registry import Registry
+
+
+def test_prompt_file_forms(tmp_path):
+    path = tmp_path / "p.tsv"
+    path.write_text("# comment\nplain prompt\nnamed\tnamed prompt\ngraded\tsort: BA\tAB\n\n", encoding="utf-8")
+    prompts = bench.load_prompts(path)
+    assert [(p.name, p.text, p.expected) for p in prompts] == [
+        ("prompt-1", "plain prompt", None), ("named", "named prompt", None), ("graded", "sort: BA", "AB")]
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("a\tb\tc\td\n", encoding="utf-8")
+    with pytest.raises(DgError, match="name<TAB>prompt<TAB>answer"):
+        bench.load_prompts(bad)
+
+
+def _result(text: str) -> GenerationResult:
+    return GenerationResult(mode="diffusion", text=text, token_ids=[5] * len(text), n_prompt_tokens=3,
+                            steps_per_canvas=[2], decoder_forwards=2, tokens_per_forward=1.5, total_s=1.0)
+
+
+def test_accuracy_is_per_prompt_name_over_all_its_prompts_and_runs():
+    prompts = [bench.BenchPrompt("sort-2", "sort: BA", "AB"), bench.BenchPrompt("sort-2", "sort: DC", "CD"),
+               bench.BenchPrompt("free", "hello")]
+    answers = {"sort: BA": "AB", "sort: DC": "DD", "hello": "hi"}
+    runs = [bench._record("diffusion", p, i, _result(answers[p.text])) for p in prompts for i in range(2)]
+    summaries = {s.prompt: s for s in bench.summarize(runs)}
+    assert summaries["sort-2"].accuracy == 0.5
+    assert summaries["free"].accuracy is None
+    table = bench.report_tables(bench.BenchReport(
+        config={"repeat": 2, "diffusion_model": "d", "ar_model": "a"}, runs=runs,
+        summaries=list(summaries.values()), speed_model=None))[0]
+    assert table.columns[-1].header == "accuracy (diff/AR)"
+    assert list(table.columns[-1].cells) == ["50%/-", "-/-"]
+
+
+def test_the_demo_declares_its_own_graded_prompt_set():
+    entry = Registry.load().get("demo")
+    prompts = bench.load_prompts(entry.bench_prompts)
+    assert prompts and all(p.expected for p in prompts)
+    assert {p.name.split("-")[0] for p in prompts} == {"sort", "reverse", "add"}
+    assert Registry.load().get("diffusiongemma-26b").bench_prompts is None
