@@ -10,7 +10,8 @@ from _common import parser, read_trace, run_dg, threads_args, write_table
 
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("--prompt", default="sort: dbca")
+    # Hard for the demo (8 letters, reversed order): it commits over ~20 steps, easy positions first.
+    p.add_argument("--prompt", default="sort: ZYXWVUTS")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -32,10 +33,11 @@ def main() -> None:
 
     accepted = np.array([e["accepted"] for e in steps], dtype=float)
     fig, axes = plt.subplots(1, 2, figsize=(11, 0.3 * len(steps) + 2), sharey=True)
-    axes[0].imshow(accepted, aspect="auto", cmap="Greys", interpolation="nearest")
-    axes[0].set_title("accepted this step")
-    axes[1].imshow(np.array(settled, dtype=float), aspect="auto", cmap="Greys", interpolation="nearest")
-    axes[1].set_title("argmax already final")
+    # fixed 0..1 scale: a step where every position is accepted must show all black, not a blank
+    axes[0].imshow(accepted, aspect="auto", cmap="Greys", interpolation="nearest", vmin=0, vmax=1)
+    axes[0].set_title("accepted this step (black)")
+    axes[1].imshow(np.array(settled, dtype=float), aspect="auto", cmap="Greys", interpolation="nearest", vmin=0, vmax=1)
+    axes[1].set_title("argmax already final (black)")
     for ax in axes:
         ax.set_xlabel("canvas position")
     axes[0].set_ylabel("denoising step")
