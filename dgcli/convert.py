@@ -38,6 +38,7 @@ from dgcli.engine.types import (
     DEFAULT_STABILITY_THRESHOLD,
     DEFAULT_T_MAX,
     DEFAULT_T_MIN,
+    DIFFUSION_PARAM_KEYS,
     DgError,
     DiffusionParams,
 )
@@ -457,12 +458,13 @@ def add_layout_keys(writer, p: LayoutParams, arch: str) -> None:
         writer.add_causal_attention(False)
         d = p.diffusion
         writer.add_uint32("diffusion.canvas_length", p.canvas_length)
-        writer.add_uint32("diffusion.eb_max_steps", int(d.max_denoising_steps))
-        writer.add_float32("diffusion.eb_t_min", float(d.t_min))
-        writer.add_float32("diffusion.eb_t_max", float(d.t_max))
-        writer.add_float32("diffusion.eb_entropy_bound", float(d.entropy_bound))
-        writer.add_uint32("diffusion.eb_stability_threshold", int(d.stability_threshold))
-        writer.add_float32("diffusion.eb_confidence_threshold", float(d.confidence_threshold))
+        for key, name in DIFFUSION_PARAM_KEYS.items():
+            # step counts are integers in the published files, temperatures and thresholds floats
+            value = getattr(d, name)
+            if isinstance(getattr(DiffusionParams(), name), int):
+                writer.add_uint32(key, int(value))
+            else:
+                writer.add_float32(key, float(value))
 
 
 def write_layout_gguf(out_path: str | Path, p: LayoutParams, arch: str, add_vocab: Callable[[Any], None],

@@ -12,16 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dgcli.engine.types import (
-    DEFAULT_CONFIDENCE_THRESHOLD,
-    DEFAULT_ENTROPY_BOUND,
-    DEFAULT_MAX_DENOISING_STEPS,
-    DEFAULT_STABILITY_THRESHOLD,
-    DEFAULT_T_MAX,
-    DEFAULT_T_MIN,
-    DgError,
-    ModelLoadError,
-)
+from dgcli.engine.types import DIFFUSION_PARAM_KEYS, DgError, DiffusionParams, ModelLoadError
 
 GGUF_MAGIC = b"GGUF"
 DIFFUSION_ARCH = "diffusion-gemma"
@@ -29,15 +20,6 @@ DIFFUSION_ARCH = "diffusion-gemma"
 MEMORY_OVERHEAD_FACTOR = 1.10
 MEMORY_OVERHEAD_BYTES = 256 * 1024**2
 
-# GGUF key -> (DiffusionParams field, reference default)
-SAMPLER_KEYS = {
-    "diffusion.eb_max_steps": ("max_denoising_steps", DEFAULT_MAX_DENOISING_STEPS),
-    "diffusion.eb_t_min": ("t_min", DEFAULT_T_MIN),
-    "diffusion.eb_t_max": ("t_max", DEFAULT_T_MAX),
-    "diffusion.eb_entropy_bound": ("entropy_bound", DEFAULT_ENTROPY_BOUND),
-    "diffusion.eb_stability_threshold": ("stability_threshold", DEFAULT_STABILITY_THRESHOLD),
-    "diffusion.eb_confidence_threshold": ("confidence_threshold", DEFAULT_CONFIDENCE_THRESHOLD),
-}
 
 
 class TooBigForMemory(DgError):
@@ -172,9 +154,10 @@ def read_info(path: Path | str) -> GgufInfo:
 
     sampler, source = {}, {}
     if arch == DIFFUSION_ARCH:
-        for key, (name, default) in SAMPLER_KEYS.items():
+        reference_defaults = DiffusionParams()
+        for key, name in DIFFUSION_PARAM_KEYS.items():
             value = _scalar(reader, key)
-            sampler[name] = value if value is not None else default
+            sampler[name] = value if value is not None else getattr(reference_defaults, name)
             source[name] = "gguf" if value is not None else "default"
 
     tokens = reader.fields.get("tokenizer.ggml.tokens")

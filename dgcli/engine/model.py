@@ -28,6 +28,7 @@ import numpy as np
 
 from dgcli.engine import native
 from dgcli.engine.types import (
+    DIFFUSION_PARAM_KEYS,
     DgError,
     DiffusionParams,
     InvalidParameter,
@@ -37,15 +38,6 @@ from dgcli.engine.types import (
 DIFFUSION_ARCH = "diffusion-gemma"
 AR_ARCH = "gemma4"
 
-# diffusion.eb_* key -> DiffusionParams field (the reference's generation-config names)
-EB_KEYS = {
-    "diffusion.eb_max_steps": "max_denoising_steps",
-    "diffusion.eb_t_min": "t_min",
-    "diffusion.eb_t_max": "t_max",
-    "diffusion.eb_entropy_bound": "entropy_bound",
-    "diffusion.eb_stability_threshold": "stability_threshold",
-    "diffusion.eb_confidence_threshold": "confidence_threshold",
-}
 END_TOKEN_TEXTS = ("<eos>", "<turn|>")
 DEFAULT_N_CTX = 4096
 
@@ -445,7 +437,7 @@ class DiffusionModel(_LlamaModel):
 
     def _read_default_params(self) -> DiffusionParams:
         values: dict[str, Any] = {}
-        for key, name in EB_KEYS.items():
+        for key, name in DIFFUSION_PARAM_KEYS.items():
             if key not in self.header.metadata:
                 continue
             vtype, value = self.header.metadata[key]

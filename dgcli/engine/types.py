@@ -46,6 +46,17 @@ def _is_real(value: Any) -> bool:
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+# The published files' sampler keys (unprefixed, optional) -> DiffusionParams field.
+DIFFUSION_PARAM_KEYS = {
+    "diffusion.eb_max_steps": "max_denoising_steps",
+    "diffusion.eb_t_min": "t_min",
+    "diffusion.eb_t_max": "t_max",
+    "diffusion.eb_entropy_bound": "entropy_bound",
+    "diffusion.eb_stability_threshold": "stability_threshold",
+    "diffusion.eb_confidence_threshold": "confidence_threshold",
+}
+
+
 @dataclass(frozen=True)
 class DiffusionParams:
     """The block-diffusion sampler's knobs (GGUF `diffusion.eb_*` keys give a model's defaults)."""
