@@ -164,3 +164,21 @@ def test_default_threads_is_one_for_tiny_files_and_all_cores_for_big_ones(tmp_pa
         f.truncate(SINGLE_THREAD_BELOW_BYTES + 1)
     assert default_threads(small) == 1
     assert default_threads(big) == max(1, os.cpu_count() or 1)
+
+
+def test_thinking_channel_markers_survive_detokenizing(tiny_gguf, tmp_path):
+    """Gemma 4's <|channel> / <channel|> are control tokens; the text keeps them (for --thinking),
+    while other control tokens are still dropped."""
+    import gguf
+
+    from dgcli.engine.model import DiffusionModel
+    from native_helpers import rewrite_gguf
+
+    tokens = list(gguf.GGUFReader(str(tiny_gguf)).fields["tokenizer.ggml.tokens"].contents())
+    tokens[100], tokens[101] = "<|channel>", "<channel|>"  # two unused control slots
+    marked = rewrite_gguf(tiny_gguf, tmp_path / "marked.gguf", set_keys={
+        "tokenizer.ggml.tokens": (tokens, gguf.GGUFValueType.ARRAY)})
+    with DiffusionModel(marked, n_threads=1) as model:
+        hello = model.tokenize("hi")
+        text = model.detokenize([100] + model.tokenize("thought") + [101] + hello + [99])
+    assert text == "<|channel>thought<channel|>hi"

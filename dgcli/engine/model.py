@@ -39,6 +39,9 @@ DIFFUSION_ARCH = "diffusion-gemma"
 AR_ARCH = "gemma4"
 
 END_TOKEN_TEXTS = ("<eos>", "<turn|>")
+# Gemma 4's thinking-channel markers are control tokens, which detokenizing normally drops; they stay
+# in the text so that the CLI can show the thinking dimmed or hide it (render.split_thinking).
+VISIBLE_CONTROL_TEXTS = ("<|channel>", "<channel|>")
 DEFAULT_N_CTX = 4096
 
 
@@ -241,7 +244,7 @@ class _LlamaModel:
         self._ctx = None
         self.path = Path(path)
         self.exact = bool(exact)
-        self.header = read_gguf_header(self.path, wanted_tokens=END_TOKEN_TEXTS)
+        self.header = read_gguf_header(self.path, wanted_tokens=END_TOKEN_TEXTS + VISIBLE_CONTROL_TEXTS)
         arch = self.header.architecture
         if arch != self.architecture:
             raise ModelLoadError(f"{self.path} is a {arch or 'unknown-architecture'} model; "
@@ -298,6 +301,8 @@ class _LlamaModel:
         self._mem = L.llama_get_memory(ctx)
         self.n_past = 0
         self.end_token_ids = [self.header.token_ids[t] for t in END_TOKEN_TEXTS if t in self.header.token_ids]
+        self._visible_control_ids = {self.header.token_ids[t] for t in VISIBLE_CONTROL_TEXTS
+                                     if t in self.header.token_ids}
 
     def _default_n_ctx(self) -> int:
         return min(self.n_ctx_train or DEFAULT_N_CTX, DEFAULT_N_CTX)
@@ -361,7 +366,8 @@ class _LlamaModel:
         for t in ids:
             if not 0 <= t < self.vocab_size:
                 raise InvalidParameter("token id", t, f"in [0, {self.vocab_size})")
-        return b"".join(self.token_piece(t, special) for t in ids).decode("utf-8", errors="replace")
+        return b"".join(self.token_piece(t, special or t in self._visible_control_ids)
+                        for t in ids).decode("utf-8", errors="replace")
 
     def chat_prompt(self, user_text: str) -> list[int]:
         """The GGUF's chat template for one user message, generation prompt appended, as token ids."""
