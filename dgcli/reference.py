@@ -157,7 +157,9 @@ def save_checkpoint(model, directory: str | Path, config_form: str = "google", v
         "t_max": None if generation_nulls else 0.8,
         "stability_threshold": None if generation_nulls else 1,
         "confidence_threshold": None if generation_nulls else 0.005,
-        "sampler_config": None if generation_nulls else {"entropy_bound": 0.1},
+        # `_cls_name` as Transformers serialises the dataclass, so its from_pretrained reads it back
+        "sampler_config": None if generation_nulls else {"entropy_bound": 0.1,
+                                                         "_cls_name": "EntropyBoundSamplerConfig"},
     }
     (directory / "generation_config.json").write_text(json.dumps(generation, indent=2))
     (vocab or tiny_vocab()).save_hf(directory)

@@ -598,3 +598,15 @@ def test_ar_twin_reproduces_the_reference_encoder(reference_model, reference_ar_
     got = _gemma4_causal_logits_from_gguf(reference_ar_gguf, ids)
     expected = reference_causal_logits(reference_model, ids)
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@needs_torch
+def test_saved_generation_config_loads_back_in_transformers(reference_checkpoint):
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
+        DiffusionGemmaGenerationConfig,
+        EntropyBoundSamplerConfig,
+    )
+
+    config = DiffusionGemmaGenerationConfig.from_pretrained(str(reference_checkpoint))
+    assert isinstance(config.sampler_config, EntropyBoundSamplerConfig)
+    assert config.sampler_config.entropy_bound == 0.1 and config.max_denoising_steps == 48
