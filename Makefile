@@ -10,12 +10,18 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# Python dependencies (test extras include torch CPU + transformers, the executable reference).
+# dg's own dependencies: all `make demo` needs.
 $(VENV)/.deps: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e .
+	touch $@
+
+# The test extras add the executable reference (torch CPU + transformers) and pytest.
+$(VENV)/.test-deps: pyproject.toml $(VENV)/.deps
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
-# Our patched llama.cpp bindings; cached outside the repo keyed by sdist + patch + options.
+# Our patched llama.cpp bindings; cached outside the repo keyed by sdist + patch + options
+# (a cold build is ~4 min on 2 cores, a cached one a few seconds).
 native: $(VENV)/.deps
 	$(BIN)/python native/build.py
 
@@ -24,7 +30,7 @@ setup: native
 demo: setup
 	$(BIN)/dg generate "$(PROMPT)"
 
-test: setup
+test: setup $(VENV)/.test-deps
 	$(BIN)/python -m pytest -q
 
 clean-native:
