@@ -111,7 +111,7 @@ def _download_with_progress(resolved: ResolvedModel) -> Path:
         return hub.download(resolved.repo, resolved.filename, approx_size=resolved.approx_size_bytes,
                             on_progress=on_progress)
     except KeyboardInterrupt:
-        raise DgError(f"download interrupted (partial file removed); run `dg pull {resolved.display_name}` to start again") from None
+        raise DgError(f"download interrupted; run `dg pull {resolved.display_name}` to continue it (the partial file is never loaded)") from None
     finally:
         progress.stop()
 

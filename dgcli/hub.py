@@ -1,10 +1,13 @@
 """`dg pull`: download registry models with huggingface-hub into its cache.
 
-huggingface-hub (2.x) downloads into a process-unique `blobs/<etag>.<id>.incomplete` file, resumes
-it with Range requests when the connection drops mid-transfer, deletes it when the download fails
-or is interrupted, and only links the file into `snapshots/<commit>/` once complete. `cached_path`
-reads the snapshot, so a partial file is never loaded. (Older huggingface-hub versions kept
-`<etag>.incomplete` across runs and resumed it; 2.x starts over after Ctrl-C.)
+The file lands in huggingface-hub's cache layout (`blobs/<etag>`, linked from
+`snapshots/<commit>/<file>`), so other Hugging Face tools see it too. The transfer itself is ours:
+huggingface-hub 2.x's `hf_hub_download` deletes its partial file when a download fails or is
+interrupted, and a 16 GB GGUF should not start over after a Ctrl-C. We write `blobs/<etag>.dg-partial`,
+continue it with a Range request on the next `dg pull` (huggingface-hub's `http_get` also resumes
+within a run when the connection drops), check its size (and sha256, which is the etag of LFS
+files), and only then move it to `blobs/<etag>` and link the snapshot. `cached_path` reads the
+snapshot, so a partial file is never loaded.
 """
 
 from __future__ import annotations
@@ -55,9 +58,18 @@ def _repo_cache_folder(repo: str) -> Path:
 
 
 def incomplete_files(repo: str) -> list[Path]:
-    """Partial downloads of this repo left in the cache (never loaded; removed by `dg pull`)."""
+    """huggingface-hub's own partial downloads of this repo (never loaded; removed by `dg pull`)."""
     blobs = _repo_cache_folder(repo) / "blobs"
     return sorted(blobs.glob("*.incomplete")) if blobs.is_dir() else []
+
+
+def partial_files(repo: str) -> list[Path]:
+    """dg's resumable partial downloads of this repo (never loaded; continued by `dg pull`)."""
+    blobs = _repo_cache_folder(repo) / "blobs"
+    return sorted(blobs.glob("*" + PARTIAL_SUFFIX)) if blobs.is_dir() else []
+
+
+PARTIAL_SUFFIX = ".dg-partial"
 
 
 @dataclass(frozen=True)
@@ -65,6 +77,9 @@ class RemoteFile:
     repo: str
     filename: str
     size: int | None
+    etag: str | None = None
+    commit: str | None = None
+    url: str | None = None  # where the bytes are (after the Hub's redirects)
 
 
 def _translate(err: BaseException, repo: str, filename: str) -> HubError:
@@ -101,7 +116,7 @@ def remote_file(repo: str, filename: str) -> RemoteFile:
         meta = get_hf_file_metadata(hf_hub_url(repo, filename, endpoint=endpoint), endpoint=endpoint)
     except Exception as err:  # noqa: BLE001 - every failure becomes one line
         raise _network_or(err, repo, filename) from None
-    return RemoteFile(repo, filename, meta.size)
+    return RemoteFile(repo, filename, meta.size, meta.etag, meta.commit_hash, meta.location)
 
 
 def _network_or(err: BaseException, repo: str, filename: str) -> HubError:
@@ -158,14 +173,11 @@ def download(
     approx_size: int | None = None,
     on_progress: ProgressCallback | None = None,
 ) -> Path:
-    """Download one file into the huggingface-hub cache (resuming a partial one) and return its path.
+    """Download one file into the huggingface-hub cache, continuing a partial one, and return its path.
 
     Checks free disk space first, against the Hub's size for the file (the registry's approximate
-    size only if the Hub gave none). Partial files left by an older huggingface-hub are removed
-    first: this version cannot resume them, and they would only hold disk space.
+    size only if the Hub gave none), minus what a partial download already holds.
     """
-    from huggingface_hub import hf_hub_download
-
     existing = cached_path(repo, filename)
     if existing is not None:
         if on_progress:
@@ -173,27 +185,80 @@ def download(
             on_progress(size, size)
         return existing
     remote = remote_file(repo, filename)
-    size = remote.size or approx_size
-    target = cache_dir()
-    for stale in incomplete_files(repo):
+    if not remote.etag or not remote.commit or not remote.url:
+        raise HubError(f"the Hub gave no etag/commit for {filename} in {repo}; cannot download it safely")
+    folder = _repo_cache_folder(repo)
+    partial = folder / "blobs" / (remote.etag + PARTIAL_SUFFIX)
+    # Leftovers of other versions of files, or of huggingface-hub's own transfers, only hold disk.
+    for stale in incomplete_files(repo) + [p for p in partial_files(repo) if p != partial]:
         stale.unlink(missing_ok=True)
+    have = partial.stat().st_size if partial.exists() else 0
+    if remote.size is not None and have > remote.size:
+        partial.unlink()
+        have = 0
+    size = remote.size or approx_size
     if size:
-        check_free_disk(size, target, filename)
+        check_free_disk(max(size - have, 0), cache_dir(), filename)
+    _transfer(remote, partial, have, on_progress)
+    _verify(partial, remote)
+    return _link_into_cache(folder, partial, remote)
+
+
+def _transfer(remote: RemoteFile, partial: Path, have: int, on_progress: ProgressCallback | None) -> None:
+    from huggingface_hub.file_download import http_get
+    from huggingface_hub.utils import build_hf_headers
 
     tqdm_class = None
     if on_progress is not None:
         def tqdm_class(**kwargs):  # noqa: E306 - huggingface-hub instantiates it with tqdm kwargs
             return _CallbackProgress(on_progress, **kwargs)
 
+    partial.parent.mkdir(parents=True, exist_ok=True)
     try:
-        path = hf_hub_download(
-            repo, filename, cache_dir=str(target), endpoint=hub_endpoint(), tqdm_class=tqdm_class
-        )
+        with open(partial, "ab") as out:
+            http_get(remote.url, out, resume_size=have, headers=build_hf_headers(), expected_size=remote.size,
+                     displayed_filename=remote.filename, tqdm_class=tqdm_class)
     except KeyboardInterrupt:
-        raise
+        raise  # the partial file stays; the next `dg pull` continues it
     except Exception as err:  # noqa: BLE001
-        raise _network_or(err, repo, filename) from None
-    return Path(path)
+        raise _network_or(err, remote.repo, remote.filename) from None
+
+
+def _verify(partial: Path, remote: RemoteFile) -> None:
+    """Size always; content too where the etag is the file's sha256 (LFS files, i.e. every GGUF)."""
+    import hashlib
+    import re
+
+    got = partial.stat().st_size
+    if remote.size is not None and got != remote.size:
+        raise HubError(f"{remote.filename}: downloaded {got} bytes, the Hub says {remote.size}; run `dg pull` "
+                       "again to continue")
+    if re.fullmatch(r"[0-9a-f]{64}", remote.etag or ""):
+        digest = hashlib.sha256()
+        with open(partial, "rb") as f:
+            for chunk in iter(lambda: f.read(8 << 20), b""):
+                digest.update(chunk)
+        if digest.hexdigest() != remote.etag:
+            partial.unlink()
+            raise HubError(f"{remote.filename}: checksum mismatch (sha256 {digest.hexdigest()[:12]}... != "
+                           f"{remote.etag[:12]}...); the partial download was removed, run `dg pull` again")
+
+
+def _link_into_cache(folder: Path, partial: Path, remote: RemoteFile) -> Path:
+    """Move a complete download into huggingface-hub's cache layout and return the snapshot path."""
+    blob = folder / "blobs" / remote.etag
+    partial.replace(blob)
+    pointer = folder / "snapshots" / remote.commit / remote.filename
+    pointer.parent.mkdir(parents=True, exist_ok=True)
+    pointer.unlink(missing_ok=True)
+    try:
+        pointer.symlink_to(os.path.relpath(blob, pointer.parent))
+    except OSError:  # no symlinks (some Windows set-ups): huggingface-hub stores a copy then
+        shutil.copyfile(blob, pointer)
+    refs = folder / "refs" / "main"
+    refs.parent.mkdir(parents=True, exist_ok=True)
+    refs.write_text(remote.commit)
+    return pointer
 
 
 def format_bytes(n: int | float | None) -> str:

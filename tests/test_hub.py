@@ -168,20 +168,44 @@ def test_partial_left_in_cache_is_never_loaded_and_is_replaced(fake_hub):
     assert hub.incomplete_files(repo) == []
 
 
-def test_failed_download_leaves_no_partial_file(fake_hub, monkeypatch):
+def test_interrupted_download_is_never_loaded_and_the_next_pull_continues_it(fake_hub, monkeypatch):
     from huggingface_hub import file_download
 
-    fake_hub.files[("org/model-GGUF", "m.gguf")] = PAYLOAD
+    repo, name = "org/model-GGUF", "m.gguf"
+    fake_hub.files[(repo, name)] = PAYLOAD
+    real_get = file_download.http_get
 
-    def broken_get(url, temp_file, **kwargs):
+    def interrupted_get(url, temp_file, **kwargs):
         temp_file.write(PAYLOAD[:1000])
         raise KeyboardInterrupt  # Ctrl-C mid-transfer
 
-    monkeypatch.setattr(file_download, "http_get", broken_get)
+    monkeypatch.setattr(file_download, "http_get", interrupted_get)
     with pytest.raises(KeyboardInterrupt):
-        hub.download("org/model-GGUF", "m.gguf")
-    assert hub.cached_path("org/model-GGUF", "m.gguf") is None
-    assert hub.incomplete_files("org/model-GGUF") == []
+        hub.download(repo, name)
+    assert hub.cached_path(repo, name) is None  # a partial is not a model
+    [partial] = hub.partial_files(repo)
+    assert partial.stat().st_size == 1000
+
+    monkeypatch.setattr(file_download, "http_get", real_get)
+    seen = []
+    path = hub.download(repo, name, on_progress=lambda done, total: seen.append((done, total)))
+    assert path.read_bytes() == PAYLOAD
+    assert fake_hub.gets()[-1][2] == "bytes=1000-"  # continued, not restarted
+    assert seen[0][0] == 1000 and seen[-1] == (len(PAYLOAD), len(PAYLOAD))
+    assert hub.partial_files(repo) == [] and hub.cached_path(repo, name) == path
+
+
+def test_corrupt_partial_is_caught_by_the_checksum_and_removed(fake_hub):
+    repo, name = "org/model-GGUF", "m.gguf"
+    fake_hub.files[(repo, name)] = PAYLOAD
+    etag = hashlib.sha256(PAYLOAD).hexdigest()
+    blobs = hub.cache_dir() / ("models--" + repo.replace("/", "--")) / "blobs"
+    blobs.mkdir(parents=True)
+    (blobs / f"{etag}{hub.PARTIAL_SUFFIX}").write_bytes(b"\xff" * 1000)  # not the file's first bytes
+    with pytest.raises(DgError, match="checksum mismatch"):
+        hub.download(repo, name)
+    assert hub.partial_files(repo) == [] and hub.cached_path(repo, name) is None
+    assert hub.download(repo, name).read_bytes() == PAYLOAD  # the next pull starts clean
 
 
 def test_missing_repo_and_missing_file_are_one_line_errors(fake_hub):
