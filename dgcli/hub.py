@@ -57,15 +57,20 @@ def _repo_cache_folder(repo: str) -> Path:
     return cache_dir() / ("models--" + repo.replace("/", "--"))
 
 
+def blobs_dir(repo: str) -> Path:
+    """Where the repo's file contents live in the cache (complete blobs and partial downloads)."""
+    return _repo_cache_folder(repo) / "blobs"
+
+
 def incomplete_files(repo: str) -> list[Path]:
     """huggingface-hub's own partial downloads of this repo (never loaded; removed by `dg pull`)."""
-    blobs = _repo_cache_folder(repo) / "blobs"
+    blobs = blobs_dir(repo)
     return sorted(blobs.glob("*.incomplete")) if blobs.is_dir() else []
 
 
 def partial_files(repo: str) -> list[Path]:
     """dg's resumable partial downloads of this repo (never loaded; continued by `dg pull`)."""
-    blobs = _repo_cache_folder(repo) / "blobs"
+    blobs = blobs_dir(repo)
     return sorted(blobs.glob("*" + PARTIAL_SUFFIX)) if blobs.is_dir() else []
 
 
@@ -188,7 +193,7 @@ def download(
     if not remote.etag or not remote.commit or not remote.url:
         raise HubError(f"the Hub gave no etag/commit for {filename} in {repo}; cannot download it safely")
     folder = _repo_cache_folder(repo)
-    partial = folder / "blobs" / (remote.etag + PARTIAL_SUFFIX)
+    partial = blobs_dir(repo) / (remote.etag + PARTIAL_SUFFIX)
     # Leftovers of other versions of files, or of huggingface-hub's own transfers, only hold disk.
     for stale in incomplete_files(repo) + [p for p in partial_files(repo) if p != partial]:
         stale.unlink(missing_ok=True)

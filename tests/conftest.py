@@ -74,3 +74,20 @@ def reference_ar_gguf(reference_checkpoint, tmp_path_factory):
 
     return convert_checkpoint(reference_checkpoint, tmp_path_factory.mktemp("conv-ar") / "ref-ar-f32.gguf", "f32",
                               arch="gemma4")
+
+
+@pytest.fixture
+def fake_hub(tmp_path, monkeypatch):
+    """A fake Hub on 127.0.0.1 with huggingface-hub pointed at it and a private cache."""
+    from hub_server import FakeHub
+
+    server = FakeHub()
+    server.thread.start()
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+    yield server
+    server.server.shutdown()
+    server.server.server_close()

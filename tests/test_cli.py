@@ -511,25 +511,10 @@ def test_pull_missing_file_and_offline(tmp_path, monkeypatch, fake_hub):
     monkeypatch.setenv("DG_REGISTRY", str(reg))
     fake_hub.files[("org/tiny-GGUF", "other.gguf")] = b"GGUF"
     assert_one_line_error(run("pull", "tiny"), "file x.gguf not found in org/tiny-GGUF")
-    from test_hub import closed_port
+    from hub_server import closed_port
 
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed_port()}")
     assert_one_line_error(run("pull", "tiny"), "cannot reach the Hugging Face Hub")
-
-
-@pytest.fixture
-def fake_hub(tmp_path, monkeypatch):
-    from test_hub import FakeHub
-
-    server = FakeHub()
-    server.thread.start()
-    monkeypatch.setenv("HF_ENDPOINT", server.url)
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
-    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
-    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
-    yield server
-    server.server.shutdown()
-    server.server.server_close()
 
 
 # ------------------------------------------------------------------------------------------ console script
