@@ -110,6 +110,7 @@ class _StepOutcome:
     self_cond: _SelfCond  # the next step's self-conditioning input
     stopped: bool
     mean_entropy: float
+    temperature: float
     forward_s: float
     sampling_s: float
 
@@ -245,8 +246,7 @@ class DiffusionEngine:
             state.sampling_s += outcome.sampling_s
             _emit(on_event, StepEvent(
                 canvas_index=canvas_index, step=step, max_steps=params.max_denoising_steps,
-                temperature=float(schedule_temperature(cur_step, params.max_denoising_steps, params.t_min,
-                                                       params.t_max)),
+                temperature=outcome.temperature,
                 argmax_canvas=outcome.argmax.astype(np.int32), accepted_mask=outcome.accepted_mask,
                 n_accepted=int(outcome.accepted_mask.sum()), mean_entropy=outcome.mean_entropy,
                 forward_s=outcome.forward_s, sampling_s=outcome.sampling_s, stopped=outcome.stopped,
@@ -279,6 +279,7 @@ class DiffusionEngine:
         stopped = stop_rule(stats.argmax, stats.entropy)
         return _StepOutcome(canvas=next_canvas, argmax=stats.argmax, accepted_mask=accepted,
                             self_cond=next_sc, stopped=stopped, mean_entropy=mean_entropy(stats.entropy),
+                            temperature=float(temperature),
                             forward_s=forwarded - began, sampling_s=time.perf_counter() - forwarded)
 
     def _trim(self, tokens: np.ndarray) -> list[int]:
