@@ -27,7 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dgcli.engine.diffusion import DiffusionEngine  # noqa: E402
-from dgcli.engine.sampler import make_step_sampler, native_library  # noqa: E402
+from dgcli.engine.sampler import native_library  # noqa: E402
 from dgcli.engine.types import DiffusionParams  # noqa: E402
 
 REAL_VOCAB, REAL_HIDDEN, REAL_CANVAS = 262144, 2816, 256

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from dgcli.engine.types import DgError, DiffusionParams, GenerationResult, StepEvent, TokenEvent
+from dgcli.engine.types import DgError, DiffusionParams, GenerationResult
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ except ImportError:  # pragma: no cover - older typer on real click
     from click.exceptions import ClickException
 
 from dgcli import hub, info as ginfo, render
-from dgcli.engine.types import CanvasEvent, DgError, DiffusionParams, GenerationResult, InvalidParameter, StepEvent, TokenEvent
+from dgcli.engine.types import CanvasEvent, DgError, DiffusionParams, GenerationResult, InvalidParameter, StepEvent
 from dgcli.registry import DEFAULT_MODEL, Registry, ResolvedModel, missing_shipped_message
 
 EXIT_INTERRUPTED = 130

@@ -23,7 +23,6 @@ Transformers reference):
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -43,10 +43,6 @@ class RegistryEntry:
     shipped: Path | None = None  # absolute path of a file shipped inside the package
     bench_prompts: Path | None = None  # `dg bench`'s default prompt set for this model (inside the package)
 
-    @property
-    def downloadable(self) -> bool:
-        return self.repo is not None
-
 
 @dataclass(frozen=True)
 class ResolvedModel:

@@ -7,7 +7,7 @@ autoregressive) produce the same result type so that `compare` and `bench` treat
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -91,10 +91,6 @@ class DiffusionParams:
         values = asdict(self)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return DiffusionParams(**values)
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
 
 
 @dataclass
