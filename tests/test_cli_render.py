@@ -10,6 +10,7 @@ import pytest
 from rich.console import Console
 
 from dgcli import cli, render
+from dgcli.commands import _shared as shared
 from dgcli.engine.diffusion import DiffusionEngine
 from dgcli.engine.types import CanvasEvent, GenerationResult, StepEvent, TokenEvent
 
@@ -116,10 +117,10 @@ def test_generate_live_view_on_a_terminal(tiny_gguf, monkeypatch):
     from test_cli import ScriptedModel
 
     buf = io.StringIO()
-    monkeypatch.setattr(cli, "stdout", Console(file=buf, force_terminal=True, width=100, color_system=None))
-    monkeypatch.setattr(cli, "stderr", Console(file=io.StringIO(), force_terminal=True, width=100))
-    monkeypatch.setattr(cli, "open_diffusion_engine", lambda p, threads=None, gpu_layers=0: DiffusionEngine(ScriptedModel()))
-    monkeypatch.setattr(cli.Throttle, "ready", lambda self, force=False: True)  # render every step
+    monkeypatch.setattr(shared, "stdout", Console(file=buf, force_terminal=True, width=100, color_system=None))
+    monkeypatch.setattr(shared, "stderr", Console(file=io.StringIO(), force_terminal=True, width=100))
+    monkeypatch.setattr(shared, "open_diffusion_engine", lambda p, threads=None, gpu_layers=0: DiffusionEngine(ScriptedModel()))
+    monkeypatch.setattr(shared.Throttle, "ready", lambda self, force=False: True)  # render every step
     from typer.testing import CliRunner
 
     r = CliRunner().invoke(cli.app, ["generate", "what is 3+5", "-m", str(tiny_gguf), "--seed", "0"])

@@ -1,0 +1,78 @@
+"""`dg bench`: tok/s, steps per canvas, tokens per forward, and the canvas-vs-decode speed model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from dgcli.engine.types import DgError
+from dgcli.commands import _shared as shared
+
+
+def bench(
+    model: Optional[str] = shared.ModelOpt,
+    ar_model: Optional[str] = typer.Option(None, "--ar-model", help="The autoregressive side (default: the registry pair)."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="Prompt file: one prompt per line, `name<TAB>prompt`, or `name<TAB>prompt<TAB>answer` (accuracy). Default: the model's own set (demo), else math/Korean/code/trivial."),
+    repeat: int = typer.Option(3, "--repeat", "-r", help="Runs per prompt and model (median and spread reported)."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n"),
+    seed: int = typer.Option(0, "--seed", help="Base seed; run i uses seed+i."),
+    steps: Optional[int] = shared.StepsOpt, t_min: Optional[float] = shared.TMinOpt, t_max: Optional[float] = shared.TMaxOpt,
+    entropy_bound: Optional[float] = shared.EBOpt, stability_threshold: Optional[int] = shared.StabOpt,
+    confidence_threshold: Optional[float] = shared.ConfOpt,
+    batch_sizes: str = typer.Option("1,2,4,8,16", "--batch-sizes", help="Batch sizes for the speed-model sweep."),
+    no_speed_model: bool = typer.Option(False, "--no-speed-model", help="Skip the canvas-forward vs AR-decode measurement."),
+    threads: Optional[int] = shared.ThreadsOpt, gpu_layers: int = shared.GpuOpt,
+    json_out: bool = typer.Option(False, "--json", help="Print the whole report as JSON."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Also write the JSON report to this file."),
+    yes: bool = shared.YesOpt,
+) -> None:
+    """Benchmark both models: tok/s, steps per canvas, tokens per forward, and the canvas-vs-decode speed model."""
+    from dgcli import bench as benchlib
+
+    with shared.user_errors():
+        shared.check_generation_args(max_new_tokens, threads, gpu_layers)
+        if repeat < 1:
+            raise DgError(f"invalid repeat={repeat}: must be an integer >= 1")
+        sizes = benchlib.parse_batch_sizes(batch_sizes)
+        diff_res, diff_path = shared.resolve_model(model, yes=yes, want="diffusion")
+        own_prompts = diff_res.entry.bench_prompts if diff_res.entry is not None else None
+        prompt_set = benchlib.load_prompts(prompts or own_prompts) if (prompts or own_prompts) \
+            else benchlib.BUILTIN_PROMPTS
+        ar_res, ar_path = shared.resolve_pair(diff_res, ar_model, yes=yes)
+        shared.preflight(diff_path, diffusion=True, command="bench", gpu_layers=gpu_layers)
+        shared.preflight(ar_path, diffusion=False, command="bench", gpu_layers=gpu_layers)
+        params = shared.diffusion_params(diff_path, **shared.sampler_flags(steps, t_min, t_max, entropy_bound, stability_threshold,
+                                                              confidence_threshold))
+        config = benchlib.BenchConfig(
+            diffusion_model=diff_res.display_name, diffusion_path=str(diff_path),
+            ar_model=ar_res.display_name, ar_path=str(ar_path), repeat=repeat, max_new_tokens=max_new_tokens,
+            seed=seed, params=params, batch_sizes=sizes, speed_model=not no_speed_model,
+            n_threads=threads, n_gpu_layers=gpu_layers,
+        )
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        with shared.atomic_outputs(output) as (out,):
+            progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                console=shared.stderr, transient=True, disable=json_out and not shared.stderr.is_terminal)
+            with progress:
+                task = progress.add_task("bench", total=benchlib.total_units(config, prompt_set))
+
+                def on_progress(desc: str) -> None:
+                    progress.update(task, advance=1, description=desc)
+
+                report = benchlib.run_bench(config, prompt_set, on_progress=on_progress,
+                                            open_diffusion=lambda p: shared.open_diffusion_engine(p, threads=threads, gpu_layers=gpu_layers),
+                                            open_ar=lambda p: shared.open_ar_engine(p, threads=threads, gpu_layers=gpu_layers),
+                                            open_speed_model=lambda p, n: shared.open_speed_model(p, n, threads=threads, gpu_layers=gpu_layers))
+            doc = report.to_json()
+            out.write_all(doc)
+        if json_out:
+            typer.echo(json.dumps(doc, indent=2))
+            return
+        for table in benchlib.report_tables(report):
+            shared.stdout.print(table)
+        for note in report.notes:
+            shared.stdout.print(f"note: {note}", style="yellow")

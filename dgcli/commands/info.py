@@ -1,0 +1,65 @@
+"""`dg info`: what a GGUF holds, read from its header (nothing is loaded)."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+from rich.table import Table
+
+from dgcli import hub, info as ginfo
+from dgcli.engine.types import DgError
+from dgcli.registry import missing_shipped_message
+from dgcli.commands import _shared as shared
+
+
+def info_cmd(model: str = typer.Argument(..., help="A .gguf path or a registry name."),
+             json_out: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
+    """What a GGUF holds (read directly, not loaded): architecture, quant, params, sampler defaults, RAM fit."""
+    with shared.user_errors():
+        resolved = shared.registry().resolve(model)
+        if resolved.path is None:
+            if resolved.entry is not None and resolved.entry.shipped is not None:
+                raise DgError(missing_shipped_message(resolved))
+            raise DgError(f"{resolved.display_name} is not downloaded; run `dg pull {resolved.display_name}`")
+        meta = ginfo.read_info(resolved.path)
+        if json_out:
+            typer.echo(json.dumps(meta.to_json(), indent=2))
+            return
+        fmt = hub.format_bytes
+        summary = Table.grid(padding=(0, 2))
+        summary.add_column(style="bold")
+        summary.add_column()
+        rows = [
+            ("file", f"{meta.path} ({fmt(meta.file_size)})"),
+            ("architecture", meta.architecture + ("  (diffusion)" if meta.is_diffusion else "")),
+            ("name", meta.name or "-"),
+            ("quantization", meta.file_type or "-"),
+            ("parameters", f"{meta.parameter_count:,} ({meta.tensor_count} tensors)"),
+            ("layers", str(meta.block_count or "-")),
+            ("embedding", str(meta.embedding_length or "-")),
+            ("experts", f"{meta.expert_count} (top {meta.expert_used_count})" if meta.expert_count else "-"),
+            ("vocab", str(meta.vocab_size or "-")),
+            ("context length", str(meta.context_length or "-")),
+            ("canvas length", str(meta.canvas_length or "-")),
+            ("chat template", "yes" if meta.has_chat_template else "no"),
+            ("memory", f"needs ~{fmt(meta.memory_needed)}; RAM {fmt(meta.ram_total)} total, {fmt(meta.ram_available)} available: "
+                       + ("fits" if meta.fits_available_ram else "fits RAM but not what is free now" if meta.fits_ram else "DOES NOT FIT")),
+        ]
+        for k, v in rows:
+            summary.add_row(k, v)
+        shared.stdout.print(summary)
+        if meta.sampler_defaults:
+            sampler = Table(title="sampler defaults (diffusion.eb_*)")
+            sampler.add_column("parameter")
+            sampler.add_column("value", justify="right")
+            sampler.add_column("from")
+            for k, v in meta.sampler_defaults.items():
+                sampler.add_row(k, str(v), meta.sampler_defaults_source[k])
+            shared.stdout.print(sampler)
+        types = Table(title="tensor types")
+        for col in ("type", "tensors", "parameters", "size"):
+            types.add_column(col, justify="left" if col == "type" else "right")
+        for t in meta.tensor_types:
+            types.add_row(t.type, str(t.tensors), f"{t.parameters:,}", fmt(t.bytes))
+        shared.stdout.print(types)

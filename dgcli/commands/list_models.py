@@ -1,0 +1,49 @@
+"""`dg list`: the registry models, their quants, sizes and whether each is on disk."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+from rich.table import Table
+
+from dgcli import hub
+from dgcli.commands import _shared as shared
+
+
+def list_cmd(json_out: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
+    """Registry models: role, pair, quants, size and whether each is on disk."""
+    with shared.user_errors():
+        registry = shared.registry()
+        rows = []
+        for entry in registry.entries.values():
+            if entry.shipped is not None:
+                present = entry.shipped.exists()
+                rows.append(dict(name=entry.name, quant=None, role=entry.role, pair=entry.pair, repo=None,
+                                 file=str(entry.shipped), size=entry.shipped.stat().st_size if present else None,
+                                 on_disk=present, default=True, description=entry.description))
+                continue
+            for quant, f in entry.files.items():
+                path = hub.cached_path(entry.repo, f.filename)
+                rows.append(dict(name=entry.name, quant=quant, role=entry.role, pair=entry.pair, repo=entry.repo,
+                                 file=f.filename, size=path.stat().st_size if path else f.approx_size_bytes,
+                                 on_disk=path is not None, default=quant == entry.default_quant,
+                                 description=entry.description, path=str(path) if path else None))
+        if json_out:
+            typer.echo(json.dumps(rows, indent=2))
+            return
+        table = Table(title="dg models", caption_justify="left")
+        table.add_column("name", no_wrap=True)
+        table.add_column("quant", no_wrap=True)
+        for col, kw in (("role", {}), ("pair", {}), ("size", {"justify": "right"}), ("on disk", {})):
+            table.add_column(col, **kw)
+        for r in rows:
+            quant = (r["quant"] or "-") + (" *" if r["default"] and r["quant"] else "")
+            size = hub.format_bytes(r["size"]) if r["size"] else "-"
+            if not r["on_disk"] and r["size"]:
+                size = "~" + size
+            table.add_row(r["name"], quant, r["role"], r["pair"] or "-", size, "yes" if r["on_disk"] else "no")
+        sources = [f"{e.name}: {e.repo or 'shipped with dg'}" for e in registry.entries.values()]
+        table.caption = ("* default quant.  " + "; ".join(sources) +
+                         ".  `dg pull NAME[:QUANT]` downloads; --model takes NAME, NAME:QUANT or a .gguf path.")
+        shared.stdout.print(table)
