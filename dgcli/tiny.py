@@ -2,8 +2,9 @@
 
 The tokenizer is a llama.cpp `gemma4` vocabulary (SPM-style BPE on raw UTF-8) small enough to
 read: the real Gemma special ids (0 <pad>, 1 <eos>, 2 <bos>, 3 <unk>, 4 <mask>, 105 <|turn>,
-106 <turn|>, 5..104 unused control tokens), 256 byte-fallback tokens, one token per printable
-ASCII character plus newline and tab, and a few merges. Its pure-Python `encode` follows
+106 <turn|>, 5..104 unused), 256 byte-fallback tokens, one token per printable ASCII character
+plus newline and tab, and a few merges. Its token types and scores are what the published
+converter writes for its Hugging Face form (`save_hf`). Its pure-Python `encode` follows
 llama.cpp's algorithm step by step (src/llama-vocab.cpp), so a prompt tokenized here and one
 tokenized by the native library are the same ids.
 
@@ -21,12 +22,18 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from dgcli.convert import (
+    PUBLISHED_TOKEN_SCORE,
+    TOKEN_BYTE,
+    TOKEN_CONTROL,
+    TOKEN_UNKNOWN,
+    TOKEN_USER_DEFINED,
+    published_token_types,
+    special_token_texts,
+)
 from dgcli.engine.types import DgError
 
 TOKENIZER_NAME = "dg-tiny"
-
-# GGUF token types (gguf.TokenType): the values llama.cpp maps to token attributes.
-TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
 
 PAD_ID, EOS_ID, BOS_ID, UNK_ID, MASK_ID = 0, 1, 2, 3, 4
 TURN_START_ID, TURN_END_ID = 105, 106
@@ -34,6 +41,13 @@ N_UNUSED = 100  # ids 5..104, as in the real vocabulary's reserved block
 
 # SPM-style BPE: the normalizer writes every space as U+2581 before merging.
 SPACE_MARK = "\u2581"
+
+# The special tokens tokenizer_config.json names, as Gemma 4's does (its turn markers are sot/eot).
+HF_SPECIAL_TOKENS = {"bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>", "pad_token": "<pad>",
+                     "mask_token": "<mask>", "sot_token": "<|turn>", "eot_token": "<turn|>"}
+# Types llama.cpp matches as whole special tokens in text (when parsing specials) and drops or keeps
+# as they are when detokenizing.
+_PARSED_AS_SPECIAL = (TOKEN_CONTROL, TOKEN_UNKNOWN, TOKEN_USER_DEFINED)
 
 # Renders `<bos><|turn>user\n{content}<turn|>\n<|turn>model\n` for one user message with
 # add_generation_prompt; the model's role is called "model" as in Gemma's own template.
@@ -59,30 +73,21 @@ _MERGES: tuple[tuple[str, str], ...] = (
 )
 
 
-def _build_base_tokens() -> tuple[list[str], list[int]]:
+def _build_base_tokens() -> list[str]:
     tokens: list[str] = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]
-    types: list[int] = [TOKEN_CONTROL, TOKEN_CONTROL, TOKEN_CONTROL, TOKEN_UNKNOWN, TOKEN_CONTROL]
-    for i in range(N_UNUSED):
-        tokens.append(f"<unused{i}>")
-        types.append(TOKEN_CONTROL)
+    tokens += [f"<unused{i}>" for i in range(N_UNUSED)]
     tokens += ["<|turn>", "<turn|>"]
-    types += [TOKEN_CONTROL, TOKEN_CONTROL]
     assert len(tokens) == TURN_END_ID + 1
-    for b in range(256):
-        tokens.append(f"<0x{b:02X}>")
-        types.append(TOKEN_BYTE)
-    for ch in ["\n", "\t"] + [chr(c) for c in range(0x20, 0x7F)]:
-        tokens.append(SPACE_MARK if ch == " " else ch)
-        types.append(TOKEN_NORMAL)
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    tokens += [SPACE_MARK if ch == " " else ch for ch in ["\n", "\t"] + [chr(c) for c in range(0x20, 0x7F)]]
     known = set(tokens)
     for left, right in _MERGES:
         assert left in known and right in known, (left, right)
         merged = left + right
         if merged not in known:
             tokens.append(merged)
-            types.append(TOKEN_NORMAL)
             known.add(merged)
-    return tokens, types
+    return tokens
 
 
 class TinyVocab:
@@ -99,21 +104,17 @@ class TinyVocab:
     chat_template = CHAT_TEMPLATE
 
     def __init__(self, extra_tokens: int = 0):
-        tokens, types = _build_base_tokens()
         if extra_tokens < 0:
             raise DgError(f"extra_tokens must be >= 0, got {extra_tokens}")
-        for i in range(extra_tokens):
-            tokens.append(f"<filler{i}>")
-            types.append(TOKEN_NORMAL)
+        tokens = _build_base_tokens() + [f"<filler{i}>" for i in range(extra_tokens)]
         self.tokens: list[str] = tokens
-        self.token_types: list[int] = types
+        self.token_types: list[int] = published_token_types(tokens, special_token_texts(HF_SPECIAL_TOKENS))
         self.merges: list[str] = [f"{a} {b}" for a, b in _MERGES]
         self._merge_rank = {pair: rank for rank, pair in enumerate(_MERGES)}
         self._token_to_id = {t: i for i, t in enumerate(tokens)}
         # llama.cpp tries longer special texts first; ours never overlap, so this order is exact.
         self._special_texts = sorted(
-            (t for t, ty in zip(tokens, types) if ty in (TOKEN_CONTROL, TOKEN_UNKNOWN, TOKEN_USER_DEFINED)),
-            key=len, reverse=True)
+            (t for t, ty in zip(tokens, self.token_types) if ty in _PARSED_AS_SPECIAL), key=len, reverse=True)
         self._special_re = re.compile("|".join(re.escape(t) for t in self._special_texts))
 
     # -- sizes and ids -------------------------------------------------------------------------
@@ -131,7 +132,7 @@ class TinyVocab:
     @property
     def scores(self) -> list[float]:
         # BPE ignores scores; llama.cpp still requires the array.
-        return [0.0] * self.vocab_size
+        return [PUBLISHED_TOKEN_SCORE] * self.vocab_size
 
     # -- encoding (llama.cpp's gemma4 path, step by step) -----------------------------------------
 
@@ -261,7 +262,7 @@ class TinyVocab:
             {"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
              "normalized": False, "special": True}
             for i, (t, ty) in enumerate(zip(self.tokens, self.token_types))
-            if ty in (TOKEN_CONTROL, TOKEN_UNKNOWN)
+            if ty in _PARSED_AS_SPECIAL
         ]
         data = {
             "version": "1.0",
@@ -288,9 +289,8 @@ class TinyVocab:
 
     def hf_tokenizer_config(self) -> dict[str, Any]:
         return {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>", "pad_token": "<pad>",
-            "mask_token": "<mask>", "add_bos_token": True, "add_eos_token": False,
+            "tokenizer_class": "PreTrainedTokenizerFast", **HF_SPECIAL_TOKENS,
+            "add_bos_token": True, "add_eos_token": False,
             "chat_template": CHAT_TEMPLATE, "model_max_length": 1 << 20,
         }
 
@@ -301,8 +301,7 @@ class TinyVocab:
         (directory / "tokenizer.json").write_text(self.hf_tokenizer_json(), encoding="utf-8")
         (directory / "tokenizer_config.json").write_text(json.dumps(self.hf_tokenizer_config(), indent=2),
                                                          encoding="utf-8")
-        special_map = {k: v for k, v in self.hf_tokenizer_config().items() if k.endswith("_token")}
-        (directory / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2), encoding="utf-8")
+        (directory / "special_tokens_map.json").write_text(json.dumps(HF_SPECIAL_TOKENS, indent=2), encoding="utf-8")
 
 
 def _render_template(template: str, messages: list[dict[str, str]], add_generation_prompt: bool,

@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+from dgcli.convert import PUBLISHED_TOKEN_SCORE, TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL
 from dgcli.engine.types import DgError
 from dgcli.tiny import (
     BOS_ID,
@@ -18,10 +19,6 @@ from dgcli.tiny import (
     MASK_ID,
     PAD_ID,
     SPACE_MARK,
-    TOKEN_BYTE,
-    TOKEN_CONTROL,
-    TOKEN_NORMAL,
-    TOKEN_UNKNOWN,
     TURN_END_ID,
     TURN_START_ID,
     UNK_ID,
@@ -59,8 +56,12 @@ def test_special_ids_are_gemmas(tiny_vocab_obj):
     v = tiny_vocab_obj
     assert [v.tokens[i] for i in (PAD_ID, EOS_ID, BOS_ID, UNK_ID, MASK_ID)] == ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]
     assert (v.tokens[TURN_START_ID], v.tokens[TURN_END_ID]) == ("<|turn>", "<turn|>")
-    assert all(v.token_types[i] == TOKEN_CONTROL for i in range(5, 105))
-    assert v.token_types[UNK_ID] == TOKEN_UNKNOWN
+    # typed as the published converter types Gemma's: the tokens tokenizer_config.json names are
+    # CONTROL (<unk> too), the unused block is plain vocabulary, every score -1000
+    named = (PAD_ID, EOS_ID, BOS_ID, UNK_ID, MASK_ID, TURN_START_ID, TURN_END_ID)
+    assert all(v.token_types[i] == TOKEN_CONTROL for i in named)
+    assert all(v.token_types[i] == TOKEN_NORMAL for i in range(5, 105))
+    assert v.scores == [PUBLISHED_TOKEN_SCORE] * v.vocab_size
     assert v.end_token_ids == (EOS_ID, TURN_END_ID)
 
 
