@@ -30,25 +30,14 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from dgcli.engine.types import (
-    DEFAULT_CONFIDENCE_THRESHOLD,
-    DEFAULT_ENTROPY_BOUND,
-    DEFAULT_MAX_DENOISING_STEPS,
-    DEFAULT_STABILITY_THRESHOLD,
-    DEFAULT_T_MAX,
-    DEFAULT_T_MIN,
-    DIFFUSION_PARAM_KEYS,
-    DgError,
-    DiffusionParams,
-)
+from dgcli.engine.types import DIFFUSION_PARAM_KEYS, REFERENCE_DEFAULTS_KEY, DgError, DiffusionParams
 
 DIFFUSION_ARCH = "diffusion-gemma"
 AR_ARCH = "gemma4"
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
 NO_ROTATION_FACTOR = 1e30
-
-# Token types as gguf.TokenType numbers.
-_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+# The reference's logit softcap: a class constant of its text config, so config.json never carries it.
+DEFAULT_SOFTCAP = 30.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -78,9 +67,11 @@ class LayoutParams:
     rope_base_full: float = 1_000_000.0
     rope_base_swa: float = 10_000.0
     partial_rotary_factor: float = 0.25
-    softcap: float = 30.0
+    softcap: float = DEFAULT_SOFTCAP
     canvas_length: int = 256
     diffusion: DiffusionParams = field(default_factory=DiffusionParams)
+    # fields ("softcap" and DiffusionParams names) the checkpoint left out, so they hold the reference's defaults
+    reference_defaults: tuple[str, ...] = ()
 
     def validate(self) -> "LayoutParams":
         if self.n_layer < 1 or len(self.is_swa) != self.n_layer or len(self.head_count_kv) != self.n_layer:
@@ -183,6 +174,7 @@ def params_from_hf_config(config: dict[str, Any], generation: dict[str, Any] | N
         if text.get("num_experts") in (None, 0):
             raise DgError("config.json text_config has no num_experts: only the MoE model is supported")
         softcap = text.get("final_logit_softcapping")
+        diffusion, diffusion_defaults = diffusion_params_from_generation(generation)
         params = LayoutParams(
             n_layer=n_layer,
             n_embd=int(need("hidden_size")),
@@ -202,9 +194,10 @@ def params_from_hf_config(config: dict[str, Any], generation: dict[str, Any] | N
             rope_base_full=float(rope_full.get("rope_theta", 1_000_000.0)),
             rope_base_swa=float(rope_swa.get("rope_theta", 10_000.0)),
             partial_rotary_factor=float(partial),
-            softcap=float(softcap) if softcap else 30.0,
+            softcap=float(softcap) if softcap else DEFAULT_SOFTCAP,
             canvas_length=int(config.get("canvas_length") or 256),
-            diffusion=diffusion_params_from_generation(generation),
+            diffusion=diffusion,
+            reference_defaults=(() if softcap else ("softcap",)) + diffusion_defaults,
         )
     except (TypeError, ValueError, AttributeError) as exc:
         if isinstance(exc, DgError):
@@ -213,23 +206,22 @@ def params_from_hf_config(config: dict[str, Any], generation: dict[str, Any] | N
     return params.validate()
 
 
-def diffusion_params_from_generation(generation: dict[str, Any] | None) -> DiffusionParams:
-    """The sampler defaults from generation_config.json; a missing or null field takes the reference default."""
+def diffusion_params_from_generation(generation: dict[str, Any] | None) -> tuple[DiffusionParams, tuple[str, ...]]:
+    """The sampler defaults from generation_config.json, and the fields it left missing or null
+    (those take the reference's defaults)."""
     generation = generation if isinstance(generation, dict) else {}
     sampler = generation.get("sampler_config")
     sampler = sampler if isinstance(sampler, dict) else {}
-
-    def pick(value: Any, default: Any) -> Any:
-        return default if value is None else value
-
-    return DiffusionParams(
-        max_denoising_steps=pick(generation.get("max_denoising_steps"), DEFAULT_MAX_DENOISING_STEPS),
-        t_min=pick(generation.get("t_min"), DEFAULT_T_MIN),
-        t_max=pick(generation.get("t_max"), DEFAULT_T_MAX),
-        entropy_bound=pick(sampler.get("entropy_bound", generation.get("entropy_bound")), DEFAULT_ENTROPY_BOUND),
-        stability_threshold=pick(generation.get("stability_threshold"), DEFAULT_STABILITY_THRESHOLD),
-        confidence_threshold=pick(generation.get("confidence_threshold"), DEFAULT_CONFIDENCE_THRESHOLD),
-    ).validate()
+    given = {
+        "max_denoising_steps": generation.get("max_denoising_steps"),
+        "t_min": generation.get("t_min"),
+        "t_max": generation.get("t_max"),
+        "entropy_bound": sampler.get("entropy_bound", generation.get("entropy_bound")),
+        "stability_threshold": generation.get("stability_threshold"),
+        "confidence_threshold": generation.get("confidence_threshold"),
+    }
+    defaulted = tuple(name for name, value in given.items() if value is None)
+    return DiffusionParams().replace(**given).validate(), defaulted
 
 
 # ---------------------------------------------------------------------------------------------
@@ -453,6 +445,7 @@ def add_layout_keys(writer, p: LayoutParams, arch: str) -> None:
     writer.add_rope_dimension_count(p.head_dim_full)
     writer.add_rope_dimension_count_swa(p.head_dim_swa)
     writer.add_final_logit_softcapping(p.softcap)
+    key_of = {"softcap": f"{arch}.final_logit_softcapping"}
     if arch == DIFFUSION_ARCH:
         writer.add_causal_attention(False)
         d = p.diffusion
@@ -464,6 +457,11 @@ def add_layout_keys(writer, p: LayoutParams, arch: str) -> None:
                 writer.add_uint32(key, int(value))
             else:
                 writer.add_float32(key, float(value))
+            key_of[name] = key
+    # keys the published converter would leave out: say which so `dg info` can tell
+    defaulted = [key_of[name] for name in p.reference_defaults if name in key_of]
+    if defaulted:
+        writer.add_array(REFERENCE_DEFAULTS_KEY, defaulted)
 
 
 def write_layout_gguf(out_path: str | Path, p: LayoutParams, arch: str, add_vocab: Callable[[Any], None],

@@ -12,14 +12,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dgcli.engine.types import DIFFUSION_PARAM_KEYS, DgError, DiffusionParams, ModelLoadError
+from dgcli.engine.types import DIFFUSION_PARAM_KEYS, REFERENCE_DEFAULTS_KEY, DgError, DiffusionParams, ModelLoadError
 
 GGUF_MAGIC = b"GGUF"
 DIFFUSION_ARCH = "diffusion-gemma"
 # llama.cpp mmaps the weights; KV cache, compute buffers and the process itself come on top.
 MEMORY_OVERHEAD_FACTOR = 1.10
 MEMORY_OVERHEAD_BYTES = 256 * 1024**2
-
+# Where a sampler default comes from: the file's own value, the file's value that dg filled with the
+# reference's default (the checkpoint had none), or no value in the file (the reference's default applies).
+FROM_GGUF, FROM_GGUF_REFERENCE_DEFAULT, FROM_DEFAULT = "gguf", "gguf: reference default", "default"
 
 
 class TooBigForMemory(DgError):
@@ -52,7 +54,10 @@ class GgufInfo:
     vocab_size: int | None
     canvas_length: int | None
     sampler_defaults: dict[str, Any] = field(default_factory=dict)  # field -> value
-    sampler_defaults_source: dict[str, str] = field(default_factory=dict)  # field -> "gguf" | "default"
+    sampler_defaults_source: dict[str, str] = field(default_factory=dict)  # field -> FROM_*
+    final_logit_softcapping: float | None = None
+    # keys beyond the published converter's: dg wrote the reference's defaults where the checkpoint had none
+    reference_default_keys: list[str] = field(default_factory=list)
     has_chat_template: bool = False
     ram_total: int = 0
     ram_available: int = 0
@@ -123,6 +128,15 @@ def open_reader(path: Path | str):
     return reader
 
 
+def _reference_default_keys(reader, arch: str) -> list[str]:
+    """The keys dg says it filled with the reference's defaults: only those dg adds and the file holds."""
+    listed = _scalar(reader, REFERENCE_DEFAULTS_KEY)
+    if not isinstance(listed, list):
+        return []
+    addable = [f"{arch}.final_logit_softcapping", *DIFFUSION_PARAM_KEYS]
+    return [key for key in addable if key in listed and key in reader.fields]
+
+
 def read_info(path: Path | str) -> GgufInfo:
     import psutil
     from gguf import GGMLQuantizationType
@@ -152,13 +166,15 @@ def read_info(path: Path | str) -> GgufInfo:
             weight_types[GGMLQuantizationType(t.tensor_type).name] += int(t.n_bytes)
     file_type = weight_types.most_common(1)[0][0] if weight_types else None
 
+    filled = _reference_default_keys(reader, arch)
     sampler, source = {}, {}
     if arch == DIFFUSION_ARCH:
         reference_defaults = DiffusionParams()
         for key, name in DIFFUSION_PARAM_KEYS.items():
             value = _scalar(reader, key)
             sampler[name] = value if value is not None else getattr(reference_defaults, name)
-            source[name] = "gguf" if value is not None else "default"
+            source[name] = (FROM_DEFAULT if value is None else
+                            FROM_GGUF_REFERENCE_DEFAULT if key in filled else FROM_GGUF)
 
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     size = path.stat().st_size
@@ -181,6 +197,8 @@ def read_info(path: Path | str) -> GgufInfo:
         canvas_length=_scalar(reader, "diffusion.canvas_length"),
         sampler_defaults=sampler,
         sampler_defaults_source=source,
+        final_logit_softcapping=_scalar(reader, f"{arch}.final_logit_softcapping"),
+        reference_default_keys=filled,
         has_chat_template=_scalar(reader, "tokenizer.chat_template") is not None,
         ram_total=vm.total,
         ram_available=vm.available,

@@ -179,8 +179,14 @@ def test_info_table_and_json(tiny_gguf):
     for text in ("diffusion-gemma", "canvas length", "16", "sampler defaults", "max_denoising_steps",
                  "entropy_bound", "tensor types", "F32", "context length", "4096", "memory"):
         assert text in r.stdout
+    # the keys beyond the published converter's, which dg filled with the reference's defaults
+    assert "logit softcap" in r.stdout and "30  (reference default, added by dg)" in r.stdout
+    assert "added by dg" in r.stdout and "the six diffusion.eb_* keys" in r.stdout
+    assert "published converter leaves these keys out" in " ".join(r.stdout.split())
+    assert r.stdout.count("gguf: reference default") == 6
     doc = json.loads(run("info", tiny_gguf, "--json").stdout)
     assert doc["architecture"] == "diffusion-gemma" and doc["canvas_length"] == 16
+    assert doc["final_logit_softcapping"] == 30.0 and len(doc["reference_default_keys"]) == 7
     assert doc["parameter_count"] == sum(t["parameters"] for t in doc["tensor_types"])
     assert isinstance(doc["fits_ram"], bool) and doc["file_size"] == Path(tiny_gguf).stat().st_size
 

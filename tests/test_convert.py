@@ -172,8 +172,12 @@ def test_key_set_and_values(reference_model, reference_gguf, tiny_vocab_obj):
     fields = _fields(reference_gguf)
     arch = "diffusion-gemma"
     expected_keys = {"general.architecture", f"{arch}.attention.causal"} | {f"{arch}.{k}" for k in ARCH_KEYS}
-    expected_keys |= set(DIFFUSION_KEYS) | set(TOKENIZER_KEYS)
+    expected_keys |= set(DIFFUSION_KEYS) | set(TOKENIZER_KEYS) | {"dg.reference_defaults"}
     assert set(fields) == expected_keys
+    # config.json never carries the softcap (a class constant of the reference's config): dg writes
+    # the reference's value, which the published converter leaves out, and says so
+    assert fields["dg.reference_defaults"] == [f"{arch}.final_logit_softcapping"]
+    assert fields[f"{arch}.final_logit_softcapping"] == 30.0
 
     text = reference_model.config.get_text_config()
     assert fields["general.architecture"] == arch
@@ -416,6 +420,7 @@ def test_generation_config_nulls_fall_back_to_defaults(reference_model, tmp_path
     assert fields["diffusion.eb_entropy_bound"] == pytest.approx(d.entropy_bound)
     assert fields["diffusion.eb_stability_threshold"] == d.stability_threshold
     assert fields["diffusion.eb_confidence_threshold"] == pytest.approx(d.confidence_threshold)
+    assert fields["dg.reference_defaults"] == ["diffusion-gemma.final_logit_softcapping"] + DIFFUSION_KEYS[1:]
 
 
 @needs_torch
@@ -432,8 +437,24 @@ def test_generation_config_values_are_carried(reference_checkpoint, tmp_path):
     assert fields["diffusion.eb_entropy_bound"] == pytest.approx(0.3)
     assert fields["diffusion.eb_stability_threshold"] == 3
     assert fields["diffusion.eb_confidence_threshold"] == pytest.approx(0.01)
+    assert fields["dg.reference_defaults"] == ["diffusion-gemma.final_logit_softcapping"]
     (ckpt / "generation_config.json").unlink()
-    assert _fields(convert_checkpoint(ckpt, tmp_path / "nogen.gguf"))["diffusion.eb_max_steps"] == 48
+    fields = _fields(convert_checkpoint(ckpt, tmp_path / "nogen.gguf"))
+    assert fields["diffusion.eb_max_steps"] == 48
+    assert fields["dg.reference_defaults"] == ["diffusion-gemma.final_logit_softcapping"] + DIFFUSION_KEYS[1:]
+
+
+def test_reference_defaults_name_only_what_the_checkpoint_left_out(tmp_path):
+    from dgcli.tiny import tiny_hf_config_dict, write_tiny_random_gguf
+
+    generation = {"max_denoising_steps": 12, "t_min": None, "sampler_config": {"entropy_bound": 0.3}}
+    params = params_from_hf_config(tiny_hf_config_dict(final_logit_softcapping=25.0), generation)
+    assert params.softcap == 25.0 and params.diffusion.max_denoising_steps == 12
+    assert params.reference_defaults == ("t_min", "t_max", "stability_threshold", "confidence_threshold")
+    fields = _fields(write_tiny_random_gguf(tmp_path / "capped.gguf", final_logit_softcapping=25.0))
+    assert fields["dg.reference_defaults"] == DIFFUSION_KEYS[1:]  # the tiny writer has no generation config
+    fields = _fields(write_tiny_random_gguf(tmp_path / "capped-ar.gguf", arch="gemma4", final_logit_softcapping=25.0))
+    assert "dg.reference_defaults" not in fields  # nothing the AR twin writes came from a default
 
 
 # -- output types -----------------------------------------------------------------------------------
@@ -481,7 +502,9 @@ def test_ar_twin_layout(reference_model, reference_gguf, reference_ar_gguf):
     fields = _fields(reference_ar_gguf)
     assert fields["general.architecture"] == "gemma4"
     assert not any(k.startswith("diffusion") for k in fields)
-    assert set(fields) == {"general.architecture"} | {f"gemma4.{k}" for k in ARCH_KEYS} | set(TOKENIZER_KEYS)
+    assert set(fields) == ({"general.architecture", "dg.reference_defaults"} | {f"gemma4.{k}" for k in ARCH_KEYS}
+                           | set(TOKENIZER_KEYS))
+    assert fields["dg.reference_defaults"] == ["gemma4.final_logit_softcapping"]
     twin = _tensors(reference_ar_gguf)
     diff = _tensors(reference_gguf)
     assert not any(n.startswith("self_cond") or "enc_layer_output_scale" in n for n in twin)

@@ -52,6 +52,36 @@ def test_sampler_defaults_from_file_round_to_what_was_written(tmp_path):
     assert meta.sampler_defaults["t_min"] == 0.3 and meta.sampler_defaults_source["t_min"] == "gguf"
     assert meta.sampler_defaults["max_denoising_steps"] == 12
     assert meta.sampler_defaults["t_max"] == 0.8 and meta.sampler_defaults_source["t_max"] == "default"
+    assert meta.reference_default_keys == [] and meta.final_logit_softcapping is None
+
+
+def test_keys_dg_filled_with_reference_defaults(tmp_path, tiny_models):
+    import gguf
+    import numpy as np
+
+    # the tiny writer has no generation config and its config.json form no softcap: dg says all seven
+    diff, ar, _ = tiny_models
+    meta = info.read_info(diff)
+    assert meta.reference_default_keys == ["diffusion-gemma.final_logit_softcapping", "diffusion.eb_max_steps",
+                                           "diffusion.eb_t_min", "diffusion.eb_t_max", "diffusion.eb_entropy_bound",
+                                           "diffusion.eb_stability_threshold", "diffusion.eb_confidence_threshold"]
+    assert set(meta.sampler_defaults_source.values()) == {info.FROM_GGUF_REFERENCE_DEFAULT}
+    assert meta.final_logit_softcapping == 30.0
+    assert info.read_info(ar).reference_default_keys == ["gemma4.final_logit_softcapping"]
+    # only keys dg adds and the file holds count; a key that is not there stays a run-time default
+    p = tmp_path / "listed.gguf"
+    w = gguf.GGUFWriter(str(p), "diffusion-gemma")
+    w.add_uint32("diffusion.canvas_length", 8)
+    w.add_float32("diffusion.eb_t_min", 0.4)
+    w.add_float32("diffusion.eb_t_max", 0.9)
+    w.add_array("dg.reference_defaults", ["diffusion.eb_t_min", "diffusion.eb_max_steps", "general.name", "x" * 300])
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    meta = info.read_info(p)
+    assert meta.reference_default_keys == ["diffusion.eb_t_min"]
+    assert meta.sampler_defaults_source["t_min"] == info.FROM_GGUF_REFERENCE_DEFAULT
+    assert meta.sampler_defaults_source["t_max"] == info.FROM_GGUF
+    assert meta.sampler_defaults_source["max_denoising_steps"] == info.FROM_DEFAULT
 
 
 def test_quant_histogram_names_the_weight_type(tiny_models):

@@ -8,7 +8,7 @@ import typer
 from rich.table import Table
 
 from dgcli import hub, info as ginfo
-from dgcli.engine.types import DgError
+from dgcli.engine.types import DIFFUSION_PARAM_KEYS, DgError
 from dgcli.registry import missing_shipped_message
 from dgcli.commands import _shared as shared
 
@@ -29,7 +29,7 @@ def info_cmd(model: str = typer.Argument(..., help="A .gguf path or a registry n
         fmt = hub.format_bytes
         summary = Table.grid(padding=(0, 2))
         summary.add_column(style="bold")
-        summary.add_column()
+        summary.add_column(overflow="fold")  # long key names and paths wrap, never cut
         rows = [
             ("file", f"{meta.path} ({fmt(meta.file_size)})"),
             ("architecture", meta.architecture + ("  (diffusion)" if meta.is_diffusion else "")),
@@ -42,10 +42,14 @@ def info_cmd(model: str = typer.Argument(..., help="A .gguf path or a registry n
             ("vocab", str(meta.vocab_size or "-")),
             ("context length", str(meta.context_length or "-")),
             ("canvas length", str(meta.canvas_length or "-")),
+            ("logit softcap", _softcap(meta)),
             ("chat template", "yes" if meta.has_chat_template else "no"),
             ("memory", f"needs ~{fmt(meta.memory_needed)}; RAM {fmt(meta.ram_total)} total, {fmt(meta.ram_available)} available: "
                        + ("fits" if meta.fits_available_ram else "fits RAM but not what is free now" if meta.fits_ram else "DOES NOT FIT")),
         ]
+        if meta.reference_default_keys:
+            rows.append(("added by dg", f"{_key_list(meta.reference_default_keys)}: the reference's defaults, where "
+                                        "the model's config gave none (the published converter leaves these keys out)"))
         for k, v in rows:
             summary.add_row(k, v)
         shared.stdout.print(summary)
@@ -63,3 +67,18 @@ def info_cmd(model: str = typer.Argument(..., help="A .gguf path or a registry n
         for t in meta.tensor_types:
             types.add_row(t.type, str(t.tensors), f"{t.parameters:,}", fmt(t.bytes))
         shared.stdout.print(types)
+
+
+def _softcap(meta: ginfo.GgufInfo) -> str:
+    if meta.final_logit_softcapping is None:
+        return "-"
+    added = any(k.endswith(".final_logit_softcapping") for k in meta.reference_default_keys)
+    return f"{meta.final_logit_softcapping:g}" + ("  (reference default, added by dg)" if added else "")
+
+
+def _key_list(keys: list[str]) -> str:
+    """Key names, the sampler's six diffusion.eb_* keys summed up when all are there."""
+    eb = [k for k in keys if k in DIFFUSION_PARAM_KEYS]
+    if len(eb) == len(DIFFUSION_PARAM_KEYS):
+        keys = [k for k in keys if k not in DIFFUSION_PARAM_KEYS] + ["the six diffusion.eb_* keys"]
+    return ", ".join(keys)

@@ -56,6 +56,11 @@ DIFFUSION_PARAM_KEYS = {
     "diffusion.eb_confidence_threshold": "confidence_threshold",
 }
 
+# The GGUF keys a dg-written file filled with the reference's defaults because the checkpoint had no
+# value (a string array; absent when every value came from the checkpoint). The published converter
+# leaves such keys out, and every loader falls back to the same defaults; `dg info` says which they are.
+REFERENCE_DEFAULTS_KEY = "dg.reference_defaults"
+
 
 @dataclass(frozen=True)
 class DiffusionParams:
