@@ -79,6 +79,12 @@ def test_shipped_file_is_small_and_in_the_published_layout(path, arch):
     reader = gguf.GGUFReader(str(path))
     assert reader.fields["general.architecture"].contents() == arch
     assert reader.fields["tokenizer.ggml.model"].contents() == "gemma4"
+    # the tokenizer as the published converter writes dg-tiny's (byte tokens BYTE, scores -1000), so
+    # a re-export through an older `dg convert` shows here
+    vocab = tiny_vocab()
+    assert reader.fields["tokenizer.ggml.tokens"].contents() == vocab.tokens
+    assert reader.fields["tokenizer.ggml.token_type"].contents() == vocab.token_types
+    assert reader.fields["tokenizer.ggml.scores"].contents() == vocab.scores
     names = {t.name for t in reader.tensors}
     assert "token_embd.weight" in names and "blk.0.ffn_gate_up_exps.weight" in names
     if arch == "diffusion-gemma":
