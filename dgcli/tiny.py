@@ -28,6 +28,7 @@ from dgcli.convert import (
     TOKEN_CONTROL,
     TOKEN_UNKNOWN,
     TOKEN_USER_DEFINED,
+    GgufVocab,
     published_token_types,
     special_token_texts,
 )
@@ -241,20 +242,9 @@ class TinyVocab:
     # -- serialisation --------------------------------------------------------------------------
 
     def add_to_gguf(self, writer: Any) -> None:
-        """Write the tokenizer.ggml.* keys (and the chat template) to a gguf.GGUFWriter."""
-        writer.add_tokenizer_model("gemma4")
-        writer.add_token_list(self.tokens)
-        writer.add_token_scores(self.scores)
-        writer.add_token_types(self.token_types)
-        writer.add_token_merges(self.merges)
-        writer.add_bos_token_id(BOS_ID)
-        writer.add_eos_token_id(EOS_ID)
-        writer.add_unk_token_id(UNK_ID)
-        writer.add_pad_token_id(PAD_ID)
-        writer.add_mask_token_id(MASK_ID)
-        writer.add_add_space_prefix(False)
-        writer.add_add_bos_token(True)
-        writer.add_chat_template(CHAT_TEMPLATE)
+        """Write the tokenizer.ggml.* keys (and the chat template) to a gguf.GGUFWriter, as the converter does."""
+        GgufVocab(tokens=self.tokens, token_types=self.token_types, merges=self.merges, bos_id=BOS_ID, eos_id=EOS_ID,
+                  unk_id=UNK_ID, pad_id=PAD_ID, mask_id=MASK_ID, chat_template=CHAT_TEMPLATE).add_to_gguf(writer)
 
     def hf_tokenizer_json(self) -> str:
         """A Hugging Face `tokenizers` tokenizer.json encoding exactly like `encode(special=True)`."""
