@@ -174,11 +174,16 @@ def test_thinking_channel_markers_survive_detokenizing(tiny_gguf, tmp_path):
     from dgcli.engine.model import DiffusionModel
     from native_helpers import rewrite_gguf
 
-    tokens = list(gguf.GGUFReader(str(tiny_gguf)).fields["tokenizer.ggml.tokens"].contents())
-    tokens[100], tokens[101] = "<|channel>", "<channel|>"  # two unused control slots
+    fields = gguf.GGUFReader(str(tiny_gguf)).fields
+    tokens = list(fields["tokenizer.ggml.tokens"].contents())
+    types = list(fields["tokenizer.ggml.token_type"].contents())
+    tokens[100], tokens[101] = "<|channel>", "<channel|>"  # two unused slots, typed control
+    types[100] = types[101] = gguf.TokenType.CONTROL
     marked = rewrite_gguf(tiny_gguf, tmp_path / "marked.gguf", set_keys={
-        "tokenizer.ggml.tokens": (tokens, gguf.GGUFValueType.ARRAY)})
+        "tokenizer.ggml.tokens": (tokens, gguf.GGUFValueType.ARRAY),
+        "tokenizer.ggml.token_type": ([int(t) for t in types], gguf.GGUFValueType.ARRAY)})
+    eos = 1
     with DiffusionModel(marked, n_threads=1) as model:
-        hello = model.tokenize("hi")
-        text = model.detokenize([100] + model.tokenize("thought") + [101] + hello + [99])
+        hello = model.tokenize("hi", add_bos=False)
+        text = model.detokenize([100] + model.tokenize("thought", add_bos=False) + [101] + hello + [eos])
     assert text == "<|channel>thought<channel|>hi"
