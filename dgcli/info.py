@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dgcli.engine.offload import PlacementPlan, plan_placement
 from dgcli.engine.types import DIFFUSION_PARAM_KEYS, REFERENCE_DEFAULTS_KEY, DgError, DiffusionParams, ModelLoadError
 
 GGUF_MAGIC = b"GGUF"
@@ -22,10 +23,35 @@ MEMORY_OVERHEAD_BYTES = 256 * 1024**2
 # Where a sampler default comes from: the file's own value, the file's value that dg filled with the
 # reference's default (the checkpoint had none), or no value in the file (the reference's default applies).
 FROM_GGUF, FROM_GGUF_REFERENCE_DEFAULT, FROM_DEFAULT = "gguf", "gguf: reference default", "default"
+# On the GPU, besides the offloaded weights and their layers' KV cache: the CUDA context, cuBLAS's
+# workspace, and a compute buffer holding a micro-batch of logits (and their softcapped copy).
+GPU_RUNTIME_BYTES = 512 * 1024**2
+N_UBATCH = 512
+KV_CONTEXT = 4096  # dg's default context (engine.model.DEFAULT_N_CTX)
+
 
 
 class TooBigForMemory(DgError):
     pass
+
+
+@dataclass
+class GpuMemory:
+    """The GPU memory a fit is judged against: detected through llama.cpp, or given (dg info --gpu-memory)."""
+
+    name: str
+    total: int
+    free: int
+
+
+def detect_gpus() -> list[GpuMemory]:
+    """The GPUs the installed llama.cpp can offload to; none when it is CPU-only or missing."""
+    try:
+        from dgcli.engine import native
+
+        return [GpuMemory(f"{d.name} ({d.description})", d.total, d.free) for d in native.gpu_devices()]
+    except DgError:
+        return []
 
 
 @dataclass
@@ -61,7 +87,16 @@ class GgufInfo:
     has_chat_template: bool = False
     ram_total: int = 0
     ram_available: int = 0
-    memory_needed: int = 0
+    memory_needed: int = 0  # system memory (RAM) this placement needs
+    # offload: what was asked, what it means on this machine, and the GPU side's need
+    gpu_layers: int = 0
+    n_cpu_moe: int = 0
+    gpu_name: str | None = None  # None: no GPU (everything stays in RAM)
+    gpu_total: int = 0
+    gpu_free: int = 0
+    gpu_needed: int = 0
+    offloaded_layers: int = 0
+    placement: list[tuple[str, str, int, int]] = field(default_factory=list)  # (what, where, tensors, bytes)
 
     @property
     def is_diffusion(self) -> bool:
@@ -75,16 +110,68 @@ class GgufInfo:
     def fits_available_ram(self) -> bool:
         return self.memory_needed <= self.ram_available
 
+    @property
+    def fits_gpu(self) -> bool:
+        return self.gpu_needed <= self.gpu_total
+
+    @property
+    def fits_available_gpu(self) -> bool:
+        return self.gpu_needed <= self.gpu_free
+
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
-        out["is_diffusion"] = self.is_diffusion
-        out["fits_ram"] = self.fits_ram
-        out["fits_available_ram"] = self.fits_available_ram
+        out["placement"] = [dict(what=w, where=d, tensors=n, bytes=b) for w, d, n, b in self.placement]
+        for name in ("is_diffusion", "fits_ram", "fits_available_ram", "fits_gpu", "fits_available_gpu"):
+            out[name] = getattr(self, name)
         return out
 
 
 def memory_needed(file_size: int) -> int:
     return int(file_size * MEMORY_OVERHEAD_FACTOR) + MEMORY_OVERHEAD_BYTES
+
+
+def _layer_values(value: Any, n_layer: int, default: int) -> list[int]:
+    if isinstance(value, list) and len(value) == n_layer and all(isinstance(v, int) for v in value):
+        return value
+    return [value if isinstance(value, int) and value >= 0 else default] * n_layer
+
+
+def kv_cache_bytes(reader, arch: str, n_layer: int, n_ctx: int = KV_CONTEXT) -> list[int]:
+    """Per layer, the F16 KV cache of a dg context: sliding layers keep window + one micro-batch of cells."""
+    heads = _layer_values(_scalar(reader, f"{arch}.attention.head_count_kv"), n_layer, 1)
+    pattern = reader.fields.get(f"{arch}.attention.sliding_window_pattern")
+    sliding = [bool(v) for v in pattern.contents()] if pattern is not None else []
+    sliding = sliding if len(sliding) == n_layer else [False] * n_layer
+    window = _scalar(reader, f"{arch}.attention.sliding_window") or n_ctx
+    out = []
+    for il in range(n_layer):
+        swa = "_swa" if sliding[il] else ""
+        k = _scalar(reader, f"{arch}.attention.key_length{swa}") or _scalar(reader, f"{arch}.attention.key_length") or 128
+        v = _scalar(reader, f"{arch}.attention.value_length{swa}") or k
+        cells = min(n_ctx, int(window) + N_UBATCH) if sliding[il] else n_ctx
+        out.append(int(cells) * int(heads[il]) * (int(k) + int(v)) * 2)
+    return out
+
+
+def memory_plan(reader, arch: str, file_size: int, n_gpu_layers: int, n_cpu_moe: int,
+                gpus: list[GpuMemory]) -> tuple[PlacementPlan, int, int]:
+    """(placement, RAM need, GPU need) for this offload. Without a GPU everything is in RAM, as llama.cpp
+    ignores --gpu-layers then."""
+    n_layer = _scalar(reader, f"{arch}.block_count")
+    n_layer = n_layer if isinstance(n_layer, int) and 0 < n_layer <= 4096 else 0
+    plan = plan_placement(((t.name, int(t.n_bytes)) for t in reader.tensors), n_layer, n_gpu_layers, n_cpu_moe,
+                          gpu=bool(gpus) and n_gpu_layers != 0)
+    if plan.gpu_weight_bytes == 0:
+        return plan, memory_needed(file_size), 0
+    kv = kv_cache_bytes(reader, arch, n_layer)
+    start = n_layer + 1 - plan.gpu_layer_count
+    kv_gpu = sum(kv[il] for il in range(max(start, 0), n_layer))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = len(tokens.data) if tokens is not None else 0
+    logits = 2 * max(N_UBATCH, _scalar(reader, "diffusion.canvas_length") or 0) * vocab * 4
+    gpu_need = plan.gpu_weight_bytes + kv_gpu + logits + GPU_RUNTIME_BYTES
+    ram_need = memory_needed(plan.ram_weight_bytes) + (sum(kv) - kv_gpu)
+    return plan, ram_need, gpu_need
 
 
 def _check_magic(path: Path) -> None:
@@ -137,7 +224,9 @@ def _reference_default_keys(reader, arch: str) -> list[str]:
     return [key for key in addable if key in listed and key in reader.fields]
 
 
-def read_info(path: Path | str) -> GgufInfo:
+def read_info(path: Path | str, *, n_gpu_layers: int = 0, n_cpu_moe: int = 0,
+              gpus: list[GpuMemory] | None = None) -> GgufInfo:
+    """What the file holds, and where its weights would go with this offload (gpus: detected when None)."""
     import psutil
     from gguf import GGMLQuantizationType
 
@@ -179,6 +268,9 @@ def read_info(path: Path | str) -> GgufInfo:
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     size = path.stat().st_size
     vm = psutil.virtual_memory()
+    if gpus is None:
+        gpus = detect_gpus() if n_gpu_layers != 0 else []
+    plan, ram_need, gpu_need = memory_plan(reader, arch, size, n_gpu_layers, n_cpu_moe, gpus)
     return GgufInfo(
         path=str(path),
         file_size=size,
@@ -202,7 +294,15 @@ def read_info(path: Path | str) -> GgufInfo:
         has_chat_template=_scalar(reader, "tokenizer.chat_template") is not None,
         ram_total=vm.total,
         ram_available=vm.available,
-        memory_needed=memory_needed(size),
+        memory_needed=ram_need,
+        gpu_layers=n_gpu_layers,
+        n_cpu_moe=n_cpu_moe,
+        gpu_name=", ".join(g.name for g in gpus) or None,
+        gpu_total=sum(g.total for g in gpus),
+        gpu_free=sum(g.free for g in gpus),
+        gpu_needed=gpu_need,
+        offloaded_layers=plan.gpu_layer_count,
+        placement=plan.groups(),
     )
 
 
@@ -227,23 +327,58 @@ def check_architecture(path: Path | str, *, diffusion: bool, command: str) -> st
     return arch
 
 
-def check_fits_memory(path: Path | str, *, n_gpu_layers: int = 0) -> None:
-    """Refuse a model that cannot fit in this machine's RAM (weights offloaded to a GPU excepted).
+def check_fits_memory(path: Path | str, *, n_gpu_layers: int = 0, n_cpu_moe: int = 0,
+                      gpus: list[GpuMemory] | None = None) -> None:
+    """Refuse a model whose share does not fit in this machine's RAM, or in its GPU memory.
 
-    Compared against total RAM, not available: llama.cpp mmaps the file, so page cache is reusable.
+    RAM is compared against the total, not what is available: llama.cpp mmaps the file, so page cache
+    is reusable. The GPU is compared against its free memory (another process's allocations stay).
     DG_SKIP_MEMORY_CHECK=1 skips it (e.g. for swap-backed experiments).
     """
-    import psutil
-
-    if n_gpu_layers != 0 or os.environ.get("DG_SKIP_MEMORY_CHECK") == "1":
+    if os.environ.get("DG_SKIP_MEMORY_CHECK") == "1":
         return
-    size = Path(path).stat().st_size
-    need = memory_needed(size)
-    total = psutil.virtual_memory().total
-    if need > total:
-        from dgcli.hub import format_bytes
+    from dgcli.hub import format_bytes
 
-        raise TooBigForMemory(
-            f"{Path(path).name} needs about {format_bytes(need)} of RAM but this machine has {format_bytes(total)}; "
-            "use a smaller quant, or offload layers with --gpu-layers"
-        )
+    meta = read_info(path, n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe, gpus=gpus)
+    name = Path(path).name
+    if not meta.fits_ram:
+        hint = ("offload more to the GPU (--gpu-layers, or a smaller --n-cpu-moe)" if meta.gpu_name
+                else "use a smaller quant, or offload layers to a GPU with --gpu-layers")
+        raise TooBigForMemory(f"{name} needs about {format_bytes(meta.memory_needed)} of RAM but this machine has "
+                              f"{format_bytes(meta.ram_total)}; {hint}")
+    if meta.gpu_needed and not meta.fits_available_gpu:
+        fit = smallest_fitting_n_cpu_moe(path, n_gpu_layers, gpus) if meta.gpu_name else None
+        hint = f"try --n-cpu-moe {fit}" if fit is not None else "offload fewer layers (--gpu-layers)"
+        raise TooBigForMemory(f"{name} needs about {format_bytes(meta.gpu_needed)} of GPU memory with "
+                              f"{_offload_words(n_gpu_layers, n_cpu_moe)}, but {meta.gpu_name} has "
+                              f"{format_bytes(meta.gpu_free)} free; {hint}")
+
+
+def _offload_words(n_gpu_layers: int, n_cpu_moe: int) -> str:
+    layers = "every layer offloaded" if n_gpu_layers < 0 else f"{n_gpu_layers} layers offloaded"
+    experts = {0: "", -1: ", all experts in RAM"}.get(n_cpu_moe, f", the first {n_cpu_moe} layers' experts in RAM")
+    return layers + experts
+
+
+def smallest_fitting_n_cpu_moe(path: Path | str, n_gpu_layers: int, gpus: list[GpuMemory] | None = None) -> int | None:
+    """The fewest layers whose experts must stay in RAM for the rest to fit the GPU's free memory
+    (None: not even with every expert in RAM)."""
+    if gpus is None:
+        gpus = detect_gpus()
+    reader = open_reader(path)
+    arch = _scalar(reader, "general.architecture")
+    n_layer = _scalar(reader, f"{arch}.block_count")
+    if not isinstance(n_layer, int) or not gpus:
+        return None
+    size, free = Path(path).stat().st_size, sum(g.free for g in gpus)
+    # the GPU's need falls as N grows: bisect for the first N that fits
+    lo, hi = 0, n_layer
+    if memory_plan(reader, arch, size, n_gpu_layers, hi, gpus)[2] > free:
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if memory_plan(reader, arch, size, n_gpu_layers, mid, gpus)[2] <= free:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo

@@ -2,7 +2,8 @@
 """Build llama-cpp-python with our diffusion-gemma patch and install it into this environment.
 
     python native/build.py              # CPU (default)
-    python native/build.py --cuda       # -DGGML_CUDA=on
+    python native/build.py --cuda       # -DGGML_CUDA=on for sm_86, sm_89, sm_90 (+ PTX); see CUDA_ARCHITECTURES
+    python native/build.py --cuda --no-install   # build (or find) the cached wheel, print its path
     python native/build.py --metal      # -DGGML_METAL=on
     python native/build.py --cmake-arg -DGGML_AVX512=off   # any other llama.cpp CMake option
 
@@ -23,12 +24,15 @@ import hashlib
 import json
 import os
 import platform
+import re
+import shlex
 import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
 import time
+import zipfile
 from collections import deque
 from pathlib import Path
 
@@ -40,6 +44,19 @@ SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 # mtmd (llava) is not needed by dg and costs a third of the build time.
 BASE_CMAKE_ARGS = ["-DLLAVA_BUILD=OFF"]
 BUILD_DEPS = {"scikit_build_core": "scikit-build-core>=0.9.2", "cmake": "cmake>=3.21", "ninja": "ninja"}
+
+# The CUDA architectures a --cuda wheel carries machine code for (each one is a full compile of
+# ggml-cuda, so fewer = a shorter build):
+#   86-real  Ampere consumer and workstation cards (RTX 30xx, A10, A40); its code also runs on 8.9
+#   89-real  Ada (RTX 40xx, L4, L40): the 8-16 GB cards partial offload is for, and the L4 of the
+#            published per-step numbers
+#   90       Hopper H100/H200 machine code, plus compute_90 PTX: newer cards (Blackwell sm_100/
+#            sm_120) compile that PTX at first load (minutes, cached by the driver afterwards)
+# Older cards (A100 sm_80, T4 sm_75) need their own: --cuda-arch "80-real;86-real;89-real;90".
+CUDA_ARCHITECTURES = "86-real;89-real;90"
+# cuBLAS headers and libraries when the CUDA toolkit lacks them (an nvcc-only install): NVIDIA's pip
+# package of the same major.minor version as nvcc.
+CUBLAS_PIP = {12: "nvidia-cublas-cu12", 13: "nvidia-cublas"}
 
 NATIVE_DIR = Path(__file__).resolve().parent
 PATCH_DIR = NATIVE_DIR / "patch"
@@ -96,15 +113,35 @@ def cpu_signature() -> str:
     return platform.processor() or "unknown"
 
 
+def portable_cpu(cmake_args: list[str]) -> bool:
+    return any(a.upper().replace("=0", "=OFF") == "-DGGML_NATIVE=OFF" for a in cmake_args)
+
+
 def build_key(cmake_args: list[str]) -> str:
     digest = hashlib.sha256()
+    # A portable build (GGML_NATIVE=OFF) runs on any x86-64-v3 CPU: the CPU it was built on is no part of it.
+    cpu = "portable" if portable_cpu(cmake_args) else cpu_signature()
+    compilers = compiler_versions(cmake_args)
     for part in (SDIST_SHA256, " ".join(cmake_args), sys.implementation.cache_tag, platform.machine(),
-                 platform.system(), cpu_signature()):
+                 platform.system(), cpu, *([compilers] if compilers else [])):
         digest.update(part.encode() + b"\0")
     for path in patch_files():
         digest.update(str(path.relative_to(PATCH_DIR)).encode() + b"\0")
         digest.update(path.read_bytes() + b"\0")
     return digest.hexdigest()[:20]
+
+
+def compiler_versions(cmake_args: list[str]) -> str:
+    """The version banner of each compiler named in the options (a new CUDA toolkit = a new wheel)."""
+    out = []
+    for arg in cmake_args:
+        if arg.startswith("-DCMAKE_CUDA_COMPILER="):
+            try:
+                out.append(subprocess.run([arg.split("=", 1)[1], "--version"], capture_output=True, text=True,
+                                          timeout=60).stdout.strip().splitlines()[-1])
+            except (OSError, IndexError, subprocess.TimeoutExpired):
+                out.append("unknown")
+    return " ".join(out)
 
 
 def options_key(cmake_args: list[str]) -> str:
@@ -246,6 +283,104 @@ def ensure_build_deps(log: Path) -> None:
         run_logged([sys.executable, "-m", "pip", "install", "-q", *missing], log, "install build tools")
 
 
+# -- CUDA toolkit -------------------------------------------------------------------------------------
+
+
+class CudaToolkit:
+    """The nvcc a --cuda build compiles with, and what its toolkit holds."""
+
+    def __init__(self, nvcc: Path, root: Path, version: tuple[int, int]):
+        self.nvcc, self.root, self.version = nvcc, root, version
+        self.lib_dirs = [d for d in (root / "targets" / f"{platform.machine()}-linux" / "lib", root / "lib64",
+                                     root / "lib") if d.is_dir()]
+        self.include_dirs = [d for d in (root / "targets" / f"{platform.machine()}-linux" / "include",
+                                         root / "include") if d.is_dir()]
+
+    def has_library(self, name: str, extra_dirs: tuple[str, ...] = ()) -> bool:
+        dirs = [*self.lib_dirs, *(d / "stubs" for d in self.lib_dirs), *map(Path, extra_dirs)]
+        return any((d / f"lib{name}.so").exists() for d in dirs)
+
+    def has_cublas(self) -> bool:
+        return self.has_library("cublas") and any((d / "cublas_v2.h").exists() for d in self.include_dirs)
+
+    def has_driver_stub(self) -> bool:
+        # ggml's VMM pool links libcuda.so (the toolkit's stub, or a driver's development link).
+        return self.has_library("cuda", ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib/wsl/lib"))
+
+
+def find_cuda_toolkit() -> CudaToolkit:
+    candidates = [os.environ.get("CUDACXX"), shutil.which("nvcc"),
+                  *(str(Path(os.environ[v]) / "bin" / "nvcc") for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)),
+                  "/usr/local/cuda/bin/nvcc"]
+    nvcc = next((Path(c) for c in candidates if c and Path(c).is_file()), None)
+    if nvcc is None:
+        raise BuildError("cuda toolkit", "nvcc not found (install the CUDA toolkit, or set CUDACXX / CUDA_HOME)")
+    try:
+        version_text = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True, timeout=60).stdout
+        # the toolkit's root as nvcc itself sees it (nvcc on PATH may be a wrapper script)
+        dry = subprocess.run([str(nvcc), "--dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull],
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise BuildError("cuda toolkit", f"cannot run {nvcc}: {err}") from None
+    version = re.search(r"release (\d+)\.(\d+)", version_text)
+    top = re.search(r"^#\$ TOP=(.+)$", dry.stdout + dry.stderr, re.MULTILINE)
+    if not version or not top:
+        raise BuildError("cuda toolkit", f"cannot read the version and location of {nvcc}")
+    root = Path(top.group(1).strip()).resolve()
+    real_nvcc = root / "bin" / "nvcc"
+    return CudaToolkit(real_nvcc if real_nvcc.is_file() else nvcc, root, (int(version[1]), int(version[2])))
+
+
+def cuda_cmake_args(architectures: str) -> list[str]:
+    toolkit = find_cuda_toolkit()
+    args = ["-DGGML_CUDA=on", f"-DCMAKE_CUDA_COMPILER={toolkit.nvcc}", f"-DCMAKE_CUDA_ARCHITECTURES={architectures}",
+            # the wheel is meant to travel (to the GPU machine): x86-64-v3 CPU code, not this CPU's
+            "-DGGML_NATIVE=OFF",
+            # one GPU; NCCL would be one more runtime library to find
+            "-DGGML_CUDA_NCCL=OFF"]
+    if not toolkit.has_driver_stub():
+        # Without libcuda.so to link, ggml uses its cudaMalloc pool instead of the VMM one.
+        args.append("-DGGML_CUDA_NO_VMM=ON")
+    return args
+
+
+def cublas_cmake_args(log: Path) -> list[str]:
+    """cuBLAS for the link when the toolkit lacks it: NVIDIA's pip wheel for nvcc's version, unpacked
+    once into the cache. The installed libraries keep an RPATH to that folder, so they load here; on
+    another machine cuBLAS must be on the library path (the pip package's lib folder)."""
+    toolkit = find_cuda_toolkit()
+    if toolkit.has_cublas():
+        return []
+    major, minor = toolkit.version
+    if major not in CUBLAS_PIP:
+        raise BuildError("cuBLAS", f"the CUDA {major}.{minor} toolkit has no cuBLAS and dg knows no pip package for it")
+    requirement = f"{CUBLAS_PIP[major]}=={major}.{minor}.*"
+    dest = cache_root().parent / "cuda-deps" / f"cublas-{major}.{minor}"
+    if not (dest / ".complete").exists():
+        shutil.rmtree(dest, ignore_errors=True)
+        with tempfile.TemporaryDirectory(dir=cache_root()) as tmp:
+            run_logged([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", tmp,
+                        requirement], log, "fetch cuBLAS")
+            wheels = list(Path(tmp).glob("*.whl"))
+            if not wheels:
+                raise BuildError("fetch cuBLAS", f"pip did not produce a wheel for {requirement}", log)
+            with zipfile.ZipFile(wheels[0]) as wheel:
+                for member in wheel.infolist():
+                    parts = Path(member.filename).parts
+                    # nvidia/cu13/{include,lib}/... (CUDA 13) or nvidia/cublas/{include,lib}/... (CUDA 12)
+                    if len(parts) == 4 and parts[0] == "nvidia" and parts[2] in ("include", "lib"):
+                        target = dest / parts[2] / parts[3]
+                        target.parent.mkdir(parents=True, exist_ok=True)
+                        with wheel.open(member) as src, open(target, "wb") as out:
+                            shutil.copyfileobj(src, out, 1 << 20)
+        (dest / ".complete").touch()
+    libs = {name: sorted((dest / "lib").glob(f"lib{name}.so.*")) for name in ("cublas", "cublasLt")}
+    if not all(libs.values()) or not (dest / "include" / "cublas_v2.h").exists():
+        raise BuildError("fetch cuBLAS", f"{requirement} lacks libcublas / libcublasLt / cublas_v2.h ({dest})", log)
+    return [f"-DCUDA_cublas_LIBRARY={libs['cublas'][0]}", f"-DCUDA_cublasLt_LIBRARY={libs['cublasLt'][0]}",
+            f"-DCMAKE_CUDA_FLAGS=-I{dest / 'include'}"]
+
+
 def build_wheel(source: Path, cmake_args: list[str], key: str, log: Path, jobs: int, on_line=None) -> Path:
     wheel_dir = cache_root() / "wheels" / key
     existing = sorted(wheel_dir.glob("*.whl")) if wheel_dir.exists() else []
@@ -256,7 +391,9 @@ def build_wheel(source: Path, cmake_args: list[str], key: str, log: Path, jobs: 
     shutil.rmtree(tmp_dir, ignore_errors=True)
     tmp_dir.mkdir(parents=True)
     env = dict(os.environ)
-    env["CMAKE_ARGS"] = " ".join(cmake_args)
+    # where the toolchain's libraries are is no part of the key (the key names the toolkit's version)
+    toolchain = cublas_cmake_args(log) if "-DGGML_CUDA=on" in cmake_args else []
+    env["CMAKE_ARGS"] = shlex.join(cmake_args + toolchain)
     env["CMAKE_BUILD_PARALLEL_LEVEL"] = str(jobs)
     run_logged([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_dir),
                 "-C", f"build-dir={build_dir}", "-v", str(source)], log, "compile", env=env, on_line=on_line)
@@ -317,19 +454,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     backend = parser.add_mutually_exclusive_group()
     backend.add_argument("--cuda", action="store_true", help="build the CUDA backend (-DGGML_CUDA=on)")
+    parser.add_argument("--cuda-arch", default=CUDA_ARCHITECTURES, metavar="ARCHS",
+                        help=f"CMAKE_CUDA_ARCHITECTURES for --cuda (default {CUDA_ARCHITECTURES!r})")
     backend.add_argument("--metal", action="store_true", help="build the Metal backend (-DGGML_METAL=on)")
     parser.add_argument("--cmake-arg", action="append", default=[], metavar="ARG",
                         help="extra llama.cpp CMake option, e.g. -DGGML_NATIVE=off (repeatable)")
     parser.add_argument("--jobs", type=int, default=min(os.cpu_count() or 2, 8), help="parallel compile jobs")
     parser.add_argument("--force", action="store_true", help="rebuild the wheel even if one is cached")
     parser.add_argument("--print-key", action="store_true", help="print the cache key and exit")
-    return parser.parse_args(argv)
+    parser.add_argument("--no-install", action="store_true",
+                        help="only build (or find) the cached wheel and print its path, e.g. to carry it elsewhere")
+    args = parser.parse_args(argv)
+    if not re.fullmatch(r"(native|all|all-major|\d+[af]?(-real|-virtual)?(;\d+[af]?(-real|-virtual)?)*)", args.cuda_arch):
+        parser.error(f"--cuda-arch {args.cuda_arch!r}: expected CMake CUDA architectures such as '86-real;90'")
+    return args
 
 
 def cmake_args_for(args: argparse.Namespace) -> list[str]:
     cmake_args = list(BASE_CMAKE_ARGS)
     if args.cuda:
-        cmake_args.append("-DGGML_CUDA=on")
+        cmake_args.extend(cuda_cmake_args(args.cuda_arch))
     if args.metal:
         cmake_args.append("-DGGML_METAL=on")
     cmake_args.extend(args.cmake_arg)
@@ -338,17 +482,22 @@ def cmake_args_for(args: argparse.Namespace) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    cmake_args = cmake_args_for(args)
+    try:
+        cmake_args = cmake_args_for(args)
+    except BuildError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     key = build_key(cmake_args)
     if args.print_key:
         print(key)
         return 0
-    if not args.force and installed_key() == key:
+    up_to_date = not args.force and not args.no_install and installed_key() == key
+    if up_to_date:
         print(f"dg native: up to date (key {key})")
         return 0
     with exclusive_build_lock():
         # The build we waited for may have installed exactly this key.
-        if not args.force and installed_key() == key:
+        if not args.force and not args.no_install and installed_key() == key:
             print(f"dg native: up to date (key {key})")
             return 0
         return build_and_install(args, cmake_args, key)
@@ -397,6 +546,9 @@ def build_and_install(args: argparse.Namespace, cmake_args: list[str], key: str)
             wheel = build_wheel(source, cmake_args, key, log, args.jobs, on_line=show)
             progress.update(t, completed=1, description=f"built {wheel.name}" + (" (cached)" if cached else ""))
 
+            if args.no_install:
+                print(wheel)
+                return 0
             t = step("installing into " + sys.prefix)
             install_wheel(wheel, key, log)
             progress.update(t, completed=1)

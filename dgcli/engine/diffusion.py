@@ -131,12 +131,12 @@ class DiffusionEngine:
 
     def __init__(self, model: str | os.PathLike | Any, n_threads: int | None = None, n_gpu_layers: int = 0,
                  exact: bool = False, n_ctx: int | None = None, sampler: str | StepSampler = "auto",
-                 self_cond_top_k: int | str | None = None):
+                 self_cond_top_k: int | str | None = None, n_cpu_moe: int = 0):
         if isinstance(model, (str, os.PathLike)):
             from dgcli.engine.model import DiffusionModel
 
             self.model = DiffusionModel(os.fspath(model), n_threads=n_threads, n_gpu_layers=n_gpu_layers,
-                                        exact=exact, n_ctx=n_ctx)
+                                        exact=exact, n_ctx=n_ctx, n_cpu_moe=n_cpu_moe)
             self._owns_model = True
         else:
             self.model = model

@@ -27,6 +27,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from dgcli.engine import native
+from dgcli.engine.offload import LoadReport, check_offload, expert_override_pattern
 from dgcli.engine.types import (
     DIFFUSION_PARAM_KEYS,
     DgError,
@@ -239,7 +240,8 @@ class _LlamaModel:
     architecture = ""
 
     def __init__(self, path: str | os.PathLike, n_threads: int | None = None, n_gpu_layers: int = 0,
-                 exact: bool = False, n_ctx: int | None = None, n_seq_max: int = 1, n_ubatch: int = 512):
+                 exact: bool = False, n_ctx: int | None = None, n_seq_max: int = 1, n_ubatch: int = 512,
+                 n_cpu_moe: int = 0):
         self._model = None
         self._ctx = None
         self.path = Path(path)
@@ -253,6 +255,9 @@ class _LlamaModel:
             raise InvalidParameter("n_threads", n_threads, "an integer >= 1")
         if not isinstance(n_seq_max, int) or n_seq_max < 1:
             raise InvalidParameter("n_seq_max", n_seq_max, "an integer >= 1")
+        check_offload(n_gpu_layers, n_cpu_moe)
+        n_layer = self.header.get(f"{arch}.block_count")
+        override = expert_override_pattern(n_cpu_moe, n_layer if isinstance(n_layer, int) else 0)
         self._lib = native.lib()
         L = self._lib
         native.clear_log()
@@ -263,7 +268,12 @@ class _LlamaModel:
         # segfaults here (stock gemma4 included, tiny and real shapes). DG_CPU_REPACK=1/0 overrides.
         if os.environ.get("DG_CPU_REPACK", "0" if _cpu_has_amx() else "1") == "0":
             mparams.use_extra_bufts = False
-        model = L.llama_model_load_from_file(str(self.path).encode(), mparams)
+        overrides = native.buft_overrides([override] if override else [])
+        mparams.tensor_buft_overrides = ctypes.cast(overrides, ctypes.c_void_p)
+        with native.collect_log() as load_log:
+            model = L.llama_model_load_from_file(str(self.path).encode(), mparams)
+        # where llama.cpp put the weights, in its own words (offloaded layers, buffers, overrides)
+        self.load_report = LoadReport.from_log(load_log)
         if not model:
             raise ModelLoadError(f"cannot load {self.path}: {native.last_error()}")
         self._model = model
@@ -290,7 +300,9 @@ class _LlamaModel:
             cparams.type_k = cparams.type_v = native.GGML_TYPE_F32
             cparams.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
         native.clear_log()
-        ctx = L.llama_init_from_model(model, cparams)
+        with native.collect_log() as context_log:
+            ctx = L.llama_init_from_model(model, cparams)
+        self.load_report.buffers += LoadReport.from_log(context_log).buffers
         if not ctx:
             self.close()
             raise ModelLoadError(f"cannot create a context for {self.path}: {native.last_error()}")
@@ -423,7 +435,8 @@ class DiffusionModel(_LlamaModel):
     architecture = DIFFUSION_ARCH
 
     def __init__(self, path: str | os.PathLike, n_threads: int | None = None, n_gpu_layers: int = 0,
-                 exact: bool = False, n_ctx: int | None = None, n_seq_max: int = 1, n_ubatch: int | None = None):
+                 exact: bool = False, n_ctx: int | None = None, n_seq_max: int = 1, n_ubatch: int | None = None,
+                 n_cpu_moe: int = 0):
         header = read_gguf_header(path)
         canvas = header.get("diffusion.canvas_length")
         canvas = canvas if isinstance(canvas, int) and 0 < canvas <= 1 << 16 else 0
@@ -434,7 +447,7 @@ class DiffusionModel(_LlamaModel):
         elif not isinstance(n_ubatch, int) or n_ubatch < max(need, 1):
             raise InvalidParameter("n_ubatch", n_ubatch, f"an integer >= {max(need, 1)} (canvas_length x n_seq_max)")
         super().__init__(path, n_threads=n_threads, n_gpu_layers=n_gpu_layers, exact=exact, n_ctx=n_ctx,
-                         n_seq_max=n_seq_max, n_ubatch=n_ubatch)
+                         n_seq_max=n_seq_max, n_ubatch=n_ubatch, n_cpu_moe=n_cpu_moe)
         self.canvas_length = int(self._lib._lib.dg_canvas_length(self._model))
         if self.canvas_length <= 0:
             self.close()
@@ -573,8 +586,9 @@ class ArModel(_LlamaModel):
     architecture = AR_ARCH
 
     def __init__(self, path: str | os.PathLike, n_threads: int | None = None, n_gpu_layers: int = 0,
-                 n_ctx: int | None = None):
-        super().__init__(path, n_threads=n_threads, n_gpu_layers=n_gpu_layers, exact=False, n_ctx=n_ctx)
+                 n_ctx: int | None = None, n_cpu_moe: int = 0):
+        super().__init__(path, n_threads=n_threads, n_gpu_layers=n_gpu_layers, exact=False, n_ctx=n_ctx,
+                         n_cpu_moe=n_cpu_moe)
         self.default_params = None
 
     def prefill(self, tokens: Sequence[int]) -> np.ndarray:

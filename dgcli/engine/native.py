@@ -12,11 +12,12 @@ are quiet and a failure can quote llama.cpp's own reason (`last_error()`).
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import os
 import sys
 import threading
-from typing import Any
+from typing import Any, Iterator
 
 from dgcli.engine.types import DgError
 
@@ -37,6 +38,7 @@ _module: Any = None
 _log_lines: collections.deque[tuple[int, str]] = collections.deque(maxlen=200)
 _log_state = {"level": LOG_INFO, "partial": ""}
 _log_callback: Any = None  # keeps the ctypes callback alive
+_sinks: list[list[str]] = []  # collect_log() lists, each gets every line while open
 
 
 def _on_log(level: int, text: bytes, _user_data: Any) -> None:
@@ -53,6 +55,8 @@ def _on_log(level: int, text: bytes, _user_data: Any) -> None:
     for line in lines:
         if line.strip():
             _log_lines.append((level, line.strip()))
+            for sink in _sinks:
+                sink.append(line.strip())
 
 
 def clear_log() -> None:
@@ -124,6 +128,96 @@ def lib() -> Any:
         lib_mod.llama_backend_init()
         _module = lib_mod
     return _module
+
+
+# ggml_backend_dev_type
+DEVICE_TYPE_CPU, DEVICE_TYPE_GPU, DEVICE_TYPE_IGPU = 0, 1, 2
+
+
+class GpuDevice:
+    """One GPU as llama.cpp's ggml backend registry sees it."""
+
+    def __init__(self, name: str, description: str, free: int, total: int):
+        self.name, self.description, self.free, self.total = name, description, free, total
+
+    def __repr__(self) -> str:
+        return f"GpuDevice({self.name!r}, {self.description!r}, free={self.free}, total={self.total})"
+
+
+_ggml: Any = None
+
+
+def _ggml_lib() -> Any:
+    """libggml (the backend registry) and libggml-cpu, from llama_cpp's own lib folder."""
+    global _ggml
+    if _ggml is not None:
+        return _ggml
+    lib_mod = lib()
+    folder = os.path.dirname(lib_mod._lib._name)
+    try:
+        reg = ctypes.CDLL(os.path.join(folder, "libggml.so"))
+        cpu = ctypes.CDLL(os.path.join(folder, "libggml-cpu.so"))
+    except OSError as err:
+        raise NativeUnavailable(f"cannot open ggml's libraries next to libllama ({err}); {BUILD_HINT}") from err
+    reg.ggml_backend_dev_count.argtypes, reg.ggml_backend_dev_count.restype = [], ctypes.c_size_t
+    reg.ggml_backend_dev_get.argtypes, reg.ggml_backend_dev_get.restype = [ctypes.c_size_t], ctypes.c_void_p
+    for name in ("ggml_backend_dev_name", "ggml_backend_dev_description"):
+        getattr(reg, name).argtypes, getattr(reg, name).restype = [ctypes.c_void_p], ctypes.c_char_p
+    reg.ggml_backend_dev_type.argtypes, reg.ggml_backend_dev_type.restype = [ctypes.c_void_p], ctypes.c_int
+    reg.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t),
+                                            ctypes.POINTER(ctypes.c_size_t)]
+    reg.ggml_backend_dev_memory.restype = None
+    cpu.ggml_backend_cpu_buffer_type.argtypes, cpu.ggml_backend_cpu_buffer_type.restype = [], ctypes.c_void_p
+    _ggml = (reg, cpu)
+    return _ggml
+
+
+def gpu_devices() -> list[GpuDevice]:
+    """The GPUs llama.cpp can offload to (empty for a CPU-only build), with free and total memory."""
+    reg, _ = _ggml_lib()
+    out = []
+    for i in range(reg.ggml_backend_dev_count()):
+        dev = reg.ggml_backend_dev_get(i)
+        if reg.ggml_backend_dev_type(dev) != DEVICE_TYPE_GPU:
+            continue
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        reg.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        out.append(GpuDevice(reg.ggml_backend_dev_name(dev).decode(), reg.ggml_backend_dev_description(dev).decode(),
+                             int(free.value), int(total.value)))
+    return out
+
+
+def cpu_buffer_type() -> int:
+    """ggml_backend_cpu_buffer_type(): the buffer type a tensor override names to keep weights in system
+    memory (llama.cpp compares the pointer, so it must be this one)."""
+    _, cpu = _ggml_lib()
+    return cpu.ggml_backend_cpu_buffer_type()
+
+
+class TensorBuftOverride(ctypes.Structure):
+    # struct llama_model_tensor_buft_override (llama.h); llama-cpp-python leaves the field a void *
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
+def buft_overrides(patterns: list[str]) -> Any:
+    """A NULL-terminated llama_model_tensor_buft_override array sending `patterns` to system memory.
+    The caller keeps it alive until the model is loaded."""
+    array = (TensorBuftOverride * (len(patterns) + 1))()
+    buft = cpu_buffer_type()
+    for i, pattern in enumerate(patterns):
+        array[i].pattern, array[i].buft = pattern.encode(), buft
+    return array
+
+
+@contextlib.contextmanager
+def collect_log() -> Iterator[list[str]]:
+    """Every whole line llama.cpp logs inside the block (the error ring keeps only the last 200)."""
+    sink: list[str] = []
+    _sinks.append(sink)
+    try:
+        yield sink
+    finally:
+        _sinks.remove(sink)
 
 
 def available() -> tuple[bool, str]:
