@@ -122,6 +122,7 @@ class BenchConfig:
     speed_model_repeat: int = 5
     n_threads: Optional[int] = None
     n_gpu_layers: int = 0
+    n_cpu_moe: int = 0  # expert tensors of the first N layers kept in system memory (-1: all)
 
 
 @dataclass

@@ -44,6 +44,21 @@ class GpuMemory:
     free: int
 
 
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "kib": 1024, "m": 1024**2, "mb": 1024**2, "mib": 1024**2,
+               "g": 1024**3, "gb": 1024**3, "gib": 1024**3, "t": 1024**4, "tb": 1024**4, "tib": 1024**4}
+
+
+def parse_size(text: str) -> int:
+    """'16GB', '16 GiB', '12g', '8000000000' -> bytes (binary units, as dg prints sizes)."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text or "")
+    unit = m and _SIZE_UNITS.get(m[2].lower())
+    if not m or unit is None or float(m[1]) <= 0:
+        raise DgError(f"invalid size {text!r}: expected a number with an optional unit, e.g. 16GB or 12GiB")
+    return int(float(m[1]) * unit)
+
+
 def detect_gpus() -> list[GpuMemory]:
     """The GPUs the installed llama.cpp can offload to; none when it is CPU-only or missing."""
     try:

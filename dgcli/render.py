@@ -238,3 +238,29 @@ def fmt_spread(values: Sequence[float], digits: int = 2) -> str:
     if len(values) == 1:
         return f"{med:.{digits}f}"
     return f"{med:.{digits}f} [{lo:.{digits}f}–{hi:.{digits}f}]"
+
+
+def _mib(mib: float) -> str:
+    return f"{mib / 1024:.2f} GiB" if mib >= 1024 else f"{mib:.1f} MiB"
+
+
+def placement_lines(what: str, report) -> list[str]:
+    """An engine.offload.LoadReport as a few lines: layers offloaded, buffers per device, and the
+    tensors an override kept in system memory (layer runs merged: blk.{0-9}.ffn_down_exps.weight)."""
+    from dgcli.engine.offload import layer_ranges
+
+    if report.offloaded_layers is None:
+        lines = [f"{what}: this llama.cpp build has no GPU offload: every weight is in system memory"]
+    else:
+        lines = [f"{what}: {report.offloaded_layers}/{report.total_layers} layers offloaded to the GPU"]
+    if report.buffers:
+        lines.append("  buffers: " + ", ".join(f"{name} {kind} {_mib(mib)}" for name, kind, mib in report.buffers))
+    runs: dict[tuple[str, str], set[int]] = {}
+    for tensor, buft in report.overridden:
+        layer, _, rest = tensor.removeprefix("blk.").partition(".")
+        key = (rest, buft) if layer.isdigit() else (tensor, buft)
+        runs.setdefault(key, set()).update([int(layer)] if layer.isdigit() else [])
+    for (rest, buft), layers in runs.items():
+        name = f"blk.{{{layer_ranges(layers)}}}.{rest}" if layers else rest
+        lines.append(f"  kept in system memory ({buft}): {name}")
+    return lines

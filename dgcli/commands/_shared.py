@@ -116,31 +116,63 @@ def resolve_pair(diff: ResolvedModel, ar_spec: Optional[str], *, yes: bool) -> t
     return pair, ensure_local(pair, yes=yes)
 
 
-def preflight(path: Path, *, diffusion: bool, command: str, gpu_layers: int) -> None:
+def preflight(path: Path, *, diffusion: bool, command: str, gpu_layers: int, n_cpu_moe: int = 0) -> None:
     ginfo.check_architecture(path, diffusion=diffusion, command=command)
-    ginfo.check_fits_memory(path, n_gpu_layers=gpu_layers)
+    ginfo.check_fits_memory(path, n_gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe)
+
+
+def resolve_offload(gpu_layers: int, n_cpu_moe: Optional[int], cpu_moe: bool) -> tuple[int, int]:
+    """(gpu_layers, n_cpu_moe) for the engines from --gpu-layers / --n-cpu-moe / --cpu-moe.
+
+    Keeping experts in RAM only means something when the rest is offloaded, so --n-cpu-moe and
+    --cpu-moe offload every layer unless --gpu-layers says how many."""
+    if cpu_moe and n_cpu_moe is not None:
+        raise DgError("pass --cpu-moe or --n-cpu-moe N, not both")
+    if n_cpu_moe is not None and n_cpu_moe < 0:
+        raise DgError(f"invalid --n-cpu-moe {n_cpu_moe}: must be an integer >= 0 (--cpu-moe keeps every layer's experts)")
+    experts = -1 if cpu_moe else (n_cpu_moe or 0)
+    if experts and gpu_layers == 0:
+        gpu_layers = -1
+    return gpu_layers, experts
+
+
+def report_placement(what: str, model) -> None:
+    """--verbose: where llama.cpp put this model's weights, from its load log."""
+    report = getattr(model, "load_report", None)
+    if report is not None:
+        for line in render.placement_lines(what, report):
+            stderr.print(line, markup=False)
 
 
 # ---------------------------------------------------------------- engines (seams for tests)
 
 
-def open_diffusion_engine(path: Path, *, threads: Optional[int], gpu_layers: int):
+def open_diffusion_engine(path: Path, *, threads: Optional[int], gpu_layers: int, n_cpu_moe: int = 0,
+                          verbose: bool = False):
     from dgcli.engine.diffusion import DiffusionEngine
 
-    return DiffusionEngine(str(path), n_threads=threads, n_gpu_layers=gpu_layers)
+    engine = DiffusionEngine(str(path), n_threads=threads, n_gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe)
+    if verbose:
+        report_placement(f"diffusion model {path.name}", engine.model)
+    return engine
 
 
-def open_speed_model(path: Path, n_seq_max: int, *, threads: Optional[int], gpu_layers: int):
+def open_speed_model(path: Path, n_seq_max: int, *, threads: Optional[int], gpu_layers: int, n_cpu_moe: int = 0):
     """The diffusion weights loaded with room for `n_seq_max` canvases in one forward (bench's batch sweep)."""
     from dgcli.engine.model import DiffusionModel
 
-    return DiffusionModel(str(path), n_threads=threads, n_gpu_layers=gpu_layers, n_seq_max=n_seq_max)
+    return DiffusionModel(str(path), n_threads=threads, n_gpu_layers=gpu_layers, n_seq_max=n_seq_max,
+                          n_cpu_moe=n_cpu_moe)
 
 
-def open_ar_engine(path: Path, *, threads: Optional[int], gpu_layers: int):
+def open_ar_engine(path: Path, *, threads: Optional[int], gpu_layers: int, n_cpu_moe: int = 0,
+                   verbose: bool = False):
     from dgcli.engine.autoregressive import AutoregressiveEngine
 
-    return AutoregressiveEngine(str(path), n_threads=threads, n_gpu_layers=gpu_layers)
+    engine = AutoregressiveEngine(str(path), n_threads=threads, n_gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe)
+    if verbose:
+        report_placement(f"autoregressive model {path.name}", engine.model)
+    return engine
 
 
 # ---------------------------------------------------------------- prompt / params / outputs
@@ -327,6 +359,11 @@ ModelOpt = typer.Option(None, "--model", "-m", help="Registry name (`name` or `n
 YesOpt = typer.Option(False, "--yes", "-y", help="Download a missing registry model without asking.")
 ThreadsOpt = typer.Option(None, "--threads", "-t", help="CPU threads (default: 1 for tiny models under 64 MB, else every core).")
 GpuOpt = typer.Option(0, "--gpu-layers", "-ngl", help="Layers to offload to the GPU (-1 = all).")
+NCpuMoeOpt = typer.Option(None, "--n-cpu-moe", metavar="N",
+                          help="Keep the expert weights of the first N layers in system memory, the rest on the GPU "
+                               "(offloads every layer unless --gpu-layers is given).")
+CpuMoeOpt = typer.Option(False, "--cpu-moe", help="Keep every layer's expert weights in system memory (--n-cpu-moe all).")
+VerboseOpt = typer.Option(False, "--verbose", "-v", help="Print where llama.cpp put the weights (GPU/RAM buffers, tensors kept in RAM).")
 
 def sampler_flags(steps, t_min, t_max, entropy_bound, stability_threshold, confidence_threshold) -> dict:
     return dict(max_denoising_steps=steps, t_min=t_min, t_max=t_max, entropy_bound=entropy_bound,

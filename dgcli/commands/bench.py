@@ -25,6 +25,7 @@ def bench(
     batch_sizes: str = typer.Option("1,2,4,8,16", "--batch-sizes", help="Batch sizes for the speed-model sweep."),
     no_speed_model: bool = typer.Option(False, "--no-speed-model", help="Skip the canvas-forward vs AR-decode measurement."),
     threads: Optional[int] = shared.ThreadsOpt, gpu_layers: int = shared.GpuOpt,
+    n_cpu_moe: Optional[int] = shared.NCpuMoeOpt, cpu_moe: bool = shared.CpuMoeOpt, verbose: bool = shared.VerboseOpt,
     json_out: bool = typer.Option(False, "--json", help="Print the whole report as JSON."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Also write the JSON report to this file."),
     yes: bool = shared.YesOpt,
@@ -34,6 +35,7 @@ def bench(
 
     with shared.user_errors():
         shared.check_generation_args(max_new_tokens, threads, gpu_layers)
+        gpu_layers, n_cpu_moe = shared.resolve_offload(gpu_layers, n_cpu_moe, cpu_moe)
         if repeat < 1:
             raise DgError(f"invalid repeat={repeat}: must be an integer >= 1")
         sizes = benchlib.parse_batch_sizes(batch_sizes)
@@ -42,15 +44,15 @@ def bench(
         prompt_set = benchlib.load_prompts(prompts or own_prompts) if (prompts or own_prompts) \
             else benchlib.BUILTIN_PROMPTS
         ar_res, ar_path = shared.resolve_pair(diff_res, ar_model, yes=yes)
-        shared.preflight(diff_path, diffusion=True, command="bench", gpu_layers=gpu_layers)
-        shared.preflight(ar_path, diffusion=False, command="bench", gpu_layers=gpu_layers)
+        shared.preflight(diff_path, diffusion=True, command="bench", gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe)
+        shared.preflight(ar_path, diffusion=False, command="bench", gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe)
         params = shared.diffusion_params(diff_path, **shared.sampler_flags(steps, t_min, t_max, entropy_bound, stability_threshold,
                                                               confidence_threshold))
         config = benchlib.BenchConfig(
             diffusion_model=diff_res.display_name, diffusion_path=str(diff_path),
             ar_model=ar_res.display_name, ar_path=str(ar_path), repeat=repeat, max_new_tokens=max_new_tokens,
             seed=seed, params=params, batch_sizes=sizes, speed_model=not no_speed_model,
-            n_threads=threads, n_gpu_layers=gpu_layers,
+            n_threads=threads, n_gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe,
         )
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -60,13 +62,15 @@ def bench(
             with progress:
                 task = progress.add_task("bench", total=benchlib.total_units(config, prompt_set))
 
+                offload = dict(threads=threads, gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe)
+
                 def on_progress(desc: str) -> None:
                     progress.update(task, advance=1, description=desc)
 
                 report = benchlib.run_bench(config, prompt_set, on_progress=on_progress,
-                                            open_diffusion=lambda p: shared.open_diffusion_engine(p, threads=threads, gpu_layers=gpu_layers),
-                                            open_ar=lambda p: shared.open_ar_engine(p, threads=threads, gpu_layers=gpu_layers),
-                                            open_speed_model=lambda p, n: shared.open_speed_model(p, n, threads=threads, gpu_layers=gpu_layers))
+                                            open_diffusion=lambda p: shared.open_diffusion_engine(p, **offload, verbose=verbose),
+                                            open_ar=lambda p: shared.open_ar_engine(p, **offload, verbose=verbose),
+                                            open_speed_model=lambda p, n: shared.open_speed_model(p, n, **offload))
             doc = report.to_json()
             out.write_all(doc)
         if json_out:

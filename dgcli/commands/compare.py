@@ -22,6 +22,7 @@ def compare(
     entropy_bound: Optional[float] = shared.EBOpt, stability_threshold: Optional[int] = shared.StabOpt,
     confidence_threshold: Optional[float] = shared.ConfOpt,
     threads: Optional[int] = shared.ThreadsOpt, gpu_layers: int = shared.GpuOpt,
+    n_cpu_moe: Optional[int] = shared.NCpuMoeOpt, cpu_moe: bool = shared.CpuMoeOpt, verbose: bool = shared.VerboseOpt,
     thinking: str = shared.ThinkingOpt,
     no_live: bool = typer.Option(False, "--no-live", help="No live panels (automatic when stdout is not a terminal)."),
     json_out: bool = typer.Option(False, "--json", help="Print both results and the comparison as JSON."),
@@ -36,11 +37,12 @@ def compare(
     with shared.user_errors():
         shared.check_thinking(thinking)
         shared.check_generation_args(max_new_tokens, threads, gpu_layers)
+        gpu_layers, n_cpu_moe = shared.resolve_offload(gpu_layers, n_cpu_moe, cpu_moe)
         text = shared.read_prompt(prompt)
         diff_res, diff_path = shared.resolve_model(model, yes=yes, want="diffusion")
         ar_res, ar_path = shared.resolve_pair(diff_res, ar_model, yes=yes)
-        shared.preflight(diff_path, diffusion=True, command="compare", gpu_layers=gpu_layers)
-        shared.preflight(ar_path, diffusion=False, command="compare", gpu_layers=gpu_layers)
+        shared.preflight(diff_path, diffusion=True, command="compare", gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe)
+        shared.preflight(ar_path, diffusion=False, command="compare", gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe)
         params = shared.diffusion_params(diff_path, **shared.sampler_flags(steps, t_min, t_max, entropy_bound, stability_threshold,
                                                               confidence_threshold))
         live = shared.use_live(no_live, json_out)
@@ -53,7 +55,8 @@ def compare(
             lv.start()
         try:
             with PeakRss() as diff_rss:
-                engine = shared.open_diffusion_engine(diff_path, threads=threads, gpu_layers=gpu_layers)
+                engine = shared.open_diffusion_engine(diff_path, threads=threads, gpu_layers=gpu_layers,
+                                                      n_cpu_moe=n_cpu_moe, verbose=verbose)
                 try:
                     shared.check_prompt_fits(engine, text, max_new_tokens)
                     if not live:
@@ -72,7 +75,8 @@ def compare(
                 typer.echo("interrupted: the diffusion output above is what was produced; the AR side did not run", err=True)
                 raise typer.Exit(shared.EXIT_INTERRUPTED)
             with PeakRss() as ar_rss:
-                ar_engine = shared.open_ar_engine(ar_path, threads=threads, gpu_layers=gpu_layers)
+                ar_engine = shared.open_ar_engine(ar_path, threads=threads, gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe,
+                                                  verbose=verbose)
                 try:
                     throttle = shared.Throttle()
 

@@ -22,6 +22,7 @@ def generate(
     entropy_bound: Optional[float] = shared.EBOpt, stability_threshold: Optional[int] = shared.StabOpt,
     confidence_threshold: Optional[float] = shared.ConfOpt,
     threads: Optional[int] = shared.ThreadsOpt, gpu_layers: int = shared.GpuOpt,
+    n_cpu_moe: Optional[int] = shared.NCpuMoeOpt, cpu_moe: bool = shared.CpuMoeOpt, verbose: bool = shared.VerboseOpt,
     thinking: str = shared.ThinkingOpt,
     self_cond_top_k: Optional[int] = typer.Option(
         None, "--self-cond-top-k",
@@ -38,14 +39,16 @@ def generate(
         if self_cond_top_k is not None and self_cond_top_k < 0:
             raise InvalidParameter("self_cond_top_k", self_cond_top_k, "an integer >= 0 (0 = all tokens)")
         shared.check_generation_args(max_new_tokens, threads, gpu_layers)
+        gpu_layers, n_cpu_moe = shared.resolve_offload(gpu_layers, n_cpu_moe, cpu_moe)
         text = shared.read_prompt(prompt)
         resolved, path = shared.resolve_model(model, yes=yes, want="diffusion")
-        shared.preflight(path, diffusion=True, command="generate", gpu_layers=gpu_layers)
+        shared.preflight(path, diffusion=True, command="generate", gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe)
         params = shared.diffusion_params(path, **shared.sampler_flags(steps, t_min, t_max, entropy_bound, stability_threshold,
                                                          confidence_threshold))
         live = shared.use_live(no_live, json_out)
         with shared.atomic_outputs(trace) as (trace_out,):
-            engine = shared.open_diffusion_engine(path, threads=threads, gpu_layers=gpu_layers)
+            engine = shared.open_diffusion_engine(path, threads=threads, gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe,
+                                                  verbose=verbose)
             try:
                 shared.check_prompt_fits(engine, text, max_new_tokens)
                 events: Optional[list] = [] if json_out else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Optional
 
 import typer
 from rich.table import Table
@@ -14,15 +15,28 @@ from dgcli.commands import _shared as shared
 
 
 def info_cmd(model: str = typer.Argument(..., help="A .gguf path or a registry name."),
-             json_out: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
-    """What a GGUF holds (read directly, not loaded): architecture, quant, params, sampler defaults, RAM fit."""
+             json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
+             gpu_layers: int = shared.GpuOpt,
+             n_cpu_moe: Optional[int] = shared.NCpuMoeOpt, cpu_moe: bool = shared.CpuMoeOpt,
+             gpu_memory: Optional[str] = typer.Option(
+                 None, "--gpu-memory", metavar="SIZE",
+                 help="Judge the fit against a GPU with this much free memory (e.g. 16GB) instead of the one found.")) -> None:
+    """What a GGUF holds (read directly, not loaded): architecture, quant, params, sampler defaults, and
+    whether it fits in RAM and GPU memory with the given offload (--gpu-layers, --n-cpu-moe, --cpu-moe)."""
     with shared.user_errors():
+        gpu_layers, n_cpu_moe = shared.resolve_offload(gpu_layers, n_cpu_moe, cpu_moe)
+        if gpu_memory is not None and gpu_layers == 0:
+            gpu_layers = -1  # a fit against a GPU means something offloaded
         resolved = shared.registry().resolve(model)
         if resolved.path is None:
             if resolved.entry is not None and resolved.entry.shipped is not None:
                 raise DgError(missing_shipped_message(resolved))
             raise DgError(f"{resolved.display_name} is not downloaded; run `dg pull {resolved.display_name}`")
-        meta = ginfo.read_info(resolved.path)
+        gpus = None
+        if gpu_memory is not None:
+            size = ginfo.parse_size(gpu_memory)
+            gpus = [ginfo.GpuMemory(f"a {hub.format_bytes(size)} GPU (--gpu-memory)", size, size)]
+        meta = ginfo.read_info(resolved.path, n_gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe, gpus=gpus)
         if json_out:
             typer.echo(json.dumps(meta.to_json(), indent=2))
             return
@@ -50,6 +64,8 @@ def info_cmd(model: str = typer.Argument(..., help="A .gguf path or a registry n
         if meta.reference_default_keys:
             rows.append(("added by dg", f"{_key_list(meta.reference_default_keys)}: the reference's defaults, where "
                                         "the model's config gave none (the published converter leaves these keys out)"))
+        if gpu_layers != 0:
+            rows.append(("GPU memory", gpu_fit_words(meta)))
         for k, v in rows:
             summary.add_row(k, v)
         shared.stdout.print(summary)
@@ -61,6 +77,13 @@ def info_cmd(model: str = typer.Argument(..., help="A .gguf path or a registry n
             for k, v in meta.sampler_defaults.items():
                 sampler.add_row(k, str(v), meta.sampler_defaults_source[k])
             shared.stdout.print(sampler)
+        if gpu_layers != 0 and meta.gpu_name:
+            where = Table(title=f"placement ({meta.offloaded_layers}/{(meta.block_count or 0) + 1} layers offloaded)")
+            for col in ("weights", "in", "tensors", "size"):
+                where.add_column(col, justify="left" if col in ("weights", "in") else "right")
+            for what, device, count, nbytes in meta.placement:
+                where.add_row(what, device, str(count), fmt(nbytes))
+            shared.stdout.print(where)
         types = Table(title="tensor types")
         for col in ("type", "tensors", "parameters", "size"):
             types.add_column(col, justify="left" if col == "type" else "right")
@@ -82,3 +105,13 @@ def _key_list(keys: list[str]) -> str:
     if len(eb) == len(DIFFUSION_PARAM_KEYS):
         keys = [k for k in keys if k not in DIFFUSION_PARAM_KEYS] + ["the six diffusion.eb_* keys"]
     return ", ".join(keys)
+
+
+def gpu_fit_words(meta: ginfo.GgufInfo) -> str:
+    fmt = hub.format_bytes
+    if not meta.gpu_name:
+        return "no GPU found (CPU-only llama.cpp build, or no device): --gpu-layers is ignored, the RAM line counts every weight"
+    verdict = ("fits" if meta.fits_available_gpu else "fits the card but not what is free now" if meta.fits_gpu
+               else "DOES NOT FIT")
+    return (f"needs ~{fmt(meta.gpu_needed)}; {meta.gpu_name}: {fmt(meta.gpu_total)} total, {fmt(meta.gpu_free)} free: "
+            + verdict)
