@@ -466,8 +466,10 @@ def add_layout_keys(writer, p: LayoutParams, arch: str) -> None:
 
 def write_layout_gguf(out_path: str | Path, p: LayoutParams, arch: str, add_vocab: Callable[[Any], None],
                       source: TensorSource | None = None, outtype: str = "f32",
-                      raw_source: RawTensorSource | None = None) -> Path:
-    """Write a GGUF in the published layout; tensors are pulled from `source` one at a time."""
+                      raw_source: RawTensorSource | None = None,
+                      storage: Callable[[TensorSpec], Any] | None = None) -> Path:
+    """Write a GGUF in the published layout; tensors are pulled from `source` one at a time.
+    `storage(spec)` chooses each tensor's type instead of `outtype` (synthetic quant mixes)."""
     gguf = _gguf()
     if outtype not in OUTTYPES:
         raise DgError(f"unknown outtype {outtype!r} (choose from {', '.join(OUTTYPES)})")
@@ -484,7 +486,7 @@ def write_layout_gguf(out_path: str | Path, p: LayoutParams, arch: str, add_voca
     try:
         add_layout_keys(writer, p, arch)
         add_vocab(writer)
-        types = [storage_type(spec, outtype) for spec in plan]
+        types = [storage(spec) if storage else storage_type(spec, outtype) for spec in plan]
         for spec, qtype in zip(plan, types):
             writer.add_tensor_info(spec.name, _byte_shape(spec.shape, qtype), np.dtype(np.uint8),
                                    _nbytes(spec.shape, qtype), raw_dtype=qtype)

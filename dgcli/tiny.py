@@ -414,6 +414,51 @@ def write_tiny_random_gguf(path: str | Path, seed: int = 0, arch: str = "diffusi
 _CHUNK_BYTES = 64 << 20
 
 
+def _random_blocks(rng: np.random.Generator, qtype, n_blocks: int, std: float) -> np.ndarray:
+    """`n_blocks` random blocks of a quantized type whose values have roughly standard deviation `std`:
+    random quants, and scales set so that the dequantized weights are of the wanted size (timing
+    needs finite, realistic magnitudes, not a trained model)."""
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    blocks = np.frombuffer(rng.bytes(n_blocks * size), dtype=np.uint8).reshape(n_blocks, size).copy()
+
+    def put_f16(offset: int, value: float) -> None:
+        blocks[:, offset:offset + 2] = np.full(n_blocks, value, dtype=np.float16).view(np.uint8).reshape(-1, 2)
+
+    if qtype == T.Q8_0:        # d, then 32 int8 (|q| <= 127 uniform: std ~73)
+        put_f16(0, std / 73.0)
+    elif qtype == T.Q5_0:      # d, 4 bytes of high bits, 16 bytes of nibbles: q - 16 in [-16, 15], std ~9.2
+        put_f16(0, std / 9.2)
+    elif qtype == T.Q4_K:      # d, dmin, 12 bytes of 6-bit scales/mins (~32), 128 bytes of nibbles (std ~4.6)
+        put_f16(0, std / (32 * 4.6))
+        put_f16(2, std * 7.5 / (32 * 4.6))  # centres d*sc*q - dmin*m around zero
+    elif qtype == T.Q6_K:      # 128 + 64 bytes of 6-bit quants (q - 32: std ~18.5), 16 int8 scales (~73), d
+        put_f16(size - 2, std / (73 * 18.5))
+    else:
+        raise DgError(f"no random-block generator for {qtype.name}")
+    return blocks
+
+
+def q4_k_m_type(spec, n_layer: int):
+    """The type llama.cpp's Q4_K_M gives a tensor, in short: Q4_K, Q6_K for the embedding and for
+    attn_v / ffn_down(_exps) in its `use_more_bits` layers; rows that do not fill 256-wide super-blocks
+    fall back as llama.cpp's quantizer does (Q4_K -> Q5_0, Q6_K -> Q8_0); vectors and the router stay F32."""
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    if len(spec.shape) == 1 or spec.role in ("ffn_gate_inp", "rope_freqs"):
+        return T.F32
+    layer = spec.layer if spec.layer is not None else -1
+    more_bits = layer >= 0 and (layer < n_layer // 8 or layer >= 7 * n_layer // 8 or (layer - n_layer // 8) % 3 == 2)
+    wanted = T.Q6_K if spec.role == "token_embd" or (more_bits and spec.role in ("attn_v", "ffn_down", "ffn_down_exps")) \
+        else T.Q4_K
+    if spec.shape[-1] % gguf.GGML_QUANT_SIZES[wanted][0]:
+        wanted = {T.Q4_K: T.Q5_0, T.Q6_K: T.Q8_0}[wanted]
+    return wanted
+
+
 def _synthetic_chunks(spec, qtype, params, seed: int) -> Iterable[np.ndarray]:
     """Random data already encoded as `qtype`, generated in bounded chunks (never a whole big tensor)."""
     import gguf
@@ -421,7 +466,9 @@ def _synthetic_chunks(spec, qtype, params, seed: int) -> Iterable[np.ndarray]:
     from dgcli.convert import encode_as
 
     T = gguf.GGMLQuantizationType
-    if len(spec.shape) == 1 or spec.role == "rope_freqs" or int(np.prod(spec.shape)) * 4 <= _CHUNK_BYTES:
+    quantized = qtype not in (T.F32, T.F16, T.BF16)
+    if not quantized and (len(spec.shape) == 1 or spec.role == "rope_freqs"
+                          or int(np.prod(spec.shape)) * 4 <= _CHUNK_BYTES):
         yield encode_as(_random_tensor(spec, params, seed), qtype)
         return
     rng = _rng_for(seed, f"{spec.role}:{spec.layer}")
@@ -429,15 +476,11 @@ def _synthetic_chunks(spec, qtype, params, seed: int) -> Iterable[np.ndarray]:
     n_rows = int(np.prod(spec.shape[:-1]))
     std = 0.5 if spec.role == "token_embd" else 1.0 / np.sqrt(row_len)
     rows_per_chunk = max(1, _CHUNK_BYTES // (4 * row_len))
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
     for start in range(0, n_rows, rows_per_chunk):
         rows = min(rows_per_chunk, n_rows - start)
-        if qtype == T.Q8_0:
-            n_blocks = rows * row_len // 32
-            block = np.empty((n_blocks, 34), dtype=np.uint8)
-            # |q| <= 127 uniform has std ~73; scale d so values have roughly the wanted std
-            block[:, :2] = np.full(n_blocks, std / 73.0, dtype=np.float16).view(np.uint8).reshape(-1, 2)
-            block[:, 2:] = rng.integers(-127, 128, (n_blocks, 32), dtype=np.int8).view(np.uint8)
-            yield block
+        if quantized:
+            yield _random_blocks(rng, qtype, rows * row_len // block, std)
         else:
             data = rng.standard_normal((rows, row_len), dtype=np.float32) * np.float32(std)
             yield encode_as(data, qtype)
@@ -450,7 +493,8 @@ def write_synthetic_gguf(path: str | Path, n_layer: int = 1, vocab_size: int = 2
 
     Writing streams chunk by chunk. Sizes: the 262144 x 2816 embedding alone is ~0.8 GB in Q8_0
     (1.5 GB F16), and each real-size MoE layer adds ~0.8 GB in Q8_0; pass num_experts=... to shrink.
-    The tokenizer is dg-tiny padded with never-produced filler tokens up to `vocab_size`.
+    outtype "q4_k_m" stores the types of a Q4_K_M quant (`q4_k_m_type`; 30 layers: ~15 GB), filled
+    with random blocks. The tokenizer is dg-tiny padded with never-produced filler tokens up to `vocab_size`.
     """
     from dgcli.convert import params_from_hf_config, write_layout_gguf
 
@@ -468,5 +512,8 @@ def write_synthetic_gguf(path: str | Path, n_layer: int = 1, vocab_size: int = 2
     params = params_from_hf_config({"model_type": "diffusion_gemma", "canvas_length": canvas_length,
                                     "text_config": text})
     vocab = TinyVocab(extra_tokens=vocab_size - base)
-    return write_layout_gguf(path, params, arch, vocab.add_to_gguf, outtype=outtype,
+    storage = None
+    if outtype == "q4_k_m":
+        outtype, storage = "f32", lambda spec: q4_k_m_type(spec, n_layer)
+    return write_layout_gguf(path, params, arch, vocab.add_to_gguf, outtype=outtype, storage=storage,
                              raw_source=lambda spec, qtype: _synthetic_chunks(spec, qtype, params, seed))
