@@ -422,7 +422,9 @@ def _random_blocks(rng: np.random.Generator, qtype, n_blocks: int, std: float) -
 
     T = gguf.GGMLQuantizationType
     size = gguf.GGML_QUANT_SIZES[qtype][1]
-    blocks = np.frombuffer(rng.bytes(n_blocks * size), dtype=np.uint8).reshape(n_blocks, size).copy()
+    # raw 64-bit draws: several times faster than rng.bytes / rng.integers (a 16 GB file is mostly these)
+    raw = rng.bit_generator.random_raw(-(-n_blocks * size // 8)).view(np.uint8)
+    blocks = raw[:n_blocks * size].reshape(n_blocks, size)
 
     def put_f16(offset: int, value: float) -> None:
         blocks[:, offset:offset + 2] = np.full(n_blocks, value, dtype=np.float16).view(np.uint8).reshape(-1, 2)
