@@ -113,15 +113,15 @@ def scripted(monkeypatch):
     opened = []
 
     def factory(**model_kwargs):
-        def open_engine(path, threads=None, gpu_layers=0):
+        def open_engine(path, threads=None, gpu_layers=0, **_):
             model = ScriptedModel(**model_kwargs)
             opened.append(model)
             engine = DiffusionEngine(model)
             engine.close = model.close  # the CLI must close what it opened
             return engine
         monkeypatch.setattr(shared, "open_diffusion_engine", open_engine)
-        monkeypatch.setattr(shared, "open_ar_engine", lambda path, threads=None, gpu_layers=0: ScriptedAr())
-        monkeypatch.setattr(shared, "open_speed_model", lambda path, n, threads=None, gpu_layers=0: ScriptedModel())
+        monkeypatch.setattr(shared, "open_ar_engine", lambda path, threads=None, gpu_layers=0, **_: ScriptedAr())
+        monkeypatch.setattr(shared, "open_speed_model", lambda path, n, threads=None, gpu_layers=0, **_: ScriptedModel())
         return opened
 
     return factory
@@ -252,7 +252,7 @@ def test_invalid_sampler_values(flags, fragment, tiny_gguf, scripted):
 
 
 def test_prompt_longer_than_the_context(tiny_gguf, monkeypatch):
-    def open_engine(path, threads=None, gpu_layers=0):
+    def open_engine(path, threads=None, gpu_layers=0, **_):
         return DiffusionEngine(ScriptedModel(n_ctx=16))
     monkeypatch.setattr(shared, "open_diffusion_engine", open_engine)
     r = run("generate", "word " * 20, "-m", tiny_gguf, "--no-live")
@@ -351,7 +351,7 @@ def test_failure_mid_run_leaves_no_trace_file(tiny_gguf, tmp_path, monkeypatch):
                 raise DgError("decoder failed")
             return super().decode_canvas(canvas, sc_logits)
 
-    monkeypatch.setattr(shared, "open_diffusion_engine", lambda p, threads=None, gpu_layers=0: DiffusionEngine(Failing(confident=False)))
+    monkeypatch.setattr(shared, "open_diffusion_engine", lambda p, threads=None, gpu_layers=0, **_: DiffusionEngine(Failing(confident=False)))
     trace = tmp_path / "t.jsonl"
     r = run("generate", "hi", "-m", tiny_gguf, "--trace", trace, "--no-live")
     assert r.exit_code == 1
@@ -466,7 +466,7 @@ def test_bench_batch_sweep_uses_multi_sequence_forward(tiny_gguf, tiny_ar_gguf, 
     scripted()
     loaded = []
 
-    def open_speed(path, n, threads=None, gpu_layers=0):
+    def open_speed(path, n, threads=None, gpu_layers=0, **_):
         loaded.append(MultiSeqModel(n))
         return loaded[-1]
 

@@ -65,7 +65,7 @@ def test_prompt_longer_than_context_with_the_real_model(tiny_gguf, monkeypatch):
 
     opened = []
 
-    def open_small_context(p, threads=None, gpu_layers=0):
+    def open_small_context(p, threads=None, gpu_layers=0, **_):
         # llama.cpp rounds n_ctx up (to 256 here): the message must quote the context actually used.
         opened.append(DiffusionEngine(str(p), n_threads=1, n_ctx=64))
         return opened[-1]

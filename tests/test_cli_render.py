@@ -119,7 +119,7 @@ def test_generate_live_view_on_a_terminal(tiny_gguf, monkeypatch):
     buf = io.StringIO()
     monkeypatch.setattr(shared, "stdout", Console(file=buf, force_terminal=True, width=100, color_system=None))
     monkeypatch.setattr(shared, "stderr", Console(file=io.StringIO(), force_terminal=True, width=100))
-    monkeypatch.setattr(shared, "open_diffusion_engine", lambda p, threads=None, gpu_layers=0: DiffusionEngine(ScriptedModel()))
+    monkeypatch.setattr(shared, "open_diffusion_engine", lambda p, threads=None, gpu_layers=0, **_: DiffusionEngine(ScriptedModel()))
     monkeypatch.setattr(shared.Throttle, "ready", lambda self, force=False: True)  # render every step
     from typer.testing import CliRunner
 

@@ -127,4 +127,7 @@ def test_memory_fit(tiny_models, monkeypatch):
     with pytest.raises(info.TooBigForMemory, match=r"needs about .* of RAM but this machine has 1.0 MB"):
         info.check_fits_memory(diff)
     assert not info.read_info(diff).fits_ram
-    info.check_fits_memory(diff, n_gpu_layers=-1)  # offloaded: not a RAM question
+    # offloaded, the embedding and the runtime still need RAM (tests/test_offload.py has the GPU side)
+    gpu = [info.GpuMemory("test GPU", 64 * 1024**3, 64 * 1024**3)]
+    with pytest.raises(info.TooBigForMemory, match="offload more to the GPU"):
+        info.check_fits_memory(diff, n_gpu_layers=-1, gpus=gpu)

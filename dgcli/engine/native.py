@@ -110,6 +110,50 @@ def _declare(lib_mod: Any) -> None:
         fn.argtypes, fn.restype = argtypes, restype
 
 
+# NVIDIA's pip wheels (what torch depends on) put the CUDA runtime and cuBLAS in site-packages:
+# nvidia/cu13/lib (CUDA 13) or nvidia/<component>/lib (CUDA 12). The sonames libggml-cuda needs.
+_CUDA_SONAMES = ("libcudart.so.13", "libcublasLt.so.13", "libcublas.so.13",
+                 "libcudart.so.12", "libcublasLt.so.12", "libcublas.so.12")
+_preloaded: list[Any] = []
+
+
+def cuda_library_dirs() -> list[str]:
+    """Folders of NVIDIA's pip wheels on sys.path that hold the CUDA runtime / cuBLAS."""
+    out = []
+    for base in sys.path:
+        nvidia = os.path.join(base or ".", "nvidia")
+        if not os.path.isdir(nvidia):
+            continue
+        for sub in ("cu13", "cu12", "cuda_runtime", "cublas"):
+            folder = os.path.join(nvidia, sub, "lib")
+            if os.path.isdir(folder) and folder not in out:
+                out.append(folder)
+    return out
+
+
+def _preload_cuda_libraries(llama_dir: str) -> None:
+    """For a CUDA build, load the CUDA runtime and cuBLAS from NVIDIA's pip wheels when the system
+    has none on its library path: libggml-cuda's dependencies then resolve to these (by soname),
+    as torch does for its own. A system copy (LD_LIBRARY_PATH, ldconfig, RPATH) is tried first."""
+    if not os.path.exists(os.path.join(llama_dir, "libggml-cuda.so")):
+        return
+    dirs = cuda_library_dirs()
+    for soname in _CUDA_SONAMES:
+        try:
+            _preloaded.append(ctypes.CDLL(soname, mode=ctypes.RTLD_GLOBAL))
+            continue
+        except OSError:
+            pass
+        for folder in dirs:
+            path = os.path.join(folder, soname)
+            if os.path.exists(path):
+                try:
+                    _preloaded.append(ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL))
+                except OSError:
+                    pass
+                break
+
+
 def lib() -> Any:
     """llama-cpp-python's low-level module, initialised, with our dg_* functions declared on `_lib`."""
     global _module, _log_callback
@@ -119,8 +163,13 @@ def lib() -> Any:
         if _module is not None:
             return _module
         try:
+            import importlib.util
+
+            spec = importlib.util.find_spec("llama_cpp")
+            if spec is not None and spec.submodule_search_locations:
+                _preload_cuda_libraries(os.path.join(list(spec.submodule_search_locations)[0], "lib"))
             import llama_cpp.llama_cpp as lib_mod  # noqa: PLC0415 (optional dependency, loaded on first use)
-        except (ImportError, OSError) as err:
+        except (ImportError, OSError, RuntimeError) as err:
             raise NativeUnavailable(f"llama_cpp is not available ({err}); {BUILD_HINT}") from err
         _declare(lib_mod)
         _log_callback = lib_mod.llama_log_callback(_on_log)

@@ -122,8 +122,8 @@ def plan_placement(tensors: Iterable[tuple[str, int]], n_layer: int, n_gpu_layer
                    gpu: bool) -> PlacementPlan:
     """Predict where each weight goes (llama.cpp's rules, module docstring) from (name, bytes) pairs."""
     check_offload(n_gpu_layers, n_cpu_moe)
-    pattern = expert_override_pattern(n_cpu_moe, n_layer) if gpu else None
-    regex = re.compile(pattern) if pattern else None
+    pattern = expert_override_pattern(n_cpu_moe, n_layer)  # validates N even when nothing is offloaded
+    regex = re.compile(pattern) if pattern and gpu else None
     start = first_gpu_layer(n_gpu_layers, n_layer) if gpu else n_layer + 1
     plan = PlacementPlan(n_layer=n_layer, n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe, gpu=gpu)
     names = []
@@ -139,12 +139,12 @@ def plan_placement(tensors: Iterable[tuple[str, int]], n_layer: int, n_gpu_layer
         expert = bool(re.search(EXPERT_TENSORS, name))
         on_gpu = layer is not None and layer >= start and not (regex is not None and regex.search(name))
         plan.tensors.append(TensorPlace(name, int(nbytes), layer, on_gpu, expert))
-    # a tied LM head: llama.cpp loads the embedding a second time, with the output layer
-    if "output.weight" not in names:
+    # a tied LM head on the GPU: llama.cpp loads the embedding a second time, there (on the CPU both
+    # name the same mapped bytes)
+    if "output.weight" not in names and n_layer >= start:
         embd = next((t for t in plan.tensors if t.name == "token_embd.weight"), None)
         if embd is not None:
-            plan.tensors.append(TensorPlace("output.weight (tied: token_embd.weight)", embd.nbytes, n_layer,
-                                            n_layer >= start))
+            plan.tensors.append(TensorPlace("output.weight (tied: token_embd.weight)", embd.nbytes, n_layer, True))
     return plan
 
 

@@ -1,0 +1,248 @@
+"""Partial offload on CPU: the expert-tensor patterns for --n-cpu-moe N, that llama.cpp applies them
+(its load log names every overridden tensor and its buffer), the placement plan, and the RAM / GPU
+memory fits with an injected GPU (no GPU here)."""
+
+from __future__ import annotations
+
+import re
+from collections import namedtuple
+
+import pytest
+from typer.testing import CliRunner
+
+from dgcli import info
+from dgcli.cli import app
+from dgcli.convert import params_from_hf_config, tensor_plan
+from dgcli.engine.offload import (
+    LoadReport,
+    expert_override_pattern,
+    first_gpu_layer,
+    layer_ranges,
+    plan_placement,
+)
+from dgcli.engine.types import InvalidParameter
+from dgcli.info import GpuMemory
+from dgcli.tiny import q4_k_m_type
+from native_helpers import requires_native
+
+GB = 1024**3
+EXPERT_SUFFIXES = ("ffn_gate_up_exps.weight", "ffn_down_exps.weight", "ffn_down_exps.scale")
+
+
+def real_size_tensors(n_layer: int = 30) -> list[tuple[str, int]]:
+    """(name, bytes) of a 26B-A4B diffusion-gemma GGUF in Q4_K_M-like types (what tiny's writer makes)."""
+    import gguf
+
+    text = dict(vocab_size=262144, hidden_size=2816, intermediate_size=2112, num_hidden_layers=n_layer,
+                num_attention_heads=16, num_key_value_heads=8, head_dim=256, global_head_dim=512,
+                num_global_key_value_heads=2, sliding_window=1024, num_experts=128, top_k_experts=8,
+                moe_intermediate_size=704, max_position_embeddings=262144)
+    params = params_from_hf_config({"model_type": "diffusion_gemma", "canvas_length": 256, "text_config": text})
+    out = []
+    for spec in tensor_plan(params, "diffusion-gemma"):
+        block, size = gguf.GGML_QUANT_SIZES[q4_k_m_type(spec, n_layer)]
+        n = 1
+        for d in spec.shape:
+            n *= d
+        out.append((spec.name, n // block * size))
+    return out
+
+
+# -- the patterns ----------------------------------------------------------------------------------
+
+
+def test_n_cpu_moe_pattern_selects_exactly_the_first_layers_experts():
+    names = [name for name, _ in real_size_tensors()]
+    for n in (1, 2, 10, 29):
+        pattern = re.compile(expert_override_pattern(n, 30))
+        picked = {name for name in names if pattern.search(name)}
+        wanted = {f"blk.{i}.{suffix}" for i in range(n) for suffix in EXPERT_SUFFIXES}
+        assert picked == wanted, n  # blk.1 must not pick blk.10-19, nor the router (ffn_gate_inp)
+
+
+def test_cpu_moe_and_edges():
+    assert expert_override_pattern(0, 30) is None
+    every = expert_override_pattern(-1, 30)
+    assert expert_override_pattern(30, 30) == every
+    names = [name for name, _ in real_size_tensors(4)]
+    assert {n for n in names if re.search(every, n)} == {f"blk.{i}.{s}" for i in range(4) for s in EXPERT_SUFFIXES}
+    with pytest.raises(InvalidParameter, match="at most the model's 30 layers"):
+        expert_override_pattern(31, 30)
+
+
+def test_first_gpu_layer_follows_llama_cpp():
+    # llama.cpp: i_gpu_start = n_layer + 1 - n_gpu_layers (the output layer is layer n_layer)
+    assert first_gpu_layer(-1, 30) == 0
+    assert first_gpu_layer(31, 30) == 0
+    assert first_gpu_layer(99, 30) == 0
+    assert first_gpu_layer(30, 30) == 1   # every block, but the LM head stays on the CPU
+    assert first_gpu_layer(1, 30) == 30   # only the output layer
+    assert layer_ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
+
+
+# -- llama.cpp accepts them ------------------------------------------------------------------------
+
+
+@requires_native
+@pytest.mark.parametrize("n_cpu_moe, layers", [(0, []), (2, [0, 1]), (-1, list(range(6)))])
+def test_llama_cpp_applies_the_override(tiny_gguf, n_cpu_moe, layers):
+    """The load log names each tensor the override moved, and where (a CPU build has nothing else to
+    offload, but the loader applies the overrides all the same)."""
+    from dgcli.engine.model import DiffusionModel
+
+    with DiffusionModel(tiny_gguf, n_threads=1, n_gpu_layers=-1, n_cpu_moe=n_cpu_moe, n_ctx=64) as m:
+        report = m.load_report
+        logits = m.decode_canvas(list(range(10, 26)))
+    assert sorted(report.overridden) == sorted((f"blk.{i}.{s}", "CPU") for i in layers for s in EXPERT_SUFFIXES)
+    assert any(kind == "model" for _, kind, _ in report.buffers)
+    assert logits.shape == (16, 500)
+
+
+@requires_native
+def test_ar_model_takes_the_same_override(tiny_ar_gguf):
+    from dgcli.engine.model import ArModel
+
+    with ArModel(tiny_ar_gguf, n_threads=1, n_gpu_layers=-1, n_cpu_moe=1, n_ctx=64) as ar:
+        assert sorted(ar.load_report.overridden) == sorted((f"blk.0.{s}", "CPU") for s in EXPERT_SUFFIXES)
+
+
+def test_load_report_reads_a_cuda_log():
+    """The lines a CUDA load logs (llama_model_load / llama_context formats) become the report."""
+    log = [
+        "load_tensors: offloading output layer to GPU",
+        "load_tensors: offloading 30 repeating layers to GPU",
+        "load_tensors: offloaded 31/31 layers to GPU",
+        "load_tensors:        CUDA0 model buffer size = 12345.67 MiB",
+        "load_tensors:   CPU_Mapped model buffer size =  3000.50 MiB",
+        "tensor blk.0.ffn_gate_up_exps.weight (288 MiB q4_K) buffer type overridden to CUDA_Host",
+        "llama_kv_cache:      CUDA0 KV buffer size =   400.00 MiB",
+        "sched_reserve:      CUDA0 compute buffer size =  1100.00 MiB",
+    ]
+    report = LoadReport.from_log(log)
+    assert (report.offloaded_layers, report.total_layers) == (31, 31)
+    assert report.overridden == [("blk.0.ffn_gate_up_exps.weight", "CUDA_Host")]
+    assert report.mib_by_device() == pytest.approx({"CUDA0": 12345.67 + 400 + 1100, "CPU": 3000.5})
+
+
+# -- the plan and the fits ---------------------------------------------------------------------------
+
+
+def test_plan_moves_expert_bytes_to_ram_as_n_grows():
+    tensors = real_size_tensors()
+    total = sum(b for _, b in tensors)
+    assert 14 * GB < total < 17 * GB  # a Q4_K_M 26B-A4B: ~16 GB
+    full = plan_placement(tensors, 30, -1, 0, gpu=True)
+    # input embedding on the CPU; the tied LM head is a second copy on the GPU
+    embd = dict(tensors)["token_embd.weight"]
+    assert full.ram_weight_bytes == embd + dict(tensors)["rope_freqs.weight"]
+    assert full.gpu_weight_bytes == total - full.ram_weight_bytes + embd
+    expert_bytes = [sum(b for n, b in tensors if n.startswith(f"blk.{i}.") and "_exps." in n) for i in range(30)]
+    previous = full
+    for n in (5, 15, 30):
+        plan = plan_placement(tensors, 30, -1, n, gpu=True)
+        assert plan.ram_weight_bytes == full.ram_weight_bytes + sum(expert_bytes[:n])
+        assert plan.gpu_weight_bytes == full.gpu_weight_bytes - sum(expert_bytes[:n])
+        assert plan.gpu_weight_bytes < previous.gpu_weight_bytes
+        previous = plan
+    # no GPU: everything in RAM, whatever was asked
+    none = plan_placement(tensors, 30, -1, 10, gpu=False)
+    assert none.gpu_weight_bytes == 0 and none.ram_weight_bytes == total
+
+
+@pytest.fixture(scope="module")
+def tiny_diff(tmp_path_factory):
+    from dgcli.tiny import write_tiny_random_gguf
+
+    return write_tiny_random_gguf(tmp_path_factory.mktemp("offload") / "diff.gguf", seed=2)
+
+
+def fake_ram(monkeypatch, total: int, available: int | None = None) -> None:
+    VM = namedtuple("VM", "total available")
+    monkeypatch.setattr("psutil.virtual_memory", lambda: VM(total, total if available is None else available))
+
+
+def test_fits_are_answered_for_ram_and_gpu_separately(tiny_diff, monkeypatch):
+    fake_ram(monkeypatch, 64 * GB)
+    big, small = [GpuMemory("big", 24 * GB, 24 * GB)], [GpuMemory("small", 100 * 1024**2, 100 * 1024**2)]
+    cpu_only = info.read_info(tiny_diff)
+    offloaded = info.read_info(tiny_diff, n_gpu_layers=-1, gpus=big)
+    assert cpu_only.gpu_needed == 0 and cpu_only.gpu_name is None
+    assert offloaded.gpu_needed > 0 and offloaded.fits_gpu and offloaded.fits_available_gpu
+    assert offloaded.memory_needed < cpu_only.memory_needed  # the offloaded weights left RAM
+    assert offloaded.offloaded_layers == 7
+    tight = info.read_info(tiny_diff, n_gpu_layers=-1, gpus=small)
+    assert not tight.fits_gpu and tight.fits_ram
+    # experts to RAM: the RAM side grows by what the GPU side loses
+    moe = info.read_info(tiny_diff, n_gpu_layers=-1, n_cpu_moe=-1, gpus=big)
+    assert moe.gpu_needed < offloaded.gpu_needed
+    assert moe.memory_needed - offloaded.memory_needed == pytest.approx(
+        (offloaded.gpu_needed - moe.gpu_needed) * info.MEMORY_OVERHEAD_FACTOR, rel=1e-3)
+    assert ("layers 0-5 experts", "RAM") in [(w, d) for w, d, _, _ in moe.placement]
+    doc = moe.to_json()
+    assert doc["fits_gpu"] is True and doc["placement"][0]["where"] == "RAM"
+
+
+def test_preload_check_refuses_what_does_not_fit(tiny_diff, monkeypatch):
+    fake_ram(monkeypatch, 64 * GB)
+    plenty = [GpuMemory("CUDA0 (test)", 24 * GB, 24 * GB)]
+    info.check_fits_memory(tiny_diff, n_gpu_layers=-1, gpus=plenty)
+    need = info.read_info(tiny_diff, n_gpu_layers=-1, gpus=plenty).gpu_needed
+    # a GPU with room only once the experts leave: the message names the smallest --n-cpu-moe that fits
+    just = info.read_info(tiny_diff, n_gpu_layers=-1, n_cpu_moe=3, gpus=plenty).gpu_needed
+    card = [GpuMemory("CUDA0 (test)", 24 * GB, just)]
+    assert just < need
+    with pytest.raises(info.TooBigForMemory, match=r"of GPU memory with every layer offloaded, but CUDA0 \(test\) "
+                                                   r"has .* free; try --n-cpu-moe 3"):
+        info.check_fits_memory(tiny_diff, n_gpu_layers=-1, gpus=card)
+    info.check_fits_memory(tiny_diff, n_gpu_layers=-1, n_cpu_moe=3, gpus=card)
+    with pytest.raises(info.TooBigForMemory, match="offload fewer layers"):
+        info.check_fits_memory(tiny_diff, n_gpu_layers=-1, gpus=[GpuMemory("tiny", GB, 1024)])
+    # RAM is judged on what stays there: too little RAM fails even with everything offloaded
+    fake_ram(monkeypatch, 1024**2)
+    with pytest.raises(info.TooBigForMemory, match="of RAM .*offload more to the GPU"):
+        info.check_fits_memory(tiny_diff, n_gpu_layers=-1, gpus=plenty)
+    with pytest.raises(info.TooBigForMemory, match="of RAM .*offload layers to a GPU"):
+        info.check_fits_memory(tiny_diff, n_gpu_layers=-1, gpus=[])
+
+
+# -- the CLI ---------------------------------------------------------------------------------------
+
+
+def test_info_answers_for_a_given_gpu(tiny_diff, monkeypatch):
+    fake_ram(monkeypatch, 64 * GB)
+    result = CliRunner().invoke(app, ["info", str(tiny_diff), "--n-cpu-moe", "2", "--gpu-memory", "16GB"],
+                                env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert re.search(r"GPU memory\s+needs ~.*a 16\.0 GB GPU \(--gpu-memory\): 16\.0 GB total, 16\.0 GB free: fits", out)
+    assert "placement (7/7 layers offloaded)" in out
+    assert re.search(r"layers 0-1 experts\s+│ RAM", out) and re.search(r"layers 2-5 experts\s+│ GPU", out)
+    small = CliRunner().invoke(app, ["info", str(tiny_diff), "--gpu-layers", "-1", "--gpu-memory", "1MB"],
+                               env={"COLUMNS": "200"})
+    assert "DOES NOT FIT" in small.output
+    doc = CliRunner().invoke(app, ["info", str(tiny_diff), "--cpu-moe", "--gpu-memory", "16GB", "--json"]).output
+    assert '"n_cpu_moe": -1' in doc and '"fits_gpu": true' in doc
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--cpu-moe", "--n-cpu-moe", "2"], "pass --cpu-moe or --n-cpu-moe N, not both"),
+    (["--n-cpu-moe", "-3"], "invalid --n-cpu-moe -3"),
+    (["--n-cpu-moe", "7"], "at most the model's 6 layers"),
+    (["--gpu-memory", "lots"], "invalid size 'lots'"),
+])
+def test_bad_offload_flags_are_one_line_errors(tiny_diff, args, message):
+    result = CliRunner().invoke(app, ["info", str(tiny_diff), *args])
+    assert result.exit_code == 1
+    assert message in result.output and "Traceback" not in result.output
+
+
+@requires_native
+def test_generate_verbose_reports_where_the_experts_went(tiny_diff, monkeypatch):
+    fake_ram(monkeypatch, 64 * GB)
+    # a CPU build: --gpu-layers is ignored, the override still moves (here: keeps) the experts
+    result = CliRunner().invoke(app, ["generate", "hi", "-m", str(tiny_diff), "--n-cpu-moe", "2", "--verbose",
+                                      "--no-live", "--steps", "2", "-n", "4", "--seed", "0"])
+    assert result.exit_code == 0, result.output
+    assert "diffusion model diff.gguf: this llama.cpp build has no GPU offload" in result.output
+    assert "kept in system memory (CPU): blk.{0-1}.ffn_gate_up_exps.weight" in result.output
+    assert "kept in system memory (CPU): blk.{0-1}.ffn_down_exps.weight" in result.output
