@@ -3,6 +3,7 @@ rewriter that makes malformed copies of a good file."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -13,6 +14,21 @@ from dgcli.engine import native
 
 NATIVE_OK, NATIVE_REASON = native.available()
 requires_native = pytest.mark.skipif(not NATIVE_OK, reason=f"native library unavailable: {NATIVE_REASON}")
+
+# Layers the parity and replay tests offload: 0 here; benchmarks/gpu_check.py sets -1 (all) on a GPU machine.
+GPU_LAYERS = int(os.environ.get("DG_TEST_GPU_LAYERS") or 0)
+
+
+def _gpu_reason() -> str:
+    if not NATIVE_OK:
+        return f"native library unavailable: {NATIVE_REASON}"
+    if not native.gpu_devices():
+        return "no GPU llama.cpp can offload to (a CPU build, or no device); benchmarks/gpu_check.py runs these on one"
+    return ""
+
+
+GPU_REASON = _gpu_reason()
+requires_gpu = pytest.mark.skipif(bool(GPU_REASON), reason=GPU_REASON)
 
 
 def rewrite_gguf(src: Path, dst: Path, *, drop_keys: tuple[str, ...] = (), set_keys: dict[str, tuple[Any, Any]] | None = None,

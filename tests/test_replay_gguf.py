@@ -20,6 +20,7 @@ pytestmark = pytest.mark.skipif(not NATIVE_OK, reason=f"patched llama.cpp not bu
 import numpy as np  # noqa: E402
 
 from dgcli.engine.rng import RngStream  # noqa: E402
+from native_helpers import GPU_LAYERS  # noqa: E402
 from dgcli.engine.sampler import NumpyStepSampler, entropy_bound_accept_mask  # noqa: E402
 from test_replay_torch import (  # noqa: E402
     END_TOKEN_IDS,
@@ -44,7 +45,8 @@ def random_pair(tmp_path_factory):
     from dgcli.reference import random_model, tiny_config
 
     hf_model = random_model(tiny_config(), seed=3)
-    model = DiffusionModel(convert(hf_model, tmp_path_factory.mktemp("replay-random")), exact=True, n_threads=1)
+    model = DiffusionModel(convert(hf_model, tmp_path_factory.mktemp("replay-random")), exact=True, n_threads=1,
+                          n_gpu_layers=GPU_LAYERS)
     yield hf_model, model
     model.close()
 
@@ -54,7 +56,8 @@ def confident_pair(tmp_path_factory):
     from dgcli.engine.model import DiffusionModel
 
     hf_model = make_confident_model()
-    model = DiffusionModel(convert(hf_model, tmp_path_factory.mktemp("replay-confident")), exact=True, n_threads=1)
+    model = DiffusionModel(convert(hf_model, tmp_path_factory.mktemp("replay-confident")), exact=True, n_threads=1,
+                          n_gpu_layers=GPU_LAYERS)
     yield hf_model, model
     model.close()
 
