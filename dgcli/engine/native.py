@@ -258,6 +258,11 @@ def buft_overrides(patterns: list[str]) -> Any:
     return array
 
 
+def log_tail() -> list[str]:
+    """The last lines llama.cpp logged (up to 200), oldest first."""
+    return [text for _level, text in _log_lines]
+
+
 @contextlib.contextmanager
 def collect_log() -> Iterator[list[str]]:
     """Every whole line llama.cpp logs inside the block (the error ring keeps only the last 200)."""
