@@ -203,9 +203,14 @@ def _ggml_lib() -> Any:
         return _ggml
     lib_mod = lib()
     folder = os.path.dirname(lib_mod._lib._name)
+
+    def sibling(stem: str) -> Any:
+        # by path when the unversioned file is there, else by soname: libllama has loaded it already
+        path = os.path.join(folder, f"{stem}.so")
+        return ctypes.CDLL(path if os.path.exists(path) else f"{stem}.so.0")
+
     try:
-        reg = ctypes.CDLL(os.path.join(folder, "libggml.so"))
-        cpu = ctypes.CDLL(os.path.join(folder, "libggml-cpu.so"))
+        reg, cpu = sibling("libggml"), sibling("libggml-cpu")
     except OSError as err:
         raise NativeUnavailable(f"cannot open ggml's libraries next to libllama ({err}); {BUILD_HINT}") from err
     reg.ggml_backend_dev_count.argtypes, reg.ggml_backend_dev_count.restype = [], ctypes.c_size_t
