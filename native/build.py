@@ -57,6 +57,7 @@ CUDA_ARCHITECTURES = "86-real;89-real;90"
 # cuBLAS headers and libraries when the CUDA toolkit lacks them (an nvcc-only install): NVIDIA's pip
 # package of the same major.minor version as nvcc.
 CUBLAS_PIP = {12: "nvidia-cublas-cu12", 13: "nvidia-cublas"}
+DEFAULT_NVCC = "/usr/local/cuda/bin/nvcc"  # NVIDIA's installers' location, when nvcc is not on PATH
 
 NATIVE_DIR = Path(__file__).resolve().parent
 PATCH_DIR = NATIVE_DIR / "patch"
@@ -311,7 +312,7 @@ class CudaToolkit:
 def find_cuda_toolkit() -> CudaToolkit:
     candidates = [os.environ.get("CUDACXX"), shutil.which("nvcc"),
                   *(str(Path(os.environ[v]) / "bin" / "nvcc") for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)),
-                  "/usr/local/cuda/bin/nvcc"]
+                  DEFAULT_NVCC]
     nvcc = next((Path(c) for c in candidates if c and Path(c).is_file()), None)
     if nvcc is None:
         raise BuildError("cuda toolkit", "nvcc not found (install the CUDA toolkit, or set CUDACXX / CUDA_HOME)")

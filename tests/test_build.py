@@ -1,0 +1,109 @@
+"""native/build.py's CUDA options, without compiling: a fake nvcc stands in for the toolkit."""
+
+from __future__ import annotations
+
+import importlib.util
+import stat
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("dg_native_build", ROOT / "native" / "build.py")
+build = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(build)
+
+
+def fake_toolkit(root: Path, release: str = "13.0", stub: bool = False, cublas: bool = False) -> Path:
+    """A toolkit folder whose bin/nvcc answers --version and --dryrun like the real one."""
+    (root / "bin").mkdir(parents=True)
+    lib = root / "targets" / "x86_64-linux" / "lib"
+    inc = root / "targets" / "x86_64-linux" / "include"
+    lib.mkdir(parents=True)
+    inc.mkdir(parents=True)
+    if stub:
+        (lib / "stubs").mkdir()
+        (lib / "stubs" / "libcuda.so").write_bytes(b"")
+    if cublas:
+        (lib / "libcublas.so").write_bytes(b"")
+        (inc / "cublas_v2.h").write_text("")
+    nvcc = root / "bin" / "nvcc"
+    nvcc.write_text(f"""#!/bin/sh
+case "$1" in
+  --version) echo "Cuda compilation tools, release {release}, V{release}.1";;
+  --dryrun) echo "#$ TOP={root}/bin/.." >&2;;
+esac
+""")
+    nvcc.chmod(nvcc.stat().st_mode | stat.S_IEXEC)
+    return nvcc
+
+
+@pytest.fixture
+def toolkit(tmp_path, monkeypatch):
+    def make(**kw) -> Path:
+        nvcc = fake_toolkit(tmp_path / f"cuda-{len(list(tmp_path.iterdir()))}", **kw)
+        monkeypatch.setenv("CUDACXX", str(nvcc))
+        return nvcc
+    monkeypatch.setenv("DG_CACHE_DIR", str(tmp_path / "cache"))
+    return make
+
+
+def test_cuda_options(toolkit):
+    nvcc = toolkit()
+    args = build.cmake_args_for(build.parse_args(["--cuda"]))
+    assert "-DGGML_CUDA=on" in args
+    assert f"-DCMAKE_CUDA_COMPILER={nvcc.parent.parent.resolve() / 'bin' / 'nvcc'}" in args
+    assert "-DCMAKE_CUDA_ARCHITECTURES=86-real;89-real;90" in args
+    assert "-DGGML_NATIVE=OFF" in args  # the wheel travels to another machine's CPU
+    assert "-DGGML_CUDA_NO_VMM=ON" in args  # no libcuda.so to link against
+    toolkit(stub=True)
+    assert "-DGGML_CUDA_NO_VMM=ON" not in build.cmake_args_for(build.parse_args(["--cuda"]))
+    custom = build.cmake_args_for(build.parse_args(["--cuda", "--cuda-arch", "90a-real"]))
+    assert "-DCMAKE_CUDA_ARCHITECTURES=90a-real" in custom
+
+
+def test_bad_arch_and_missing_nvcc(toolkit, tmp_path, monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        build.parse_args(["--cuda", "--cuda-arch", "sm_90; rm -rf /"])
+    monkeypatch.setenv("CUDACXX", str(tmp_path / "nowhere" / "nvcc"))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.setattr(build, "DEFAULT_NVCC", str(tmp_path / "nowhere" / "nvcc"))
+    assert build.main(["--cuda", "--print-key"]) == 1
+    assert "nvcc not found" in capsys.readouterr().err
+
+
+def test_keys(toolkit, monkeypatch):
+    cpu = build.cmake_args_for(build.parse_args([]))
+    toolkit(release="13.0")
+    cuda_13_0 = build.cmake_args_for(build.parse_args(["--cuda"]))
+    assert build.build_key(cpu) != build.build_key(cuda_13_0)
+    # a portable build does not depend on the CPU it was built on; a native one does
+    keys = {}
+    for sig in ("a", "b"):
+        monkeypatch.setattr(build, "cpu_signature", lambda sig=sig: sig)
+        keys[sig] = (build.build_key(cpu), build.build_key(cuda_13_0))
+    assert keys["a"][0] != keys["b"][0] and keys["a"][1] == keys["b"][1]
+    # a new toolkit is a new wheel
+    toolkit(release="13.1")
+    cuda_13_1 = build.cmake_args_for(build.parse_args(["--cuda"]))
+    assert build.build_key(cuda_13_1) != build.build_key(cuda_13_0)
+
+
+def test_cublas_from_the_toolkit_or_the_cache(toolkit, tmp_path):
+    log = tmp_path / "log"
+    toolkit(cublas=True)
+    assert build.cublas_cmake_args(log) == []
+    toolkit()
+    # an unpacked pip cuBLAS in the cache is used without downloading again
+    dest = build.cache_root().parent / "cuda-deps" / "cublas-13.0"
+    (dest / "lib").mkdir(parents=True)
+    (dest / "include").mkdir()
+    for name in ("libcublas.so.13", "libcublasLt.so.13"):
+        (dest / "lib" / name).write_bytes(b"")
+    (dest / "include" / "cublas_v2.h").write_text("")
+    (dest / ".complete").touch()
+    args = build.cublas_cmake_args(log)
+    assert args == [f"-DCUDA_cublas_LIBRARY={dest / 'lib' / 'libcublas.so.13'}",
+                    f"-DCUDA_cublasLt_LIBRARY={dest / 'lib' / 'libcublasLt.so.13'}",
+                    f"-DCMAKE_CUDA_FLAGS=-I{dest / 'include'}"]
+    assert not log.exists()  # nothing was fetched
