@@ -93,7 +93,7 @@ class PlacementPlan:
         acc: dict[tuple[str, str], list] = {}
         for t in self.tensors:
             if t.layer is None:
-                what = "token embedding (input)" if t.name.startswith("token_embd") else "other"
+                what = "token embedding (input)" if t.name.startswith("token_embd") else "RoPE frequencies"
             elif t.layer == self.n_layer:
                 what = "output (norm, LM head, self-conditioning)"
             else:
