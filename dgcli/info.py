@@ -151,42 +151,51 @@ def _layer_values(value: Any, n_layer: int, default: int) -> list[int]:
     return [value if isinstance(value, int) and value >= 0 else default] * n_layer
 
 
-def kv_cache_bytes(reader, arch: str, n_layer: int, n_ctx: int = KV_CONTEXT) -> list[int]:
-    """Per layer, the F16 KV cache of a dg context: sliding layers keep window + one micro-batch of cells."""
-    heads = _layer_values(_scalar(reader, f"{arch}.attention.head_count_kv"), n_layer, 1)
-    pattern = reader.fields.get(f"{arch}.attention.sliding_window_pattern")
-    sliding = [bool(v) for v in pattern.contents()] if pattern is not None else []
-    sliding = sliding if len(sliding) == n_layer else [False] * n_layer
-    window = _scalar(reader, f"{arch}.attention.sliding_window") or n_ctx
+def kv_cache_bytes(get, arch: str, n_layer: int, n_ctx: int = KV_CONTEXT) -> list[int]:
+    """Per layer, the F16 KV cache of a dg context: sliding layers keep window + one micro-batch of cells.
+    `get(key)` reads a GGUF key (None when absent)."""
+    heads = _layer_values(get(f"{arch}.attention.head_count_kv"), n_layer, 1)
+    pattern = get(f"{arch}.attention.sliding_window_pattern")
+    sliding = [bool(v) for v in pattern] if isinstance(pattern, list) and len(pattern) == n_layer else [False] * n_layer
+    window = get(f"{arch}.attention.sliding_window")
+    window = window if isinstance(window, int) and window > 0 else n_ctx
     out = []
     for il in range(n_layer):
         swa = "_swa" if sliding[il] else ""
-        k = _scalar(reader, f"{arch}.attention.key_length{swa}") or _scalar(reader, f"{arch}.attention.key_length") or 128
-        v = _scalar(reader, f"{arch}.attention.value_length{swa}") or k
-        cells = min(n_ctx, int(window) + N_UBATCH) if sliding[il] else n_ctx
+        k = get(f"{arch}.attention.key_length{swa}") or get(f"{arch}.attention.key_length") or 128
+        v = get(f"{arch}.attention.value_length{swa}") or k
+        cells = min(n_ctx, window + N_UBATCH) if sliding[il] else n_ctx
         out.append(int(cells) * int(heads[il]) * (int(k) + int(v)) * 2)
     return out
 
 
-def memory_plan(reader, arch: str, file_size: int, n_gpu_layers: int, n_cpu_moe: int,
+def memory_plan(get, tensors: list[tuple[str, int]], vocab: int, file_size: int, n_gpu_layers: int, n_cpu_moe: int,
                 gpus: list[GpuMemory]) -> tuple[PlacementPlan, int, int]:
-    """(placement, RAM need, GPU need) for this offload. Without a GPU everything is in RAM, as llama.cpp
-    ignores --gpu-layers then."""
-    n_layer = _scalar(reader, f"{arch}.block_count")
+    """(placement, RAM need, GPU need) for this offload, from a GGUF's keys (`get`) and (name, bytes)
+    tensor list. Without a GPU everything is in RAM: llama.cpp ignores --gpu-layers then."""
+    arch = get("general.architecture")
+    n_layer = get(f"{arch}.block_count")
     n_layer = n_layer if isinstance(n_layer, int) and 0 < n_layer <= 4096 else 0
-    plan = plan_placement(((t.name, int(t.n_bytes)) for t in reader.tensors), n_layer, n_gpu_layers, n_cpu_moe,
-                          gpu=bool(gpus) and n_gpu_layers != 0)
+    plan = plan_placement(tensors, n_layer, n_gpu_layers, n_cpu_moe, gpu=bool(gpus) and n_gpu_layers != 0)
     if plan.gpu_weight_bytes == 0:
         return plan, memory_needed(file_size), 0
-    kv = kv_cache_bytes(reader, arch, n_layer)
+    kv = kv_cache_bytes(get, arch, n_layer)
     start = n_layer + 1 - plan.gpu_layer_count
     kv_gpu = sum(kv[il] for il in range(max(start, 0), n_layer))
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = len(tokens.data) if tokens is not None else 0
-    logits = 2 * max(N_UBATCH, _scalar(reader, "diffusion.canvas_length") or 0) * vocab * 4
+    canvas = get("diffusion.canvas_length")
+    logits = 2 * max(N_UBATCH, canvas if isinstance(canvas, int) else 0) * vocab * 4
     gpu_need = plan.gpu_weight_bytes + kv_gpu + logits + GPU_RUNTIME_BYTES
     ram_need = memory_needed(plan.ram_weight_bytes) + (sum(kv) - kv_gpu)
     return plan, ram_need, gpu_need
+
+
+def header_plan(path: Path | str, n_gpu_layers: int, n_cpu_moe: int, gpus: list[GpuMemory]):
+    """memory_plan from the fast header reader (arrays skipped): what the pre-load check uses."""
+    from dgcli.engine.model import read_gguf_header
+
+    header = read_gguf_header(path)
+    vocab = header.array_lengths.get("tokenizer.ggml.tokens", 0)
+    return memory_plan(header.get, header.tensors, vocab, Path(path).stat().st_size, n_gpu_layers, n_cpu_moe, gpus)
 
 
 def _check_magic(path: Path) -> None:
@@ -285,7 +294,9 @@ def read_info(path: Path | str, *, n_gpu_layers: int = 0, n_cpu_moe: int = 0,
     vm = psutil.virtual_memory()
     if gpus is None:
         gpus = detect_gpus() if n_gpu_layers != 0 else []
-    plan, ram_need, gpu_need = memory_plan(reader, arch, size, n_gpu_layers, n_cpu_moe, gpus)
+    plan, ram_need, gpu_need = memory_plan(lambda key: _scalar(reader, key), [(t.name, int(t.n_bytes)) for t in reader.tensors],
+                                           len(tokens.data) if tokens is not None else 0, size, n_gpu_layers,
+                                           n_cpu_moe, gpus)
     return GgufInfo(
         path=str(path),
         file_size=size,
@@ -350,50 +361,56 @@ def check_fits_memory(path: Path | str, *, n_gpu_layers: int = 0, n_cpu_moe: int
     is reusable. The GPU is compared against its free memory (another process's allocations stay).
     DG_SKIP_MEMORY_CHECK=1 skips it (e.g. for swap-backed experiments).
     """
+    import psutil
+
     if os.environ.get("DG_SKIP_MEMORY_CHECK") == "1":
         return
     from dgcli.hub import format_bytes
 
-    meta = read_info(path, n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe, gpus=gpus)
-    name = Path(path).name
-    if not meta.fits_ram:
-        hint = ("offload more to the GPU (--gpu-layers, or a smaller --n-cpu-moe)" if meta.gpu_name
+    if gpus is None:
+        gpus = detect_gpus() if n_gpu_layers != 0 else []
+    _, ram_need, gpu_need = header_plan(path, n_gpu_layers, n_cpu_moe, gpus)
+    name, total = Path(path).name, psutil.virtual_memory().total
+    if ram_need > total:
+        hint = ("offload more to the GPU (--gpu-layers, or a smaller --n-cpu-moe)" if gpu_need
                 else "use a smaller quant, or offload layers to a GPU with --gpu-layers")
-        raise TooBigForMemory(f"{name} needs about {format_bytes(meta.memory_needed)} of RAM but this machine has "
-                              f"{format_bytes(meta.ram_total)}; {hint}")
-    if meta.gpu_needed and not meta.fits_available_gpu:
-        fit = smallest_fitting_n_cpu_moe(path, n_gpu_layers, gpus) if meta.gpu_name else None
-        hint = f"try --n-cpu-moe {fit}" if fit is not None else "offload fewer layers (--gpu-layers)"
-        raise TooBigForMemory(f"{name} needs about {format_bytes(meta.gpu_needed)} of GPU memory with "
-                              f"{_offload_words(n_gpu_layers, n_cpu_moe)}, but {meta.gpu_name} has "
-                              f"{format_bytes(meta.gpu_free)} free; {hint}")
+        raise TooBigForMemory(f"{name} needs about {format_bytes(ram_need)} of RAM but this machine has "
+                              f"{format_bytes(total)}; {hint}")
+    free = sum(g.free for g in gpus)
+    if gpu_need > free:
+        fit = smallest_fitting_n_cpu_moe(path, n_gpu_layers, gpus)
+        hint = f"try --n-cpu-moe {fit}" if fit is not None and fit > max(n_cpu_moe, 0) else "offload fewer layers (--gpu-layers)"
+        raise TooBigForMemory(f"{name} needs about {format_bytes(gpu_need)} of GPU memory with "
+                              f"{_offload_words(n_gpu_layers, n_cpu_moe)}, but {', '.join(g.name for g in gpus)} has "
+                              f"{format_bytes(free)} free; {hint}")
 
 
 def _offload_words(n_gpu_layers: int, n_cpu_moe: int) -> str:
     layers = "every layer offloaded" if n_gpu_layers < 0 else f"{n_gpu_layers} layers offloaded"
-    experts = {0: "", -1: ", all experts in RAM"}.get(n_cpu_moe, f", the first {n_cpu_moe} layers' experts in RAM")
+    experts = {0: "", -1: ", all experts in RAM", 1: ", the first layer's experts in RAM"}.get(
+        n_cpu_moe, f", the first {n_cpu_moe} layers' experts in RAM")
     return layers + experts
 
 
-def smallest_fitting_n_cpu_moe(path: Path | str, n_gpu_layers: int, gpus: list[GpuMemory] | None = None) -> int | None:
-    """The fewest layers whose experts must stay in RAM for the rest to fit the GPU's free memory
+def smallest_fitting_n_cpu_moe(path: Path | str, n_gpu_layers: int, gpus: list[GpuMemory]) -> int | None:
+    """The fewest layers whose experts must stay in RAM for the rest to fit the GPUs' free memory
     (None: not even with every expert in RAM)."""
-    if gpus is None:
-        gpus = detect_gpus()
-    reader = open_reader(path)
-    arch = _scalar(reader, "general.architecture")
-    n_layer = _scalar(reader, f"{arch}.block_count")
+    from dgcli.engine.model import read_gguf_header
+
+    header = read_gguf_header(path)
+    n_layer = header.get(f"{header.architecture}.block_count")
     if not isinstance(n_layer, int) or not gpus:
         return None
-    size, free = Path(path).stat().st_size, sum(g.free for g in gpus)
-    # the GPU's need falls as N grows: bisect for the first N that fits
-    lo, hi = 0, n_layer
-    if memory_plan(reader, arch, size, n_gpu_layers, hi, gpus)[2] > free:
+    free = sum(g.free for g in gpus)
+    vocab, size = header.array_lengths.get("tokenizer.ggml.tokens", 0), Path(path).stat().st_size
+
+    def gpu_need(n: int) -> int:
+        return memory_plan(header.get, header.tensors, vocab, size, n_gpu_layers, n, gpus)[2]
+
+    if gpu_need(n_layer) > free:
         return None
+    lo, hi = 0, n_layer  # the GPU's need falls as N grows: the first N that fits
     while lo < hi:
         mid = (lo + hi) // 2
-        if memory_plan(reader, arch, size, n_gpu_layers, mid, gpus)[2] <= free:
-            hi = mid
-        else:
-            lo = mid + 1
+        lo, hi = (lo, mid) if gpu_need(mid) <= free else (mid + 1, hi)
     return lo

@@ -81,6 +81,8 @@ class GgufHeader:
     metadata: dict[str, tuple[str, Any]] = field(default_factory=dict)
     token_ids: dict[str, int] = field(default_factory=dict)  # selected token texts -> id
     n_tensors: int = 0
+    tensors: list[tuple[str, int]] = field(default_factory=list)  # (name, bytes), file order
+    array_lengths: dict[str, int] = field(default_factory=dict)  # every array key's length (kept or not)
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata[key][1] if key in self.metadata else default
@@ -179,6 +181,7 @@ def _read_header_body(r: _Reader, p: Path, wanted: dict[bytes, str]) -> GgufHead
         end = data_start + offset + nbytes
         if end > r.size:
             raise ModelLoadError(f"{p} is truncated: tensor {name} ends at byte {end}, the file has {r.size}")
+    header.tensors = [(name, nbytes) for name, _offset, nbytes in tensors]
     return header
 
 
@@ -190,6 +193,7 @@ def _read_value(r: _Reader, vtype: int, key: str, header: GgufHeader, wanted: di
     if vtype != _ARRAY:
         raise ModelLoadError(f"{header.path} is malformed: key {key} has unknown type {vtype}")
     etype, n = r.unpack("<I"), r.unpack("<Q")
+    header.array_lengths[key] = n
     if etype in _SCALAR_FORMATS:
         width = struct.calcsize(_SCALAR_FORMATS[etype])
         if n <= _KEEP_ARRAYS_UP_TO:
