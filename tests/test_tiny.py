@@ -313,3 +313,49 @@ def test_synthetic_gguf_shapes_and_values(tmp_path):
     assert r.fields["diffusion-gemma.attention.head_count_kv"].contents() == [2, 1]
     with pytest.raises(DgError):
         write_synthetic_gguf(tmp_path / "small.gguf", vocab_size=10)
+
+
+def test_synthetic_q4_k_m_types_and_spread(tmp_path):
+    """outtype "q4_k_m": llama.cpp's Q4_K_M type choices (Q6_K embedding and more-bits ffn_down,
+    Q4_K elsewhere, Q5_0/Q8_0 where rows do not fill 256-wide super-blocks), random blocks whose
+    dequantized values have about the requested spread (finite, no overflowing scales)."""
+    from gguf import GGMLQuantizationType as T, GGUFReader
+    from gguf.quants import dequantize
+
+    path = write_synthetic_gguf(tmp_path / "k.gguf", n_layer=8, vocab_size=4096, hidden=256, num_experts=4,
+                                top_k_experts=2, intermediate_size=512, moe_intermediate_size=96,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=64, global_head_dim=128,
+                                num_global_key_value_heads=1, outtype="q4_k_m")
+    types = {t.name: T(t.tensor_type) for t in GGUFReader(path).tensors}
+    assert types["token_embd.weight"] == T.Q6_K
+    assert types["blk.3.attn_q.weight"] == T.Q4_K
+    # use_more_bits(i, 8): i < 1, i >= 7, (i - 1) % 3 == 2
+    assert [types[f"blk.{i}.ffn_down.weight"] for i in range(8)] == \
+        [T.Q6_K, T.Q4_K, T.Q4_K, T.Q6_K, T.Q4_K, T.Q4_K, T.Q6_K, T.Q6_K]
+    assert types["blk.0.ffn_down_exps.weight"] == T.Q8_0  # 96-wide rows: Q6_K falls back
+    assert types["blk.1.ffn_down_exps.weight"] == T.Q5_0  # Q4_K falls back
+    assert types["blk.0.ffn_gate_inp.weight"] == T.F32 and types["blk.0.attn_norm.weight"] == T.F32
+    for t in GGUFReader(path).tensors:
+        if T(t.tensor_type) in (T.Q4_K, T.Q6_K, T.Q5_0, T.Q8_0):
+            values = dequantize(np.array(t.data), T(t.tensor_type))
+            row = values.shape[-1]
+            std = 0.5 if t.name == "token_embd.weight" else 1 / np.sqrt(row)
+            assert np.isfinite(values).all()
+            assert 0.3 * std < float(values.std()) < 3 * std, t.name
+
+
+def test_synthetic_q4_k_m_runs_in_llama_cpp(tmp_path):
+    from native_helpers import NATIVE_OK, NATIVE_REASON
+
+    if not NATIVE_OK:
+        pytest.skip(f"native library unavailable: {NATIVE_REASON}")
+    from dgcli.engine.model import DiffusionModel
+
+    path = write_synthetic_gguf(tmp_path / "k.gguf", n_layer=2, vocab_size=4096, hidden=256, num_experts=4,
+                                top_k_experts=2, intermediate_size=512, moe_intermediate_size=256,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=64, global_head_dim=128,
+                                num_global_key_value_heads=1, outtype="q4_k_m")
+    with DiffusionModel(path, n_threads=1, n_ctx=512) as m:
+        m.prefill([2, 105, 300, 301, 106])
+        logits = m.decode_canvas(list(range(10, 10 + m.canvas_length)))
+    assert np.isfinite(logits).all() and float(logits.std()) > 0.1
