@@ -246,3 +246,33 @@ def test_generate_verbose_reports_where_the_experts_went(tiny_diff, monkeypatch)
     assert "diffusion model diff.gguf: this llama.cpp build has no GPU offload" in result.output
     assert "kept in system memory (CPU): blk.{0-1}.ffn_gate_up_exps.weight" in result.output
     assert "kept in system memory (CPU): blk.{0-1}.ffn_down_exps.weight" in result.output
+
+
+def test_cuda_libraries_come_from_nvidia_pip_wheels(tmp_path, monkeypatch):
+    """A CUDA build (libggml-cuda, or only its soname as in the slim GPU-check wheel) loads the CUDA
+    runtime and cuBLAS from NVIDIA's pip wheels when the system has none; a CPU build loads nothing."""
+    from dgcli.engine import native
+
+    wheels = tmp_path / "site" / "nvidia" / "cu13" / "lib"
+    wheels.mkdir(parents=True)
+    for name in ("libcudart.so.13", "libcublasLt.so.13", "libcublas.so.13"):
+        (wheels / name).write_bytes(b"")
+    monkeypatch.setattr("sys.path", [str(tmp_path / "site"), str(tmp_path / "elsewhere")])
+    assert native.cuda_library_dirs() == [str(wheels)]
+    opened = []
+
+    def fake_cdll(name, mode=0):
+        if "/" not in name:  # the system has no CUDA libraries
+            raise OSError(name)
+        opened.append(name)
+        return name
+
+    monkeypatch.setattr(native.ctypes, "CDLL", fake_cdll)
+    monkeypatch.setattr(native, "_preloaded", [])
+    llama = tmp_path / "llama_cpp" / "lib"
+    llama.mkdir(parents=True)
+    native._preload_cuda_libraries(str(llama))
+    assert opened == []  # CPU build
+    (llama / "libggml-cuda.so.0").write_bytes(b"")
+    native._preload_cuda_libraries(str(llama))
+    assert opened == [str(wheels / n) for n in ("libcudart.so.13", "libcublasLt.so.13", "libcublas.so.13")]

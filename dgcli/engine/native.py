@@ -135,7 +135,8 @@ def _preload_cuda_libraries(llama_dir: str) -> None:
     """For a CUDA build, load the CUDA runtime and cuBLAS from NVIDIA's pip wheels when the system
     has none on its library path: libggml-cuda's dependencies then resolve to these (by soname),
     as torch does for its own. A system copy (LD_LIBRARY_PATH, ldconfig, RPATH) is tried first."""
-    if not os.path.exists(os.path.join(llama_dir, "libggml-cuda.so")):
+    # libggml-cuda.so, or only its soname libggml-cuda.so.0 (benchmarks/gpu_bundle.py's slim wheel)
+    if not any(os.path.exists(os.path.join(llama_dir, name)) for name in ("libggml-cuda.so", "libggml-cuda.so.0")):
         return
     dirs = cuda_library_dirs()
     for soname in _CUDA_SONAMES:
