@@ -261,6 +261,7 @@ def placement_lines(what: str, report) -> list[str]:
         key = (rest, buft) if layer.isdigit() else (tensor, buft)
         runs.setdefault(key, set()).update([int(layer)] if layer.isdigit() else [])
     for (rest, buft), layers in runs.items():
-        name = f"blk.{{{layer_ranges(layers)}}}.{rest}" if layers else rest
+        ranges = layer_ranges(layers)
+        name = rest if not layers else f"blk.{ranges}.{rest}" if len(layers) == 1 else f"blk.{{{ranges}}}.{rest}"
         lines.append(f"  kept in system memory ({buft}): {name}")
     return lines
