@@ -332,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-dry-run", action="store_true",
                         help="no GPU needed: every step on a small model, to test this script on a CPU machine")
     args = parser.parse_args(argv)
+    if args.n_layer < 2:
+        parser.error("--n-layer must be at least 2 (the layout needs a sliding and a full-attention layer)")
     args.out.mkdir(parents=True, exist_ok=True)
     check = Check(out=args.out, budget_s=args.budget)
 

@@ -187,3 +187,22 @@ def test_thinking_channel_markers_survive_detokenizing(tiny_gguf, tmp_path):
         hello = model.tokenize("hi", add_bos=False)
         text = model.detokenize([100] + model.tokenize("thought", add_bos=False) + [101] + hello + [eos])
     assert text == "<|channel>thought<channel|>hi"
+
+
+def test_gemma4_without_a_sliding_layer_is_refused_not_aborted(tmp_path):
+    """Stock gemma4 asserts (a process abort) on a file whose layers are all full-attention; the AR
+    model refuses it first. Run in a subprocess: on the old code the abort would take pytest down."""
+    import subprocess
+    import sys
+
+    from dgcli.tiny import write_tiny_random_gguf
+
+    path = write_tiny_random_gguf(tmp_path / "full.gguf", arch="gemma4", num_hidden_layers=2,
+                                  layer_types=["full_attention", "full_attention"])
+    code = ("from dgcli.engine.model import ArModel\n"
+            "from dgcli.engine.types import ModelLoadError\n"
+            f"try:\n    ArModel({str(path)!r}, n_threads=1, n_ctx=64)\n"
+            "except ModelLoadError as err:\n    print('refused:', err)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-500:]
+    assert "has no sliding layer" in out.stdout

@@ -591,6 +591,11 @@ class ArModel(_LlamaModel):
 
     def __init__(self, path: str | os.PathLike, n_threads: int | None = None, n_gpu_layers: int = 0,
                  n_ctx: int | None = None, n_cpu_moe: int = 0):
+        pattern = read_gguf_header(path).get(f"{AR_ARCH}.attention.sliding_window_pattern")
+        # stock gemma4 builds an iSWA cache and aborts the process (GGML_ASSERT) when no layer slides
+        if isinstance(pattern, list) and pattern and not any(pattern):
+            raise ModelLoadError(f"{path}: {AR_ARCH}.attention.sliding_window_pattern has no sliding layer "
+                                 "(gemma4 needs at least one)")
         super().__init__(path, n_threads=n_threads, n_gpu_layers=n_gpu_layers, exact=False, n_ctx=n_ctx,
                          n_cpu_moe=n_cpu_moe)
         self.default_params = None
