@@ -7,7 +7,7 @@ import pytest
 
 from dgcli.engine.diffusion import DiffusionEngine
 from dgcli.engine.rng import RngStream
-from dgcli.engine.sampler import NumpyStepSampler, schedule_temperature
+from dgcli.engine.sampler import NumpyStepSampler, count_valid_tokens, schedule_temperature
 from dgcli.engine.types import CanvasEvent, DgError, DiffusionParams, InvalidParameter, StepEvent
 
 VOCAB, CANVAS, EOS, PAD = 12, 4, 1, 0
@@ -86,17 +86,47 @@ def test_canvases_chain_until_an_end_token_and_the_end_is_trimmed():
     canvases = [e for e in events if isinstance(e, CanvasEvent)]
     assert [c.token_ids for c in canvases] == [[5, 6, 7, 8], [9]]
     assert canvases[0].commit_s >= 0 and canvases[1].commit_s == 0.0
-    # reference tokens_per_forward: valid tokens (end token kept, padding not) / decoder forwards
+    # tokens per forward counts the answer (no end token, no padding); the reference's figure (end
+    # token kept) is still there to compute from the canvases
     assert result.decoder_forwards == sum(result.steps_per_canvas)
-    assert result.tokens_per_forward == pytest.approx((4 + 2) / result.decoder_forwards)
+    assert result.tokens_per_forward == pytest.approx(5 / result.decoder_forwards)
+    assert result.canvas_token_ids == [5, 6, 7, 8, 9, EOS, 0, 0]
+    assert count_valid_tokens(np.array(result.canvas_token_ids), 0) == 4 + 2
 
 
-def test_max_new_tokens_sets_the_number_of_canvases_not_a_cut():
+def test_max_new_tokens_sets_the_number_of_canvases_and_cuts_the_answer():
     model = ScriptedModel([[5, 6, 7, 8]])
-    result = make_engine(model).generate([2], max_new_tokens=5, seed=0)
-    assert len(result.steps_per_canvas) == 2  # ceil(5 / 4)
-    assert len(result.token_ids) == 8  # like the reference, whole canvases
+    events = []
+    result = make_engine(model).generate([2], max_new_tokens=5, seed=0, on_event=events.append)
+    assert len(result.steps_per_canvas) == 2  # ceil(5 / 4) canvases, each denoised whole (the reference's)
+    assert len(result.canvas_token_ids) == 8
+    assert result.token_ids == [5, 6, 7, 8, 5]  # but the answer stops at 5 tokens
+    assert result.n_new_tokens == 5 and result.tokens_per_forward == pytest.approx(5 / result.decoder_forwards)
+    assert [e.token_ids for e in events if isinstance(e, CanvasEvent)] == [[5, 6, 7, 8], [5]]
     assert result.stop_reason == "length"
+
+
+def test_pads_are_not_answer_tokens_and_a_canvas_of_pads_ends_the_generation():
+    # The demo model's habit: the answer, then padding without an end token, then canvases of pads.
+    model = ScriptedModel([[5, 0, 6, 0], [0, 0, 0, 0], [7, 8, 9, 5]])
+    events = []
+    result = make_engine(model).generate([2], max_new_tokens=100, seed=0, on_event=events.append)
+    assert result.token_ids == [5, 6] and result.n_new_tokens == 2
+    assert result.stop_reason == "pad_canvas"
+    assert len(result.steps_per_canvas) == 2  # the third canvas never runs
+    assert result.tokens_per_forward == pytest.approx(2 / result.decoder_forwards)
+    assert [e.token_ids for e in events if isinstance(e, CanvasEvent)] == [[5, 6], []]
+    # the all-pad canvas is the last: it is not committed to the cache
+    assert [entry[1] for entry in model.log if entry[0] == "commit"] == [[5, 0, 6, 0]]
+
+
+def test_the_seed_is_picked_and_reported_when_none_is_given():
+    first = make_engine(ScriptedModel([[5, 6, 7, 8]], flat=True)).generate([2], max_new_tokens=4)
+    assert isinstance(first.seed, int) and 0 <= first.seed < 2**32
+    again = make_engine(ScriptedModel([[5, 6, 7, 8]], flat=True)).generate([2], max_new_tokens=4, seed=first.seed)
+    assert again.seed == first.seed and again.token_ids == first.token_ids
+    with pytest.raises(InvalidParameter, match="seed"):
+        make_engine(ScriptedModel([[5, 6, 7, 8]])).generate([2], seed=-1)
 
 
 def test_first_step_has_no_self_conditioning_then_gets_the_processed_logits():

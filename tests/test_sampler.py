@@ -141,7 +141,7 @@ def test_valid_tokens_exclude_generated_pad_ids_like_the_reference():
     ("max_denoising_steps", 0, "max_denoising_steps=0: must be an integer >= 1"),
     ("entropy_bound", -1.0, "entropy_bound=-1.0"),
     ("stability_threshold", -1, "stability_threshold=-1"),
-    ("t_max", 0.3, "t_max=0.3: must be greater than t_min"),
+    ("t_max", 0.3, "t_max=0.3: must be at least t_min"),
 ])
 def test_bad_parameters_name_themselves_and_their_range(field, value, fragment):
     with pytest.raises(InvalidParameter) as info:

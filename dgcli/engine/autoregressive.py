@@ -14,8 +14,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from dgcli.engine.diffusion import validate_max_new_tokens
-from dgcli.engine.rng import RngStream, inverse_cdf_sample
+from dgcli.engine.diffusion import GEMMA_PAD_TOKEN_ID, TimedEvents, prompt_token_ids, validate_max_new_tokens
+from dgcli.engine.rng import RngStream, inverse_cdf_sample, resolve_seed
 from dgcli.engine.types import DgError, GenerationResult, InvalidParameter, TokenEvent
 
 EventCallback = Callable[[Any], Any]
@@ -70,19 +70,25 @@ class AutoregressiveEngine:
         self.close()
 
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 256, seed: int | None = None,
-                 chat: bool = True, temperature: float = 0.0, on_event: EventCallback | None = None
-                 ) -> GenerationResult:
+                 chat: bool = True, temperature: float = 0.0, on_event: EventCallback | None = None,
+                 parse_special: bool = False) -> GenerationResult:
+        """Greedy (temperature 0) or sampled decoding. The answer (`answer_token_ids`): tokens before
+        the end token, pads dropped, at most max_new_tokens decoded."""
         started = time.perf_counter()
         max_new_tokens = validate_max_new_tokens(max_new_tokens)
         temperature = validate_temperature(temperature)
+        seed = resolve_seed(seed)
         rng = RngStream(seed)
+        events = TimedEvents(on_event)
         end_ids = set(int(t) for t in self.model.end_token_ids)
+        pad_id = getattr(self.model, "pad_token_id", GEMMA_PAD_TOKEN_ID)
         prompt_ids: list[int] = []
         new_tokens: list[int] = []
+        forwards = 0
         forward_s = sampling_s = prefill_s = 0.0
         stop_reason = "length"
         try:
-            prompt_ids = self._prepare_prompt(prompt, chat)
+            prompt_ids = prompt_token_ids(self.model, prompt, chat, parse_special)
             began = time.perf_counter()
             self.model.reset()
             logits = self.model.prefill(prompt_ids)
@@ -96,11 +102,13 @@ class AutoregressiveEngine:
                 if token in end_ids:
                     stop_reason = "end_token"
                     break
-                new_tokens.append(token)
-                event = TokenEvent(index=index, token_id=token, piece=self._piece(token),
-                                   forward_s=step_forward_s, sampling_s=step_sampling_s)
-                if on_event is not None and on_event(event) is False:
-                    raise _StopRequested
+                forwards += 1
+                if token != pad_id:
+                    new_tokens.append(token)
+                    event = TokenEvent(index=len(new_tokens) - 1, token_id=token, piece=self._piece(token),
+                                       forward_s=step_forward_s, sampling_s=step_sampling_s)
+                    if events(event) is False:
+                        raise _StopRequested
                 if index + 1 == max_new_tokens:
                     break  # no forward for a token nobody will read
                 began = time.perf_counter()
@@ -109,34 +117,22 @@ class AutoregressiveEngine:
                 forward_s += step_forward_s
         except (KeyboardInterrupt, _StopRequested):
             stop_reason = "interrupted"
-        forwards = len(new_tokens)
         return GenerationResult(
             mode="autoregressive",
             text=self.model.detokenize(new_tokens),
             token_ids=new_tokens,
             n_prompt_tokens=len(prompt_ids),
             decoder_forwards=forwards,
-            tokens_per_forward=1.0 if forwards else 0.0,
+            tokens_per_forward=len(new_tokens) / forwards if forwards else 0.0,
             prefill_s=prefill_s,
-            total_s=time.perf_counter() - started,
+            total_s=time.perf_counter() - started - events.seconds,
             forward_s=forward_s,
             sampling_s=sampling_s,
             stop_reason=stop_reason,
             interrupted=stop_reason == "interrupted",
+            seed=seed,
+            display_s=events.seconds,
         )
-
-    def _prepare_prompt(self, prompt: str | Sequence[int], chat: bool) -> list[int]:
-        if isinstance(prompt, str):
-            ids = self.model.chat_prompt(prompt) if chat else self.model.tokenize(prompt, add_bos=True)
-        else:
-            ids = [int(t) for t in prompt]
-            vocab = getattr(self.model, "vocab_size", None)
-            bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
-            if bad:
-                raise DgError(f"prompt token id {bad[0]} outside the vocabulary [0, {vocab})")
-        if not ids:
-            raise DgError("empty prompt: nothing to condition on")
-        return ids
 
     def _piece(self, token: int) -> str:
         return self.model.detokenize([token])

@@ -9,9 +9,12 @@ Inner loop, cur_step from max_denoising_steps down to 1 (`_denoising_step`):
     entropy, argmax and multinomial sample per position (native or numpy, see sampler.py);
     entropy-bound acceptance; renoise; adaptive stop.
 
-The committed canvas is the ARGMAX canvas of the last step. Like the reference, max_new_tokens only
-sets the number of canvases: a canvas is never cut short. Every random draw comes from an RngStream,
-in the reference's order, so a run can be replayed against the reference (tests/test_replay_*).
+The committed canvas is the ARGMAX canvas of the last step. Like the reference, max_new_tokens sets
+the number of canvases and a canvas is always denoised whole; the answer (`answer_token_ids`: before
+the end token, pads dropped) is cut at max_new_tokens. Unlike the reference, a canvas of padding only
+ends the generation as an end token would (stop_reason "pad_canvas"): the reference would go on
+denoising canvases nobody reads. Every random draw comes from an RngStream, in the reference's order,
+so a run can be replayed against the reference (tests/test_replay_*).
 """
 
 from __future__ import annotations
@@ -24,14 +27,12 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from dgcli.engine.rng import RngStream
+from dgcli.engine.rng import RngStream, resolve_seed
 from dgcli.engine.sampler import (
     StableAndConfidentStop,
     StepSampler,
-    count_valid_tokens,
     entropy_bound_accept_mask,
     finalize_canvas,
-    first_end_index,
     make_step_sampler,
     mean_entropy,
     renoise_canvas,
@@ -44,6 +45,7 @@ from dgcli.engine.types import (
     GenerationResult,
     InvalidParameter,
     StepEvent,
+    answer_token_ids,
 )
 
 EventCallback = Callable[[Any], Any]
@@ -91,8 +93,11 @@ class _StopRequested(Exception):
 class _LoopState:
     """Everything generate() has produced so far, so an interruption can still return it."""
 
+    limit: int = 0  # max_new_tokens: the answer stops there
     prompt_ids: list[int] = field(default_factory=list)
+    n_cached_prompt: int = 0  # prompt tokens already in the KV cache (not prefilled again)
     committed: list[np.ndarray] = field(default_factory=list)  # finalized canvases (padded after the end token)
+    answer: list[int] = field(default_factory=list)  # answer tokens of the finalized canvases
     current_argmax: np.ndarray | None = None  # the in-progress canvas's argmax after its latest step
     steps_per_canvas: list[int] = field(default_factory=list)
     decoder_forwards: int = 0
@@ -121,9 +126,52 @@ def validate_max_new_tokens(max_new_tokens: Any) -> int:
     return int(max_new_tokens)
 
 
+
+def prompt_token_ids(model: Any, prompt: Any, chat: bool = True, parse_special: bool = False) -> list[int]:
+    """A prompt as token ids. A string goes through the model's chat template as one user message
+    (chat=True) or is tokenized as it is after a bos (chat=False: GGUFs without a template); a list of
+    {"role", "content"} messages goes through the template; a list of ints is taken as token ids.
+    Control-token text in the user's text stays text unless parse_special."""
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise DgError("empty prompt")
+        if not chat:
+            ids = model.tokenize(prompt, add_bos=True, special=parse_special)
+        elif hasattr(model, "chat_tokens"):
+            ids = model.chat_tokens([{"role": "user", "content": prompt}], parse_special=parse_special)
+        else:  # a step-level stand-in with only the one-message form
+            ids = model.chat_prompt(prompt)
+    elif prompt and all(isinstance(m, dict) for m in prompt):
+        ids = model.chat_tokens(list(prompt), parse_special=parse_special)
+    else:
+        ids = [int(t) for t in prompt]
+        bad = [t for t in ids if not 0 <= t < model.vocab_size]
+        if bad:
+            raise DgError(f"prompt token id {bad[0]} outside the vocabulary [0, {model.vocab_size})")
+    if not ids:
+        raise DgError("empty prompt: nothing to condition on")
+    return list(ids)
+
+
 def _emit(on_event: EventCallback | None, event: Any) -> None:
     if on_event is not None and on_event(event) is False:
         raise _StopRequested
+
+
+class TimedEvents:
+    """The caller's on_event, timed: what it spends drawing (or pacing) is not generation time."""
+
+    def __init__(self, on_event: EventCallback | None):
+        self.on_event, self.seconds = on_event, 0.0
+
+    def __call__(self, event: Any) -> Any:
+        if self.on_event is None:
+            return None
+        began = time.perf_counter()
+        try:
+            return self.on_event(event)
+        finally:
+            self.seconds += time.perf_counter() - began
 
 
 class DiffusionEngine:
@@ -172,56 +220,88 @@ class DiffusionEngine:
 
     def generate(self, prompt: str | Sequence[int], params: DiffusionParams | None = None, max_new_tokens: int = 256,
                  seed: int | None = None, chat: bool = True, on_event: EventCallback | None = None,
-                 rng: RngStream | None = None, self_cond_top_k: int | str | None = None) -> GenerationResult:
+                 rng: RngStream | None = None, self_cond_top_k: int | str | None = None,
+                 reuse_cache: bool = False, parse_special: bool = False) -> GenerationResult:
+        """One generation. prompt: see `prompt_token_ids`. seed None: a random seed, reported in the
+        result. reuse_cache: keep the KV cache's longest prefix shared with the prompt's tokens and
+        prefill only the rest (chat turns)."""
         started = time.perf_counter()
         params = (params or self.default_params).validate()
         setting = self.self_cond_top_k if self_cond_top_k is None else self_cond_top_k
         top_k = resolve_self_cond_top_k(setting, self.model.vocab_size)
-        max_new_canvases = math.ceil(validate_max_new_tokens(max_new_tokens) / self.model.canvas_length)
-        state = _LoopState()
-        rng = rng if rng is not None else RngStream(seed)
+        limit = validate_max_new_tokens(max_new_tokens)
+        max_new_canvases = math.ceil(limit / self.model.canvas_length)
+        state = _LoopState(limit=limit)
+        if rng is None:
+            seed = resolve_seed(seed)
+            rng = RngStream(seed)
+        else:
+            seed = rng.seed
+        events = TimedEvents(on_event)
         stop_reason = "length"
         try:
-            state.prompt_ids = self._prepare_prompt(prompt, chat)
-            self._prefill(state)
+            state.prompt_ids = prompt_token_ids(self.model, prompt, chat, parse_special)
+            self._prefill(state, reuse_cache)
             for canvas_index in range(max_new_canvases):
-                argmax_canvas = self._denoise_canvas(canvas_index, params, rng, state, on_event, top_k)
-                canvas, state.found_end = finalize_canvas(argmax_canvas, self.model.end_token_ids,
-                                                          self.pad_token_id)
-                state.committed.append(canvas)
-                state.current_argmax = None
-                is_last = state.found_end or canvas_index + 1 == max_new_canvases
-                commit_s = 0.0 if is_last else self._commit_canvas(argmax_canvas)
-                _emit(on_event, CanvasEvent(canvas_index=canvas_index, token_ids=self._trim(canvas),
-                                            steps=state.steps_per_canvas[-1], commit_s=commit_s))
-                if state.found_end:
-                    stop_reason = "end_token"
+                argmax_canvas = self._denoise_canvas(canvas_index, params, rng, state, events, top_k)
+                stop = self._finish_canvas(canvas_index, argmax_canvas, state, events,
+                                           last=canvas_index + 1 == max_new_canvases)
+                if stop is not None:
+                    stop_reason = stop
                     break
         except (KeyboardInterrupt, _StopRequested):
             stop_reason = "interrupted"
-        return self._build_result(state, stop_reason, started)
+        return self._build_result(state, stop_reason, started, seed, events.seconds)
 
     # ---- stages ------------------------------------------------------------------------------------
 
-    def _prepare_prompt(self, prompt: str | Sequence[int], chat: bool) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt.strip() and not chat:
-                raise DgError("empty prompt")
-            ids = self.model.chat_prompt(prompt) if chat else self.model.tokenize(prompt, add_bos=True)
-        else:
-            ids = [int(t) for t in prompt]
-            bad = [t for t in ids if not 0 <= t < self.model.vocab_size]
-            if bad:
-                raise DgError(f"prompt token id {bad[0]} outside the vocabulary [0, {self.model.vocab_size})")
-        if not ids:
-            raise DgError("empty prompt: nothing to condition on")
-        return ids
-
-    def _prefill(self, state: _LoopState) -> None:
+    def _prefill(self, state: _LoopState, reuse_cache: bool = False) -> None:
         began = time.perf_counter()
-        self.model.reset()
-        self.model.prefill(state.prompt_ids)
+        kept = self._reuse_cached_prefix(state.prompt_ids) if reuse_cache else 0
+        if kept == 0:
+            self.model.reset()
+        if kept < len(state.prompt_ids):
+            self.model.prefill(state.prompt_ids[kept:])
+        state.n_cached_prompt = kept
         state.prefill_s = time.perf_counter() - began
+
+    def _reuse_cached_prefix(self, prompt_ids: list[int]) -> int:
+        """How many leading prompt tokens the model's KV cache already holds (the rest is dropped
+        from the cache); 0 for a model that cannot say."""
+        keep = getattr(self.model, "keep_cached_prefix", None)
+        return int(keep(prompt_ids)) if callable(keep) else 0
+
+    def _finish_canvas(self, canvas_index: int, argmax_canvas: np.ndarray, state: _LoopState,
+                       on_event: EventCallback | None, last: bool) -> str | None:
+        """Finalize a denoised canvas and take its answer tokens; commit it to the cache when another
+        canvas follows, else return why the generation stops."""
+        canvas, state.found_end = finalize_canvas(argmax_canvas, self.model.end_token_ids, self.pad_token_id)
+        state.committed.append(canvas)
+        state.current_argmax = None
+        whole = answer_token_ids(canvas, self.model.end_token_ids, self.pad_token_id)
+        answer = whole[:state.limit - len(state.answer)]
+        state.answer.extend(answer)
+        if len(answer) < len(whole):
+            stop = "length"  # cut at max_new_tokens, whatever the canvas went on to say
+        elif state.found_end:
+            stop = "end_token"
+        elif self._only_padding(canvas):
+            stop = "pad_canvas"
+        elif last or len(state.answer) >= state.limit:
+            stop = "length"
+        else:
+            stop = None
+        commit_s = 0.0 if stop is not None else self._commit_canvas(argmax_canvas)
+        _emit(on_event, CanvasEvent(canvas_index=canvas_index, token_ids=answer,
+                                    steps=state.steps_per_canvas[-1], commit_s=commit_s))
+        return stop
+
+    def _answer_tokens(self, canvas: np.ndarray, state: _LoopState) -> list[int]:
+        return answer_token_ids(canvas, self.model.end_token_ids, self.pad_token_id,
+                                limit=state.limit - len(state.answer))
+
+    def _only_padding(self, canvas: np.ndarray) -> bool:
+        return self.pad_token_id is not None and bool(np.all(canvas == self.pad_token_id))
 
     def _commit_canvas(self, argmax_canvas: np.ndarray) -> float:
         began = time.perf_counter()
@@ -282,37 +362,30 @@ class DiffusionEngine:
                             temperature=float(temperature),
                             forward_s=forwarded - began, sampling_s=time.perf_counter() - forwarded)
 
-    def _trim(self, tokens: np.ndarray) -> list[int]:
-        """Tokens before the first end token (the end token and everything after it dropped)."""
-        end_at = first_end_index(tokens, self.model.end_token_ids)
-        return [int(t) for t in (tokens if end_at is None else tokens[:end_at])]
-
-    def _build_result(self, state: _LoopState, stop_reason: str, started: float) -> GenerationResult:
-        new_tokens: list[int] = []
-        padded: list[np.ndarray] = list(state.committed)
-        for canvas in state.committed:
-            new_tokens.extend(self._trim(canvas))
-            if first_end_index(canvas, self.model.end_token_ids) is not None:
-                break
+    def _build_result(self, state: _LoopState, stop_reason: str, started: float, seed: int | None,
+                      display_s: float) -> GenerationResult:
         interrupted = stop_reason == "interrupted"
+        answer = list(state.answer)
         if interrupted and state.current_argmax is not None and not state.found_end:
-            partial = self._trim(state.current_argmax)
-            new_tokens.extend(partial)
-            padded.append(np.asarray(partial, dtype=np.int64))
-        valid = count_valid_tokens(np.concatenate(padded) if padded else np.zeros(0, np.int64), self.pad_token_id)
+            answer.extend(self._answer_tokens(state.current_argmax, state))
         forwards = state.decoder_forwards
+        canvases = [int(t) for canvas in state.committed for t in canvas]
         return GenerationResult(
             mode="diffusion",
-            text=self.model.detokenize(new_tokens),
-            token_ids=new_tokens,
+            text=self.model.detokenize(answer),
+            token_ids=answer,
             n_prompt_tokens=len(state.prompt_ids),
             steps_per_canvas=list(state.steps_per_canvas),
             decoder_forwards=forwards,
-            tokens_per_forward=valid / forwards if forwards else 0.0,
+            tokens_per_forward=len(answer) / forwards if forwards else 0.0,
             prefill_s=state.prefill_s,
-            total_s=time.perf_counter() - started,
+            total_s=time.perf_counter() - started - display_s,
             forward_s=state.forward_s,
             sampling_s=state.sampling_s,
             stop_reason=stop_reason,
             interrupted=interrupted,
+            seed=seed,
+            display_s=display_s,
+            n_cached_prompt_tokens=state.n_cached_prompt,
+            canvas_token_ids=canvases,
         )

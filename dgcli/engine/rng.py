@@ -14,7 +14,25 @@ uniforms give the same tokens whether the probabilities live in torch, numpy or 
 
 from __future__ import annotations
 
+import secrets
+from typing import Any
+
 import numpy as np
+
+from dgcli.engine.types import InvalidParameter
+
+# Seeds are 32-bit, as llama.cpp's: a picked seed fits every tool a user may replay it with.
+SEED_LIMIT = 1 << 32
+
+
+def resolve_seed(seed: Any) -> int:
+    """The seed a run uses: `seed` itself (an integer in [0, 2**32)), or a fresh random one for None,
+    so that every run can be reproduced from the seed it reports."""
+    if seed is None:
+        return secrets.randbelow(SEED_LIMIT)
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < SEED_LIMIT:
+        raise InvalidParameter("seed", seed, f"an integer in [0, {SEED_LIMIT - 1}] (or none: a random one)")
+    return int(seed)
 
 
 def inverse_cdf_sample(weights: np.ndarray, uniforms: np.ndarray) -> np.ndarray:

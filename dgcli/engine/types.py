@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -81,8 +81,10 @@ class DiffusionParams:
             raise InvalidParameter("t_min", self.t_min, "a number >= 0")
         if not _is_real(self.t_max) or self.t_max <= 0:
             raise InvalidParameter("t_max", self.t_max, "a number > 0")
-        if self.t_max <= self.t_min:
-            raise InvalidParameter("t_max", self.t_max, f"greater than t_min ({self.t_min})")
+        # equal ends are a constant temperature (--temp); the reference refuses them, for no reason
+        # its schedule needs (t_min + (t_max - t_min) * n / N is then t_min at every step)
+        if self.t_max < self.t_min:
+            raise InvalidParameter("t_max", self.t_max, f"at least t_min ({self.t_min})")
         if not _is_real(self.entropy_bound) or self.entropy_bound <= 0:
             raise InvalidParameter("entropy_bound", self.entropy_bound, "a number > 0")
         if not _is_int(self.stability_threshold) or self.stability_threshold < 0:
@@ -176,35 +178,66 @@ class CanvasEvent:
                 "steps": self.steps, "commit_s": self.commit_s}
 
 
+def answer_token_ids(tokens: Sequence[int], end_token_ids: Sequence[int], pad_token_id: int | None,
+                     limit: int | None = None) -> list[int]:
+    """THE definition of the tokens of an answer, used for every figure a user reads (new tokens,
+    tok/s, tokens per forward, speedup) by generate, compare, bench, chat and --json:
+    the tokens before the first end token, pad tokens dropped, at most `limit` of them."""
+    ends = set(int(t) for t in end_token_ids)
+    out: list[int] = []
+    for token in tokens:
+        token = int(token)
+        if token in ends or (limit is not None and len(out) >= limit):
+            break
+        if token != pad_token_id:
+            out.append(token)
+    return out
+
+
 @dataclass
 class GenerationResult:
-    """What one generation produced. Same shape for both engines."""
+    """What one generation produced. Same shape for both engines.
+
+    `token_ids` are the answer's tokens (`answer_token_ids`: no end token, no pads, at most
+    max_new_tokens); every rate below counts them and nothing else."""
 
     mode: str  # "diffusion" | "autoregressive"
     text: str
-    token_ids: list[int]  # new tokens, end token and everything after it dropped
+    token_ids: list[int]  # the answer's tokens (answer_token_ids)
     n_prompt_tokens: int
     steps_per_canvas: list[int] = field(default_factory=list)  # diffusion only
     decoder_forwards: int = 0  # forwards that produced new tokens (AR: one per token)
-    tokens_per_forward: float = 0.0  # reference definition: new tokens / decoder forwards
+    tokens_per_forward: float = 0.0  # answer tokens / decoder forwards
     prefill_s: float = 0.0
-    total_s: float = 0.0
+    total_s: float = 0.0  # wall time of the generation, without the time spent in the caller's on_event
     forward_s: float = 0.0  # sum of forward time over steps/tokens
     sampling_s: float = 0.0  # sum of sampling/host time over steps/tokens
-    stop_reason: str = "length"  # "end_token" | "length" | "interrupted"
+    # "end_token" | "pad_canvas" (a canvas of padding only: ends as an end token would) | "length" | "interrupted"
+    stop_reason: str = "length"
     interrupted: bool = False
+    seed: int | None = None  # the seed the run used (picked at random when none was given)
+    display_s: float = 0.0  # time spent in the caller's on_event (drawing, pacing): not in total_s
+    n_cached_prompt_tokens: int = 0  # prompt tokens found in the KV cache already (chat turns), not prefilled
+    # diffusion: every finalized canvas as the reference returns it (end token and padding kept)
+    canvas_token_ids: list[int] = field(default_factory=list, repr=False)
 
     @property
     def n_new_tokens(self) -> int:
         return len(self.token_ids)
 
     @property
+    def generation_s(self) -> float:
+        """Wall time after the prefill: what tok/s divides by."""
+        return max(self.total_s - self.prefill_s, 0.0)
+
+    @property
     def tokens_per_second(self) -> float:
-        gen_s = self.total_s - self.prefill_s
+        gen_s = self.generation_s
         return self.n_new_tokens / gen_s if gen_s > 0 else 0.0
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
+        del out["canvas_token_ids"]  # the trace holds the canvases
         out["n_new_tokens"] = self.n_new_tokens
         out["tokens_per_second"] = self.tokens_per_second
         return out
