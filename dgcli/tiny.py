@@ -241,10 +241,11 @@ class TinyVocab:
 
     # -- serialisation --------------------------------------------------------------------------
 
-    def add_to_gguf(self, writer: Any) -> None:
-        """Write the tokenizer.ggml.* keys (and the chat template) to a gguf.GGUFWriter, as the converter does."""
+    def add_to_gguf(self, writer: Any, chat_template: str | None = CHAT_TEMPLATE) -> None:
+        """Write the tokenizer.ggml.* keys (and the chat template, unless None) to a gguf.GGUFWriter, as the
+        converter does."""
         GgufVocab(tokens=self.tokens, token_types=self.token_types, merges=self.merges, bos_id=BOS_ID, eos_id=EOS_ID,
-                  unk_id=UNK_ID, pad_id=PAD_ID, mask_id=MASK_ID, chat_template=CHAT_TEMPLATE).add_to_gguf(writer)
+                  unk_id=UNK_ID, pad_id=PAD_ID, mask_id=MASK_ID, chat_template=chat_template).add_to_gguf(writer)
 
     def hf_tokenizer_json(self) -> str:
         """A Hugging Face `tokenizers` tokenizer.json encoding exactly like `encode(special=True)`."""
@@ -388,14 +389,15 @@ def _untrained_tensor(spec, params, seed: int) -> np.ndarray:
 
 
 def write_tiny_random_gguf(path: str | Path, seed: int = 0, arch: str = "diffusion-gemma", outtype: str = "f32",
-                           init: str = "random", **config_overrides: Any) -> Path:
+                           init: str = "random", chat_template: str | None = CHAT_TEMPLATE,
+                           **config_overrides: Any) -> Path:
     """A tiny random model in the published layout (or its AR gemma4 twin), dg-tiny tokenizer, no torch.
 
     `init="random"` randomizes every tensor at a scale that gives peaked logits (norms and scalars
     away from one, so a swapped tensor shows); `init="untrained"` is a freshly initialised model
     (near-uniform logits: the seed's EXP A). `config_overrides` take text-config names as in
     config.json (hidden_size, num_hidden_layers, layer_types, num_experts, global_head_dim,
-    sliding_window, ...) or canvas_length.
+    sliding_window, ...) or canvas_length. chat_template: the tokenizer.chat_template (None: none).
     """
     from dgcli.convert import write_layout_gguf
 
@@ -403,7 +405,7 @@ def write_tiny_random_gguf(path: str | Path, seed: int = 0, arch: str = "diffusi
     if tensor_for is None:
         raise DgError(f"unknown init {init!r}: use 'random' or 'untrained'")
     params = tiny_layout_params(**config_overrides)
-    return write_layout_gguf(path, params, arch, tiny_vocab().add_to_gguf,
+    return write_layout_gguf(path, params, arch, lambda writer: tiny_vocab().add_to_gguf(writer, chat_template),
                              lambda spec: [tensor_for(spec, params, seed)], outtype)
 
 

@@ -22,7 +22,7 @@ import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
@@ -35,6 +35,9 @@ from dgcli.engine.types import (
     InvalidParameter,
     ModelLoadError,
 )
+
+if TYPE_CHECKING:
+    from dgcli.engine.chat_template import ChatTemplate
 
 DIFFUSION_ARCH = "diffusion-gemma"
 AR_ARCH = "gemma4"
@@ -287,8 +290,8 @@ class _LlamaModel:
         self.n_embd = int(L.llama_model_n_embd(model))
 
         n_ctx = self._default_n_ctx() if n_ctx is None else n_ctx
-        if not isinstance(n_ctx, int) or n_ctx < 1:
-            raise InvalidParameter("n_ctx", n_ctx, "an integer >= 1")
+        if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 0:
+            raise InvalidParameter("n_ctx", n_ctx, "an integer >= 1 (0: the model's training context)")
         cparams = L.llama_context_default_params()
         cparams.n_ctx = n_ctx
         cparams.n_batch = cparams.n_ubatch = n_ubatch
@@ -316,6 +319,7 @@ class _LlamaModel:
         self.n_seq_max = n_seq_max
         self._mem = L.llama_get_memory(ctx)
         self.n_past = 0
+        self.cache_tokens: list[int] = []  # what the KV cache holds, position by position
         self.end_token_ids = [self.header.token_ids[t] for t in END_TOKEN_TEXTS if t in self.header.token_ids]
         self._visible_control_ids = {self.header.token_ids[t] for t in VISIBLE_CONTROL_TEXTS
                                      if t in self.header.token_ids}
@@ -385,30 +389,47 @@ class _LlamaModel:
         return b"".join(self.token_piece(t, special or t in self._visible_control_ids)
                         for t in ids).decode("utf-8", errors="replace")
 
-    def chat_prompt(self, user_text: str) -> list[int]:
-        """The GGUF's chat template for one user message, generation prompt appended, as token ids."""
-        template = self.header.get("tokenizer.chat_template")
-        if not isinstance(template, str) or not template.strip():
-            raise DgError(f"{self.path.name} has no chat template (tokenizer.chat_template); pass token ids "
-                          "or plain text without chat formatting")
-        import jinja2  # noqa: PLC0415
-        from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: PLC0415
+    @property
+    def pad_token_id(self) -> int:
+        """The padding token (tokenizer.ggml.padding_token_id; Gemma's 0 when the file does not say)."""
+        pad = self.header.get("tokenizer.ggml.padding_token_id")
+        return pad if isinstance(pad, int) and 0 <= pad < self.vocab_size else 0
 
-        def raise_exception(message: str) -> None:
-            raise jinja2.TemplateError(message)
+    @property
+    def chat_template(self) -> "ChatTemplate | None":
+        """The GGUF's tokenizer.chat_template, or None when it has none (use raw prompts then)."""
+        if not hasattr(self, "_chat_template"):
+            from dgcli.engine.chat_template import ChatTemplate  # noqa: PLC0415
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        bos_id = self.header.get("tokenizer.ggml.bos_token_id")
-        eos_id = self.header.get("tokenizer.ggml.eos_token_id")
-        piece = lambda i: self.token_piece(i, special=True).decode("utf-8", "replace") if isinstance(i, int) else ""  # noqa: E731
-        try:
-            text = env.from_string(template).render(
-                messages=[{"role": "user", "content": user_text}], add_generation_prompt=True,
-                bos_token=piece(bos_id), eos_token=piece(eos_id))
-        except jinja2.TemplateError as err:
-            raise DgError(f"the chat template of {self.path.name} failed: {err}") from None
-        return self.tokenize(text, add_bos=False, special=True)
+            template = self.header.get("tokenizer.chat_template")
+            self._chat_template = None
+            if isinstance(template, str) and template.strip():
+                self._chat_template = ChatTemplate(template, bos_token=self._special_text("bos"),
+                                                   eos_token=self._special_text("eos"), name=self.path.name)
+        return self._chat_template
+
+    def _special_text(self, which: str) -> str:
+        token = self.header.get(f"tokenizer.ggml.{which}_token_id")
+        if not isinstance(token, int) or not 0 <= token < self.vocab_size:
+            return ""
+        return self.token_piece(token, special=True).decode("utf-8", "replace")
+
+    def chat_tokens(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                    parse_special: bool = False) -> list[int]:
+        """The chat template over `messages` ({"role", "content"}; roles system/user/assistant) as token
+        ids. Control-token text in user and system messages stays text unless parse_special."""
+        from dgcli.engine.chat_template import tokenize_chat  # noqa: PLC0415
+
+        template = self.chat_template
+        if template is None:
+            raise DgError(f"{self.path.name} has no chat template (tokenizer.chat_template): pass --raw to "
+                          "send the prompt as it is")
+        return tokenize_chat(template, messages, lambda text, special: self.tokenize(text, False, special),
+                             add_generation_prompt=add_generation_prompt, parse_special=parse_special)
+
+    def chat_prompt(self, user_text: str, parse_special: bool = False) -> list[int]:
+        """The chat template for one user message, generation prompt appended, as token ids."""
+        return self.chat_tokens([{"role": "user", "content": user_text}], parse_special=parse_special)
 
     # -- cache
 
@@ -416,6 +437,31 @@ class _LlamaModel:
         self._require_open()
         self._lib.llama_memory_clear(self._mem, True)
         self.n_past = 0
+        self.cache_tokens = []
+
+    def keep_cached_prefix(self, tokens: Sequence[int]) -> int:
+        """Keep the longest start of the KV cache that equals the start of `tokens` and drop the rest
+        of the cache; return its length. 0 (the cache cleared) when a sliding-window layer no longer
+        holds the cells the kept prefix needs."""
+        self._require_open()
+        kept = 0
+        for cached, token in zip(self.cache_tokens, tokens):
+            if cached != int(token):
+                break
+            kept += 1
+        if kept < len(self.cache_tokens):
+            L = self._lib
+            removed = kept > 0 and bool(L.llama_memory_seq_rm(self._mem, 0, kept, -1))
+            # as llama-server: the window before the kept end must still be cached (a sliding-window
+            # layer holds window + n_ubatch cells, so going back further finds them overwritten)
+            window = max(int(L.llama_model_n_swa(self._model)), 1)
+            first, last = L.llama_memory_seq_pos_min(self._mem, 0), L.llama_memory_seq_pos_max(self._mem, 0)
+            if not removed or last != kept - 1 or not 0 <= first <= max(0, kept - window):
+                self.reset()
+                return 0
+            del self.cache_tokens[kept:]
+            self.n_past = kept
+        return kept
 
     def _encode(self, tokens: Any, want_logits: bool, reserve: int = 0) -> np.ndarray | None:
         self._require_open()
@@ -430,6 +476,7 @@ class _LlamaModel:
         if rc != 0:
             raise DgError(f"encoder forward failed (status {rc}): {native.last_error('no detail logged')}")
         self.n_past += arr.size
+        self.cache_tokens.extend(int(t) for t in arr)
         return out
 
 

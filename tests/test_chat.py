@@ -1,0 +1,125 @@
+"""The chat session (dgcli/engine/chat.py): turns, /commands, and the KV cache of earlier turns kept.
+
+The KV-cache tests run through llama.cpp on the tiny random GGUF: a turn that reuses the cache must
+answer exactly as a fresh engine prefilling the whole conversation does (in exact mode: F32 cache).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dgcli.engine import native
+from dgcli.engine.chat import ChatSession
+from dgcli.engine.types import DgError, DiffusionParams
+
+NATIVE, WHY_NOT = native.available()
+needs_native = pytest.mark.skipif(not NATIVE, reason=f"native layer unavailable: {WHY_NOT}")
+PARAMS = DiffusionParams(max_denoising_steps=4)
+
+
+class RecordingEngine:
+    """Engine stand-in: records each generate call; answers "answer N"."""
+
+    def __init__(self):
+        self.calls = []
+        self.model = self
+
+    def chat_tokens(self, messages, parse_special=False):
+        self.calls.append(("render", [dict(m) for m in messages], parse_special))
+        return [ord(c) % 50 for m in messages for c in m["content"]] or [1]
+
+    def generate(self, ids, **kw):
+        from dgcli.engine.types import GenerationResult
+
+        self.calls.append(("generate", kw))
+        n = sum(1 for c in self.calls if c[0] == "generate")
+        return GenerationResult(mode="diffusion", text=f"answer {n}", token_ids=[5], n_prompt_tokens=len(ids),
+                                seed=kw["seed"])
+
+
+def test_turns_carry_the_history_the_system_prompt_and_one_seed_per_turn():
+    engine = RecordingEngine()
+    session = ChatSession(engine, system="Be brief.", seed=41, params=PARAMS, max_new_tokens=9)
+    session.ask("first")
+    session.ask("second")
+    renders = [c[1] for c in engine.calls if c[0] == "render"]
+    assert renders[1] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "first"},
+                          {"role": "assistant", "content": "answer 1"}, {"role": "user", "content": "second"}]
+    generates = [c[1] for c in engine.calls if c[0] == "generate"]
+    assert [g["seed"] for g in generates] == [41, 42]
+    assert all(g["reuse_cache"] and g["max_new_tokens"] == 9 and g["params"] is PARAMS for g in generates)
+
+
+def test_slash_commands():
+    session = ChatSession(RecordingEngine(), seed=0)
+    session.ask("hi")
+    assert session.command("/system Answer in French.").message == "system prompt set"
+    assert session.messages[0] == {"role": "system", "content": "Answer in French."}
+    assert session.command("/system").message == "system prompt: Answer in French."
+    assert "stays" in session.command("/clear").message and session.turns == []
+    assert session.command("/system -").message == "system prompt removed" and session.messages == []
+    assert "/clear" in session.command("/help").message
+    assert "unknown command /nope" in session.command("/nope").message
+    for word in ("/exit", "/quit", "/bye"):
+        assert session.command(word).exit
+    with pytest.raises(DgError, match="empty message"):
+        session.ask("   ")
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_gguf):
+    from dgcli.engine.diffusion import DiffusionEngine
+
+    # exact: F32 KV cache, no flash attention. With the default F16 cache a prompt prefilled in two
+    # batches already differs from one batch by ~1e-3 in the logits (llama.cpp's own rounding),
+    # which a random model's sampler turns into other tokens.
+    with DiffusionEngine(str(tiny_gguf), n_threads=1, exact=True) as chat, \
+            DiffusionEngine(str(tiny_gguf), n_threads=1, exact=True) as fresh:
+        yield chat, fresh
+
+
+@needs_native
+@pytest.mark.parametrize("seed", [0, 5])
+def test_a_turn_reusing_the_cache_answers_as_a_fresh_prefill_does(engines, seed):
+    chat, fresh = engines
+    chat.model.reset()
+    session = ChatSession(chat, seed=seed, params=PARAMS, max_new_tokens=40, system="Be brief.")
+    first = session.ask("what is 3+5")
+    assert first.n_cached_prompt_tokens == 0
+    ids = session.prompt_ids("and 4+4")
+    second = session.ask("and 4+4")
+    # the earlier turn's prompt and committed canvases came from the cache, not a new prefill
+    assert second.n_cached_prompt_tokens >= first.n_prompt_tokens
+    again = fresh.generate(ids, params=PARAMS, max_new_tokens=40, seed=second.seed)
+    assert again.n_cached_prompt_tokens == 0
+    assert second.token_ids == again.token_ids and second.steps_per_canvas == again.steps_per_canvas
+
+
+@needs_native
+def test_the_cache_keeps_only_its_matching_prefix(engines):
+    chat, _ = engines
+    model = chat.model
+    model.reset()
+    model.prefill(list(range(10, 60)))
+    assert model.keep_cached_prefix(list(range(10, 40)) + [7, 7]) == 30
+    assert model.n_past == 30 and model.cache_tokens == list(range(10, 40))
+    canvas = np.arange(20, 20 + model.canvas_length)
+    kept = model.decode_canvas(canvas)
+    model.reset()
+    model.prefill(list(range(10, 40)))
+    np.testing.assert_array_equal(kept, model.decode_canvas(canvas))
+    assert model.keep_cached_prefix([3, 4]) == 0 and model.n_past == 0
+
+
+@needs_native
+def test_a_rollback_past_the_sliding_window_clears_the_cache(engines):
+    # A sliding-window layer keeps window + n_ubatch cells: going back further than that finds the
+    # window before the kept end gone, so the prefix cannot be kept (llama-server does the same).
+    chat, _ = engines
+    model = chat.model
+    model.reset()
+    long = [int(t) for t in np.random.default_rng(0).integers(10, 400, size=3 * model.n_ubatch)]
+    model.prefill(long)
+    assert model.keep_cached_prefix(long[:40] + [5]) == 0
+    assert model.n_past == 0 and model.cache_tokens == []
