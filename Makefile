@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN      = $(VENV)/bin
 PROMPT  ?= reverse: HELLO
 
-.PHONY: setup native demo test clean-native
+.PHONY: setup native demo test examples clean-native
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -20,6 +20,11 @@ $(VENV)/.test-deps: pyproject.toml $(VENV)/.deps
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
+# examples/ draw figures with matplotlib.
+$(VENV)/.examples-deps: pyproject.toml $(VENV)/.deps
+	$(BIN)/pip install -q -e '.[examples]'
+	touch $@
+
 # Our patched llama.cpp bindings; cached outside the repo keyed by sdist + patch + options
 # (a cold build is ~4 min on 2 cores, a cached one a few seconds).
 native: $(VENV)/.deps
@@ -28,7 +33,14 @@ native: $(VENV)/.deps
 setup: native
 
 demo: setup
-	$(BIN)/dg generate "$(PROMPT)"
+	$(BIN)/dg generate "$(PROMPT)" --pace 0.3
+
+# The experiments A-D on the demo model: tables and figures under examples/out/.
+examples: setup $(VENV)/.examples-deps
+	$(BIN)/python examples/exp_a_untrained.py
+	$(BIN)/python examples/exp_b_commit_waves.py --model demo
+	$(BIN)/python examples/exp_c_speed_model.py --model demo --repeat 3
+	$(BIN)/python examples/exp_d_batch_sweep.py --model demo
 
 test: setup $(VENV)/.test-deps
 	$(BIN)/python -m pytest -q

@@ -36,6 +36,8 @@ BUILTIN_PROMPTS: list[BenchPrompt] = [
     BenchPrompt("trivial", "what is 3+5"),
 ]
 
+# 2: new tokens count answer tokens only (GenerationResult.token_ids); ratios carry their spread
+BENCH_SCHEMA = "dg-bench/2"
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16)
 SPEEDUP_STEPS = (1, 2, 4, 8, 12, 16, 24, 32, 48)
 
@@ -179,11 +181,13 @@ class PromptSummary:
 @dataclass
 class BatchPoint:
     batch: int
-    canvas_s: Optional[float]
-    decode_s: Optional[float]
-    ratio: Optional[float]
+    canvas_s: Optional[float]  # median
+    decode_s: Optional[float]  # median
+    ratio: Optional[float]  # median over paired samples (a canvas forward and a decode timed back to back)
     speedup_at_16_steps: Optional[float]
     error: Optional[str] = None
+    ratio_min: Optional[float] = None
+    ratio_max: Optional[float] = None
 
 
 @dataclass
@@ -192,11 +196,13 @@ class SpeedModel:
     canvas_forward_s: float  # decoder forward over one canvas (median)
     decode_s: float  # one-token forward on the same weights (median)
     commit_s: Optional[float]  # encoder pass appending a canvas to the cache (median)
-    ratio: float  # canvas_forward_s / decode_s
+    ratio: float  # canvas forward / decode: median over paired samples (the batch sweep's batch 1 is this sample)
     speedup_vs_steps: list[dict[str, float]]
     batch_sweep: list[BatchPoint]
     batch_method: str
     ar_pair_decode_s: Optional[float] = None  # the AR pair's own decode step, from the generation runs
+    ratio_min: Optional[float] = None
+    ratio_max: Optional[float] = None
 
 
 @dataclass
@@ -209,7 +215,7 @@ class BenchReport:
 
     def to_json(self) -> dict[str, Any]:
         out = {
-            "schema": "dg-bench/1",
+            "schema": BENCH_SCHEMA,
             "config": self.config,
             "runs": [asdict(r) | {"mean_steps_per_canvas": r.mean_steps_per_canvas} for r in self.runs],
             "summaries": [asdict(s) for s in self.summaries],
@@ -262,6 +268,31 @@ def _accuracy(runs: Sequence[RunRecord]) -> Optional[float]:
     return sum(graded) / len(graded) if graded else None
 
 
+@dataclass
+class _Paired:
+    """Canvas-forward and decode times taken in pairs."""
+
+    canvas_times: list[float]
+    decode_times: list[float]
+
+    @property
+    def canvas_s(self) -> float:
+        return statistics.median(self.canvas_times)
+
+    @property
+    def decode_s(self) -> float:
+        return statistics.median(self.decode_times)
+
+    def ratio(self) -> Optional[Spread]:
+        return Spread.of([c / d for c, d in zip(self.canvas_times, self.decode_times) if d > 0])
+
+    def point(self, batch: int, canvas_length: int, error: Optional[str] = None) -> BatchPoint:
+        ratio = self.ratio()
+        speedup = speedup_model(canvas_length, self.canvas_s, self.decode_s, None, 16) if ratio else None
+        return BatchPoint(batch, self.canvas_s, self.decode_s, ratio.median if ratio else None, speedup, error=error,
+                          ratio_min=ratio.min if ratio else None, ratio_max=ratio.max if ratio else None)
+
+
 def _logits_bytes(n_tokens: int, vocab: int) -> int:
     return n_tokens * vocab * 4
 
@@ -301,6 +332,15 @@ def measure_speed_model(model, *, batch_sizes: Sequence[int], repeat: int = 5, s
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
+    def paired(canvas_fn: Callable[[], Any], decode_fn: Callable[[], Any], reps: int) -> _Paired:
+        """A canvas forward and a decode timed back to back, `reps` times: their ratio comes from
+        samples taken under the same load, and is reported with its spread."""
+        canvas_times, decode_times = [], []
+        for _ in range(reps):
+            canvas_times.append(timed(canvas_fn, 1))
+            decode_times.append(timed(decode_fn, 1))
+        return _Paired(canvas_times, decode_times)
+
     def one_decode() -> None:
         if n_seq_max >= 1:
             multi(tokens(1, 1))  # one row of one token through the decoder, with its logits
@@ -310,8 +350,7 @@ def measure_speed_model(model, *, batch_sizes: Sequence[int], repeat: int = 5, s
     fresh()
     model.decode_canvas(tokens(C))  # warm-up: the first forward allocates buffers
     one_decode()
-    canvas_s = timed(lambda: model.decode_canvas(tokens(C)), repeat)
-    decode_s = timed(one_decode, repeat)
+    base = paired(lambda: model.decode_canvas(tokens(C)), one_decode, repeat)
     commit_s = timed(lambda: model.commit(tokens(C)), max(1, repeat // 2))
 
     if n_seq_max > 1:
@@ -328,27 +367,29 @@ def measure_speed_model(model, *, batch_sizes: Sequence[int], repeat: int = 5, s
             notes.append(f"batch {b} {msg}")
             continue
         try:
-            if b <= n_seq_max:
-                c_s = timed(lambda: multi(tokens(b, C)), repeat)
-                d_s = timed(lambda: multi(tokens(b, 1)), repeat)
-                how = "native"
+            note = None
+            if b == 1:
+                sample = base  # batch 1 is the speed model's own sample: one figure, not two
+            elif b <= n_seq_max:
+                sample = paired(lambda: multi(tokens(b, C)), lambda: multi(tokens(b, 1)), repeat)
             else:
-                c_s = timed(lambda: model.prefill([int(t) for t in tokens(b * C)]), max(1, repeat // 2))
-                d_s = timed(lambda: model.prefill([int(t) for t in tokens(b)]), max(1, repeat // 2))
-                how = "emulated"
-            ratio = c_s / d_s if d_s > 0 else None
-            points.append(BatchPoint(b, c_s, d_s, ratio, speedup_model(C, c_s, d_s, None, 16) if ratio else None,
-                                     error=None if how == "native" or n_seq_max <= 1 else "emulated (past n_seq_max)"))
+                sample = paired(lambda: model.prefill([int(t) for t in tokens(b * C)]),
+                                lambda: model.prefill([int(t) for t in tokens(b)]), max(1, repeat // 2))
+                note = "emulated (past n_seq_max)" if n_seq_max > 1 else None
+            points.append(sample.point(b, C, error=note))
         except DgError as err:
             points.append(BatchPoint(b, None, None, None, None, error=str(err)))
             notes.append(f"batch {b} skipped: {err}")
     if n_seq_max <= 1:
         notes.append("batch sweep " + method)
     model.reset()
+    canvas_s, decode_s = base.canvas_s, base.decode_s
     curve = [{"steps": s, "speedup": speedup_model(C, canvas_s, decode_s, commit_s, s)} for s in SPEEDUP_STEPS]
+    ratio = base.ratio()
     return SpeedModel(canvas_length=C, canvas_forward_s=canvas_s, decode_s=decode_s, commit_s=commit_s,
-                      ratio=canvas_s / decode_s if decode_s > 0 else float("nan"),
-                      speedup_vs_steps=curve, batch_sweep=points, batch_method=method), notes
+                      ratio=ratio.median if ratio else float("nan"), speedup_vs_steps=curve, batch_sweep=points,
+                      batch_method=method, ratio_min=ratio.min if ratio else None,
+                      ratio_max=ratio.max if ratio else None), notes
 
 
 def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], *,
@@ -416,70 +457,80 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], *,
 
 
 def report_tables(report: BenchReport):
-    """Rich tables for `dg bench`: per-prompt metrics of both models, then the speed model."""
+    """Rich tables for `dg bench`, one per concern so each fits 80 columns: speed per prompt, the
+    diffusion sampler per prompt, accuracy (graded prompts), then the speed model and its batch sweep.
+    Cells are the median, with [min–max] over the runs when they differ."""
+    from rich.markup import escape
     from rich.table import Table
 
     def cell(s: Optional[Spread], digits: int = 2) -> str:
         return s.fmt(digits) if s is not None else "-"
 
-    tables = []
+    def pct(value: Optional[float]) -> str:
+        return "-" if value is None else f"{100 * value:.0f}%"
+
+    def table(title: str, *columns: str, caption: Optional[str] = None) -> Table:
+        t = Table(title=escape(title), caption=escape(caption) if caption else None)
+        for i, col in enumerate(columns):
+            t.add_column(col, justify="left" if i == 0 else "right", no_wrap=i == 0)
+        return t
+
     by_prompt: dict[str, dict[str, PromptSummary]] = {}
     for s in report.summaries:
         by_prompt.setdefault(s.prompt, {})[s.mode] = s
     cfg = report.config
+    runs = f"{cfg['repeat']} run{'s' if cfg['repeat'] != 1 else ''} per prompt"
+    pair = f"diffusion: {cfg['diffusion_model']}, AR: {cfg['ar_model']}"
+    tables = []
+
+    speed = table(f"tok/s (answer tokens), median [min–max] of {runs}", "prompt", "diffusion", "AR", "speedup",
+                  caption=pair + "; speedup = diffusion tok/s ÷ AR tok/s")
+    sampler = table("diffusion sampler per prompt", "prompt", "steps/canvas", "tokens/forward", "answer tokens",
+                    caption="tokens/forward: answer tokens per decoder forward (AR: 1.00); answer tokens: diffusion/AR")
     graded = any(s.accuracy is not None for s in report.summaries)
-    t = Table(title=f"generation: median [min–max] over {cfg['repeat']} run(s) per prompt")
-    columns = ["prompt", "diffusion tok/s", "AR tok/s", "speedup", "steps/canvas", "diffusion tokens/forward",
-               "AR tokens/forward", "new tokens (diff/AR)"] + (["accuracy (diff/AR)"] if graded else [])
-    for col in columns:
-        t.add_column(col, justify="left" if col == "prompt" else "right")
-
-    def pct(value: Optional[float]) -> str:
-        return "-" if value is None else f"{100 * value:.0f}%"
-
+    accuracy = table("accuracy (graded prompts)", "prompt", "diffusion", "AR")
     for prompt, modes in by_prompt.items():
         d, a = modes.get("diffusion"), modes.get("autoregressive")
         sp = "-"
         if d and a and d.tokens_per_second and a.tokens_per_second and a.tokens_per_second.median > 0:
             sp = f"{d.tokens_per_second.median / a.tokens_per_second.median:.2f}x"
-        row = [prompt, cell(d.tokens_per_second if d else None), cell(a.tokens_per_second if a else None), sp,
-               cell(d.steps_per_canvas if d else None, 1), cell(d.tokens_per_forward if d else None),
-               cell(a.tokens_per_forward if a else None),
-               f"{cell(d.new_tokens if d else None, 0)}/{cell(a.new_tokens if a else None, 0)}"]
-        if graded:
-            row.append(f"{pct(d.accuracy if d else None)}/{pct(a.accuracy if a else None)}")
-        t.add_row(*row)
-    t.caption = f"diffusion: {cfg['diffusion_model']}   AR: {cfg['ar_model']}"
-    tables.append(t)
+        speed.add_row(prompt, cell(d.tokens_per_second if d else None, 1), cell(a.tokens_per_second if a else None, 1), sp)
+        sampler.add_row(prompt, cell(d.steps_per_canvas if d else None, 1), cell(d.tokens_per_forward if d else None),
+                        f"{cell(d.new_tokens if d else None, 0)}/{cell(a.new_tokens if a else None, 0)}")
+        accuracy.add_row(prompt, pct(d.accuracy if d else None), pct(a.accuracy if a else None))
+    tables += [speed, sampler] + ([accuracy] if graded else [])
 
     sm = report.speed_model
     if sm is not None:
-        c = Table(title="speed model: one canvas forward vs one decode step (same weights)")
-        c.add_column("quantity")
-        c.add_column("value", justify="right")
+        def ratio(median: Optional[float], lo: Optional[float], hi: Optional[float]) -> str:
+            if median is None:
+                return "-"
+            return f"{median:.2f}" if lo is None or hi is None or lo == hi else f"{median:.2f} [{lo:.2f}–{hi:.2f}]"
+
+        c = table("speed model: one canvas forward vs one decode step", "quantity", "value",
+                  caption="same weights; ratio: median [min–max] of paired samples")
         c.add_row(f"canvas forward ({sm.canvas_length} tokens)", f"{sm.canvas_forward_s * 1e3:.3f} ms")
-        c.add_row("one-token decode (same weights)", f"{sm.decode_s * 1e3:.3f} ms")
+        c.add_row("one-token decode", f"{sm.decode_s * 1e3:.3f} ms")
         if sm.commit_s is not None:
             c.add_row("commit pass (encode canvas)", f"{sm.commit_s * 1e3:.3f} ms")
         if sm.ar_pair_decode_s is not None:
             c.add_row("AR pair decode step (from runs)", f"{sm.ar_pair_decode_s * 1e3:.3f} ms")
-        c.add_row("canvas / decode cost ratio", f"{sm.ratio:.2f}")
+        c.add_row("canvas / decode cost ratio", ratio(sm.ratio, sm.ratio_min, sm.ratio_max))
+        c.add_row("implied speedup at 1 / 4 / 16 steps",
+                  " / ".join(f"{p['speedup']:.2f}x" for p in sm.speedup_vs_steps if p["steps"] in (1, 4, 16)))
+        measured = [r.mean_steps_per_canvas for r in report.runs if r.mode == "diffusion" and r.mean_steps_per_canvas]
+        if measured:
+            steps = statistics.median(measured)
+            implied = speedup_model(sm.canvas_length, sm.canvas_forward_s, sm.decode_s, sm.commit_s, steps)
+            c.add_row(f"implied speedup at the runs' {steps:.1f} steps", f"{implied:.2f}x")
         tables.append(c)
-        s = Table(title="implied speedup over AR vs steps per canvas")
-        s.add_column("steps")
-        s.add_column("speedup", justify="right")
-        for point in sm.speedup_vs_steps:
-            s.add_row(str(point["steps"]), f"{point['speedup']:.2f}x")
-        tables.append(s)
-        b = Table(title="batch sweep")
-        for col in ("batch", "canvas forward", "decode", "ratio", "speedup @16 steps"):
-            b.add_column(col, justify="right")
+        b = table("batch sweep", "batch", "canvas fwd", "decode", "ratio", "@16 steps",
+                  caption=sm.batch_method + "; batch 1 is the speed model's sample")
         for p in sm.batch_sweep:
-            if p.error:
-                b.add_row(str(p.batch), "-", "-", "-", p.error)
+            if p.ratio is None:
+                b.add_row(str(p.batch), "-", "-", "-", p.error or "-")
             else:
-                b.add_row(str(p.batch), f"{p.canvas_s * 1e3:.3f} ms", f"{p.decode_s * 1e3:.3f} ms",
-                          f"{p.ratio:.2f}", f"{p.speedup_at_16_steps:.2f}x")
-        b.caption = sm.batch_method
+                b.add_row(str(p.batch), f"{p.canvas_s * 1e3:.2f} ms", f"{p.decode_s * 1e3:.2f} ms",
+                          ratio(p.ratio, p.ratio_min, p.ratio_max), f"{p.speedup_at_16_steps:.2f}x")
         tables.append(b)
     return tables

@@ -14,11 +14,32 @@ try:  # typer >= 0.20 vendors click
 except ImportError:  # pragma: no cover - older typer on real click
     from click.exceptions import ClickException
 
-from dgcli.commands import bench, compare, convert, generate, info, list_models, pull
+from dgcli.commands import bench, chat, compare, convert, generate, info, list_models, pull, replay
+
+
+def _flags_without_metavar(command: Any) -> None:
+    """Help shows `--json`, not `--json <bool>` as if the flag took a value (help options included)."""
+    for param in command.params:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+    get_help_option = command.get_help_option
+
+    def help_option(ctx: Any) -> Any:
+        option = get_help_option(ctx)
+        if option is not None and option.metavar is None:
+            option.metavar = ""
+        return option
+
+    command.get_help_option = help_option
 
 
 class _OneLineErrors(TyperGroup):
-    """Usage errors as one `error: ...` line on stderr instead of a help box."""
+    """Usage errors as one `error: ...` line on stderr instead of a help box; flags shown as flags."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        for command in [self, *self.commands.values()]:
+            _flags_without_metavar(command)
 
     def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
         try:
@@ -43,13 +64,33 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"dg {version('dgcli')}")
+        except PackageNotFoundError:
+            typer.echo("dg (not installed as a package)")
+        raise typer.Exit()
+
+
+@app.callback(cls=_OneLineErrors)
+def _options(show_version: bool = typer.Option(False, "--version", "-V", callback=_version, is_eager=True,
+                                               help="Print dg's version and exit.")) -> None:
+    """Run DiffusionGemma (text diffusion) and its autoregressive base from GGUF files; watch, compare, benchmark."""
 
 app.command("list")(list_models.list_cmd)
 app.command("pull")(pull.pull)
 app.command("info")(info.info_cmd)
 app.command("generate")(generate.generate)
+app.command("chat")(chat.chat)
 app.command("compare")(compare.compare)
+app.command("replay")(replay.replay)
 app.command("bench")(bench.bench)
 app.command("convert")(convert.convert)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import statistics
 from typing import Callable, Iterable, Sequence
 
-from rich.console import Group, RenderableType
+from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -28,6 +28,16 @@ THINKING_STYLE = "dim italic"
 MAX_PIECE_CHARS = 16
 
 
+# Control characters in model output (a random model emits them; any model can) would move the
+# cursor or start escape sequences under the live view: on screen they show as U+FFFD.
+_CONTROLS = {c: "\ufffd" for c in [*range(0x00, 0x09), *range(0x0b, 0x20), 0x7f, *range(0x80, 0xa0)]}
+
+
+def printable(text: str) -> str:
+    """Text safe to draw on a terminal: newlines and tabs kept, other control characters replaced."""
+    return text.translate(_CONTROLS)
+
+
 def split_thinking(text: str) -> tuple[str | None, str]:
     """(thinking, answer). An unclosed thinking channel is all thinking and no answer yet."""
     start = text.find(THINK_OPEN)
@@ -41,13 +51,24 @@ def split_thinking(text: str) -> tuple[str | None, str]:
     return rest[:end].rstrip("\n"), before + rest[end + len(THINK_CLOSE):].lstrip("\n")
 
 
-def answer_renderable(text: str, thinking: str = "show") -> RenderableType:
-    thought, answer = split_thinking(text)
-    parts: list[RenderableType] = []
+def plural(n: int, word: str, many: str | None = None) -> str:
+    return f"{n} {word if n == 1 else (many or word + 's')}"
+
+
+def answer_text(text: str, thinking: str = "show") -> Text:
+    """The answer, after its thinking (dimmed) when shown."""
+    thought, answer = split_thinking(printable(text))
+    out = Text()
     if thought is not None and thinking == "show":
-        parts.append(Text("thinking: " + thought.strip(), style=THINKING_STYLE))
-    parts.append(Text(answer.strip()))
-    return Group(*parts)
+        out.append("thinking: " + thought.strip(), style=THINKING_STYLE)
+        if answer.strip():
+            out.append("\n")
+    out.append(answer.strip())
+    return out
+
+
+def answer_renderable(text: str, thinking: str = "show") -> RenderableType:
+    return answer_text(text, thinking)
 
 
 def answer_plain(text: str, thinking: str = "show") -> str:
@@ -59,7 +80,7 @@ def answer_plain(text: str, thinking: str = "show") -> str:
 
 def _visible_piece(piece: str) -> str:
     """Canvas cells show whitespace visibly so the canvas keeps its shape."""
-    piece = piece.replace("\n", "⏎").replace("\t", "→")
+    piece = printable(piece.replace("\n", "⏎").replace("\t", "→"))
     if len(piece) > MAX_PIECE_CHARS:
         piece = piece[: MAX_PIECE_CHARS - 1] + "…"
     return piece or "∅"
@@ -74,8 +95,10 @@ def step_status(ev: StepEvent, canvas_length: int | None = None) -> str:
     )
 
 
-def canvas_text(ev: StepEvent, piece_of: Callable[[int], str], end_token_ids: Iterable[int] = ()) -> Text:
-    """The canvas as tokens: accepted this step bright, still-noisy dim, from the first end token on marked."""
+def canvas_text(ev: StepEvent, piece_of: Callable[[int], str], end_token_ids: Iterable[int] = (),
+                pad_token_id: int | None = None) -> Text:
+    """The canvas as tokens: accepted this step bright, still-noisy dim; what is not answer (the end
+    token, what follows it, padding) marked."""
     ends = set(int(t) for t in end_token_ids)
     text = Text()
     ended = False
@@ -83,7 +106,7 @@ def canvas_text(ev: StepEvent, piece_of: Callable[[int], str], end_token_ids: It
         token = int(token)
         if token in ends:
             ended = True
-        if ended:
+        if ended or token == pad_token_id:
             text.append("▪" if token not in ends else "⟨end⟩", style=END_STYLE)
         else:
             style = ACCEPTED_STYLE if bool(ev.accepted_mask[i]) else NOISY_STYLE
@@ -92,46 +115,89 @@ def canvas_text(ev: StepEvent, piece_of: Callable[[int], str], end_token_ids: It
     return text
 
 
+# Rows a live panel leaves free below itself, so the terminal never scrolls under the live view.
+LIVE_SPARE_ROWS = 1
+MORE_STYLE = "dim"
+
+
+def _wrapped(console: Console, text: Text | None, width: int) -> list[Text]:
+    return list(text.wrap(console, width)) if text is not None and text.plain else []
+
+
+def fitted_panel(console: Console, options: ConsoleOptions, *, committed: Text | None, canvas: Text | None,
+                 status: Text, title: str, border_style: str, fit: bool = True) -> Panel:
+    """A panel no taller than the terminal (fit=True): the status line always, then as much of the
+    canvas as fits (its first lines), then the end of the committed text in what is left, so that the
+    moving canvas and its status stay in sight however long the answer grows. fit=False: all of it."""
+    width = max(options.max_width - 4, 1)  # borders and padding
+    room = max(options.max_height - 2 - LIVE_SPARE_ROWS, 1) if fit else 1 << 30
+    status_lines = _wrapped(console, status, width)
+    canvas_lines = _wrapped(console, canvas, width)
+    committed_lines = _wrapped(console, committed, width)
+    room -= len(status_lines)
+    canvas_room = max(room - (1 if committed_lines else 0), 0)
+    if len(canvas_lines) > canvas_room:
+        hidden = len(canvas_lines) - canvas_room + 1
+        canvas_lines = canvas_lines[:max(canvas_room - 1, 0)] + [Text(f"… {plural(hidden, 'more line')}", style=MORE_STYLE)]
+        canvas_lines = canvas_lines[:canvas_room]
+    committed_room = max(room - len(canvas_lines), 0)
+    if len(committed_lines) > committed_room:
+        # the newest lines, under a "…" when there is room for it
+        keep = committed_room - 1 if committed_room > 1 else committed_room
+        tail = committed_lines[len(committed_lines) - keep:] if keep else []
+        committed_lines = ([Text("…", style=MORE_STYLE)] if committed_room > 1 else []) + tail
+    body = Text("\n").join(committed_lines + canvas_lines + status_lines)
+    return Panel(body, title=title, border_style=border_style)
+
+
 class DiffusionLiveView:
-    """State for the live diffusion panel: committed text so far + the canvas being denoised."""
+    """The live diffusion panel: committed text so far + the canvas being denoised + a status line.
+
+    Everything it shows is computed when an event arrives, never while drawing: the view can be
+    redrawn after its model is closed (compare redraws it while the AR side runs)."""
 
     def __init__(self, piece_of: Callable[[int], str], detokenize: Callable[[list[int]], str],
-                 end_token_ids: Iterable[int] = (), title: str = "diffusion", thinking: str = "show"):
+                 end_token_ids: Iterable[int] = (), title: str = "diffusion", thinking: str = "show",
+                 pad_token_id: int | None = None):
         self.piece_of, self.detokenize = piece_of, detokenize
         self.end_token_ids = list(end_token_ids)
+        self.pad_token_id = pad_token_id
         self.title, self.thinking = title, thinking
         self.committed_ids: list[int] = []
+        self.committed_text = ""
         self.last_step: StepEvent | None = None
+        self.canvas: Text | None = None
         self.steps_per_canvas: list[int] = []
         self.forwards = 0
+        self.note = ""  # shown after the status (e.g. "interrupted")
+        self.fit = True  # live: no taller than the terminal; False: the whole text (a final print)
 
     def on_event(self, ev) -> None:
         if isinstance(ev, StepEvent):
             self.last_step = ev
             self.forwards += 1
+            self.canvas = canvas_text(ev, self.piece_of, self.end_token_ids, self.pad_token_id)
         elif isinstance(ev, CanvasEvent):
             self.committed_ids.extend(ev.token_ids)
+            self.committed_text = self.detokenize(self.committed_ids) if self.committed_ids else ""
             self.steps_per_canvas.append(ev.steps)
             self.last_step = None
-
-    @property
-    def committed_text(self) -> str:
-        return self.detokenize(self.committed_ids) if self.committed_ids else ""
+            self.canvas = None
 
     def status(self) -> str:
         if self.last_step is None:
-            done = f"{len(self.steps_per_canvas)} canvas(es) committed, {len(self.committed_ids)} tokens"
-            return done if self.steps_per_canvas else "prefilling prompt…"
-        return step_status(self.last_step)
+            done = (f"{plural(len(self.committed_ids), 'token')}, "
+                    f"{plural(len(self.steps_per_canvas), 'canvas', 'canvases')}")
+            status = done if self.steps_per_canvas else "prefilling prompt…"
+        else:
+            status = step_status(self.last_step)
+        return status + (f"  {self.note}" if self.note else "")
 
-    def __rich__(self) -> RenderableType:
-        parts: list[RenderableType] = []
-        if self.committed_ids:
-            parts.append(answer_renderable(self.committed_text, self.thinking))
-        if self.last_step is not None:
-            parts.append(canvas_text(self.last_step, self.piece_of, self.end_token_ids))
-        parts.append(Text(self.status(), style="cyan"))
-        return Panel(Group(*parts), title=self.title, border_style="magenta")
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        committed = answer_text(self.committed_text, self.thinking) if self.committed_text else None
+        yield fitted_panel(console, options, committed=committed, canvas=self.canvas,
+                           status=Text(self.status(), style="cyan"), title=self.title, border_style="magenta",
+                           fit=self.fit)
 
 
 class AutoregressiveLiveView:
@@ -139,6 +205,8 @@ class AutoregressiveLiveView:
         self.title, self.thinking = title, thinking
         self.pieces: list[str] = []
         self.forward_s = 0.0
+        self.note = ""
+        self.fit = True
 
     def on_event(self, ev) -> None:
         if isinstance(ev, TokenEvent):
@@ -146,12 +214,19 @@ class AutoregressiveLiveView:
             self.forward_s += ev.forward_s
 
     def status(self) -> str:
+        if not self.pieces and not self.note:
+            return "waiting for the diffusion side…"
+        if not self.fit:  # printed once the run is over: the table has the rates
+            return plural(len(self.pieces), "token") + (f"  {self.note}" if self.note else "")
         rate = len(self.pieces) / self.forward_s if self.forward_s > 0 else 0.0
-        return f"tokens {len(self.pieces)}  (one forward each)  {rate:.1f} tok/s forward-only"
+        status = f"{plural(len(self.pieces), 'token')}, one forward each  {rate:.1f} tok/s (forwards only)"
+        return status + (f"  {self.note}" if self.note else "")
 
-    def __rich__(self) -> RenderableType:
-        return Panel(Group(answer_renderable("".join(self.pieces), self.thinking),
-                           Text(self.status(), style="cyan")), title=self.title, border_style="green")
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        text = "".join(self.pieces)
+        yield fitted_panel(console, options, committed=answer_text(text, self.thinking) if text else None,
+                           canvas=None, status=Text(self.status(), style="cyan"), title=self.title,
+                           border_style="green", fit=self.fit)
 
 
 class SideBySide:
@@ -159,6 +234,11 @@ class SideBySide:
 
     def __init__(self, left, right):
         self.left, self.right = left, right
+
+    def whole(self) -> "SideBySide":
+        """Both panels with all their text, for printing once the live view is gone."""
+        self.left.fit = self.right.fit = False
+        return self
 
     def __rich__(self) -> RenderableType:
         grid = Table.grid(expand=True, padding=(0, 1))
@@ -169,13 +249,15 @@ class SideBySide:
 
 
 def result_summary(res: GenerationResult) -> str:
+    """One line: answer tokens (answer_token_ids), time, tok/s, forwards, tokens per forward, stop, seed."""
     spc = res.steps_per_canvas
     steps = f"  steps/canvas {','.join(map(str, spc))}" if spc else ""
     flag = "  (interrupted)" if res.interrupted else ""
+    seed = f"  seed {res.seed}" if res.seed is not None else ""
     return (
-        f"{res.n_new_tokens} new tokens in {res.total_s:.2f}s  {res.tokens_per_second:.1f} tok/s  "
-        f"{res.decoder_forwards} forwards  {res.tokens_per_forward:.2f} tokens/forward{steps}  "
-        f"stop={res.stop_reason}{flag}"
+        f"{plural(res.n_new_tokens, 'new token')} in {res.total_s:.2f}s  {res.tokens_per_second:.1f} tok/s  "
+        f"{plural(res.decoder_forwards, 'forward')}  {res.tokens_per_forward:.2f} tokens/forward{steps}  "
+        f"stop={res.stop_reason}{seed}{flag}"
     )
 
 
@@ -183,11 +265,9 @@ def _fmt(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-COMPARE_COLUMNS = ("metric", "diffusion", "autoregressive")
-
-
 def compare_rows(diff: GenerationResult, ar: GenerationResult,
                  diff_rss: int | None, ar_rss: int | None) -> list[tuple[str, str, str]]:
+    """The comparison, metric by metric; token counts and rates count answer tokens (answer_token_ids)."""
     from dgcli.hub import format_bytes
 
     def spc(r: GenerationResult) -> str:
@@ -213,14 +293,16 @@ def speedup(diff: GenerationResult, ar: GenerationResult) -> float | None:
 
 def compare_table(diff: GenerationResult, ar: GenerationResult, diff_rss: int | None, ar_rss: int | None,
                   diff_name: str = "diffusion", ar_name: str = "autoregressive") -> Table:
-    table = Table(title="diffusion vs autoregressive")
-    table.add_column("metric")
-    table.add_column(f"diffusion ({diff_name})", justify="right")
-    table.add_column(f"autoregressive ({ar_name})", justify="right")
+    table = Table(title=f"{diff_name} (diffusion) vs {ar_name} (AR)")
+    # narrow terminals fold long values rather than cut them to `end_tok…`
+    table.add_column("metric", overflow="fold")
+    table.add_column("diffusion", justify="right", overflow="fold")
+    table.add_column("AR", justify="right", overflow="fold")
     for row in compare_rows(diff, ar, diff_rss, ar_rss):
         table.add_row(*row)
     s = speedup(diff, ar)
-    table.caption = f"speedup (diffusion tok/s ÷ AR tok/s): {_fmt(s)}x" if s is not None else "speedup: n/a"
+    table.caption = (f"speedup (diffusion tok/s ÷ AR tok/s): {_fmt(s)}x" if s is not None
+                     else "speedup: n/a (a side produced no answer tokens)") + f"; seed {diff.seed}"
     return table
 
 

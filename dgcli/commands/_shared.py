@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import typer
 from rich.console import Console
@@ -22,6 +23,8 @@ from dgcli.registry import DEFAULT_MODEL, Registry, ResolvedModel, missing_shipp
 
 EXIT_INTERRUPTED = 130
 LIVE_REFRESH_S = 1 / 15
+# A prompt file or piped prompt larger than this is a mistake (a 262k-token context is ~1 MB of text).
+MAX_PROMPT_BYTES = 16 << 20
 
 # Tables stay readable when piped (Rich would otherwise assume 80 columns).
 _PIPE_WIDTH = None if sys.stdout.isatty() else int(os.environ.get("COLUMNS") or 120)
@@ -50,6 +53,9 @@ def user_errors() -> Iterator[None]:
 
 
 # ---------------------------------------------------------------- model resolution / pulling
+
+
+ROLE_NAMES = {"diffusion": "a diffusion", "ar": "an autoregressive"}
 
 
 def registry() -> Registry:
@@ -102,8 +108,8 @@ def ensure_local(resolved: ResolvedModel, *, yes: bool) -> Path:
 def resolve_model(spec: Optional[str], *, yes: bool, want: str) -> tuple[ResolvedModel, Path]:
     resolved = registry().resolve(spec or DEFAULT_MODEL)
     if resolved.role is not None and resolved.role != want:
-        kind = "diffusion" if want == "diffusion" else "autoregressive"
-        raise DgError(f"{resolved.display_name} is a {resolved.role} model; this needs a {kind} model (see `dg list`)")
+        raise DgError(f"{resolved.display_name} is {ROLE_NAMES[resolved.role]} model; this needs "
+                      f"{ROLE_NAMES[want]} model (see `dg list`)")
     return resolved, ensure_local(resolved, yes=yes)
 
 
@@ -148,10 +154,10 @@ def report_placement(what: str, model) -> None:
 
 
 def open_diffusion_engine(path: Path, *, threads: Optional[int], gpu_layers: int, n_cpu_moe: int = 0,
-                          verbose: bool = False):
+                          ctx_size: Optional[int] = None, verbose: bool = False):
     from dgcli.engine.diffusion import DiffusionEngine
 
-    engine = DiffusionEngine(str(path), n_threads=threads, n_gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe)
+    engine = DiffusionEngine(str(path), n_threads=threads, n_gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe, n_ctx=ctx_size)
     if verbose:
         report_placement(f"diffusion model {path.name}", engine.model)
     return engine
@@ -166,10 +172,11 @@ def open_speed_model(path: Path, n_seq_max: int, *, threads: Optional[int], gpu_
 
 
 def open_ar_engine(path: Path, *, threads: Optional[int], gpu_layers: int, n_cpu_moe: int = 0,
-                   verbose: bool = False):
+                   ctx_size: Optional[int] = None, verbose: bool = False):
     from dgcli.engine.autoregressive import AutoregressiveEngine
 
-    engine = AutoregressiveEngine(str(path), n_threads=threads, n_gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe)
+    engine = AutoregressiveEngine(str(path), n_threads=threads, n_gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe,
+                                  n_ctx=ctx_size)
     if verbose:
         report_placement(f"autoregressive model {path.name}", engine.model)
     return engine
@@ -178,42 +185,115 @@ def open_ar_engine(path: Path, *, threads: Optional[int], gpu_layers: int, n_cpu
 # ---------------------------------------------------------------- prompt / params / outputs
 
 
-def read_prompt(prompt: Optional[str]) -> str:
-    if prompt is None or prompt == "-":
-        if prompt is None and sys.stdin.isatty():
-            raise DgError("no prompt: pass one as an argument, or pipe it on stdin")
-        prompt = sys.stdin.read()
-    if not prompt.strip():
+def read_prompt(argument: Optional[str], option: Optional[str] = None, file: Optional[Path] = None) -> str:
+    """The prompt from the argument, -p/--prompt, -f/--file or stdin ('-', or nothing with piped input).
+    Text read from a file or a pipe loses its trailing newline, as llama-cli's -f does: `echo` adds one."""
+    given = [v for v in (argument, option) if v is not None] + ([file] if file is not None else [])
+    if len(given) > 1:
+        raise DgError("the prompt was given twice: pass it as an argument, with -p/--prompt, or with -f/--file")
+    text = argument if argument is not None else option
+    if file is not None and str(file) != "-":
+        text = read_text_file(file, "prompt file").rstrip("\r\n")
+    elif text is None or text == "-" or file is not None:
+        if text is None and file is None and sys.stdin.isatty():
+            raise DgError("no prompt: pass one as an argument, with -p/--prompt or -f/--file, or pipe it on stdin")
+        text = decode_prompt(sys.stdin.buffer.read(MAX_PROMPT_BYTES + 1), "stdin").rstrip("\r\n")
+    if not text.strip():
         raise DgError("empty prompt")
-    return prompt
+    return text
 
 
-def diffusion_params(path: Path, **flags: Any) -> DiffusionParams:
-    """The GGUF's sampler defaults with the user's flags on top, validated before any loading."""
+def decode_prompt(data: bytes, source: str) -> str:
+    if len(data) > MAX_PROMPT_BYTES:
+        raise DgError(f"the prompt from {source} is larger than {MAX_PROMPT_BYTES >> 20} MB")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise DgError(f"the prompt from {source} is not UTF-8 text (byte {err.start})") from None
+
+
+def read_text_file(path: Path, what: str) -> str:
+    """A regular file's UTF-8 text (never a device or a FIFO that would block or never end)."""
+    path = Path(path)
+    try:
+        if not path.exists():
+            raise DgError(f"{what} not found: {path}")
+        if not path.is_file():
+            raise DgError(f"{what} is not a regular file: {path}")
+        with open(path, "rb") as f:
+            data = f.read(MAX_PROMPT_BYTES + 1)
+    except OSError as err:
+        raise DgError(f"cannot read {what} {path}: {err.strerror or err}") from None
+    return decode_prompt(data, str(path))
+
+
+def prompt_messages(text: str, system: Optional[str]) -> list[dict]:
+    """The chat messages of one turn: the system prompt (if any), then the user's text."""
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+
+
+def check_prompt_options(system: Optional[str], raw: bool) -> None:
+    if raw and system:
+        raise DgError("--system needs the chat template; with --raw, write the system text into the prompt")
+    if system is not None and not system.strip():
+        raise DgError("empty --system text")
+
+
+def prompt_ids(model, text: str, *, system: Optional[str], raw: bool, parse_special: bool) -> list[int]:
+    """The prompt's tokens for `model`: through its chat template (with the system prompt), or as it
+    is (--raw). User text never turns into control tokens unless parse_special."""
+    from dgcli.engine.diffusion import prompt_token_ids
+
+    prompt = text if raw else prompt_messages(text, system)
+    if not raw and not system and not hasattr(model, "chat_tokens"):
+        prompt = text  # a step-level stand-in with only the one-message form
+    return prompt_token_ids(model, prompt, chat=not raw, parse_special=parse_special)
+
+
+def diffusion_params(path: Path, temp: Optional[float] = None, **flags: Any) -> DiffusionParams:
+    """The GGUF's sampler defaults with the user's flags on top, validated before any loading.
+    temp: a constant temperature (t_min = t_max), llama-cli's --temp."""
+    if temp is not None:
+        if flags.get("t_min") is not None or flags.get("t_max") is not None:
+            raise DgError("--temp sets both ends of the temperature schedule; pass --temp or --t-min/--t-max, not both")
+        flags.update(t_min=temp, t_max=temp)
     meta = ginfo.read_info(path)
     base = DiffusionParams(**meta.sampler_defaults) if meta.sampler_defaults else DiffusionParams()
     return base.replace(**flags).validate()
 
 
-def check_generation_args(max_new_tokens: int, threads: Optional[int], gpu_layers: int) -> None:
+def check_generation_args(max_new_tokens: int, threads: Optional[int], gpu_layers: int,
+                          ctx_size: Optional[int] = None, pace: float = 0.0) -> None:
     if max_new_tokens < 1:
         raise DgError(f"invalid max_new_tokens={max_new_tokens}: must be an integer >= 1")
     if threads is not None and threads < 1:
         raise DgError(f"invalid threads={threads}: must be an integer >= 1")
     if gpu_layers < -1:
         raise DgError(f"invalid gpu_layers={gpu_layers}: must be -1 (all) or >= 0")
+    if ctx_size is not None and ctx_size < 0:
+        raise DgError(f"invalid ctx_size={ctx_size}: must be 0 (the model's training context) or a token count")
+    if not 0 <= pace <= 60:
+        raise DgError(f"invalid pace={pace}: must be seconds per step between 0 and 60")
 
 
-def check_prompt_fits(engine, prompt: str, max_new_tokens: int) -> None:
+def seed_of(seed: Optional[int]) -> int:
+    """The run's seed: the user's, or a random one (-1 or none, as llama-cli's -s -1), shown afterwards."""
+    from dgcli.engine.rng import resolve_seed
+
+    return resolve_seed(None if seed == -1 else seed)
+
+
+def check_prompt_fits(engine, n_prompt: int) -> None:
     """Refuse a prompt that leaves no room for one canvas in the context."""
     model = getattr(engine, "model", None)
     n_ctx = getattr(model, "n_ctx", None)
     if model is None or not isinstance(n_ctx, int):
         return
-    n_prompt = len(model.chat_prompt(prompt))
     room = getattr(model, "canvas_length", 1) or 1
     if n_prompt + room > n_ctx:
-        raise DgError(f"prompt is {n_prompt} tokens; with one {room}-token canvas it exceeds the context of {n_ctx} tokens")
+        what = f"one {room}-token canvas" if room > 1 else "one new token"
+        raise DgError(f"prompt is {n_prompt} tokens; with {what} it exceeds the context of {n_ctx} tokens "
+                      "(raise it with -c/--ctx-size)")
 
 
 class AtomicOutput:
@@ -287,6 +367,81 @@ class Throttle:
         return False
 
 
+class Pacer:
+    """--pace: each denoising step stays on screen at least `seconds` (the demo is too fast to watch)."""
+
+    def __init__(self, seconds: float = 0.0):
+        self.seconds, self.last = seconds, None
+
+    def wait(self) -> None:
+        if self.seconds <= 0:
+            return
+        now = time.monotonic()
+        if self.last is not None and now - self.last < self.seconds:
+            time.sleep(self.seconds - (now - self.last))
+        self.last = time.monotonic()
+
+
+@contextmanager
+def sigint_deferred() -> Iterator[None]:
+    """Ctrl-C waits until the block is done: a live frame is drawn whole, so stopping the live view
+    erases exactly what it drew (an interrupted frame left a stray panel line behind)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if pending:
+            raise KeyboardInterrupt
+
+
+@contextmanager
+def echo_off() -> Iterator[None]:
+    """No echo of typed keys while a live view is drawn: the terminal's `^C` (or any key) would move
+    the cursor under the live view, and stopping it would then erase one line too few (a stray
+    panel line was left behind)."""
+    try:
+        import termios
+
+        fd = sys.stdin.fileno()
+        saved = termios.tcgetattr(fd) if os.isatty(fd) else None
+    except (ImportError, OSError, ValueError):
+        saved = None
+    if saved is None:
+        yield
+        return
+    quiet = list(saved)
+    quiet[3] &= ~termios.ECHO
+    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    try:
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSANOW, saved)
+
+
+@contextmanager
+def live_view(renderable: Any) -> Iterator[Live]:
+    """A transient Rich Live on stdout (auto-refresh off: the caller refreshes), keys not echoed."""
+    with echo_off():
+        live = Live(renderable, console=stdout, auto_refresh=False, transient=True)
+        live.start()
+        try:
+            yield live
+        finally:
+            live.stop()
+
+
+def refresh(live: Live) -> None:
+    with sigint_deferred():
+        live.refresh()
+
+
 def use_live(no_live: bool, json_out: bool) -> bool:
     return not (no_live or json_out) and stdout.is_terminal
 
@@ -302,54 +457,75 @@ def piece_of(model):
     return piece
 
 
-def run_diffusion(engine, prompt: str, *, params: DiffusionParams, max_new_tokens: int, seed: Optional[int],
-                  live: bool, thinking: str, trace: Optional[AtomicOutput], events: Optional[list],
-                  stream_plain: bool = False, title: str = "diffusion", live_obj: Optional[Live] = None,
-                  panel_slot=None, self_cond_top_k: Optional[int] = None) -> GenerationResult:
-    """One diffusion generation with the chosen display; returns the engine's result.
+def diffusion_view(model, *, title: str, thinking: str) -> render.DiffusionLiveView:
+    return render.DiffusionLiveView(piece_of(model), model.detokenize, getattr(model, "end_token_ids", ()),
+                                    title=title, thinking=thinking, pad_token_id=getattr(model, "pad_token_id", None))
 
-    live: a Rich Live panel (its own, or `live_obj` shared with compare); stream_plain: per-step status
-    lines on stderr and each committed canvas's text on stdout (logs and pipes).
-    """
-    model = engine.model
-    view = render.DiffusionLiveView(piece_of(model), model.detokenize, getattr(model, "end_token_ids", ()),
-                                    title=title, thinking=thinking)
-    throttle = Throttle()
-    streamed = {"n": 0}
 
-    def on_event(ev) -> None:
-        view.on_event(ev)
-        if trace is not None:
-            trace.write_line(ev.to_json())
-        if events is not None:
-            events.append(ev.to_json())
-        if live_obj is not None:
-            if throttle.ready(force=isinstance(ev, CanvasEvent)):
-                live_obj.refresh()
-        elif stream_plain:
+def trace_recorder(model, sinks: list[Callable[[dict], Any]]):
+    from dgcli.trace import TraceRecorder
+
+    return TraceRecorder(piece_of(model), model.detokenize, sinks) if sinks else None
+
+
+class DiffusionDisplay:
+    """What a diffusion generation shows while it runs: a Rich Live panel (its own, transient, or
+    `live_obj` shared with compare), or plain status lines on stderr with each committed canvas's
+    text on stdout (`stream_plain`: logs and pipes), or nothing. `on_event` is the engine's
+    callback; it also feeds a TraceRecorder and holds each step `pace` seconds."""
+
+    def __init__(self, model, *, live: bool, thinking: str, title: str = "diffusion", stream_plain: bool = False,
+                 recorder=None, live_obj: Optional[Live] = None, view: Optional[render.DiffusionLiveView] = None,
+                 pace: float = 0.0):
+        self.view = view or diffusion_view(model, title=title, thinking=thinking)
+        self.live, self.live_obj, self._own = live, live_obj, None
+        self.thinking, self.stream_plain, self.recorder = thinking, stream_plain, recorder
+        self.throttle, self.pacer, self.pace = Throttle(), Pacer(pace), pace
+        self.streamed_chars = 0
+
+    def __enter__(self) -> "DiffusionDisplay":
+        if self.live and self.live_obj is None:
+            self._own = live_view(self.view)
+            self.live_obj = self._own.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._own is not None:
+            self._own.__exit__(*exc)
+        elif self.live_obj is not None:
+            refresh(self.live_obj)
+
+    def on_event(self, ev) -> None:
+        self.view.on_event(ev)
+        if self.recorder is not None:
+            self.recorder.on_event(ev)
+        if self.live_obj is not None:
+            if self.throttle.ready(force=isinstance(ev, CanvasEvent) or self.pace > 0):
+                refresh(self.live_obj)
+        elif self.stream_plain:
             if isinstance(ev, StepEvent):
                 typer.echo(render.step_status(ev), err=True)
-            elif isinstance(ev, CanvasEvent) and thinking == "show":
+            elif isinstance(ev, CanvasEvent) and self.thinking == "show":
                 # Plain mode streams each committed canvas's text as soon as it is final.
-                text = view.committed_text
-                typer.echo(text[streamed["n"]:], nl=False)
-                streamed["n"] = len(text)
+                text = self.view.committed_text
+                typer.echo(text[self.streamed_chars:], nl=False)
+                self.streamed_chars = len(text)
+        if isinstance(ev, StepEvent):
+            self.pacer.wait()
 
-    if panel_slot is not None:
-        panel_slot(view)
+
+def run_diffusion(engine, prompt, *, params: DiffusionParams, max_new_tokens: int, seed: Optional[int],
+                  live: bool, thinking: str, recorder=None, stream_plain: bool = False, title: str = "diffusion",
+                  live_obj: Optional[Live] = None, view: Optional[render.DiffusionLiveView] = None,
+                  self_cond_top_k: Optional[int] = None, pace: float = 0.0) -> GenerationResult:
+    """One diffusion generation shown by a DiffusionDisplay; returns the engine's result."""
     # Only an explicit choice reaches the engine; otherwise it picks (dense for small vocabularies).
     options = {} if self_cond_top_k is None else {"self_cond_top_k": self_cond_top_k}
-    if live and live_obj is None:
-        with Live(view, console=stdout, auto_refresh=False, transient=True) as lv:
-            live_obj = lv
-            result = engine.generate(prompt, params=params, max_new_tokens=max_new_tokens, seed=seed,
-                                     on_event=on_event, **options)
-    else:
-        result = engine.generate(prompt, params=params, max_new_tokens=max_new_tokens, seed=seed, on_event=on_event,
-                                 **options)
-    if live_obj is not None:
-        live_obj.refresh()
-    result._streamed_chars = streamed["n"]  # type: ignore[attr-defined]
+    with DiffusionDisplay(engine.model, live=live, thinking=thinking, title=title, stream_plain=stream_plain,
+                          recorder=recorder, live_obj=live_obj, view=view, pace=pace) as display:
+        result = engine.generate(prompt, params=params, max_new_tokens=max_new_tokens, seed=seed,
+                                 on_event=display.on_event, **options)
+    result._streamed_chars = display.streamed_chars  # type: ignore[attr-defined]
     return result
 
 
@@ -364,18 +540,34 @@ NCpuMoeOpt = typer.Option(None, "--n-cpu-moe", metavar="N",
                                "(offloads every layer unless --gpu-layers is given).")
 CpuMoeOpt = typer.Option(False, "--cpu-moe", help="Keep every layer's expert weights in system memory (--n-cpu-moe all).")
 VerboseOpt = typer.Option(False, "--verbose", "-v", help="Print where llama.cpp put the weights (GPU/RAM buffers, tensors kept in RAM).")
+CtxOpt = typer.Option(None, "--ctx-size", "-c", help="Context size in tokens (0 = the model's training context; default: min(training, 4096)).")
+
+PromptArg = typer.Argument(None, help="The prompt; '-' (or nothing, with piped stdin) reads stdin.", show_default=False)
+PromptOpt = typer.Option(None, "--prompt", "-p", help="The prompt (as llama-cli's -p), instead of the argument.", show_default=False)
+FileOpt = typer.Option(None, "--file", "-f", help="Read the prompt from this file ('-': stdin).", show_default=False)
+SystemOpt = typer.Option(None, "--system", help="A system prompt (through the chat template).", show_default=False)
+RawOpt = typer.Option(False, "--raw", help="No chat template: the prompt as it is, after a bos (GGUFs without a template).")
+ParseSpecialOpt = typer.Option(
+    False, "--parse-special",
+    help="Let control-token text in your prompt (<turn|>, <eos>, ...) act as control tokens. For experts: "
+         "by default it stays text, so piped text cannot forge turns.")
+SeedOpt = typer.Option(None, "--seed", "-s", help="Random seed (canvas init, sampling, renoise); -1 or none: a random one, shown afterwards.", show_default=False)
+TempOpt = typer.Option(None, "--temp", help="A constant temperature: sets --t-min and --t-max to this value.", show_default=False)
+PaceOpt = typer.Option(0.0, "--pace", help="Seconds each denoising step stays on screen at least (0 = as fast as it runs), to watch a fast model.")
+NoLiveOpt = typer.Option(False, "--no-live", help="Plain streaming (automatic when stdout is not a terminal).")
+
 
 def sampler_flags(steps, t_min, t_max, entropy_bound, stability_threshold, confidence_threshold) -> dict:
     return dict(max_denoising_steps=steps, t_min=t_min, t_max=t_max, entropy_bound=entropy_bound,
                 stability_threshold=stability_threshold, confidence_threshold=confidence_threshold)
 
 
-StepsOpt = typer.Option(None, "--steps", help="Max denoising steps per canvas (GGUF default: diffusion.eb_max_steps).")
-TMinOpt = typer.Option(None, "--t-min", help="Final temperature of the schedule.")
-TMaxOpt = typer.Option(None, "--t-max", help="Initial temperature of the schedule.")
-EBOpt = typer.Option(None, "--entropy-bound", help="Entropy budget of the accepted prefix per step (speed knob).")
-StabOpt = typer.Option(None, "--stability-threshold", help="Steps the argmax canvas must stay unchanged to stop.")
-ConfOpt = typer.Option(None, "--confidence-threshold", help="Mean entropy below which the canvas may stop.")
+StepsOpt = typer.Option(None, "--steps", help="Max denoising steps per canvas (GGUF default: diffusion.eb_max_steps).", show_default=False)
+TMinOpt = typer.Option(None, "--t-min", help="Final temperature of the schedule.", show_default=False)
+TMaxOpt = typer.Option(None, "--t-max", help="Initial temperature of the schedule.", show_default=False)
+EBOpt = typer.Option(None, "--entropy-bound", help="Entropy budget of the accepted prefix per step (speed knob).", show_default=False)
+StabOpt = typer.Option(None, "--stability-threshold", help="Steps the argmax canvas must stay unchanged to stop.", show_default=False)
+ConfOpt = typer.Option(None, "--confidence-threshold", help="Mean entropy below which the canvas may stop.", show_default=False)
 ThinkingOpt = typer.Option("show", "--thinking", help="Thinking channel: show (dimmed) or hide.")
 
 

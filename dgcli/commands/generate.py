@@ -12,25 +12,35 @@ from dgcli import render
 from dgcli.engine.types import InvalidParameter
 from dgcli.commands import _shared as shared
 
+GENERATE_SCHEMA = "dg-generate/1"
+
 
 def generate(
-    prompt: Optional[str] = typer.Argument(None, help="The prompt; '-' or omitted with piped stdin reads stdin."),
+    prompt: Optional[str] = shared.PromptArg,
+    prompt_opt: Optional[str] = shared.PromptOpt,
+    file: Optional[Path] = shared.FileOpt,
+    system: Optional[str] = shared.SystemOpt,
+    raw: bool = shared.RawOpt,
     model: Optional[str] = shared.ModelOpt,
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Stop after this many new tokens."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed (canvas init, sampling, renoise)."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="At most this many answer tokens (whole canvases are still denoised)."),
+    seed: Optional[int] = shared.SeedOpt,
+    temp: Optional[float] = shared.TempOpt,
     steps: Optional[int] = shared.StepsOpt, t_min: Optional[float] = shared.TMinOpt, t_max: Optional[float] = shared.TMaxOpt,
     entropy_bound: Optional[float] = shared.EBOpt, stability_threshold: Optional[int] = shared.StabOpt,
     confidence_threshold: Optional[float] = shared.ConfOpt,
+    ctx_size: Optional[int] = shared.CtxOpt,
     threads: Optional[int] = shared.ThreadsOpt, gpu_layers: int = shared.GpuOpt,
     n_cpu_moe: Optional[int] = shared.NCpuMoeOpt, cpu_moe: bool = shared.CpuMoeOpt, verbose: bool = shared.VerboseOpt,
     thinking: str = shared.ThinkingOpt,
     self_cond_top_k: Optional[int] = typer.Option(
-        None, "--self-cond-top-k",
+        None, "--self-cond-top-k", show_default=False,
         help="Tokens per position fed back to self-conditioning (0 = all; default: all for small vocabularies, "
              "else 64; the mass left out is in the trace as sc_dropped_mass)."),
-    no_live: bool = typer.Option(False, "--no-live", help="Plain streaming (automatic when stdout is not a terminal)."),
-    json_out: bool = typer.Option(False, "--json", help="Print the result and the per-step trace as JSON."),
-    trace: Optional[Path] = typer.Option(None, "--trace", help="Write per-step JSON lines to this file."),
+    pace: float = shared.PaceOpt,
+    no_live: bool = shared.NoLiveOpt,
+    json_out: bool = typer.Option(False, "--json", help=f"Print the result and the per-step trace as JSON ({GENERATE_SCHEMA})."),
+    trace: Optional[Path] = typer.Option(None, "--trace", help="Write the per-step trace to this file (JSON lines, dg-trace/1; `dg replay` shows it again).", show_default=False),
+    parse_special: bool = shared.ParseSpecialOpt,
     yes: bool = shared.YesOpt,
 ) -> None:
     """Generate with DiffusionGemma, watching the canvas denoise live."""
@@ -38,29 +48,42 @@ def generate(
         shared.check_thinking(thinking)
         if self_cond_top_k is not None and self_cond_top_k < 0:
             raise InvalidParameter("self_cond_top_k", self_cond_top_k, "an integer >= 0 (0 = all tokens)")
-        shared.check_generation_args(max_new_tokens, threads, gpu_layers)
+        shared.check_generation_args(max_new_tokens, threads, gpu_layers, ctx_size, pace)
         gpu_layers, n_cpu_moe = shared.resolve_offload(gpu_layers, n_cpu_moe, cpu_moe)
-        text = shared.read_prompt(prompt)
+        shared.check_prompt_options(system, raw)
+        run_seed = shared.seed_of(seed)
+        text = shared.read_prompt(prompt, prompt_opt, file)
         resolved, path = shared.resolve_model(model, yes=yes, want="diffusion")
         shared.preflight(path, diffusion=True, command="generate", gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe)
-        params = shared.diffusion_params(path, **shared.sampler_flags(steps, t_min, t_max, entropy_bound, stability_threshold,
-                                                         confidence_threshold))
+        params = shared.diffusion_params(path, temp, **shared.sampler_flags(
+            steps, t_min, t_max, entropy_bound, stability_threshold, confidence_threshold))
         live = shared.use_live(no_live, json_out)
+        header = dict(model=dict(name=resolved.display_name, path=str(path)), prompt=text, system=system, raw=raw,
+                      params=params.__dict__, max_new_tokens=max_new_tokens, seed=run_seed)
         with shared.atomic_outputs(trace) as (trace_out,):
             engine = shared.open_diffusion_engine(path, threads=threads, gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe,
-                                                  verbose=verbose)
+                                                  ctx_size=ctx_size, verbose=verbose)
             try:
-                shared.check_prompt_fits(engine, text, max_new_tokens)
+                ids = shared.prompt_ids(engine.model, text, system=system, raw=raw, parse_special=parse_special)
+                shared.check_prompt_fits(engine, len(ids))
                 events: Optional[list] = [] if json_out else None
-                result = shared.run_diffusion(engine, text, params=params, max_new_tokens=max_new_tokens, seed=seed,
-                                       live=live, thinking=thinking, trace=trace_out if trace else None, events=events,
-                                       stream_plain=not live and not json_out, self_cond_top_k=self_cond_top_k)
+                sinks = ([trace_out.write_line] if trace else []) + ([events.append] if events is not None else [])
+                recorder = shared.trace_recorder(engine.model, sinks)
+                if recorder is not None:
+                    recorder.header(**header, canvas_length=engine.model.canvas_length,
+                                    end_token_ids=list(engine.model.end_token_ids),
+                                    pad_token_id=getattr(engine.model, "pad_token_id", None))
+                result = shared.run_diffusion(engine, ids, params=params, max_new_tokens=max_new_tokens, seed=run_seed,
+                                              live=live, thinking=thinking, recorder=recorder,
+                                              stream_plain=not live and not json_out, self_cond_top_k=self_cond_top_k,
+                                              pace=pace)
+                if recorder is not None:
+                    recorder.result(result.to_json())
             finally:
                 engine.close()
         thought, answer = render.split_thinking(result.text)
         if json_out:
-            doc = dict(model=dict(name=resolved.display_name, path=str(path)), prompt=text, params=params.__dict__,
-                       max_new_tokens=max_new_tokens, seed=seed, answer=answer.strip(),
+            doc = dict(schema=GENERATE_SCHEMA, **header, answer=answer.strip(),
                        thinking=thought.strip() if thought is not None else None,
                        result=result.to_json(), trace=events)
             typer.echo(json.dumps(doc, indent=2))

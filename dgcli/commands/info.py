@@ -13,9 +13,11 @@ from dgcli.engine.types import DIFFUSION_PARAM_KEYS, DgError
 from dgcli.registry import missing_shipped_message
 from dgcli.commands import _shared as shared
 
+INFO_SCHEMA = "dg-info/1"
+
 
 def info_cmd(model: str = typer.Argument(..., help="A .gguf path or a registry name."),
-             json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
+             json_out: bool = typer.Option(False, "--json", help=f"Machine-readable output ({INFO_SCHEMA})."),
              gpu_layers: int = shared.GpuOpt,
              n_cpu_moe: Optional[int] = shared.NCpuMoeOpt, cpu_moe: bool = shared.CpuMoeOpt,
              gpu_memory: Optional[str] = typer.Option(
@@ -38,7 +40,7 @@ def info_cmd(model: str = typer.Argument(..., help="A .gguf path or a registry n
             gpus = [ginfo.GpuMemory(f"a {hub.format_bytes(size)} GPU (--gpu-memory)", size, size)]
         meta = ginfo.read_info(resolved.path, n_gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe, gpus=gpus)
         if json_out:
-            typer.echo(json.dumps(meta.to_json(), indent=2))
+            typer.echo(json.dumps({"schema": INFO_SCHEMA, **meta.to_json()}, indent=2))
             return
         fmt = hub.format_bytes
         summary = Table.grid(padding=(0, 2))

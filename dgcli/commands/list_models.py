@@ -10,8 +10,10 @@ from rich.table import Table
 from dgcli import hub
 from dgcli.commands import _shared as shared
 
+LIST_SCHEMA = "dg-list/1"
 
-def list_cmd(json_out: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
+
+def list_cmd(json_out: bool = typer.Option(False, "--json", help=f"Machine-readable output ({LIST_SCHEMA}).")) -> None:
     """Registry models: role, pair, quants, size and whether each is on disk."""
     with shared.user_errors():
         registry = shared.registry()
@@ -20,8 +22,9 @@ def list_cmd(json_out: bool = typer.Option(False, "--json", help="Machine-readab
             if entry.shipped is not None:
                 present = entry.shipped.exists()
                 rows.append(dict(name=entry.name, quant=None, role=entry.role, pair=entry.pair, repo=None,
-                                 file=str(entry.shipped), size=entry.shipped.stat().st_size if present else None,
-                                 on_disk=present, default=True, description=entry.description))
+                                 file=entry.shipped.name, size=entry.shipped.stat().st_size if present else None,
+                                 on_disk=present, default=True, description=entry.description,
+                                 path=str(entry.shipped) if present else None))
                 continue
             for quant, f in entry.files.items():
                 path = hub.cached_path(entry.repo, f.filename)
@@ -30,7 +33,7 @@ def list_cmd(json_out: bool = typer.Option(False, "--json", help="Machine-readab
                                  on_disk=path is not None, default=quant == entry.default_quant,
                                  description=entry.description, path=str(path) if path else None))
         if json_out:
-            typer.echo(json.dumps(rows, indent=2))
+            typer.echo(json.dumps({"schema": LIST_SCHEMA, "models": rows}, indent=2))
             return
         table = Table(title="dg models", caption_justify="left")
         table.add_column("name", no_wrap=True)

@@ -1,0 +1,107 @@
+"""`dg chat`: an interactive conversation with DiffusionGemma, the canvas denoising live per answer."""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import typer
+
+from dgcli import render
+from dgcli.commands import _shared as shared
+from dgcli.engine.types import DgError
+
+BANNER = "Chat with {name}. /help lists the commands; /exit or Ctrl-D leaves; Ctrl-C stops an answer."
+
+
+def chat(
+    model: Optional[str] = shared.ModelOpt,
+    system: Optional[str] = shared.SystemOpt,
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="At most this many answer tokens per turn."),
+    seed: Optional[int] = shared.SeedOpt,
+    temp: Optional[float] = shared.TempOpt,
+    steps: Optional[int] = shared.StepsOpt, t_min: Optional[float] = shared.TMinOpt, t_max: Optional[float] = shared.TMaxOpt,
+    entropy_bound: Optional[float] = shared.EBOpt, stability_threshold: Optional[int] = shared.StabOpt,
+    confidence_threshold: Optional[float] = shared.ConfOpt,
+    ctx_size: Optional[int] = shared.CtxOpt,
+    threads: Optional[int] = shared.ThreadsOpt, gpu_layers: int = shared.GpuOpt,
+    n_cpu_moe: Optional[int] = shared.NCpuMoeOpt, cpu_moe: bool = shared.CpuMoeOpt, verbose: bool = shared.VerboseOpt,
+    thinking: str = shared.ThinkingOpt,
+    pace: float = shared.PaceOpt,
+    no_live: bool = shared.NoLiveOpt,
+    parse_special: bool = shared.ParseSpecialOpt,
+    yes: bool = shared.YesOpt,
+) -> None:
+    """Talk with DiffusionGemma, turn after turn, the earlier turns kept in the KV cache.
+
+    Only each new message is prefilled. Messages come from the terminal, or one per line from a pipe."""
+    from dgcli.engine.chat import ChatSession, is_command
+
+    with shared.user_errors():
+        shared.check_thinking(thinking)
+        shared.check_generation_args(max_new_tokens, threads, gpu_layers, ctx_size, pace)
+        gpu_layers, n_cpu_moe = shared.resolve_offload(gpu_layers, n_cpu_moe, cpu_moe)
+        shared.check_prompt_options(system, False)
+        resolved, path = shared.resolve_model(model, yes=yes, want="diffusion")
+        shared.preflight(path, diffusion=True, command="chat", gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe)
+        params = shared.diffusion_params(path, temp, **shared.sampler_flags(
+            steps, t_min, t_max, entropy_bound, stability_threshold, confidence_threshold))
+        interactive = sys.stdin.isatty()
+        live = shared.use_live(no_live, False)
+        engine = shared.open_diffusion_engine(path, threads=threads, gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe,
+                                              ctx_size=ctx_size, verbose=verbose)
+        try:
+            session = ChatSession(engine, system=system, params=params, max_new_tokens=max_new_tokens,
+                                  seed=None if seed == -1 else seed, parse_special=parse_special)
+            if interactive:
+                shared.stderr.print(BANNER.format(name=resolved.display_name), style="dim")
+            for line in _messages(interactive):
+                if is_command(line):
+                    outcome = session.command(line)
+                    shared.stderr.print(outcome.message, style="dim")
+                    if outcome.exit:
+                        break
+                    continue
+                _turn(session, line, live=live, thinking=thinking, pace=pace, title=resolved.display_name)
+        finally:
+            engine.close()
+
+
+def _messages(interactive: bool):
+    """The user's messages: typed at a `>>> ` prompt (Ctrl-C clears the line, Ctrl-D leaves) or read
+    one per line from a pipe."""
+    if not interactive:
+        for line in sys.stdin:
+            if line.strip():
+                yield line.rstrip("\r\n")
+        return
+    import readline  # noqa: F401 (line editing and history for input())
+
+    while True:
+        try:
+            line = input(">>> ")
+        except KeyboardInterrupt:
+            shared.stderr.print("\n(Ctrl-D or /exit leaves)", style="dim")
+            continue
+        except EOFError:
+            shared.stderr.print()
+            return
+        if line.strip():
+            yield line
+
+
+def _turn(session, text: str, *, live: bool, thinking: str, pace: float, title: str) -> None:
+    """One answer, shown live; errors and Ctrl-C end the answer, not the session."""
+    model = session.engine.model
+    try:
+        with shared.DiffusionDisplay(model, live=live, thinking=thinking, title=title, pace=pace) as display:
+            result = session.ask(text, on_event=display.on_event)
+    except DgError as err:
+        shared.stderr.print(f"error: {' '.join(str(err).split())}", style="red")
+        return
+    except KeyboardInterrupt:
+        shared.stderr.print("(stopped)", style="dim")
+        return
+    shared.stdout.print(render.answer_renderable(result.text, thinking))
+    cached = f"  prompt {result.n_prompt_tokens} tokens, {result.n_cached_prompt_tokens} from the cache"
+    shared.stderr.print(render.result_summary(result) + cached, style="dim cyan")

@@ -1,0 +1,62 @@
+"""`dg replay`: show a saved `--trace` again, at a pace a person can follow."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import typer
+
+from dgcli import render
+from dgcli.commands import _shared as shared
+from dgcli.engine.types import CanvasEvent, GenerationResult
+
+
+def replay(
+    trace_file: Path = typer.Argument(..., metavar="TRACE", help="A trace written by `dg generate --trace FILE` (dg-trace/1)."),
+    pace: float = typer.Option(0.3, "--pace", help="Seconds each denoising step stays on screen."),
+    thinking: str = shared.ThinkingOpt,
+    no_live: bool = shared.NoLiveOpt,
+) -> None:
+    """Re-render a saved trace: the canvas denoising step by step, as it ran (no model needed)."""
+    from dgcli.trace import read_trace
+
+    with shared.user_errors():
+        shared.check_thinking(thinking)
+        shared.check_generation_args(1, None, 0, None, pace)
+        trace = read_trace(trace_file)
+        header = trace.header
+        texts: list[str] = []
+        model = header.get("model") or {}
+        view = render.DiffusionLiveView(
+            lambda token: trace.pieces.get(token, f"<{token}>"), lambda ids: "".join(texts),
+            end_token_ids=header.get("end_token_ids") or (), pad_token_id=header.get("pad_token_id"),
+            title=f"replay: {model.get('name', trace_file.name)}", thinking=thinking)
+        live = shared.use_live(no_live, False)
+        canvases = iter(trace.canvas_texts)
+        with shared.DiffusionDisplay(None, live=live, thinking=thinking, stream_plain=not live, view=view,
+                                     pace=pace) as display:
+            for event in trace.events:
+                if isinstance(event, CanvasEvent):
+                    texts.append(next(canvases))
+                display.on_event(event)
+        answer = "".join(texts)
+        if live:
+            shared.stdout.print(render.answer_renderable(answer, thinking))
+        else:
+            typer.echo(answer[display.streamed_chars:] if thinking == "show" else render.answer_plain(answer, "hide"))
+        result = _recorded_result(trace.result)
+        if result is not None:
+            shared.stderr.print("recorded: " + render.result_summary(result), style="cyan")
+        else:
+            shared.stderr.print("the trace has no result line (its run stopped early)", style="yellow")
+
+
+def _recorded_result(doc: dict | None) -> GenerationResult | None:
+    if doc is None:
+        return None
+    names = {f.name for f in dataclasses.fields(GenerationResult)}
+    try:
+        return GenerationResult(**{k: v for k, v in doc.items() if k in names})
+    except TypeError:  # a result line missing fields
+        return None

@@ -1,0 +1,135 @@
+"""The per-step trace of a diffusion generation (`dg generate --trace FILE`, `--json`'s "trace"),
+and reading it back (`dg replay`). Schema `dg-trace/1`, one JSON object per line:
+
+    {"kind": "header", "schema": "dg-trace/1", "model": {...}, "prompt": ..., "system": ..., "params": {...},
+     "max_new_tokens": N, "seed": S, "canvas_length": C, "end_token_ids": [...], "pad_token_id": P}
+    {"kind": "step", ... StepEvent.to_json() ..., "pieces": {"id": "text", ...}}   # pieces of ids first seen
+    {"kind": "canvas", ... CanvasEvent.to_json() ..., "text": "the canvas's answer text"}
+    {"kind": "result", ... GenerationResult.to_json() ...}                      # absent if the run failed
+
+A trace carries the text of every token it shows, so `dg replay` needs no model file.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from dgcli.engine.types import CanvasEvent, DgError, StepEvent
+
+TRACE_SCHEMA = "dg-trace/1"
+# A trace line is one canvas of ids and flags: 256 tokens of the real model is ~10 kB.
+MAX_LINE_BYTES = 64 << 20
+
+
+class TraceRecorder:
+    """Engine events -> trace lines, each handed to every sink (a file's write_line, a list's append)."""
+
+    def __init__(self, piece_of: Callable[[int], str], detokenize: Callable[[list[int]], str],
+                 sinks: list[Callable[[dict], Any]]):
+        self.piece_of, self.detokenize, self.sinks = piece_of, detokenize, sinks
+        self._seen: set[int] = set()
+
+    def _write(self, line: dict) -> None:
+        for sink in self.sinks:
+            sink(line)
+
+    def header(self, **fields: Any) -> None:
+        self._write({"kind": "header", "schema": TRACE_SCHEMA, **fields})
+
+    def on_event(self, ev: Any) -> None:
+        line = ev.to_json()
+        if isinstance(ev, StepEvent):
+            new = sorted({int(t) for t in ev.argmax_canvas} - self._seen)
+            self._seen.update(new)
+            line["pieces"] = {str(t): self.piece_of(t) for t in new}
+        elif isinstance(ev, CanvasEvent):
+            line["text"] = self.detokenize(ev.token_ids) if ev.token_ids else ""
+        self._write(line)
+
+    def result(self, result_json: dict) -> None:
+        self._write({"kind": "result", **result_json})
+
+
+@dataclass
+class Trace:
+    """A trace read back: its header, its events (StepEvent / CanvasEvent), the text of its tokens."""
+
+    header: dict
+    events: list[Any] = field(default_factory=list)
+    pieces: dict[int, str] = field(default_factory=dict)
+    canvas_texts: list[str] = field(default_factory=list)  # per CanvasEvent, in order
+    result: dict | None = None
+
+
+def read_trace(path: Path) -> Trace:
+    """Read and check a dg-trace/1 file; DgError naming the line for anything else."""
+    path = Path(path)
+    if not path.exists():
+        raise DgError(f"trace file not found: {path}")
+    if not path.is_file():
+        raise DgError(f"not a regular file: {path}")
+    trace: Trace | None = None
+    for number, line in _lines(path):
+        where = f"{path}:{number}"
+        try:
+            doc = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DgError(f"{where}: not JSON ({err.msg})") from None
+        if not isinstance(doc, dict):
+            raise DgError(f"{where}: expected a JSON object per line")
+        if trace is None:
+            if doc.get("kind") != "header" or doc.get("schema") != TRACE_SCHEMA:
+                raise DgError(f"{path} is not a {TRACE_SCHEMA} trace (its first line is not a {TRACE_SCHEMA} header; "
+                              "write one with `dg generate --trace FILE`)")
+            trace = Trace(header=doc)
+            continue
+        try:
+            _add_line(trace, doc)
+        except (KeyError, TypeError, ValueError) as err:
+            raise DgError(f"{where}: malformed {doc.get('kind', '?')} line ({err})") from None
+    if trace is None:
+        raise DgError(f"{path} is empty")
+    return trace
+
+
+def _lines(path: Path) -> Iterator[tuple[int, str]]:
+    with open(path, "rb") as f:
+        for number, raw in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), start=1):
+            if len(raw) > MAX_LINE_BYTES:
+                raise DgError(f"{path}:{number}: line longer than {MAX_LINE_BYTES >> 20} MB")
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise DgError(f"{path}:{number}: not UTF-8") from None
+            if text.strip():
+                yield number, text
+
+
+def _add_line(trace: Trace, doc: dict) -> None:
+    kind = doc["kind"]
+    if kind == "step":
+        canvas = np.asarray(doc["argmax_canvas"], dtype=np.int64)
+        accepted = np.asarray(doc["accepted"], dtype=bool)
+        if canvas.ndim != 1 or canvas.shape != accepted.shape:
+            raise ValueError("argmax_canvas and accepted must be lists of one length")
+        for key, piece in doc.get("pieces", {}).items():
+            trace.pieces[int(key)] = str(piece)
+        trace.events.append(StepEvent(
+            canvas_index=int(doc["canvas"]), step=int(doc["step"]), max_steps=int(doc["max_steps"]),
+            temperature=float(doc["temperature"]), argmax_canvas=canvas, accepted_mask=accepted,
+            n_accepted=int(doc["n_accepted"]), mean_entropy=float(doc["mean_entropy"]),
+            forward_s=float(doc["forward_s"]), sampling_s=float(doc["sampling_s"]), stopped=bool(doc["stopped"]),
+            sc_dropped_mass=float(doc.get("sc_dropped_mass", 0.0))))
+    elif kind == "canvas":
+        trace.events.append(CanvasEvent(canvas_index=int(doc["canvas"]), token_ids=[int(t) for t in doc["token_ids"]],
+                                        steps=int(doc["steps"]), commit_s=float(doc["commit_s"])))
+        trace.canvas_texts.append(str(doc.get("text", "")))
+    elif kind == "result":
+        trace.result = doc
+    else:
+        raise ValueError(f"unknown kind {kind!r}")

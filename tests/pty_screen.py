@@ -1,0 +1,88 @@
+"""Run `dg` in a pseudo-terminal of a given size and read back the final screen, as a person sees it.
+
+pexpect gives the command a real terminal (so Rich takes its live, terminal path); pyte replays
+everything written to it on a virtual screen of the same size. `Terminal.screen_text()` is the
+screen at the end; `history` holds what scrolled off the top.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+
+import pexpect
+import pyte
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def dg_command(*args: str) -> tuple[str, list[str]]:
+    """The dg console script of this environment, run from this checkout (PYTHONPATH)."""
+    return sys.executable, ["-m", "dgcli.cli", *map(str, args)]
+
+
+@dataclass
+class Terminal:
+    columns: int = 80
+    rows: int = 24
+    child: pexpect.spawn | None = None
+    screen: pyte.HistoryScreen = field(init=False)
+    stream: pyte.ByteStream = field(init=False)
+    raw: bytes = b""
+
+    def __post_init__(self) -> None:
+        self.screen = pyte.HistoryScreen(self.columns, self.rows, history=10_000)
+        self.screen.set_mode(pyte.modes.LNM)  # a newline returns the carriage, as a tty's onlcr does
+        self.stream = pyte.ByteStream(self.screen)
+
+    def spawn(self, *args: str, env: dict | None = None, timeout: float = 120) -> "Terminal":
+        exe, argv = dg_command(*args)
+        full_env = dict(os.environ, TERM="xterm-256color", COLUMNS=str(self.columns), LINES=str(self.rows),
+                        PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {}))
+        self.child = pexpect.spawn(exe, argv, env=full_env, dimensions=(self.rows, self.columns), timeout=timeout,
+                                   cwd=REPO)
+        return self
+
+    def _feed(self, data: bytes) -> None:
+        self.raw += data
+        self.stream.feed(data)
+
+    def read_until(self, pattern: str, timeout: float = 120) -> int:
+        """Read until `pattern` (a regular expression) has been written."""
+        assert self.child is not None
+        index = self.child.expect(pattern.encode("utf-8"), timeout=timeout)
+        self._feed(self.child.before + (self.child.after if isinstance(self.child.after, bytes) else b""))
+        return index
+
+    def send(self, text: str) -> None:
+        assert self.child is not None
+        self.child.send(text)
+
+    def sendintr(self) -> None:
+        assert self.child is not None
+        self.child.sendintr()
+
+    def wait(self, timeout: float = 300) -> int:
+        """Read to the end; the exit status (128 + signal for a signal)."""
+        assert self.child is not None
+        self.child.expect(pexpect.EOF, timeout=timeout)
+        self._feed(self.child.before)
+        self.child.close()
+        return self.child.exitstatus if self.child.exitstatus is not None else 128 + (self.child.signalstatus or 0)
+
+    def screen_lines(self) -> list[str]:
+        return [line.rstrip() for line in self.screen.display]
+
+    def screen_text(self) -> str:
+        return "\n".join(self.screen_lines())
+
+    def all_text(self) -> str:
+        """Scrolled-off lines and the screen, top to bottom."""
+        top = ["".join(line[x].data for x in range(self.columns)).rstrip() for line in self.screen.history.top]
+        return "\n".join(top + self.screen_lines())
+
+
+def run(*args: str, columns: int = 80, rows: int = 24, env: dict | None = None, timeout: float = 300) -> tuple[int, Terminal]:
+    term = Terminal(columns, rows).spawn(*args, env=env, timeout=timeout)
+    return term.wait(timeout), term

@@ -1,0 +1,170 @@
+"""Every live path on a real (pseudo-)terminal, at 80 and 40 columns, read back as a person sees it.
+
+Each test runs `dg` in a pty (pexpect) and replays its output on a virtual screen (pyte): the final
+screen must hold the answer and no error. These drive Rich's terminal path, which a pipe or
+CliRunner never takes (the compare crash of issue 8 only happened there).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+pytest.importorskip("pexpect", reason="the terminal tests need pexpect and pyte (pip install -e '.[test]')")
+pytest.importorskip("pyte", reason="the terminal tests need pexpect and pyte (pip install -e '.[test]')")
+
+import pty_screen  # noqa: E402
+
+from dgcli.engine import native  # noqa: E402
+
+NATIVE, WHY_NOT = native.available()
+pytestmark = pytest.mark.skipif(not NATIVE, reason=f"native layer unavailable: {WHY_NOT}")
+WIDTHS = [80, 40]
+
+
+def assert_clean(term: pty_screen.Terminal) -> None:
+    text = term.all_text()
+    assert "error" not in text.lower() and "Traceback" not in text, text
+
+
+def type_line(term: pty_screen.Terminal, text: str) -> None:
+    """Type as a person does: one key at a time, then Enter."""
+    for ch in text:
+        term.send(ch)
+        time.sleep(0.005)
+    term.send("\r")
+
+
+@pytest.mark.parametrize("columns", WIDTHS)
+def test_generate_live(columns):
+    rc, term = pty_screen.run("generate", "reverse: HELLO", "--seed", "1", columns=columns)
+    assert rc == 0
+    assert_clean(term)
+    lines = [line.strip() for line in term.screen_lines()]
+    assert "OLLEH" in lines
+    assert "stop=end_token" in term.screen_text()
+    assert "╭" not in term.screen_text()  # the live panel is gone, the answer stays
+
+
+@pytest.mark.parametrize("columns", WIDTHS)
+def test_compare_live(columns):
+    # issue 8: this ended with `error: model demo-diffusion.gguf is closed` on every terminal
+    rc, term = pty_screen.run("compare", "sort: QWERTY", "--seed", "0", columns=columns)
+    assert rc == 0
+    assert_clean(term)
+    screen = term.screen_text()
+    assert screen.count("EQRTWY") == 2  # both panels, printed whole after the run
+    assert "speedup" in screen and "tok/s" in screen
+
+
+@pytest.mark.parametrize("columns", WIDTHS)
+def test_bench_live(columns, tmp_path):
+    prompts = tmp_path / "prompts.tsv"
+    prompts.write_text("sort-2\tsort: BA\tAB\nreverse-2\treverse: HI\tIH\n")
+    rc, term = pty_screen.run("bench", "--prompts", str(prompts), "--repeat", "1", "--batch-sizes", "1,2",
+                              columns=columns, rows=40)
+    assert rc == 0
+    assert_clean(term)
+    text = term.all_text()
+    for fragment in ("sort-2", "reverse-2", "accuracy", "speed model", "batch sweep"):
+        assert fragment in text
+    assert "batch sweep" in term.screen_text()
+    if columns == 80:
+        assert "…" not in text  # every column fits (it was `diffu…` everywhere)
+
+
+@pytest.mark.parametrize("columns", WIDTHS)
+def test_chat_keeps_the_session_across_turns_commands_and_ctrl_c(columns):
+    term = pty_screen.Terminal(columns, 24).spawn("chat", "--seed", "1")
+    term.read_until(">>> ")
+    type_line(term, "reverse: HELLO")
+    term.read_until(">>> ")
+    type_line(term, "/system Answer briefly.")
+    term.read_until("system prompt set")
+    term.read_until(">>> ")
+    type_line(term, "reverse: ABC")
+    term.read_until(">>> ")
+    term.sendintr()  # at the prompt: a hint, not the end
+    term.read_until(">>> ")
+    type_line(term, "/exit")
+    assert term.wait() == 0
+    assert_clean(term)
+    text = term.all_text()
+    assert "OLLEH" in text and "(Ctrl-D or /exit leaves)" in text and "bye" in term.screen_text()
+    prompts = [int(n) for n in re.findall(r"prompt (\d+) tokens", text)]
+    cached = [int(n) for n in re.findall(r"(\d+) from the cache", text)]
+    # the first turn prefilled all of its prompt; after /system changed the conversation's start, only
+    # the shared beginning (bos and the turn marker) came from the cache
+    assert cached[0] == 0 and 0 < cached[1] < prompts[0]
+
+
+@pytest.mark.parametrize("columns", WIDTHS)
+def test_chat_ctrl_c_stops_an_answer_not_the_session(columns):
+    term = pty_screen.Terminal(columns, 24).spawn("chat", "--seed", "1", "--pace", "0.5")
+    term.read_until(">>> ")
+    type_line(term, "reverse: ABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    term.read_until("step 2/48")
+    term.sendintr()
+    term.read_until(">>> ")
+    type_line(term, "reverse: HELLO")
+    term.read_until(">>> ")
+    term.send("\x04")  # Ctrl-D
+    assert term.wait() == 0
+    assert_clean(term)
+    text = term.all_text()
+    assert "stop=interrupted" in text.replace("\n", "") and "stop=end_token" in text.replace("\n", "")
+    assert "from the cache" in text
+
+
+@pytest.mark.parametrize("columns", WIDTHS)
+def test_ctrl_c_in_generate_leaves_no_stray_panel_line(columns):
+    term = pty_screen.Terminal(columns, 24).spawn("generate", "reverse: ABCDEFGHIJKLMNOPQRSTUVWXYZ", "-n", "200",
+                                                  "--seed", "0", "--pace", "0.3")
+    term.read_until("step 3/48")
+    term.sendintr()
+    assert term.wait() == 130
+    screen = term.screen_text()
+    assert "╭" not in screen and "╰" not in screen and "│" not in screen, screen
+    assert "stop=interrupted" in screen.replace("\n", "") and "interrupted: the output above" in screen.replace("\n", "")
+
+
+@pytest.mark.parametrize("columns", WIDTHS)
+def test_ctrl_c_in_compare_shows_the_diffusion_side_and_exits_130(columns):
+    term = pty_screen.Terminal(columns, 24).spawn("compare", "reverse: ABCDEFGHIJKLMNOPQRSTUVWXYZ", "--seed", "0",
+                                                  "--pace", "0.3")
+    term.read_until("3/48")  # a narrow panel wraps "step 3/48"
+    term.sendintr()
+    assert term.wait() == 130
+    screen = term.screen_text()
+    assert "(interrupt" in screen and "(not" in screen  # the panels' notes (wrapped in narrow panels)
+    assert "the AR side did not run" in screen.replace("\n", "")
+
+
+@pytest.mark.parametrize("columns", WIDTHS)
+def test_a_long_answer_keeps_the_canvas_and_status_in_sight(columns, tiny_gguf):
+    # An untrained model never ends: 16-token canvases of noise until -n. On a 10-row terminal the
+    # committed text overflows after a few canvases; the status line must stay on screen.
+    term = pty_screen.Terminal(columns, 10).spawn("generate", "hi", "-m", str(tiny_gguf), "-n", "800", "--steps", "2",
+                                                    "--seed", "0", "--pace", "0.02", "--threads", "1")
+    term.read_until("canvas 45  step 2/2")
+    term.read_until("╰")  # that frame, drawn to its bottom border
+    lines = term.screen_lines()
+    status = [i for i, line in enumerate(lines) if "canvas 45" in line]
+    assert status, "\n".join(lines)
+    assert any("╰" in line for line in lines[status[-1]:]), "\n".join(lines)  # the panel's bottom border
+    assert any("…" in line for line in lines[:status[-1]])  # older text scrolled out of the panel
+    term.wait()
+
+
+@pytest.mark.parametrize("columns", WIDTHS)
+def test_replay_of_a_saved_trace(columns, tmp_path):
+    trace = tmp_path / "run.jsonl"
+    rc, _ = pty_screen.run("generate", "sort: QWERTY", "--seed", "0", "--trace", str(trace), columns=columns)
+    assert rc == 0
+    rc, term = pty_screen.run("replay", str(trace), "--pace", "0.01", columns=columns)
+    assert rc == 0
+    assert_clean(term)
+    screen = term.screen_text()
+    assert "EQRTWY" in screen and "recorded:" in screen
