@@ -508,7 +508,8 @@ def report_tables(report: BenchReport):
             return f"{median:.2f}" if lo is None or hi is None or lo == hi else f"{median:.2f} [{lo:.2f}–{hi:.2f}]"
 
         c = table("speed model: one canvas forward vs one decode step", "quantity", "value",
-                  caption="same weights; ratio: median [min–max] of paired samples")
+                  caption="same weights; ratio: median [min–max] of paired samples; *for canvases full of "
+                          "answer (C decodes vs steps canvas forwards + the commit pass)")
         c.add_row(f"canvas forward ({sm.canvas_length} tokens)", f"{sm.canvas_forward_s * 1e3:.3f} ms")
         c.add_row("one-token decode", f"{sm.decode_s * 1e3:.3f} ms")
         if sm.commit_s is not None:
@@ -516,16 +517,17 @@ def report_tables(report: BenchReport):
         if sm.ar_pair_decode_s is not None:
             c.add_row("AR pair decode step (from runs)", f"{sm.ar_pair_decode_s * 1e3:.3f} ms")
         c.add_row("canvas / decode cost ratio", ratio(sm.ratio, sm.ratio_min, sm.ratio_max))
-        c.add_row("implied speedup at 1 / 4 / 16 steps",
+        c.add_row("implied speedup at 1 / 4 / 16 steps*",
                   " / ".join(f"{p['speedup']:.2f}x" for p in sm.speedup_vs_steps if p["steps"] in (1, 4, 16)))
         measured = [r.mean_steps_per_canvas for r in report.runs if r.mode == "diffusion" and r.mean_steps_per_canvas]
         if measured:
             steps = statistics.median(measured)
             implied = speedup_model(sm.canvas_length, sm.canvas_forward_s, sm.decode_s, sm.commit_s, steps)
-            c.add_row(f"implied speedup at the runs' {steps:.1f} steps", f"{implied:.2f}x")
+            c.add_row(f"implied speedup at the runs' {steps:.1f} steps*", f"{implied:.2f}x")
         tables.append(c)
         b = table("batch sweep", "batch", "canvas fwd", "decode", "ratio", "@16 steps",
-                  caption=sm.batch_method + "; batch 1 is the speed model's sample")
+                  caption=sm.batch_method + "; batch 1 is the speed model's sample; @16 steps: the implied "
+                          "speedup without the commit pass")
         for p in sm.batch_sweep:
             if p.ratio is None:
                 b.add_row(str(p.batch), "-", "-", "-", p.error or "-")

@@ -89,7 +89,7 @@ def generate(
             typer.echo(json.dumps(doc, indent=2))
         elif live:
             shared.stdout.print(render.answer_renderable(result.text, thinking))
-            shared.stderr.print(render.result_summary(result), style="cyan")
+            shared.stderr.print(render.result_summary(result), style="cyan", soft_wrap=True)
         else:
             streamed = getattr(result, "_streamed_chars", 0)
             if thinking == "show":
