@@ -472,7 +472,8 @@ def report_tables(report: BenchReport):
     def table(title: str, *columns: str, caption: Optional[str] = None) -> Table:
         t = Table(title=escape(title), caption=escape(caption) if caption else None)
         for i, col in enumerate(columns):
-            t.add_column(col, justify="left" if i == 0 else "right", no_wrap=i == 0)
+            # narrow terminals wrap and fold cells; nothing is cut to `diffu…`
+            t.add_column(col, justify="left" if i == 0 else "right", overflow="fold")
         return t
 
     by_prompt: dict[str, dict[str, PromptSummary]] = {}
