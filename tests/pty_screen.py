@@ -8,6 +8,7 @@ screen at the end; `history` holds what scrolled off the top.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from dataclasses import dataclass, field
 
@@ -15,6 +16,14 @@ import pexpect
 import pyte
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _default_signals() -> None:
+    """In the child: Ctrl-C and SIGTERM act as on a person's terminal, even when the test runner was
+    started in the background (a shell without job control starts it with SIGINT ignored, and an
+    ignored signal stays ignored across exec)."""
+    for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def dg_command(*args: str) -> tuple[str, list[str]]:
@@ -41,7 +50,7 @@ class Terminal:
         full_env = dict(os.environ, TERM="xterm-256color", COLUMNS=str(self.columns), LINES=str(self.rows),
                         PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {}))
         self.child = pexpect.spawn(exe, argv, env=full_env, dimensions=(self.rows, self.columns), timeout=timeout,
-                                   cwd=REPO)
+                                   cwd=REPO, preexec_fn=_default_signals)
         return self
 
     def _feed(self, data: bytes) -> None:

@@ -93,8 +93,9 @@ def test_chat_keeps_the_session_across_turns_commands_and_ctrl_c(columns):
     assert_clean(term)
     text = term.all_text()
     assert "OLLEH" in text and "(Ctrl-D or /exit leaves)" in text and "bye" in term.screen_text()
-    prompts = [int(n) for n in re.findall(r"prompt (\d+) tokens", text)]
-    cached = [int(n) for n in re.findall(r"(\d+) from the cache", text)]
+    flat = text.replace("\n", "")  # the summary lines wrap on a narrow terminal
+    prompts = [int(n) for n in re.findall(r"prompt\s*(\d+)\s*tokens", flat)]
+    cached = [int(n) for n in re.findall(r"(\d+)\s*from\s*the\s*cache", flat)]
     # the first turn prefilled all of its prompt; after /system changed the conversation's start, only
     # the shared beginning (bos and the turn marker) came from the cache
     assert cached[0] == 0 and 0 < cached[1] < prompts[0]
@@ -168,3 +169,20 @@ def test_replay_of_a_saved_trace(columns, tmp_path):
     assert_clean(term)
     screen = term.screen_text()
     assert "EQRTWY" in screen and "recorded:" in screen
+
+
+def test_sigterm_under_a_live_view_gives_the_terminal_back():
+    import pexpect
+    import signal
+
+    term = pty_screen.Terminal(80, 24).spawn("generate", "reverse: ABCDEFGHIJKLMNOPQRSTUVWXYZ", "-n", "200",
+                                             "--seed", "0", "--pace", "0.5")
+    term.read_until("step 2/48")
+    assert term.child.getecho() is False  # keys are not echoed under the live view
+    term.child.kill(signal.SIGTERM)
+    term.child.expect(pexpect.EOF)
+    assert term.child.getecho() is True  # echo back on
+    term._feed(term.child.before)
+    assert b"\x1b[?25h" in term.raw[-200:]  # the cursor shown again
+    term.child.close()
+    assert term.child.signalstatus is None and term.child.exitstatus == 143

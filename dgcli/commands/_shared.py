@@ -405,24 +405,46 @@ def sigint_deferred() -> Iterator[None]:
 def echo_off() -> Iterator[None]:
     """No echo of typed keys while a live view is drawn: the terminal's `^C` (or any key) would move
     the cursor under the live view, and stopping it would then erase one line too few (a stray
-    panel line was left behind)."""
-    try:
-        import termios
-
-        fd = sys.stdin.fileno()
-        saved = termios.tcgetattr(fd) if os.isatty(fd) else None
-    except (ImportError, OSError, ValueError):
-        saved = None
+    panel line was left behind). SIGTERM still restores the terminal (and the cursor, through the
+    live view's own cleanup)."""
+    fd, saved = _terminal_settings()
     if saved is None:
         yield
         return
+    import termios
+
     quiet = list(saved)
     quiet[3] &= ~termios.ECHO
+    previous_term = signal.getsignal(signal.SIGTERM)
+    if previous_term is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     termios.tcsetattr(fd, termios.TCSANOW, quiet)
     try:
         yield
     finally:
         termios.tcsetattr(fd, termios.TCSANOW, saved)
+        if previous_term is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _terminal_settings() -> tuple[int, Any]:
+    """The terminal's file descriptor (stdin's, else stdout's) and its termios settings, or (-1, None)."""
+    try:
+        import termios
+    except ImportError:
+        return -1, None
+    for stream in (sys.stdin, sys.stdout):
+        try:
+            fd = stream.fileno()
+            if os.isatty(fd):
+                return fd, termios.tcgetattr(fd)
+        except (AttributeError, OSError, ValueError):
+            continue
+    return -1, None
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 @contextmanager

@@ -75,6 +75,7 @@ def generate(
                                     pad_token_id=getattr(engine.model, "pad_token_id", None))
                 result = shared.run_diffusion(engine, ids, params=params, max_new_tokens=max_new_tokens, seed=run_seed,
                                               live=live, thinking=thinking, recorder=recorder,
+                                              title=f"diffusion: {resolved.display_name}",
                                               stream_plain=not live and not json_out, self_cond_top_k=self_cond_top_k,
                                               pace=pace)
                 if recorder is not None:
