@@ -137,9 +137,9 @@ def fitted_panel(console: Console, options: ConsoleOptions, *, committed: Text |
     room -= len(status_lines)
     canvas_room = max(room - (1 if committed_lines else 0), 0)
     if len(canvas_lines) > canvas_room:
-        hidden = len(canvas_lines) - canvas_room + 1
-        canvas_lines = canvas_lines[:max(canvas_room - 1, 0)] + [Text(f"… {plural(hidden, 'more line')}", style=MORE_STYLE)]
-        canvas_lines = canvas_lines[:canvas_room]
+        shown = max(canvas_room - 1, 0)
+        more = Text(f"… {plural(len(canvas_lines) - shown, 'more line')}", style=MORE_STYLE)
+        canvas_lines = (canvas_lines[:shown] + [more])[:canvas_room]
     committed_room = max(room - len(canvas_lines), 0)
     if len(committed_lines) > committed_room:
         # the newest lines, under a "…" when there is room for it

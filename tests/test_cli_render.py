@@ -131,3 +131,22 @@ def test_generate_live_view_on_a_terminal(tiny_gguf, monkeypatch):
     assert "accepted " in screen and "mean H=" in screen
     # After the transient live panel: the final answer, on its own line.
     assert [line for line in screen.splitlines() if line.strip()][-1].strip() == "the answer is 8"
+
+
+@pytest.mark.parametrize("width,height", [(80, 24), (40, 24), (40, 10)])
+def test_a_live_panel_never_grows_taller_than_the_terminal(width, height):
+    view = render.DiffusionLiveView(piece, detok, end_token_ids=[1], title="diffusion: demo")
+    view.on_event(CanvasEvent(canvas_index=0, token_ids=[5, 6, 7, 8] * 200, steps=3, commit_s=0.0))
+    view.on_event(step([5, 6, 7, 9] * 64, [True] * 256, index=1, step=2))
+    console = Console(record=True, width=width, height=height, file=io.StringIO())
+    console.print(view)
+    lines = console.export_text().splitlines()
+    assert len(lines) <= height - render.LIVE_SPARE_ROWS
+    text = " ".join(" ".join(lines).replace("│", " ").split())
+    assert "canvas 2 step 2/48" in text and "mean H=" in text  # the status line, whole
+    assert ("more line" in text) == (width * height < 80 * 24)  # the canvas cut only where it cannot fit
+    assert "The cat sat" in text  # the newest committed line still shows above the canvas
+    view.fit = False
+    console = Console(record=True, width=width, height=height, file=io.StringIO())
+    console.print(view)
+    assert len(console.export_text().splitlines()) > height  # printed whole, the terminal scrolls
