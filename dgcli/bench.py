@@ -125,6 +125,7 @@ class BenchConfig:
     n_threads: Optional[int] = None
     n_gpu_layers: int = 0
     n_cpu_moe: int = 0  # expert tensors of the first N layers kept in system memory (-1: all)
+    rpc_servers: Optional[Sequence[str]] = None  # llama.cpp RPC workers holding the offloaded layers
 
 
 @dataclass

@@ -14,7 +14,7 @@ try:  # typer >= 0.20 vendors click
 except ImportError:  # pragma: no cover - older typer on real click
     from click.exceptions import ClickException
 
-from dgcli.commands import bench, chat, compare, convert, generate, info, list_models, pull, replay
+from dgcli.commands import bench, chat, compare, convert, generate, info, list_models, pull, replay, serve, worker
 
 
 def _flags_without_metavar(command: Any) -> None:
@@ -93,6 +93,8 @@ app.command("compare")(compare.compare)
 app.command("replay")(replay.replay)
 app.command("bench")(bench.bench)
 app.command("convert")(convert.convert)
+app.command("serve")(serve.serve)
+app.command("worker")(worker.worker)
 
 
 def main() -> None:

@@ -41,8 +41,9 @@ SDIST_VERSION = "0.3.36"
 SDIST_FILE = f"llama_cpp_python-{SDIST_VERSION}.tar.gz"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 
-# mtmd (llava) is not needed by dg and costs a third of the build time.
-BASE_CMAKE_ARGS = ["-DLLAVA_BUILD=OFF"]
+# mtmd (llava) is not needed by dg and costs a third of the build time. ggml's RPC backend is what
+# `dg worker` and `--rpc` use to spread a model over machines (two small sources).
+BASE_CMAKE_ARGS = ["-DLLAVA_BUILD=OFF", "-DGGML_RPC=ON"]
 BUILD_DEPS = {"scikit_build_core": "scikit-build-core>=0.9.2", "cmake": "cmake>=3.21", "ninja": "ninja"}
 
 # The CUDA architectures a --cuda wheel carries machine code for (each one is a full compile of

@@ -142,6 +142,30 @@ def resolve_offload(gpu_layers: int, n_cpu_moe: Optional[int], cpu_moe: bool) ->
     return gpu_layers, experts
 
 
+def rpc_placement(rpc: Optional[str], gpu_layers: int) -> tuple[Optional[list[str]], int]:
+    """(RPC workers, layers to offload) from --rpc and --gpu-layers: with workers and no --gpu-layers,
+    every layer goes to them."""
+    if rpc is None:
+        return None, gpu_layers
+    from dgcli.engine.rpc import parse_endpoints
+
+    return parse_endpoints(rpc), gpu_layers or -1
+
+
+def rpc_option(rpc_servers: Optional[list[str]]) -> dict:
+    """The engine seams' keyword for RPC workers, passed only when there are some."""
+    return {"rpc": rpc_servers} if rpc_servers else {}
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def report_placement(what: str, model) -> None:
     """--verbose: where llama.cpp put this model's weights, from its load log."""
     report = getattr(model, "load_report", None)
@@ -154,29 +178,31 @@ def report_placement(what: str, model) -> None:
 
 
 def open_diffusion_engine(path: Path, *, threads: Optional[int], gpu_layers: int, n_cpu_moe: int = 0,
-                          ctx_size: Optional[int] = None, verbose: bool = False):
+                          ctx_size: Optional[int] = None, verbose: bool = False, rpc: Optional[list[str]] = None):
     from dgcli.engine.diffusion import DiffusionEngine
 
-    engine = DiffusionEngine(str(path), n_threads=threads, n_gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe, n_ctx=ctx_size)
+    engine = DiffusionEngine(str(path), n_threads=threads, n_gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe, n_ctx=ctx_size,
+                             rpc_servers=rpc)
     if verbose:
         report_placement(f"diffusion model {path.name}", engine.model)
     return engine
 
 
-def open_speed_model(path: Path, n_seq_max: int, *, threads: Optional[int], gpu_layers: int, n_cpu_moe: int = 0):
+def open_speed_model(path: Path, n_seq_max: int, *, threads: Optional[int], gpu_layers: int, n_cpu_moe: int = 0,
+                     rpc: Optional[list[str]] = None):
     """The diffusion weights loaded with room for `n_seq_max` canvases in one forward (bench's batch sweep)."""
     from dgcli.engine.model import DiffusionModel
 
     return DiffusionModel(str(path), n_threads=threads, n_gpu_layers=gpu_layers, n_seq_max=n_seq_max,
-                          n_cpu_moe=n_cpu_moe)
+                          n_cpu_moe=n_cpu_moe, rpc_servers=rpc)
 
 
 def open_ar_engine(path: Path, *, threads: Optional[int], gpu_layers: int, n_cpu_moe: int = 0,
-                   ctx_size: Optional[int] = None, verbose: bool = False):
+                   ctx_size: Optional[int] = None, verbose: bool = False, rpc: Optional[list[str]] = None):
     from dgcli.engine.autoregressive import AutoregressiveEngine
 
     engine = AutoregressiveEngine(str(path), n_threads=threads, n_gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe,
-                                  n_ctx=ctx_size)
+                                  n_ctx=ctx_size, rpc_servers=rpc)
     if verbose:
         report_placement(f"autoregressive model {path.name}", engine.model)
     return engine
@@ -557,6 +583,10 @@ ModelOpt = typer.Option(None, "--model", "-m", help="Registry name (`name` or `n
 YesOpt = typer.Option(False, "--yes", "-y", help="Download a missing registry model without asking.")
 ThreadsOpt = typer.Option(None, "--threads", "-t", help="CPU threads (default: 1 for tiny models under 64 MB, else every core).")
 GpuOpt = typer.Option(0, "--gpu-layers", "-ngl", help="Layers to offload to the GPU (-1 = all).")
+RpcOpt = typer.Option(
+    None, "--rpc", metavar="HOST:PORT[,HOST:PORT]",
+    help="Spread the model's layers over llama.cpp RPC workers (`dg worker` on each; all layers unless "
+         "--gpu-layers says how many). The protocol is unauthenticated: trusted networks only.")
 NCpuMoeOpt = typer.Option(None, "--n-cpu-moe", metavar="N",
                           help="Keep the expert weights of the first N layers in system memory, the rest on the GPU "
                                "(offloads every layer unless --gpu-layers is given).")

@@ -25,6 +25,7 @@ def bench(
     batch_sizes: str = typer.Option("1,2,4,8,16", "--batch-sizes", help="Batch sizes for the speed-model sweep."),
     no_speed_model: bool = typer.Option(False, "--no-speed-model", help="Skip the canvas-forward vs AR-decode measurement."),
     threads: Optional[int] = shared.ThreadsOpt, gpu_layers: int = shared.GpuOpt,
+    rpc: Optional[str] = shared.RpcOpt,
     n_cpu_moe: Optional[int] = shared.NCpuMoeOpt, cpu_moe: bool = shared.CpuMoeOpt, verbose: bool = shared.VerboseOpt,
     json_out: bool = typer.Option(False, "--json", help="Print the whole report as JSON."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Also write the JSON report to this file."),
@@ -36,6 +37,7 @@ def bench(
     with shared.user_errors():
         shared.check_generation_args(max_new_tokens, threads, gpu_layers)
         gpu_layers, n_cpu_moe = shared.resolve_offload(gpu_layers, n_cpu_moe, cpu_moe)
+        rpc_servers, gpu_layers = shared.rpc_placement(rpc, gpu_layers)
         if repeat < 1:
             raise DgError(f"invalid repeat={repeat}: must be an integer >= 1")
         sizes = benchlib.parse_batch_sizes(batch_sizes)
@@ -52,7 +54,7 @@ def bench(
             diffusion_model=diff_res.display_name, diffusion_path=str(diff_path),
             ar_model=ar_res.display_name, ar_path=str(ar_path), repeat=repeat, max_new_tokens=max_new_tokens,
             seed=seed, params=params, batch_sizes=sizes, speed_model=not no_speed_model,
-            n_threads=threads, n_gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe,
+            n_threads=threads, n_gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe, rpc_servers=rpc_servers,
         )
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -62,7 +64,7 @@ def bench(
             with progress:
                 task = progress.add_task("bench", total=benchlib.total_units(config, prompt_set))
 
-                offload = dict(threads=threads, gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe)
+                offload = dict(threads=threads, gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe, **shared.rpc_option(rpc_servers))
 
                 def on_progress(desc: str) -> None:
                     progress.update(task, advance=1, description=desc)

@@ -32,6 +32,7 @@ def compare(
     confidence_threshold: Optional[float] = shared.ConfOpt,
     ctx_size: Optional[int] = shared.CtxOpt,
     threads: Optional[int] = shared.ThreadsOpt, gpu_layers: int = shared.GpuOpt,
+    rpc: Optional[str] = shared.RpcOpt,
     n_cpu_moe: Optional[int] = shared.NCpuMoeOpt, cpu_moe: bool = shared.CpuMoeOpt, verbose: bool = shared.VerboseOpt,
     thinking: str = shared.ThinkingOpt,
     pace: float = shared.PaceOpt,
@@ -50,6 +51,7 @@ def compare(
         shared.check_thinking(thinking)
         shared.check_generation_args(max_new_tokens, threads, gpu_layers, ctx_size, pace)
         gpu_layers, n_cpu_moe = shared.resolve_offload(gpu_layers, n_cpu_moe, cpu_moe)
+        rpc_servers, gpu_layers = shared.rpc_placement(rpc, gpu_layers)
         shared.check_prompt_options(system, raw)
         run_seed = shared.seed_of(seed)
         text = shared.read_prompt(prompt, prompt_opt, file)
@@ -67,6 +69,7 @@ def compare(
         with shared.live_view(side) if side is not None else nullcontext() as lv:
             with PeakRss() as diff_rss:
                 engine = shared.open_diffusion_engine(diff_path, threads=threads, gpu_layers=gpu_layers,
+                                                      **shared.rpc_option(rpc_servers),
                                                       n_cpu_moe=n_cpu_moe, ctx_size=ctx_size, verbose=verbose)
                 try:
                     ids = shared.prompt_ids(engine.model, text, system=system, raw=raw, parse_special=parse_special)
@@ -84,6 +87,7 @@ def compare(
                 with PeakRss() as ar_rss:
                     a = _run_ar_side(ar_path, text, ar_view, lv, system=system, raw=raw, parse_special=parse_special,
                                      engine_options=dict(threads=threads, gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe,
+                                                         **shared.rpc_option(rpc_servers),
                                                          ctx_size=ctx_size, verbose=verbose),
                                      max_new_tokens=max_new_tokens, seed=run_seed, temperature=temp or 0.0)
         if d.interrupted:

@@ -30,6 +30,7 @@ def generate(
     confidence_threshold: Optional[float] = shared.ConfOpt,
     ctx_size: Optional[int] = shared.CtxOpt,
     threads: Optional[int] = shared.ThreadsOpt, gpu_layers: int = shared.GpuOpt,
+    rpc: Optional[str] = shared.RpcOpt,
     n_cpu_moe: Optional[int] = shared.NCpuMoeOpt, cpu_moe: bool = shared.CpuMoeOpt, verbose: bool = shared.VerboseOpt,
     thinking: str = shared.ThinkingOpt,
     self_cond_top_k: Optional[int] = typer.Option(
@@ -50,6 +51,7 @@ def generate(
             raise InvalidParameter("self_cond_top_k", self_cond_top_k, "an integer >= 0 (0 = all tokens)")
         shared.check_generation_args(max_new_tokens, threads, gpu_layers, ctx_size, pace)
         gpu_layers, n_cpu_moe = shared.resolve_offload(gpu_layers, n_cpu_moe, cpu_moe)
+        rpc_servers, gpu_layers = shared.rpc_placement(rpc, gpu_layers)
         shared.check_prompt_options(system, raw)
         run_seed = shared.seed_of(seed)
         text = shared.read_prompt(prompt, prompt_opt, file)
@@ -62,6 +64,7 @@ def generate(
                       params=params.__dict__, max_new_tokens=max_new_tokens, seed=run_seed)
         with shared.atomic_outputs(trace) as (trace_out,):
             engine = shared.open_diffusion_engine(path, threads=threads, gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe,
+                                                  **shared.rpc_option(rpc_servers),
                                                   ctx_size=ctx_size, verbose=verbose)
             try:
                 ids = shared.prompt_ids(engine.model, text, system=system, raw=raw, parse_special=parse_special)

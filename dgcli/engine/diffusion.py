@@ -3,7 +3,7 @@
 Outer loop, one canvas at a time (at most ceil(max_new_tokens / canvas_length) canvases):
     initialize a uniform random canvas; denoise it (inner loop); finalize it (end-token padding);
     stop at an end token, else commit it (encoder pass appending it to the KV cache) and go on.
-Inner loop, cur_step from max_denoising_steps down to 1 (`_denoising_step`):
+Inner loop, cur_step from max_denoising_steps down to 1 (`denoising_step`):
     decoder forward (self-conditioned on the previous step's processed logits: dense as the
     reference on small vocabularies, else the sampler's top-k of their softmax); temperature,
     entropy, argmax and multinomial sample per position (native or numpy, see sampler.py);
@@ -15,6 +15,10 @@ the end token, pads dropped) is cut at max_new_tokens. Unlike the reference, a c
 ends the generation as an end token would (stop_reason "pad_canvas"): the reference would go on
 denoising canvases nobody reads. Every random draw comes from an RngStream, in the reference's order,
 so a run can be replayed against the reference (tests/test_replay_*).
+
+A generation's state lives in a `DiffusionSequence`; `denoising_step` advances several of them with
+one decoder forward (the server batches independent requests that way), and `generate` is the same
+loop over one sequence.
 """
 
 from __future__ import annotations
@@ -116,7 +120,6 @@ class _StepOutcome:
     stopped: bool
     mean_entropy: float
     temperature: float
-    forward_s: float
     sampling_s: float
 
 
@@ -174,17 +177,216 @@ class TimedEvents:
             self.seconds += time.perf_counter() - began
 
 
+class DiffusionSequence:
+    """One generation's own state: its prompt, canvas, step counter, self-conditioning, RNG and
+    sampler parameters. `DiffusionEngine.generate` runs one alone; the server's scheduler runs many,
+    their canvases denoised together by `denoising_step`. Per canvas the stages are:
+
+        start_canvas -> (decoder forward, sample_step) until the canvas is finished
+        -> finish_canvas -> [commit the returned canvas] -> canvas_done -> start_canvas unless done
+    """
+
+    def __init__(self, model: Any, prompt_ids: Sequence[int], params: DiffusionParams, max_new_tokens: int,
+                 rng: RngStream, step_sampler: StepSampler, top_k: int = 0, pad_token_id: int | None = GEMMA_PAD_TOKEN_ID,
+                 on_event: EventCallback | None = None):
+        self.model = model
+        self.params = params.validate()
+        limit = validate_max_new_tokens(max_new_tokens)
+        self.max_new_canvases = math.ceil(limit / model.canvas_length)
+        self.rng, self.step_sampler, self.top_k = rng, step_sampler, top_k
+        self.pad_token_id = pad_token_id
+        self.events = on_event if isinstance(on_event, TimedEvents) else TimedEvents(on_event)
+        self.state = _LoopState(limit=limit, prompt_ids=[int(t) for t in prompt_ids])
+        self.canvas_index = 0
+        self.canvas: np.ndarray | None = None  # the next forward's input canvas
+        self.self_cond: _SelfCond | None = None  # None: no self-conditioning signal (a canvas's first step)
+        self.stop_rule: StableAndConfidentStop | None = None
+        self.stop_reason: str | None = None  # set when the generation is over
+        self.started = time.perf_counter()
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.state.prompt_ids
+
+    @property
+    def done(self) -> bool:
+        return self.stop_reason is not None
+
+    # ---- stages ------------------------------------------------------------------------------------
+
+    def start_canvas(self) -> None:
+        """A uniform random canvas, a fresh stop rule, no self-conditioning yet."""
+        self.canvas = self.rng.canvas_init(self.model.canvas_length, self.model.vocab_size)
+        self.stop_rule = StableAndConfidentStop(self.params.stability_threshold, self.params.confidence_threshold)
+        self.self_cond = None
+        self.state.steps_per_canvas.append(0)
+
+    def sample_step(self, logits: np.ndarray, forward_s: float) -> bool:
+        """The sampler rules on this canvas's decoder logits (reference: the rest of `_denoising_step`);
+        emits the StepEvent. True when the canvas is finished (adaptive stop, or its last step)."""
+        state = self.state
+        step = state.steps_per_canvas[-1] + 1
+        cur_step = self.params.max_denoising_steps - step + 1
+        used_dropped = self.self_cond.dropped_mass if self.self_cond is not None else 0.0
+        outcome = self._sample(logits, cur_step)
+        self.canvas, self.self_cond = outcome.canvas, outcome.self_cond
+        state.current_argmax = outcome.argmax
+        state.steps_per_canvas[-1] = step
+        state.decoder_forwards += 1
+        state.forward_s += forward_s
+        state.sampling_s += outcome.sampling_s
+        _emit(self.events, StepEvent(
+            canvas_index=self.canvas_index, step=step, max_steps=self.params.max_denoising_steps,
+            temperature=outcome.temperature,
+            argmax_canvas=outcome.argmax.astype(np.int32), accepted_mask=outcome.accepted_mask,
+            n_accepted=int(outcome.accepted_mask.sum()), mean_entropy=outcome.mean_entropy,
+            forward_s=forward_s, sampling_s=outcome.sampling_s, stopped=outcome.stopped,
+            sc_dropped_mass=used_dropped))
+        return outcome.stopped or cur_step == 1
+
+    def _sample(self, logits: np.ndarray, cur_step: int) -> _StepOutcome:
+        began = time.perf_counter()
+        params = self.params
+        temperature = schedule_temperature(cur_step, params.max_denoising_steps, params.t_min, params.t_max)
+        uniforms = self.rng.multinomial_uniforms(len(self.canvas))
+        if self.top_k:
+            stats = self.step_sampler.process_logits(logits, temperature, uniforms, top_k=self.top_k)
+            next_sc = _SelfCond(ids=stats.topk_ids, probs=stats.topk_probs,
+                                dropped_mass=float(np.max(stats.dropped_mass)))
+        else:
+            stats = self.step_sampler.process_logits(logits, temperature, uniforms)
+            next_sc = _SelfCond(logits=stats.processed)
+        accepted = entropy_bound_accept_mask(stats.entropy, params.entropy_bound)
+        next_canvas = renoise_canvas(stats.sampled, accepted, self.rng.renoise(len(self.canvas), self.model.vocab_size))
+        stopped = self.stop_rule(stats.argmax, stats.entropy)
+        return _StepOutcome(canvas=next_canvas, argmax=stats.argmax, accepted_mask=accepted,
+                            self_cond=next_sc, stopped=stopped, mean_entropy=mean_entropy(stats.entropy),
+                            temperature=float(temperature), sampling_s=time.perf_counter() - began)
+
+    def finish_canvas(self) -> np.ndarray | None:
+        """Finalize the canvas (its argmax, padded after the first end token) and take its answer
+        tokens. Returns the argmax canvas to commit before the next canvas, or None when the
+        generation stops here (stop_reason says why)."""
+        state = self.state
+        argmax_canvas = state.current_argmax
+        canvas, state.found_end = finalize_canvas(argmax_canvas, self.model.end_token_ids, self.pad_token_id)
+        state.committed.append(canvas)
+        state.current_argmax = None
+        whole = answer_token_ids(canvas, self.model.end_token_ids, self.pad_token_id)
+        self._canvas_answer = whole[:state.limit - len(state.answer)]
+        state.answer.extend(self._canvas_answer)
+        if len(self._canvas_answer) < len(whole):
+            self.stop_reason = "length"  # cut at max_new_tokens, whatever the canvas went on to say
+        elif state.found_end:
+            self.stop_reason = "end_token"
+        elif self.pad_token_id is not None and bool(np.all(canvas == self.pad_token_id)):
+            self.stop_reason = "pad_canvas"
+        elif self.canvas_index + 1 == self.max_new_canvases or len(state.answer) >= state.limit:
+            self.stop_reason = "length"
+        return None if self.done else argmax_canvas
+
+    def canvas_done(self, commit_s: float) -> None:
+        """Emit the CanvasEvent (the canvas's answer tokens); the next canvas follows unless done."""
+        _emit(self.events, CanvasEvent(canvas_index=self.canvas_index, token_ids=self._canvas_answer,
+                                       steps=self.state.steps_per_canvas[-1], commit_s=commit_s))
+        if not self.done:
+            self.canvas_index += 1
+
+    # ---- result ------------------------------------------------------------------------------------
+
+    def result(self, stop_reason: str | None = None, seed: int | None = None) -> GenerationResult:
+        """What this generation produced so far; stop_reason "interrupted" adds the current canvas's answer."""
+        state = self.state
+        stop_reason = stop_reason or self.stop_reason or "length"
+        interrupted = stop_reason == "interrupted"
+        answer = list(state.answer)
+        if interrupted and state.current_argmax is not None and not state.found_end:
+            answer.extend(answer_token_ids(state.current_argmax, self.model.end_token_ids, self.pad_token_id,
+                                           limit=state.limit - len(state.answer)))
+        forwards = state.decoder_forwards
+        display_s = self.events.seconds
+        return GenerationResult(
+            mode="diffusion",
+            text=self.model.detokenize(answer),
+            token_ids=answer,
+            n_prompt_tokens=len(state.prompt_ids),
+            steps_per_canvas=list(state.steps_per_canvas),
+            decoder_forwards=forwards,
+            tokens_per_forward=len(answer) / forwards if forwards else 0.0,
+            prefill_s=state.prefill_s,
+            total_s=time.perf_counter() - self.started - display_s,
+            forward_s=state.forward_s,
+            sampling_s=state.sampling_s,
+            stop_reason=stop_reason,
+            interrupted=interrupted,
+            seed=seed if seed is not None else self.rng.seed,
+            display_s=display_s,
+            n_cached_prompt_tokens=state.n_cached_prompt,
+            canvas_token_ids=[int(t) for canvas in state.committed for t in canvas],
+        )
+
+
+def batched_self_cond(self_conds: Sequence[_SelfCond | None]) -> tuple[np.ndarray, np.ndarray] | None:
+    """Several canvases' self-conditioning inputs as one top-k pair (ids [n, C, k], probs [n, C, k]).
+    A canvas on its first step (None) gets all-zero probabilities: the graph then adds exactly zero,
+    as when no input is passed. Dense inputs become k = V: every id, softmax probabilities."""
+    from dgcli.engine.model import dense_self_cond_probs
+
+    present = [sc for sc in self_conds if sc is not None]
+    if not present:
+        return None
+    first = present[0]
+    dense = first.ids is None
+    length, k = (first.logits if dense else first.ids).shape
+    ids = np.zeros((len(self_conds), length, k), dtype=np.int32)
+    probs = np.zeros((len(self_conds), length, k), dtype=np.float32)
+    if dense:
+        ids[:] = np.arange(k, dtype=np.int32)
+    for row, sc in enumerate(self_conds):
+        if sc is None:
+            continue
+        if (sc.ids is None) != dense or (sc.logits if dense else sc.ids).shape != (length, k):
+            raise DgError("canvases in one forward need the same self-conditioning form (dense or the same top-k)")
+        if dense:
+            probs[row] = dense_self_cond_probs(sc.logits)
+        else:
+            ids[row], probs[row] = sc.ids, sc.probs
+    return ids, probs
+
+
+def denoising_step(model: Any, sequences: Sequence[DiffusionSequence]) -> list[bool]:
+    """One denoising step for every sequence: ONE decoder forward over all their canvases, then each
+    sequence's sampler rules on its own rows. Sequence i must own KV-cache sequence i (its prompt and
+    committed canvases). Returns, per sequence, whether its canvas is finished."""
+    began = time.perf_counter()
+    if len(sequences) == 1:
+        # a single generation: the step-level API every model object has (the torch reference too)
+        seq = sequences[0]
+        sc = seq.self_cond
+        if sc is not None and sc.ids is not None:
+            logits = model.decode_canvas(seq.canvas, sc_topk=(sc.ids, sc.probs))[None]
+        else:
+            logits = model.decode_canvas(seq.canvas, None if sc is None else sc.logits)[None]
+    else:
+        canvases = np.stack([seq.canvas for seq in sequences])
+        logits = model.decode_canvases(canvases, sc_topk=batched_self_cond([seq.self_cond for seq in sequences]),
+                                       per_sequence=True)
+    forward_s = time.perf_counter() - began
+    return [seq.sample_step(rows, forward_s) for seq, rows in zip(sequences, logits)]
+
+
 class DiffusionEngine:
     """Block-diffusion generation over a DiffusionGemma GGUF (or any object with the step-level API)."""
 
     def __init__(self, model: str | os.PathLike | Any, n_threads: int | None = None, n_gpu_layers: int = 0,
                  exact: bool = False, n_ctx: int | None = None, sampler: str | StepSampler = "auto",
-                 self_cond_top_k: int | str | None = None, n_cpu_moe: int = 0):
+                 self_cond_top_k: int | str | None = None, n_cpu_moe: int = 0,
+                 rpc_servers: Sequence[str] | None = None):
         if isinstance(model, (str, os.PathLike)):
             from dgcli.engine.model import DiffusionModel
 
             self.model = DiffusionModel(os.fspath(model), n_threads=n_threads, n_gpu_layers=n_gpu_layers,
-                                        exact=exact, n_ctx=n_ctx, n_cpu_moe=n_cpu_moe)
+                                        exact=exact, n_ctx=n_ctx, n_cpu_moe=n_cpu_moe, rpc_servers=rpc_servers)
             self._owns_model = True
         else:
             self.model = model
@@ -218,6 +420,18 @@ class DiffusionEngine:
 
     # ---- generate ----------------------------------------------------------------------------------
 
+    def new_sequence(self, prompt_ids: Sequence[int], params: DiffusionParams | None = None, max_new_tokens: int = 256,
+                     seed: int | None = None, on_event: EventCallback | None = None, rng: RngStream | None = None,
+                     self_cond_top_k: int | str | None = None) -> DiffusionSequence:
+        """A generation's state with every setting validated; nothing runs yet. seed None: a random
+        seed (rng.seed reports it)."""
+        setting = self.self_cond_top_k if self_cond_top_k is None else self_cond_top_k
+        top_k = resolve_self_cond_top_k(setting, self.model.vocab_size)
+        return DiffusionSequence(
+            self.model, prompt_ids, params or self.default_params, max_new_tokens,
+            rng if rng is not None else RngStream(resolve_seed(seed)), self.step_sampler,
+            top_k=top_k, pad_token_id=self.pad_token_id, on_event=on_event)
+
     def generate(self, prompt: str | Sequence[int], params: DiffusionParams | None = None, max_new_tokens: int = 256,
                  seed: int | None = None, chat: bool = True, on_event: EventCallback | None = None,
                  rng: RngStream | None = None, self_cond_top_k: int | str | None = None,
@@ -225,33 +439,21 @@ class DiffusionEngine:
         """One generation. prompt: see `prompt_token_ids`. seed None: a random seed, reported in the
         result. reuse_cache: keep the KV cache's longest prefix shared with the prompt's tokens and
         prefill only the rest (chat turns)."""
-        started = time.perf_counter()
-        params = (params or self.default_params).validate()
-        setting = self.self_cond_top_k if self_cond_top_k is None else self_cond_top_k
-        top_k = resolve_self_cond_top_k(setting, self.model.vocab_size)
-        limit = validate_max_new_tokens(max_new_tokens)
-        max_new_canvases = math.ceil(limit / self.model.canvas_length)
-        state = _LoopState(limit=limit)
-        if rng is None:
-            seed = resolve_seed(seed)
-            rng = RngStream(seed)
-        else:
-            seed = rng.seed
-        events = TimedEvents(on_event)
-        stop_reason = "length"
+        seq = self.new_sequence([], params, max_new_tokens, seed, on_event, rng, self_cond_top_k)
+        stop_reason = None
         try:
-            state.prompt_ids = prompt_token_ids(self.model, prompt, chat, parse_special)
-            self._prefill(state, reuse_cache)
-            for canvas_index in range(max_new_canvases):
-                argmax_canvas = self._denoise_canvas(canvas_index, params, rng, state, events, top_k)
-                stop = self._finish_canvas(canvas_index, argmax_canvas, state, events,
-                                           last=canvas_index + 1 == max_new_canvases)
-                if stop is not None:
-                    stop_reason = stop
-                    break
+            seq.state.prompt_ids = prompt_token_ids(self.model, prompt, chat, parse_special)
+            self._prefill(seq.state, reuse_cache)
+            seq.start_canvas()
+            while not seq.done:
+                if denoising_step(self.model, [seq])[0]:
+                    to_commit = seq.finish_canvas()
+                    seq.canvas_done(0.0 if to_commit is None else self._commit_canvas(to_commit))
+                    if not seq.done:
+                        seq.start_canvas()
         except (KeyboardInterrupt, _StopRequested):
             stop_reason = "interrupted"
-        return self._build_result(state, stop_reason, started, seed, events.seconds)
+        return seq.result(stop_reason)
 
     # ---- stages ------------------------------------------------------------------------------------
 
@@ -271,121 +473,8 @@ class DiffusionEngine:
         keep = getattr(self.model, "keep_cached_prefix", None)
         return int(keep(prompt_ids)) if callable(keep) else 0
 
-    def _finish_canvas(self, canvas_index: int, argmax_canvas: np.ndarray, state: _LoopState,
-                       on_event: EventCallback | None, last: bool) -> str | None:
-        """Finalize a denoised canvas and take its answer tokens; commit it to the cache when another
-        canvas follows, else return why the generation stops."""
-        canvas, state.found_end = finalize_canvas(argmax_canvas, self.model.end_token_ids, self.pad_token_id)
-        state.committed.append(canvas)
-        state.current_argmax = None
-        whole = answer_token_ids(canvas, self.model.end_token_ids, self.pad_token_id)
-        answer = whole[:state.limit - len(state.answer)]
-        state.answer.extend(answer)
-        if len(answer) < len(whole):
-            stop = "length"  # cut at max_new_tokens, whatever the canvas went on to say
-        elif state.found_end:
-            stop = "end_token"
-        elif self._only_padding(canvas):
-            stop = "pad_canvas"
-        elif last or len(state.answer) >= state.limit:
-            stop = "length"
-        else:
-            stop = None
-        commit_s = 0.0 if stop is not None else self._commit_canvas(argmax_canvas)
-        _emit(on_event, CanvasEvent(canvas_index=canvas_index, token_ids=answer,
-                                    steps=state.steps_per_canvas[-1], commit_s=commit_s))
-        return stop
-
-    def _answer_tokens(self, canvas: np.ndarray, state: _LoopState) -> list[int]:
-        return answer_token_ids(canvas, self.model.end_token_ids, self.pad_token_id,
-                                limit=state.limit - len(state.answer))
-
-    def _only_padding(self, canvas: np.ndarray) -> bool:
-        return self.pad_token_id is not None and bool(np.all(canvas == self.pad_token_id))
-
     def _commit_canvas(self, argmax_canvas: np.ndarray) -> float:
         began = time.perf_counter()
         self.model.commit(argmax_canvas)
         return time.perf_counter() - began
 
-    def _denoise_canvas(self, canvas_index: int, params: DiffusionParams, rng: RngStream, state: _LoopState,
-                        on_event: EventCallback | None, top_k: int = 0) -> np.ndarray:
-        """The inner loop; returns the argmax canvas of its last step. top_k: 0 dense self-conditioning."""
-        canvas = rng.canvas_init(self.model.canvas_length, self.model.vocab_size)
-        stop_rule = StableAndConfidentStop(params.stability_threshold, params.confidence_threshold)
-        self_cond = None  # no self-conditioning signal on a canvas's first step
-        state.steps_per_canvas.append(0)
-        for step, cur_step in enumerate(range(params.max_denoising_steps, 0, -1), start=1):
-            state.decoder_forwards += 1
-            used_dropped = self_cond.dropped_mass if self_cond is not None else 0.0
-            outcome = self._denoising_step(canvas, self_cond, cur_step, params, rng, stop_rule, top_k)
-            canvas, self_cond = outcome.canvas, outcome.self_cond
-            state.current_argmax = outcome.argmax
-            state.steps_per_canvas[-1] = step
-            state.forward_s += outcome.forward_s
-            state.sampling_s += outcome.sampling_s
-            _emit(on_event, StepEvent(
-                canvas_index=canvas_index, step=step, max_steps=params.max_denoising_steps,
-                temperature=outcome.temperature,
-                argmax_canvas=outcome.argmax.astype(np.int32), accepted_mask=outcome.accepted_mask,
-                n_accepted=int(outcome.accepted_mask.sum()), mean_entropy=outcome.mean_entropy,
-                forward_s=outcome.forward_s, sampling_s=outcome.sampling_s, stopped=outcome.stopped,
-                sc_dropped_mass=used_dropped))
-            if outcome.stopped:
-                break
-        return state.current_argmax
-
-    def _denoising_step(self, canvas: np.ndarray, self_cond: _SelfCond | None, cur_step: int,
-                        params: DiffusionParams, rng: RngStream, stop_rule: StableAndConfidentStop,
-                        top_k: int = 0) -> _StepOutcome:
-        """One decoder forward and the sampler rules (reference: `_denoising_step`)."""
-        began = time.perf_counter()
-        if self_cond is not None and self_cond.ids is not None:
-            logits = self.model.decode_canvas(canvas, sc_topk=(self_cond.ids, self_cond.probs))
-        else:
-            logits = self.model.decode_canvas(canvas, None if self_cond is None else self_cond.logits)
-        forwarded = time.perf_counter()
-        temperature = schedule_temperature(cur_step, params.max_denoising_steps, params.t_min, params.t_max)
-        uniforms = rng.multinomial_uniforms(len(canvas))
-        if top_k:
-            stats = self.step_sampler.process_logits(logits, temperature, uniforms, top_k=top_k)
-            next_sc = _SelfCond(ids=stats.topk_ids, probs=stats.topk_probs,
-                                dropped_mass=float(np.max(stats.dropped_mass)))
-        else:
-            stats = self.step_sampler.process_logits(logits, temperature, uniforms)
-            next_sc = _SelfCond(logits=stats.processed)
-        accepted = entropy_bound_accept_mask(stats.entropy, params.entropy_bound)
-        next_canvas = renoise_canvas(stats.sampled, accepted, rng.renoise(len(canvas), self.model.vocab_size))
-        stopped = stop_rule(stats.argmax, stats.entropy)
-        return _StepOutcome(canvas=next_canvas, argmax=stats.argmax, accepted_mask=accepted,
-                            self_cond=next_sc, stopped=stopped, mean_entropy=mean_entropy(stats.entropy),
-                            temperature=float(temperature),
-                            forward_s=forwarded - began, sampling_s=time.perf_counter() - forwarded)
-
-    def _build_result(self, state: _LoopState, stop_reason: str, started: float, seed: int | None,
-                      display_s: float) -> GenerationResult:
-        interrupted = stop_reason == "interrupted"
-        answer = list(state.answer)
-        if interrupted and state.current_argmax is not None and not state.found_end:
-            answer.extend(self._answer_tokens(state.current_argmax, state))
-        forwards = state.decoder_forwards
-        canvases = [int(t) for canvas in state.committed for t in canvas]
-        return GenerationResult(
-            mode="diffusion",
-            text=self.model.detokenize(answer),
-            token_ids=answer,
-            n_prompt_tokens=len(state.prompt_ids),
-            steps_per_canvas=list(state.steps_per_canvas),
-            decoder_forwards=forwards,
-            tokens_per_forward=len(answer) / forwards if forwards else 0.0,
-            prefill_s=state.prefill_s,
-            total_s=time.perf_counter() - started - display_s,
-            forward_s=state.forward_s,
-            sampling_s=state.sampling_s,
-            stop_reason=stop_reason,
-            interrupted=interrupted,
-            seed=seed,
-            display_s=display_s,
-            n_cached_prompt_tokens=state.n_cached_prompt,
-            canvas_token_ids=canvases,
-        )

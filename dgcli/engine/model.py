@@ -7,6 +7,12 @@
         logits = m.decode_canvas(canvas, sc_topk=(ids, probs))         # ... or the sampler's top-k
         m.commit(final_canvas)                     # encoder over the canvas; n_past += C
 
+Several generations share one model through KV-cache sequences (`n_seq_max` at load): prefill and
+commit take `seq=`, and `decode_canvases(..., per_sequence=True)` decodes canvas s after sequence
+s's own cache, all in one forward (the server's batch; see dgcli/server/scheduler.py). With
+`kv_unified=False` each sequence has its own cache stream, laid out exactly as if it were alone,
+so its logits are bit-identical to a single generation's.
+
 `ArModel` is the same surface for a stock `gemma4` GGUF (the AR base): prefill / decode_token.
 
 Files are checked here before llama.cpp sees them (exists, GGUF magic, header parses, tensor data
@@ -47,6 +53,9 @@ END_TOKEN_TEXTS = ("<eos>", "<turn|>")
 # in the text so that the CLI can show the thinking dimmed or hide it (render.split_thinking).
 VISIBLE_CONTROL_TEXTS = ("<|channel>", "<channel|>")
 DEFAULT_N_CTX = 4096
+# Prompts go through the encoder in chunks of this many tokens (the default n_ubatch): a caller that
+# wants the very same K/V as another run feeds prompts in chunks of this size too
+ENCODE_CHUNK = 512
 
 
 # Below this size a forward's ops are shorter than handing work to another thread, and with a
@@ -241,14 +250,23 @@ def _check_tokens(tokens: Any, vocab_size: int, what: str) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.int32)
 
 
+def dense_self_cond_probs(sc_logits: np.ndarray) -> np.ndarray:
+    """softmax over the last axis in float32, as the reference forms its self-conditioning input."""
+    sc = np.asarray(sc_logits, dtype=np.float32)
+    # exp(x - max) <= 1 cannot overflow
+    probs = np.exp(sc - sc.max(axis=-1, keepdims=True), dtype=np.float32)
+    probs /= probs.sum(axis=-1, keepdims=True, dtype=np.float32)
+    return probs
+
+
 class _LlamaModel:
     """Model + context + tokenizer + chat template: what both model kinds share."""
 
     architecture = ""
 
     def __init__(self, path: str | os.PathLike, n_threads: int | None = None, n_gpu_layers: int = 0,
-                 exact: bool = False, n_ctx: int | None = None, n_seq_max: int = 1, n_ubatch: int = 512,
-                 n_cpu_moe: int = 0):
+                 exact: bool = False, n_ctx: int | None = None, n_seq_max: int = 1, n_ubatch: int = ENCODE_CHUNK,
+                 n_cpu_moe: int = 0, kv_unified: bool = True, rpc_servers: Sequence[str] | None = None):
         self._model = None
         self._ctx = None
         self.path = Path(path)
@@ -277,6 +295,13 @@ class _LlamaModel:
             mparams.use_extra_bufts = False
         overrides = native.buft_overrides([override] if override else [])
         mparams.tensor_buft_overrides = ctypes.cast(overrides, ctypes.c_void_p)
+        # RPC workers' devices instead of this machine's accelerators: n_gpu_layers layers go to them
+        self.rpc_devices = None
+        if rpc_servers:
+            from dgcli.engine import rpc  # noqa: PLC0415
+
+            self.rpc_devices = rpc.rpc_devices(rpc_servers)
+            mparams.devices = self.rpc_devices.pointer
         with native.collect_log() as load_log:
             model = L.llama_model_load_from_file(str(self.path).encode(), mparams)
         # where llama.cpp put the weights, in its own words (offloaded layers, buffers, overrides)
@@ -298,7 +323,9 @@ class _LlamaModel:
         cparams.n_seq_max = n_seq_max
         threads = n_threads or default_threads(path)
         cparams.n_threads = cparams.n_threads_batch = threads
-        cparams.kv_unified = True
+        # unified: the sequences share one pool of cells (they may borrow each other's, as the bench's
+        # shared-context batch does); not unified: one stream of n_ctx / n_seq_max cells per sequence
+        cparams.kv_unified = bool(kv_unified)
         # a sliding-window cache of W + n_ubatch cells, as a long generation would use: the decoder
         # must then not disturb the cells it still needs (see diffusion-gemma-api.cpp)
         cparams.swa_full = False
@@ -318,8 +345,10 @@ class _LlamaModel:
         self.n_ubatch = int(L.llama_n_ubatch(ctx))
         self.n_seq_max = n_seq_max
         self._mem = L.llama_get_memory(ctx)
-        self.n_past = 0
-        self.cache_tokens: list[int] = []  # what the KV cache holds, position by position
+        self.kv_unified = bool(kv_unified)
+        self.n_ctx_seq = int(L.llama_n_ctx_seq(ctx))  # the cells one sequence may use
+        # what each KV-cache sequence holds, position by position
+        self._seq_tokens: list[list[int]] = [[] for _ in range(n_seq_max)]
         self.end_token_ids = [self.header.token_ids[t] for t in END_TOKEN_TEXTS if t in self.header.token_ids]
         self._visible_control_ids = {self.header.token_ids[t] for t in VISIBLE_CONTROL_TEXTS
                                      if t in self.header.token_ids}
@@ -433,11 +462,62 @@ class _LlamaModel:
 
     # -- cache
 
+    @property
+    def cache_tokens(self) -> list[int]:
+        """What sequence 0 (the one a single generation uses) holds, position by position."""
+        return self._seq_tokens[0]
+
+    @property
+    def n_past(self) -> int:
+        """Tokens cached in sequence 0."""
+        return len(self._seq_tokens[0])
+
+    @n_past.setter
+    def n_past(self, value: int) -> None:
+        del self._seq_tokens[0][value:]
+
+    def cached_tokens(self, seq: int | None = None) -> int:
+        """Tokens cached in sequence `seq`, or in all sequences together (None)."""
+        if seq is None:
+            return sum(len(t) for t in self._seq_tokens)
+        return len(self._seq_tokens[self._check_seq(seq)])
+
+    def _room(self, seq: int) -> tuple[int, int]:
+        """(cells in use, cells available) for what sequence `seq` may add next."""
+        if self.kv_unified:
+            return self.cached_tokens(), self.n_ctx
+        return len(self._seq_tokens[seq]), self.n_ctx_seq
+
+    def _check_seq(self, seq: Any) -> int:
+        if isinstance(seq, bool) or not isinstance(seq, (int, np.integer)) or not 0 <= seq < self.n_seq_max:
+            raise InvalidParameter("seq", seq, f"a KV-cache sequence in [0, {self.n_seq_max}) (n_seq_max, set at load)")
+        return int(seq)
+
     def reset(self) -> None:
+        """Empty the whole cache (every sequence)."""
         self._require_open()
         self._lib.llama_memory_clear(self._mem, True)
-        self.n_past = 0
-        self.cache_tokens = []
+        self._seq_tokens = [[] for _ in range(self.n_seq_max)]
+
+    def clear_sequence(self, seq: int) -> None:
+        """Drop one sequence's cached tokens; the others keep theirs."""
+        self._require_open()
+        seq = self._check_seq(seq)
+        self._lib.llama_memory_seq_rm(self._mem, seq, -1, -1)
+        self._seq_tokens[seq] = []
+
+    def move_sequence(self, src: int, dst: int) -> None:
+        """Sequence `src`'s cache becomes sequence `dst`'s (dst's own is dropped; src ends empty).
+        A unified cache relabels cells; separate streams copy src's whole stream, layout included."""
+        self._require_open()
+        src, dst = self._check_seq(src), self._check_seq(dst)
+        if src == dst:
+            return
+        L = self._lib
+        L.llama_memory_seq_rm(self._mem, dst, -1, -1)
+        L.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
+        L.llama_memory_seq_rm(self._mem, src, -1, -1)
+        self._seq_tokens[dst], self._seq_tokens[src] = self._seq_tokens[src], []
 
     def keep_cached_prefix(self, tokens: Sequence[int]) -> int:
         """Keep the longest start of the KV cache that equals the start of `tokens` and drop the rest
@@ -463,20 +543,21 @@ class _LlamaModel:
             self.n_past = kept
         return kept
 
-    def _encode(self, tokens: Any, want_logits: bool, reserve: int = 0) -> np.ndarray | None:
+    def _encode(self, tokens: Any, want_logits: bool, reserve: int = 0, seq: int = 0) -> np.ndarray | None:
         self._require_open()
+        seq = self._check_seq(seq)
         arr = _check_tokens(tokens, self.vocab_size, "tokens")
-        if self.n_past + arr.size + reserve > self.n_ctx:
-            raise DgError(f"context full: {self.n_past} cached + {arr.size} new tokens"
-                          + (f" + a {reserve}-token canvas" if reserve else "") + f" exceed n_ctx = {self.n_ctx}")
+        used, room = self._room(seq)
+        if used + arr.size + reserve > room:
+            raise DgError(f"context full: {used} cached + {arr.size} new tokens"
+                          + (f" + a {reserve}-token canvas" if reserve else "") + f" exceed n_ctx = {room}")
         out = np.empty(self.vocab_size, dtype=np.float32) if want_logits else None
         native.clear_log()
-        rc = self._lib._lib.dg_encode(self._ctx, native.as_token_p(arr), arr.size, 0, self.exact,
+        rc = self._lib._lib.dg_encode(self._ctx, native.as_token_p(arr), arr.size, seq, self.exact,
                                       native.as_float_p(out) if out is not None else None)
         if rc != 0:
             raise DgError(f"encoder forward failed (status {rc}): {native.last_error('no detail logged')}")
-        self.n_past += arr.size
-        self.cache_tokens.extend(int(t) for t in arr)
+        self._seq_tokens[seq].extend(int(t) for t in arr)
         return out
 
 
@@ -487,18 +568,19 @@ class DiffusionModel(_LlamaModel):
 
     def __init__(self, path: str | os.PathLike, n_threads: int | None = None, n_gpu_layers: int = 0,
                  exact: bool = False, n_ctx: int | None = None, n_seq_max: int = 1, n_ubatch: int | None = None,
-                 n_cpu_moe: int = 0):
+                 n_cpu_moe: int = 0, kv_unified: bool = True, rpc_servers: Sequence[str] | None = None):
         header = read_gguf_header(path)
         canvas = header.get("diffusion.canvas_length")
         canvas = canvas if isinstance(canvas, int) and 0 < canvas <= 1 << 16 else 0
         # a canvas must be one micro-batch (the decoder is non-causal over it); prompts are chunked
         need = canvas * (n_seq_max if isinstance(n_seq_max, int) else 1)
         if n_ubatch is None:
-            n_ubatch = max(512, need)
+            n_ubatch = max(ENCODE_CHUNK, need)
         elif not isinstance(n_ubatch, int) or n_ubatch < max(need, 1):
             raise InvalidParameter("n_ubatch", n_ubatch, f"an integer >= {max(need, 1)} (canvas_length x n_seq_max)")
         super().__init__(path, n_threads=n_threads, n_gpu_layers=n_gpu_layers, exact=exact, n_ctx=n_ctx,
-                         n_seq_max=n_seq_max, n_ubatch=n_ubatch, n_cpu_moe=n_cpu_moe)
+                         n_seq_max=n_seq_max, n_ubatch=n_ubatch, n_cpu_moe=n_cpu_moe, kv_unified=kv_unified,
+                         rpc_servers=rpc_servers)
         self.canvas_length = int(self._lib._lib.dg_canvas_length(self._model))
         if self.canvas_length <= 0:
             self.close()
@@ -526,13 +608,13 @@ class DiffusionModel(_LlamaModel):
         except InvalidParameter as err:
             raise ModelLoadError(f"{self.path}: bad diffusion.eb_* default: {err}") from None
 
-    def prefill(self, tokens: Sequence[int], return_logits: bool = False) -> np.ndarray | None:
-        """Encoder over `tokens` (causal), appended to the cache. Optionally the last token's logits."""
-        return self._encode(tokens, return_logits, reserve=self.canvas_length)
+    def prefill(self, tokens: Sequence[int], return_logits: bool = False, seq: int = 0) -> np.ndarray | None:
+        """Encoder over `tokens` (causal), appended to sequence `seq`'s cache. Optionally the last token's logits."""
+        return self._encode(tokens, return_logits, reserve=self.canvas_length, seq=seq)
 
-    def commit(self, canvas: Sequence[int]) -> None:
-        """Encoder over a finished canvas at n_past..n_past+C-1; n_past += C."""
-        self._encode(canvas, False, reserve=self.canvas_length)
+    def commit(self, canvas: Sequence[int], seq: int = 0) -> None:
+        """Encoder over a finished canvas right after sequence `seq`'s cached tokens (n_past += C)."""
+        self._encode(canvas, False, reserve=self.canvas_length, seq=seq)
 
     def decode_canvas(self, canvas: Sequence[int], sc_logits: np.ndarray | None = None,
                       sc_topk: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
@@ -559,17 +641,20 @@ class DiffusionModel(_LlamaModel):
                           "of graph memory: pass sc_topk (the sampler's top-k) instead")
         if not np.isfinite(sc).all():
             raise InvalidParameter("sc_logits", "non-finite values", "finite logits")
-        # float32 like the reference (softmax(dtype=float32)); exp(x - max) <= 1 cannot overflow
-        probs = np.exp(sc - sc.max(axis=-1, keepdims=True), dtype=np.float32)
-        probs /= probs.sum(axis=-1, keepdims=True, dtype=np.float32)
         ids = np.broadcast_to(np.arange(vocab, dtype=np.int32), sc.shape)
-        return np.ascontiguousarray(ids), probs
+        return np.ascontiguousarray(ids), dense_self_cond_probs(sc)
 
     def decode_canvases(self, canvases: Any, sc_logits: np.ndarray | None = None,
-                        sc_topk: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
-        """Several canvases (rows) in ONE decoder forward, all after the same cached context:
-        float32 [n, C, vocab]. Needs n <= n_seq_max (constructor). The cache is unchanged.
-        sc_logits [n, C, V] or sc_topk = (ids [n, C, k], probs [n, C, k]): see decode_canvas."""
+                        sc_topk: tuple[np.ndarray, np.ndarray] | None = None,
+                        per_sequence: bool = False) -> np.ndarray:
+        """Several canvases (rows) in ONE decoder forward: float32 [n, C, vocab]. Needs n <= n_seq_max
+        (constructor). The cache is unchanged.
+
+        per_sequence=False: every canvas sits after sequence 0's cached context (sequences 1..n-1
+        must be empty; they borrow sequence 0's cells for the forward). per_sequence=True: canvas s
+        sits after sequence s's own cached tokens (independent generations batched together).
+        sc_logits [n, C, V] or sc_topk = (ids [n, C, k], probs [n, C, k]): see decode_canvas. A row
+        whose probs are all zero gets no self-conditioning signal, exactly as a first step does."""
         self._require_open()
         arr = np.asarray(canvases)
         if arr.ndim != 2 or arr.shape[0] < 1:
@@ -580,8 +665,13 @@ class DiffusionModel(_LlamaModel):
         if length < 1 or n * length > self.n_ubatch:
             raise InvalidParameter("canvas length", length, f"between 1 and {self.n_ubatch // n}")
         flat = _check_tokens(arr.reshape(-1), self.vocab_size, "canvas")
-        if self.n_past + length > self.n_ctx:
-            raise DgError(f"context full: {self.n_past} cached + a {length}-token canvas exceed n_ctx = {self.n_ctx}")
+        if not per_sequence and any(self._seq_tokens[1:n]):
+            raise DgError("decode_canvases: sequences 1..n-1 hold their own tokens; pass per_sequence=True")
+        for s in range(n if per_sequence else 1):
+            used, room = self._room(s)
+            extra = length * (n if self.kv_unified and per_sequence else 1)
+            if used + extra > room:
+                raise DgError(f"context full: {used} cached + a {length}-token canvas exceed n_ctx = {room}")
         if sc_logits is not None and sc_topk is not None:
             raise DgError("pass sc_logits or sc_topk, not both")
         ids = probs = None
@@ -596,8 +686,9 @@ class DiffusionModel(_LlamaModel):
         k = 0 if ids is None else ids.shape[-1]
         out = np.empty((n, length, self.vocab_size), dtype=np.float32)
         L = self._lib
-        # extra sequences share sequence 0's cached cells for the duration of the forward
-        for s in range(1, n):
+        # shared context: extra sequences borrow sequence 0's cached cells for the duration of the forward
+        borrowed = range(0) if per_sequence else range(1, n)
+        for s in borrowed:
             L.llama_memory_seq_cp(self._mem, 0, s, -1, -1)
         try:
             native.clear_log()
@@ -606,7 +697,7 @@ class DiffusionModel(_LlamaModel):
                                            native.as_float_p(probs) if probs is not None else None, k,
                                            self.exact, native.as_float_p(out))
         finally:
-            for s in range(1, n):
+            for s in borrowed:
                 L.llama_memory_seq_rm(self._mem, s, -1, -1)
         if rc != 0:
             raise DgError(f"decoder forward failed (status {rc}): {native.last_error('no detail logged')}")
@@ -637,14 +728,14 @@ class ArModel(_LlamaModel):
     architecture = AR_ARCH
 
     def __init__(self, path: str | os.PathLike, n_threads: int | None = None, n_gpu_layers: int = 0,
-                 n_ctx: int | None = None, n_cpu_moe: int = 0):
+                 n_ctx: int | None = None, n_cpu_moe: int = 0, rpc_servers: Sequence[str] | None = None):
         pattern = read_gguf_header(path).get(f"{AR_ARCH}.attention.sliding_window_pattern")
         # stock gemma4 builds an iSWA cache and aborts the process (GGML_ASSERT) when no layer slides
         if isinstance(pattern, list) and pattern and not any(pattern):
             raise ModelLoadError(f"{path}: {AR_ARCH}.attention.sliding_window_pattern has no sliding layer "
                                  "(gemma4 needs at least one)")
         super().__init__(path, n_threads=n_threads, n_gpu_layers=n_gpu_layers, exact=False, n_ctx=n_ctx,
-                         n_cpu_moe=n_cpu_moe)
+                         n_cpu_moe=n_cpu_moe, rpc_servers=rpc_servers)
         self.default_params = None
 
     def prefill(self, tokens: Sequence[int]) -> np.ndarray:

@@ -213,6 +213,7 @@ class GenerationResult:
     forward_s: float = 0.0  # sum of forward time over steps/tokens
     sampling_s: float = 0.0  # sum of sampling/host time over steps/tokens
     # "end_token" | "pad_canvas" (a canvas of padding only: ends as an end token would) | "length" | "interrupted"
+    # | "stop" (the caller asked for no further canvas: a stop string in dg serve)
     stop_reason: str = "length"
     interrupted: bool = False
     seed: int | None = None  # the seed the run used (picked at random when none was given)

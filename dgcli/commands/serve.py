@@ -1,0 +1,140 @@
+"""`dg serve`: the model behind an OpenAI-compatible HTTP API; concurrent requests' canvases are
+denoised together (dgcli/server/)."""
+
+from __future__ import annotations
+
+import socket
+from typing import Optional
+
+import typer
+
+from dgcli.commands import _shared as shared
+from dgcli.engine.types import DgError, InvalidParameter
+
+MAX_PARALLEL = 64
+
+
+def serve(
+    model: Optional[str] = shared.ModelOpt,
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface; "
+                                                         "there is no authentication unless --api-key)."),
+    port: int = typer.Option(8080, "--port", "-p", help="TCP port (0: any free port, printed at start)."),
+    parallel: int = typer.Option(4, "--parallel", "-np", help="Requests denoised together: each gets a KV-cache "
+                                                               "sequence, their canvases share one decoder forward."),
+    queue_size: int = typer.Option(64, "--queue", help="Requests that may wait for a free slot; beyond that, 503."),
+    ctx_size: Optional[int] = typer.Option(None, "--ctx-size", "-c", help="Context of each request: prompt + canvases "
+                                                                          "(default: min(training context, 4096))."),
+    max_tokens: int = typer.Option(256, "--max-tokens", help="max_tokens of a request that sets none."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="DG_API_KEY",
+                                          help="Require `Authorization: Bearer KEY` (env DG_API_KEY)."),
+    self_cond_top_k: Optional[int] = typer.Option(
+        None, "--self-cond-top-k", help="Tokens per position fed back to self-conditioning (0 = all; default: all "
+                                        "for small vocabularies, else 64)."),
+    threads: Optional[int] = shared.ThreadsOpt, gpu_layers: int = shared.GpuOpt,
+    rpc: Optional[str] = shared.RpcOpt,
+    yes: bool = shared.YesOpt,
+) -> None:
+    """Serve a diffusion model over HTTP: OpenAI-compatible /v1/chat/completions, /v1/completions, /v1/models, /health."""
+    with shared.user_errors():
+        shared.check_generation_args(max_tokens, threads, gpu_layers)
+        rpc_servers, gpu_layers = shared.rpc_placement(rpc, gpu_layers)
+        if not 1 <= parallel <= MAX_PARALLEL:
+            raise InvalidParameter("parallel", parallel, f"an integer in [1, {MAX_PARALLEL}]")
+        if queue_size < 0:
+            raise InvalidParameter("queue", queue_size, "an integer >= 0")
+        if not 0 <= port <= 65535:
+            raise InvalidParameter("port", port, "an integer in [0, 65535]")
+        if self_cond_top_k is not None and self_cond_top_k < 0:
+            raise InvalidParameter("self_cond_top_k", self_cond_top_k, "an integer >= 0 (0 = all tokens)")
+        uvicorn = _serve_dependencies()
+        resolved, path = shared.resolve_model(model, yes=yes, want="diffusion")
+        shared.preflight(path, diffusion=True, command="serve", gpu_layers=gpu_layers)
+        listener = _listen(host, port)
+        try:
+            _run(uvicorn, listener, resolved.display_name, path, parallel=parallel, queue_size=queue_size,
+                 ctx_size=ctx_size, max_tokens=max_tokens, api_key=api_key, self_cond_top_k=self_cond_top_k,
+                 threads=threads, gpu_layers=gpu_layers, rpc_servers=rpc_servers)
+        finally:
+            listener.close()
+
+
+def _serve_dependencies():
+    try:
+        import starlette  # noqa: F401,PLC0415
+        import uvicorn  # noqa: PLC0415
+    except ImportError as err:
+        raise DgError(f"dg serve needs its optional dependencies ({err.name} is missing): "
+                      "pip install 'dgcli[serve]' (Starlette and uvicorn)") from None
+    return uvicorn
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads so a taken port fails at once."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as err:
+        raise DgError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as err:
+        sock.close()
+        raise DgError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    return sock
+
+
+def _run(uvicorn, listener: socket.socket, name: str, path, *, parallel: int, queue_size: int, ctx_size: Optional[int],
+         max_tokens: int, api_key: Optional[str], self_cond_top_k: Optional[int], threads: Optional[int],
+         gpu_layers: int, rpc_servers: Optional[list[str]]) -> None:
+    from dgcli.engine.diffusion import DiffusionEngine
+    from dgcli.engine.model import DEFAULT_N_CTX, DiffusionModel, read_gguf_header
+    from dgcli.server.app import DgService, ServeConfig, create_app
+    from dgcli.server.scheduler import BatchScheduler
+
+    if ctx_size is None:
+        header = read_gguf_header(path)
+        n_ctx_train = next((v for k, (_, v) in header.metadata.items() if k.endswith(".context_length")
+                            and isinstance(v, int) and v > 0), DEFAULT_N_CTX)
+        ctx_size = min(n_ctx_train, DEFAULT_N_CTX)
+    elif ctx_size < 1:
+        raise InvalidParameter("ctx_size", ctx_size, "an integer >= 1")
+    with shared.stderr.status(f"loading {name} ({parallel} slots of {ctx_size} tokens)"):
+        # a KV-cache stream per request: each is laid out as if alone, so answers equal `dg generate`'s
+        model = DiffusionModel(str(path), n_threads=threads, n_gpu_layers=gpu_layers, n_ctx=ctx_size * parallel,
+                               n_seq_max=parallel, kv_unified=False, rpc_servers=rpc_servers)
+    scheduler = None
+    try:
+        if model.n_ctx_seq < model.canvas_length + 1:
+            raise DgError(f"--ctx-size {ctx_size} cannot hold a prompt and one {model.canvas_length}-token canvas")
+        engine = DiffusionEngine(model, n_threads=threads, self_cond_top_k=self_cond_top_k)
+        log = lambda line: typer.echo(line, err=True)  # noqa: E731
+        scheduler = BatchScheduler(engine, slots=parallel, max_queue=queue_size, log=log)
+        service = DgService(scheduler, ServeConfig(model_name=name, default_max_tokens=max_tokens, api_key=api_key),
+                            log=log)
+        host, port = listener.getsockname()[:2]
+        url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
+        typer.echo(f"dg serve: {url}/v1  model {name} (canvas {model.canvas_length})  {parallel} slots of "
+                   f"{model.n_ctx_seq} tokens  queue {queue_size}", err=False)
+        if rpc_servers:
+            typer.echo(f"dg serve: layers on RPC workers {', '.join(rpc_servers)}", err=True)
+        if not shared.is_loopback(host) and api_key is None:
+            typer.echo(f"warning: listening on {host} without --api-key: anyone who reaches this port can use "
+                       "the model", err=True)
+        typer.echo("dg serve: Ctrl-C stops", err=True)
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig, frame):
+                # in-flight requests end now (their clients get an error) instead of holding shutdown
+                scheduler.close(timeout=0)
+                super().handle_exit(sig, frame)
+
+        config = uvicorn.Config(create_app(service), log_level="warning", access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=5)
+        Server(config).run(sockets=[listener])
+        typer.echo("dg serve: stopped", err=True)
+    finally:
+        if scheduler is not None:
+            scheduler.close()
+        model.close()

@@ -1,0 +1,57 @@
+"""`dg worker`: llama.cpp's RPC server in this process, lending this machine's devices to a dg process
+that runs with `--rpc HOST:PORT` (dgcli/engine/rpc.py)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from dgcli.commands import _shared as shared
+from dgcli.engine.types import InvalidParameter
+
+
+def worker(
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on. The RPC protocol is unauthenticated: "
+                                                         "anything but 127.0.0.1 must be a trusted network."),
+    port: int = typer.Option(50052, "--port", "-p", help="TCP port (0: any free port, printed at start)."),
+    threads: Optional[int] = typer.Option(None, "--threads", "-t", help="CPU threads for the computations "
+                                                                        "(default: every core)."),
+    cache: bool = typer.Option(False, "--cache", help="Keep received weights in a local file cache (by hash) so "
+                                                      "the next load of the same model sends less over the network."),
+) -> None:
+    """Serve this machine's devices (its GPUs, else its CPU) to `dg ... --rpc HOST:PORT` over llama.cpp's RPC."""
+    from dgcli.engine import rpc
+
+    with shared.user_errors():
+        if not 0 <= port <= 65535:
+            raise InvalidParameter("port", port, "an integer in [0, 65535]")
+        if threads is not None and threads < 1:
+            raise InvalidParameter("threads", threads, "an integer >= 1")
+        rpc.parse_endpoint(f"{host}:{port or 1}")
+        if port == 0:
+            port = rpc.free_port(host)
+        cache_dir = None
+        if cache:
+            cache_dir = Path(os.environ.get("DG_CACHE_DIR") or Path.home() / ".cache" / "dg") / "rpc"
+            cache_dir.mkdir(parents=True, exist_ok=True)
+        rpc.native_stdout_to_stderr()
+        server = rpc.Worker(host, port, n_threads=threads or max(1, os.cpu_count() or 1), cache_dir=cache_dir)
+        if not shared.is_loopback(host):
+            typer.echo(f"warning: listening on {host}: llama.cpp's RPC protocol has no authentication and no "
+                       "encryption; whoever reaches this port can use this machine's memory and compute. "
+                       "Trusted networks only.", err=True)
+        server.start()
+        typer.echo(f"dg worker: listening on {server.endpoint}; devices: {'; '.join(server.labels)}", err=False)
+        typer.echo(f"dg worker: use it with `dg generate ... --rpc {server.endpoint}`; Ctrl-C stops", err=True)
+        try:
+            server.wait()
+        except KeyboardInterrupt:
+            typer.echo("dg worker: stopped", err=True)
+            sys.stdout.flush()
+            # the server thread sits in llama.cpp's accept(): leave without tearing the runtime down under it
+            os._exit(shared.EXIT_INTERRUPTED)
+        raise shared.fail("the RPC server stopped (see llama.cpp's message above)")

@@ -1,0 +1,285 @@
+"""The batch scheduler behind `dg serve` (dgcli/server/scheduler.py), driven as a library.
+
+What must hold: requests in flight together are denoised in ONE decoder forward per step, and each
+request's answer is exactly what `DiffusionEngine.generate` gives alone with the same seed, whatever
+else is in the batch (other prompts, other sampler parameters, requests that join mid-canvas or
+leave early and move the last request into their KV-cache sequence)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from native_helpers import requires_native
+
+from dgcli.engine.types import CanvasEvent, DiffusionParams, StepEvent
+
+pytestmark = requires_native
+
+DEMO = Path(__file__).resolve().parents[1] / "dgcli" / "models" / "demo-diffusion.gguf"
+WAIT_S = 180  # every wait below is bounded
+
+
+class Collector:
+    """A request's sink: keeps its events; `done` is set by its RequestDone / RequestFailed."""
+
+    def __init__(self, stop_after_canvases: int | None = None):
+        self.events: list = []
+        self.outcome = None
+        self.done = threading.Event()
+        self.stop_after = stop_after_canvases
+
+    def __call__(self, event):
+        from dgcli.server.scheduler import RequestDone, RequestFailed
+
+        if isinstance(event, (RequestDone, RequestFailed)):
+            self.outcome = event
+            self.done.set()
+            return None
+        self.events.append(event)
+        if isinstance(event, CanvasEvent) and self.stop_after is not None:
+            if sum(isinstance(e, CanvasEvent) for e in self.events) >= self.stop_after:
+                return False
+        return None
+
+
+def open_scheduler(path, slots, n_ctx=None, self_cond_top_k=None, max_queue=64, kv_unified=False):
+    from dgcli.engine.diffusion import DiffusionEngine
+    from dgcli.engine.model import DiffusionModel
+    from dgcli.server.scheduler import BatchScheduler
+
+    model = DiffusionModel(str(path), n_seq_max=slots, n_ctx=n_ctx or 512 * slots, kv_unified=kv_unified)
+    engine = DiffusionEngine(model, self_cond_top_k=self_cond_top_k)
+    return BatchScheduler(engine, slots=slots, max_queue=max_queue), model
+
+
+def solo_results(path, jobs, self_cond_top_k=None):
+    """Each job alone through DiffusionEngine.generate (a model of its own, one sequence)."""
+    from dgcli.engine.diffusion import DiffusionEngine
+
+    with DiffusionEngine(str(path), self_cond_top_k=self_cond_top_k) as engine:
+        return [engine.generate(ids, params=params, max_new_tokens=n, seed=seed) for ids, params, n, seed in jobs]
+
+
+def run_jobs(scheduler, jobs, stagger_s=0.0, sinks=None):
+    from dgcli.server.scheduler import GenerationRequest
+
+    sinks = sinks or [Collector() for _ in jobs]
+    requests = []
+    for (ids, params, n, seed), sink in zip(jobs, sinks):
+        requests.append(scheduler.submit(GenerationRequest(prompt_ids=list(ids), params=params, max_new_tokens=n,
+                                                           seed=seed, sink=sink, want_steps=True)))
+        time.sleep(stagger_s)
+    deadline = time.monotonic() + WAIT_S
+    for sink in sinks:
+        assert sink.done.wait(max(0.0, deadline - time.monotonic())), "a request did not finish in time"
+    return sinks, requests
+
+
+def demo_jobs():
+    from dgcli.engine.model import DiffusionModel
+
+    with DiffusionModel(str(DEMO)) as m:
+        prompts = [m.chat_prompt(p) for p in ("reverse: HELLO", "sort: QWERTY", "add: 123+45", "sort: DBCA",
+                                              "reverse: WORLD", "sort: ZYX")]
+        base = m.default_params
+    params = [base, base.replace(max_denoising_steps=20), base, base.replace(t_max=1.0, t_min=0.5),
+              base.replace(entropy_bound=0.5), base]
+    return [(ids, p, 32, seed) for ids, p, seed in zip(prompts, params, (0, 1, 2, 3, 4, 5))]
+
+
+def test_batched_answers_equal_solo_generate_on_the_demo():
+    jobs = demo_jobs()
+    expected = solo_results(DEMO, jobs)
+    scheduler, model = open_scheduler(DEMO, slots=4)
+    try:
+        sinks, _ = run_jobs(scheduler, jobs)
+        stats = scheduler.stats
+    finally:
+        scheduler.close()
+        model.close()
+    for sink, want in zip(sinks, expected):
+        got = sink.outcome.result
+        assert got.token_ids == want.token_ids and got.text == want.text
+        assert got.steps_per_canvas == want.steps_per_canvas
+        steps = [e for e in sink.events if isinstance(e, StepEvent)]
+        assert len(steps) == got.decoder_forwards
+    # six requests, four slots: they ran together, more than one canvas per forward
+    assert stats.max_batch == 4 and stats.completed == 6
+    assert stats.canvases_forwarded == sum(s.outcome.result.decoder_forwards for s in sinks)
+    assert stats.forwards < stats.canvases_forwarded
+
+
+def test_multi_canvas_requests_joining_and_leaving_mid_run_equal_solo(tiny_gguf):
+    """Random tiny model: every canvas runs its full step budget, requests need 1-3 canvases, so
+    sequences commit canvases, finish early and are moved while others are mid-canvas."""
+    from dgcli.engine.model import DiffusionModel
+
+    with DiffusionModel(str(tiny_gguf)) as m:
+        prompts = [m.tokenize(t) for t in ("alpha", "beta gamma", "delta", "epsilon zeta eta", "theta")]
+    params = DiffusionParams(max_denoising_steps=5)
+    jobs = [(ids, params.replace(max_denoising_steps=3 + i), n, 10 + i)
+            for i, (ids, n) in enumerate(zip(prompts, (48, 16, 40, 32, 16)))]
+    expected = solo_results(tiny_gguf, jobs)
+    assert max(len(r.steps_per_canvas) for r in expected) >= 2  # the check needs commits
+    scheduler, model = open_scheduler(tiny_gguf, slots=3)
+    try:
+        sinks, _ = run_jobs(scheduler, jobs, stagger_s=0.02)
+        stats = scheduler.stats
+    finally:
+        scheduler.close()
+        model.close()
+    for sink, want in zip(sinks, expected):
+        assert sink.outcome.result.token_ids == want.token_ids
+        assert sink.outcome.result.steps_per_canvas == want.steps_per_canvas
+    assert stats.max_batch >= 2
+
+
+def test_top_k_self_conditioning_batched_equals_solo(tiny_gguf):
+    """The sparse self-conditioning form: rows on a canvas's first step ride along with zero probabilities."""
+    from dgcli.engine.model import DiffusionModel
+
+    with DiffusionModel(str(tiny_gguf)) as m:
+        prompts = [m.tokenize(t) for t in ("one", "two three", "four")]
+    jobs = [(ids, DiffusionParams(max_denoising_steps=4), n, seed)
+            for ids, n, seed in zip(prompts, (32, 16, 32), (7, 8, 9))]
+    expected = solo_results(tiny_gguf, jobs, self_cond_top_k=8)
+    scheduler, model = open_scheduler(tiny_gguf, slots=3, self_cond_top_k=8)
+    try:
+        sinks, _ = run_jobs(scheduler, jobs, stagger_s=0.01)
+    finally:
+        scheduler.close()
+        model.close()
+    for sink, want in zip(sinks, expected):
+        assert sink.outcome.result.token_ids == want.token_ids
+    dropped = [e.sc_dropped_mass for e in sinks[0].events if isinstance(e, StepEvent)]
+    assert dropped[0] == 0.0 and max(dropped) > 0.0  # the top-k form was really used
+
+
+def test_a_cancelled_request_frees_its_slot_and_the_others_are_unaffected(tiny_gguf):
+    from dgcli.engine.model import DiffusionModel
+    from dgcli.server.scheduler import GenerationRequest, RequestFailed
+
+    with DiffusionModel(str(tiny_gguf)) as m:
+        ids = m.tokenize("cancel me")
+    params = DiffusionParams(max_denoising_steps=6)
+    keep = [(ids, params, 32, 1), (ids, params, 32, 2)]
+    expected = solo_results(tiny_gguf, keep)
+    scheduler, model = open_scheduler(tiny_gguf, slots=2)
+    try:
+        victim_sink = Collector()
+        victim = scheduler.submit(GenerationRequest(prompt_ids=ids, params=params, max_new_tokens=16 * 25, seed=0,
+                                                    sink=victim_sink, want_steps=True))
+        deadline = time.monotonic() + WAIT_S
+        while not any(isinstance(e, StepEvent) for e in victim_sink.events):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        scheduler.cancel(victim)
+        assert victim_sink.done.wait(WAIT_S)
+        assert isinstance(victim_sink.outcome, RequestFailed) and victim_sink.outcome.message == "cancelled"
+        sinks, _ = run_jobs(scheduler, keep)  # both slots are free again
+        assert scheduler.n_active == 0 and model.cached_tokens() == 0
+    finally:
+        scheduler.close()
+        model.close()
+    assert [s.outcome.result.token_ids for s in sinks] == [r.token_ids for r in expected]
+    assert scheduler.stats.cancelled == 1
+
+
+def test_a_sink_returning_false_ends_the_request_after_that_canvas(tiny_gguf):
+    from dgcli.server.scheduler import RequestDone
+
+    jobs = [([2, 10, 11], DiffusionParams(max_denoising_steps=3), 64, 0)]
+    scheduler, model = open_scheduler(tiny_gguf, slots=1)
+    try:
+        sinks, _ = run_jobs(scheduler, jobs, sinks=[Collector(stop_after_canvases=1)])
+    finally:
+        scheduler.close()
+        model.close()
+    outcome = sinks[0].outcome
+    assert isinstance(outcome, RequestDone) and outcome.stopped_by_client
+    assert len(outcome.result.steps_per_canvas) == 1 and outcome.result.stop_reason in ("stop", "end_token")
+
+
+def test_queue_limit_and_requests_that_can_never_fit(tiny_gguf):
+    from dgcli.server.scheduler import GenerationRequest, QueueFull, RequestTooLong
+
+    scheduler, model = open_scheduler(tiny_gguf, slots=1, n_ctx=256, max_queue=1)
+    params = DiffusionParams(max_denoising_steps=48)
+    try:
+        with pytest.raises(RequestTooLong, match="needs 259 tokens of context .* may use 256"):
+            scheduler.submit(GenerationRequest(prompt_ids=[2, 3, 4], params=params, max_new_tokens=256,
+                                               sink=Collector()))
+        sinks = [Collector() for _ in range(3)]
+        requests = [scheduler.submit(GenerationRequest(prompt_ids=[2, 3], params=params, max_new_tokens=16 * 8,
+                                                       seed=0, sink=s)) for s in sinks[:2]]
+        with pytest.raises(QueueFull, match="busy"):
+            scheduler.submit(GenerationRequest(prompt_ids=[2, 3], params=params, max_new_tokens=16, sink=sinks[2]))
+        for r in requests:
+            scheduler.cancel(r)
+        for s in sinks[:2]:
+            assert s.done.wait(WAIT_S)
+    finally:
+        scheduler.close()
+        model.close()
+
+
+def test_requests_wait_for_kv_room_instead_of_overflowing(tiny_gguf):
+    """A unified cache (shared cells) with two slots but room for one long request: the second
+    waits, then runs; both equal solo."""
+    params = DiffusionParams(max_denoising_steps=3)
+    jobs = [([2, 5, 6, 7], params, 16 * 9, 3), ([2, 8, 9], params, 16 * 9, 4)]
+    expected = solo_results(tiny_gguf, jobs)
+    scheduler, model = open_scheduler(tiny_gguf, slots=2, n_ctx=256, kv_unified=True)
+    assert model.n_ctx == 256 and scheduler.kv_capacity == 256
+    try:
+        sinks, _ = run_jobs(scheduler, jobs)
+    finally:
+        scheduler.close()
+        model.close()
+    assert [s.outcome.result.token_ids for s in sinks] == [r.token_ids for r in expected]
+    assert scheduler.stats.max_batch == 1  # never both at once: 2 x 148 cells > 256
+    assert sinks[1].outcome.queued_s > 0
+
+
+def test_per_sequence_forward_is_bit_identical_to_each_sequence_alone(tiny_gguf):
+    """The model API the scheduler stands on: with a stream per sequence, canvas s decoded after
+    sequence s's own cache in a shared forward gives exactly the logits of a model holding that
+    sequence alone; a zero-probability self-conditioning row equals none; a moved sequence decodes
+    as before. (Default mode: flash attention and an F16 cache, whose sums depend on cell order.)"""
+    from dgcli.engine.diffusion import _SelfCond, batched_self_cond
+    from dgcli.engine.model import DiffusionModel
+
+    rng = np.random.default_rng(0)
+    C, V = 16, 500
+    prompts = [rng.integers(5, V, size=n) for n in (7, 20, 3)]
+    committed = rng.integers(5, V, size=C)
+    canvases = rng.integers(0, V, size=(3, C))
+    sc = _SelfCond(logits=rng.standard_normal((C, V)).astype(np.float32))
+    with DiffusionModel(str(tiny_gguf), n_seq_max=3, n_ctx=3 * 256, kv_unified=False) as m:
+        assert (m.canvas_length, m.vocab_size) == (C, V)
+        for s, p in enumerate(prompts):
+            m.prefill(p, seq=s)
+        m.commit(committed, seq=1)
+        plain = m.decode_canvases(canvases, per_sequence=True)
+        mixed = m.decode_canvases(canvases, sc_topk=batched_self_cond([None, sc, None]), per_sequence=True)
+        assert [m.cached_tokens(s) for s in range(3)] == [7, 20 + C, 3]  # forwards leave the caches as they were
+        m.move_sequence(2, 0)
+        moved = m.decode_canvas(canvases[2])
+        assert [m.cached_tokens(s) for s in range(3)] == [3, 20 + C, 0]
+    alone_plain, alone_mixed = [], []
+    for s in range(3):
+        with DiffusionModel(str(tiny_gguf), n_ctx=256) as one:
+            one.prefill(prompts[s])
+            if s == 1:
+                one.commit(committed)
+            alone_plain.append(one.decode_canvas(canvases[s]))
+            alone_mixed.append(one.decode_canvas(canvases[s], sc.logits if s == 1 else None))
+    for s in range(3):
+        np.testing.assert_array_equal(plain[s], alone_plain[s])
+        np.testing.assert_array_equal(mixed[s], alone_mixed[s])
+    np.testing.assert_array_equal(moved, alone_plain[2])

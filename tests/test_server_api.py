@@ -1,0 +1,160 @@
+"""dg serve's request validation and streamed text (dgcli/server/api.py, text.py): no model needed."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from dgcli.engine.types import DiffusionParams
+from dgcli.render import split_thinking
+from dgcli.server.api import ApiError, chunk_body, parse_request
+from dgcli.server.text import AnswerStream
+
+DEFAULTS = DiffusionParams()
+
+
+def parse(body, kind="chat"):
+    return parse_request(body, kind, DEFAULTS, default_max_tokens=256, max_tokens_limit=4000)
+
+
+def chat(**fields):
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+
+
+def test_a_plain_chat_request_takes_the_defaults():
+    req = parse(chat())
+    assert req.messages == [{"role": "user", "content": "hi"}] and req.params == DEFAULTS
+    assert (req.max_new_tokens, req.max_tokens_given, req.stream, req.stop, req.seed) == (256, False, False, [], None)
+
+
+def test_sampler_parameters_and_openai_fields():
+    req = parse(chat(steps=12, t_min=0.3, t_max=0.9, entropy_bound=0.2, stability_threshold=2,
+                     confidence_threshold=0.01, max_completion_tokens=64, seed=7, stop="\n\n", stream=True,
+                     stream_options={"include_usage": True}, dg_steps=True, temperature=0.7, top_p=0.9))
+    assert req.params == DiffusionParams(12, 0.3, 0.9, 0.2, 2, 0.01)
+    assert (req.max_new_tokens, req.seed, req.stop, req.include_usage, req.dg_steps) == (64, 7, ["\n\n"], True, True)
+
+
+def test_message_forms():
+    req = parse({"messages": [{"role": "developer", "content": "be brief"},
+                              {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                              {"role": "assistant", "content": None}]})
+    assert req.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"},
+                            {"role": "assistant", "content": ""}]
+
+
+@pytest.mark.parametrize("body,param,fragment", [
+    ([1, 2], None, "JSON object"),
+    ({"messages": []}, "messages", "non-empty array"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "tool messages"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "string or an array"),
+    (chat(max_tokens=0), "max_tokens", ">= 1"),
+    (chat(max_tokens=True), "max_tokens", ">= 1"),
+    (chat(max_tokens=5000), "max_tokens", "limit of 4000"),
+    (chat(seed=-1), "seed", "[0, 2^63)"),
+    (chat(seed="1"), "seed", "an integer"),
+    (chat(stream="yes"), "stream", "true or false"),
+    (chat(stream_options={"include_usage": True}), "stream_options", "stream: true"),
+    (chat(dg_steps=True), "dg_steps", "stream: true"),
+    (chat(stop=["a", "b", "c", "d", "e"]), "stop", "at most 4"),
+    (chat(stop=[1]), "stop", "at most 4"),
+    (chat(n=3), "n", "must be 1"),
+    (chat(steps=2.5), "steps", "an integer"),
+    (chat(steps=10, max_denoising_steps=11), "max_denoising_steps", "contradicts"),
+    (chat(t_min=0.9, t_max=0.5), "t_max", "greater than t_min"),
+    (chat(entropy_bound=float("nan")), "entropy_bound", "a number"),
+    (chat(confidence_threshold=0), "confidence_threshold", "> 0"),
+    (chat(tools=[{"type": "function"}]), "tools", "tool calls"),
+    (chat(logprobs=True), "logprobs", "not supported"),
+    (chat(response_format={"type": "json_object"}), "response_format", "text"),
+])
+def test_bad_fields_are_400_naming_the_field(body, param, fragment):
+    with pytest.raises(ApiError) as info:
+        parse(body)
+    err = info.value
+    assert err.status == 400 and err.param == param and fragment in err.message
+    assert err.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_completion_prompts():
+    assert parse({"prompt": "abc"}, "completion").prompt == "abc"
+    assert parse({"prompt": ["abc"]}, "completion").prompt == "abc"
+    assert parse({"prompt": [2, 5, 9]}, "completion").prompt == [2, 5, 9]
+    for bad in ("  ", ["a", "b"], [], None, [1.5]):
+        with pytest.raises(ApiError, match="prompt"):
+            parse({"prompt": bad}, "completion")
+    with pytest.raises(ApiError, match="echo"):
+        parse({"prompt": "a", "echo": True}, "completion")
+
+
+def test_chunks_have_the_openai_shapes():
+    c = chunk_body("chat", "id", 1, "m", role=True)
+    assert c["object"] == "chat.completion.chunk" and c["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    c = chunk_body("chat", "id", 1, "m", reasoning="r", content="c", finish=None)
+    assert c["choices"][0]["delta"] == {"reasoning_content": "r", "content": "c"}
+    c = chunk_body("completion", "id", 1, "m", content="t", finish="length")
+    assert c["object"] == "text_completion" and c["choices"][0] == {"index": 0, "text": "t", "logprobs": None,
+                                                                    "finish_reason": "length"}
+
+
+# ---- AnswerStream: deltas that only append and add up to the whole ------------------------------------
+
+PIECES = {0: "<|channel>", 1: "thought", 2: "\n", 3: "I", 4: " think", 5: "<channel|>", 6: "The", 7: " answer",
+          8: "é", 9: "!", 10: "<", 11: "|channel>"}
+
+
+def detok(ids):
+    return "".join(PIECES[i] for i in ids)
+
+
+def utf8_detok(ids):
+    """Pieces as bytes, decoded together: a character cut between canvases shows as U+FFFD."""
+    raw = b"".join("é".encode()[:1] if i == 100 else "é".encode()[1:] if i == 101 else PIECES[i].encode() for i in ids)
+    return raw.decode("utf-8", errors="replace")
+
+
+def run_stream(ids, cuts, stop=(), thinking=True, detokenize=detok):
+    stream = AnswerStream(detokenize, stop=stop, thinking=thinking)
+    reasoning, content = [], []
+    bounds = [0, *cuts, len(ids)]
+    for a, b in zip(bounds, bounds[1:]):
+        r, c = stream.feed(ids[a:b])
+        reasoning.append(r)
+        content.append(c)
+    r, c = stream.finish()
+    return "".join(reasoning + [r]), "".join(content + [c]), stream
+
+
+THOUGHTFUL = [0, 1, 2, 3, 4, 2, 2, 5, 2, 6, 7, 9]  # "<|channel>thought\nI think\n\n<channel|>\nThe answer!"
+
+
+def test_every_canvas_split_gives_the_same_reasoning_and_content():
+    thought, answer = split_thinking(detok(THOUGHTFUL))
+    for n_cuts in (1, 2, 3):
+        for cuts in itertools.combinations(range(1, len(THOUGHTFUL)), n_cuts):
+            r, c, _ = run_stream(THOUGHTFUL, list(cuts))
+            assert (r, c) == (thought, answer) == ("I think", "The answer!"), cuts
+
+
+def test_a_marker_or_a_character_cut_between_canvases_is_held_back():
+    stream = AnswerStream(detok)
+    assert stream.feed([10]) == ("", "")  # "<": maybe the start of "<|channel>"
+    assert stream.feed([11, 1, 2, 3]) == ("I", "")
+    stream = AnswerStream(utf8_detok, thinking=False)
+    assert stream.feed([6, 100]) == ("", "The")  # half of "é" waits
+    assert stream.feed([101, 9]) == ("", "é!")
+
+
+def test_stop_strings_cut_the_content_even_across_canvases():
+    ids = [6, 7, 9, 6]  # "The answer!The"
+    for cuts in ([1], [2], [3], [1, 2]):
+        r, c, stream = run_stream(ids, cuts, stop=["swer!"])
+        assert c == "The an" and stream.stopped
+    _, c, stream = run_stream(ids, [2], stop=["nowhere"])
+    assert c == "The answer!The" and not stream.stopped
+
+
+def test_without_thinking_split_the_markers_are_plain_text():
+    r, c, _ = run_stream(THOUGHTFUL, [4], thinking=False)
+    assert r == "" and c == detok(THOUGHTFUL)
