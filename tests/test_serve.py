@@ -35,11 +35,12 @@ def client_for(url: str, api_key: str = "unused"):
 
 
 def solo(prompt, seed, chat=True, params=None, max_new_tokens=256, path=DEMO):
-    """What `dg generate` computes for this prompt alone."""
+    """What `dg generate` computes for this prompt alone (raw prompts: markers parsed, as /v1/completions)."""
     from dgcli.engine.diffusion import DiffusionEngine
 
     with DiffusionEngine(str(path)) as engine:
-        return engine.generate(prompt, params=params, max_new_tokens=max_new_tokens, seed=seed, chat=chat)
+        return engine.generate(prompt, params=params, max_new_tokens=max_new_tokens, seed=seed, chat=chat,
+                               parse_special=not chat)
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +154,7 @@ def test_bad_requests_get_openai_errors_and_the_server_survives(demo_server):
     client = client_for(demo_server.url)
     msgs = [{"role": "user", "content": "sort: AB"}]
     cases = [
-        (dict(extra_body={"t_min": 0.9, "t_max": 0.5}), "t_max", "greater than t_min"),
+        (dict(extra_body={"t_min": 0.9, "t_max": 0.5}), "t_max", "at least t_min"),
         (dict(extra_body={"steps": 0}), "steps", "invalid steps=0"),
         (dict(n=2), "n", "must be 1"),
         (dict(max_tokens=10**6), "max_tokens", "exceeds this server's limit"),

@@ -62,7 +62,7 @@ def test_message_forms():
     (chat(n=3), "n", "must be 1"),
     (chat(steps=2.5), "steps", "an integer"),
     (chat(steps=10, max_denoising_steps=11), "max_denoising_steps", "contradicts"),
-    (chat(t_min=0.9, t_max=0.5), "t_max", "greater than t_min"),
+    (chat(t_min=0.9, t_max=0.5), "t_max", "at least t_min"),
     (chat(entropy_bound=float("nan")), "entropy_bound", "a number"),
     (chat(confidence_threshold=0), "confidence_threshold", "> 0"),
     (chat(tools=[{"type": "function"}]), "tools", "tool calls"),

@@ -138,6 +138,17 @@ class StepEvent:
             "sc_dropped_mass": self.sc_dropped_mass,
         }
 
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> "StepEvent":
+        """The event back from `to_json()` (e.g. a `dg serve` stream's dg_step), for the live view."""
+        return cls(canvas_index=int(doc["canvas"]), step=int(doc["step"]), max_steps=int(doc["max_steps"]),
+                   temperature=float(doc["temperature"]),
+                   argmax_canvas=np.asarray(doc["argmax_canvas"], dtype=np.int32),
+                   accepted_mask=np.asarray(doc["accepted"], dtype=bool), n_accepted=int(doc["n_accepted"]),
+                   mean_entropy=float(doc["mean_entropy"]), forward_s=float(doc["forward_s"]),
+                   sampling_s=float(doc["sampling_s"]), stopped=bool(doc["stopped"]),
+                   sc_dropped_mass=float(doc.get("sc_dropped_mass", 0.0)))
+
 
 @dataclass
 class TokenEvent:

@@ -98,7 +98,8 @@ class DgService:
             # control-token text in the messages stays text (the chat template's own markers only)
             ids = self.model.chat_tokens(req.messages)
         else:
-            ids = prompt_token_ids(self.model, req.prompt, chat=False)
+            # a raw prompt is the caller's whole text, template markers included (as llama-server)
+            ids = prompt_token_ids(self.model, req.prompt, chat=False, parse_special=True)
         if not ids:
             raise DgError("empty prompt: nothing to condition on")
         return ids
