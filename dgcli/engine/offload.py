@@ -174,6 +174,11 @@ class LoadReport:
                 report.buffers.append((m[1], m[2], float(m[3])))
             elif m := _OVERRIDE.search(line):
                 report.overridden.append((m[1], m[2]))
+        # a build with the RPC backend counts as able to offload and logs "offloaded N/N layers" even
+        # with no device to put them on: what counts is a model buffer outside system memory
+        if report.offloaded_layers and any(kind == "model" for _, kind, _ in report.buffers) \
+                and all(name.startswith("CPU") for name, kind, _ in report.buffers if kind == "model"):
+            report.offloaded_layers = None
         return report
 
     def mib_by_device(self) -> dict[str, float]:
