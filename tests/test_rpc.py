@@ -196,11 +196,13 @@ def test_unreachable_busy_and_malformed_workers_are_one_line_errors(tiny_gguf):
 def test_a_worker_serves_one_client_at_a_time_and_says_so(tiny_gguf):
     worker = Worker()
     try:
-        first = subprocess.Popen([sys.executable, "-m", "dgcli.cli", "generate", "hi", "-m", str(tiny_gguf), "--steps", "48",
-                                  "--max-new-tokens", str(16 * 60), "--no-live", "--rpc", worker.endpoint], cwd=REPO,
+        # a server holds its connection to the worker for as long as it runs (a generation may end
+        # before the second client has even started)
+        first = subprocess.Popen([sys.executable, "-m", "dgcli.cli", "serve", "-m", str(tiny_gguf), "--port", "0",
+                                  "--rpc", worker.endpoint], cwd=REPO,
                                  env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                                  text=True)
-        assert first_line(first.stderr).startswith("canvas 1")  # connected and running
+        assert first_line(first.stderr).startswith("dg serve: layers on RPC workers")  # loaded over the worker
         assert_one_line_error(dg("generate", "hi", "-m", tiny_gguf, "--rpc", worker.endpoint),
                               "did not answer within", "another one using it")
         first.send_signal(signal.SIGINT)
