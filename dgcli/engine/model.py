@@ -64,6 +64,24 @@ ENCODE_CHUNK = 512
 SINGLE_THREAD_BELOW_BYTES = 64 << 20
 
 
+INT32_MAX = 2**31 - 1
+# ggml's thread pool holds at most GGML_MAX_N_THREADS workers
+MAX_THREADS = 512
+
+
+def check_threads(n_threads: Any) -> None:
+    """None (choose) or 1..MAX_THREADS: larger values would wrap in the C int of llama.cpp's params."""
+    if n_threads is not None and (isinstance(n_threads, bool) or not isinstance(n_threads, int)
+                                  or not 1 <= n_threads <= MAX_THREADS):
+        raise InvalidParameter("threads", n_threads, f"an integer from 1 to {MAX_THREADS}")
+
+
+def check_gpu_layers(n_gpu_layers: Any) -> None:
+    """-1 (all) or 0..INT32_MAX (any count above the model's layers offloads them all)."""
+    if isinstance(n_gpu_layers, bool) or not isinstance(n_gpu_layers, int) or not -1 <= n_gpu_layers <= INT32_MAX:
+        raise InvalidParameter("gpu_layers", n_gpu_layers, f"-1 (all) or an integer from 0 to {INT32_MAX}")
+
+
 def default_threads(path: str | os.PathLike) -> int:
     """llama.cpp threads when the caller does not choose: 1 for tiny models, else every core."""
     try:
@@ -276,8 +294,8 @@ class _LlamaModel:
         if arch != self.architecture:
             raise ModelLoadError(f"{self.path} is a {arch or 'unknown-architecture'} model; "
                                  f"{type(self).__name__} needs general.architecture = {self.architecture}")
-        if n_threads is not None and (not isinstance(n_threads, int) or n_threads < 1):
-            raise InvalidParameter("n_threads", n_threads, "an integer >= 1")
+        check_threads(n_threads)
+        check_gpu_layers(n_gpu_layers)
         if not isinstance(n_seq_max, int) or n_seq_max < 1:
             raise InvalidParameter("n_seq_max", n_seq_max, "an integer >= 1")
         check_offload(n_gpu_layers, n_cpu_moe)
@@ -302,20 +320,21 @@ class _LlamaModel:
 
             self.rpc_devices = rpc.rpc_devices(rpc_servers)
             mparams.devices = self.rpc_devices.pointer
-        with native.collect_log() as load_log:
-            model = L.llama_model_load_from_file(str(self.path).encode(), mparams)
+        # Ctrl-C during the load is raised after it, with the model on self: a dropped half-built
+        # object frees it (close() in __del__)
+        with native.collect_log() as load_log, native.deferred_interrupts():
+            model = self._model = L.llama_model_load_from_file(str(self.path).encode(), mparams)
         # where llama.cpp put the weights, in its own words (offloaded layers, buffers, overrides)
         self.load_report = LoadReport.from_log(load_log)
         if not model:
             raise ModelLoadError(f"cannot load {self.path}: {native.last_error()}")
-        self._model = model
         self._vocab = L.llama_model_get_vocab(model)
         self.vocab_size = int(L.llama_vocab_n_tokens(self._vocab))
         self.n_ctx_train = int(L.llama_model_n_ctx_train(model))
         self.n_embd = int(L.llama_model_n_embd(model))
 
         n_ctx = self._default_n_ctx() if n_ctx is None else n_ctx
-        if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 0:
+        if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or not 0 <= n_ctx <= INT32_MAX:
             raise InvalidParameter("n_ctx", n_ctx, "an integer >= 1 (0: the model's training context)")
         cparams = L.llama_context_default_params()
         cparams.n_ctx = n_ctx
@@ -334,13 +353,12 @@ class _LlamaModel:
             cparams.type_k = cparams.type_v = native.GGML_TYPE_F32
             cparams.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
         native.clear_log()
-        with native.collect_log() as context_log:
-            ctx = L.llama_init_from_model(model, cparams)
+        with native.collect_log() as context_log, native.deferred_interrupts():
+            ctx = self._ctx = L.llama_init_from_model(model, cparams)
         self.load_report.buffers += LoadReport.from_log(context_log).buffers
         if not ctx:
             self.close()
             raise ModelLoadError(f"cannot create a context for {self.path}: {native.last_error()}")
-        self._ctx = ctx
         self.n_ctx = int(L.llama_n_ctx(ctx))
         self.n_ubatch = int(L.llama_n_ubatch(ctx))
         self.n_seq_max = n_seq_max
@@ -362,12 +380,13 @@ class _LlamaModel:
         L = getattr(self, "_lib", None)
         if L is None:
             return
-        if self._ctx:
-            L.llama_free(self._ctx)
-            self._ctx = None
-        if self._model:
-            L.llama_model_free(self._model)
-            self._model = None
+        with native.deferred_interrupts():
+            if self._ctx:
+                L.llama_free(self._ctx)
+                self._ctx = None
+            if self._model:
+                L.llama_model_free(self._model)
+                self._model = None
 
     def __enter__(self):
         return self
@@ -496,7 +515,8 @@ class _LlamaModel:
     def reset(self) -> None:
         """Empty the whole cache (every sequence)."""
         self._require_open()
-        self._lib.llama_memory_clear(self._mem, True)
+        with native.deferred_interrupts():
+            self._lib.llama_memory_clear(self._mem, True)
         self._seq_tokens = [[] for _ in range(self.n_seq_max)]
 
     def clear_sequence(self, seq: int) -> None:
@@ -553,8 +573,9 @@ class _LlamaModel:
                           + (f" + a {reserve}-token canvas" if reserve else "") + f" exceed n_ctx = {room}")
         out = np.empty(self.vocab_size, dtype=np.float32) if want_logits else None
         native.clear_log()
-        rc = self._lib._lib.dg_encode(self._ctx, native.as_token_p(arr), arr.size, seq, self.exact,
-                                      native.as_float_p(out) if out is not None else None)
+        with native.deferred_interrupts():
+            rc = self._lib._lib.dg_encode(self._ctx, native.as_token_p(arr), arr.size, seq, self.exact,
+                                          native.as_float_p(out) if out is not None else None)
         if rc != 0:
             raise DgError(f"encoder forward failed (status {rc}): {native.last_error('no detail logged')}")
         self._seq_tokens[seq].extend(int(t) for t in arr)
@@ -688,17 +709,18 @@ class DiffusionModel(_LlamaModel):
         L = self._lib
         # shared context: extra sequences borrow sequence 0's cached cells for the duration of the forward
         borrowed = range(0) if per_sequence else range(1, n)
-        for s in borrowed:
-            L.llama_memory_seq_cp(self._mem, 0, s, -1, -1)
-        try:
-            native.clear_log()
-            rc = L._lib.dg_decode_canvases(self._ctx, native.as_token_p(flat), n, length,
-                                           native.as_token_p(ids) if ids is not None else None,
-                                           native.as_float_p(probs) if probs is not None else None, k,
-                                           self.exact, native.as_float_p(out))
-        finally:
+        with native.deferred_interrupts():
             for s in borrowed:
-                L.llama_memory_seq_rm(self._mem, s, -1, -1)
+                L.llama_memory_seq_cp(self._mem, 0, s, -1, -1)
+            try:
+                native.clear_log()
+                rc = L._lib.dg_decode_canvases(self._ctx, native.as_token_p(flat), n, length,
+                                               native.as_token_p(ids) if ids is not None else None,
+                                               native.as_float_p(probs) if probs is not None else None, k,
+                                               self.exact, native.as_float_p(out))
+            finally:
+                for s in borrowed:
+                    L.llama_memory_seq_rm(self._mem, s, -1, -1)
         if rc != 0:
             raise DgError(f"decoder forward failed (status {rc}): {native.last_error('no detail logged')}")
         return out

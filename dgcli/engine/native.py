@@ -7,6 +7,12 @@ when the library is missing or was built without our patch.
 
 llama.cpp's log goes to a ring buffer instead of stderr (DG_VERBOSE=1 echoes it), so normal runs
 are quiet and a failure can quote llama.cpp's own reason (`last_error()`).
+
+That log reaches Python through a ctypes callback, on every forward too. Python runs a signal
+handler at the next bytecode, which is often inside that callback, where the KeyboardInterrupt
+cannot propagate: ctypes prints "Exception ignored on calling ctypes callback function" and drops
+it. Every native call that may log therefore runs inside `deferred_interrupts()`: Ctrl-C is
+recorded there and raised as KeyboardInterrupt as soon as the call returns.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import collections
 import contextlib
 import ctypes
 import os
+import signal
 import sys
 import threading
 from typing import Any, Iterator
@@ -57,6 +64,34 @@ def _on_log(level: int, text: bytes, _user_data: Any) -> None:
             _log_lines.append((level, line.strip()))
             for sink in _sinks:
                 sink.append(line.strip())
+
+
+_interrupt_pending = threading.Event()
+
+
+def _record_interrupt(_signum: int, _frame: Any) -> None:
+    _interrupt_pending.set()
+
+
+@contextlib.contextmanager
+def deferred_interrupts() -> Iterator[None]:
+    """Ctrl-C inside the block is recorded and raised as KeyboardInterrupt when the block ends.
+
+    Only where Ctrl-C would raise KeyboardInterrupt anyway (the main thread, Python's default
+    handler): a handler the application installed is left alone. Nested blocks are one block.
+    """
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    signal.signal(signal.SIGINT, _record_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if _interrupt_pending.is_set():
+            _interrupt_pending.clear()
+            raise KeyboardInterrupt
 
 
 def clear_log() -> None:
@@ -174,8 +209,9 @@ def lib() -> Any:
             raise NativeUnavailable(f"llama_cpp is not available ({err}); {BUILD_HINT}") from err
         _declare(lib_mod)
         _log_callback = lib_mod.llama_log_callback(_on_log)
-        lib_mod.llama_log_set(_log_callback, ctypes.c_void_p(0))
-        lib_mod.llama_backend_init()
+        with deferred_interrupts():
+            lib_mod.llama_log_set(_log_callback, ctypes.c_void_p(0))
+            lib_mod.llama_backend_init()
         _module = lib_mod
     return _module
 
