@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from dgcli.engine.types import DIFFUSION_PARAM_KEYS, REFERENCE_DEFAULTS_KEY, DgError, DiffusionParams
+from dgcli.outputs import OutputFile, check_distinct, writing
 
 DIFFUSION_ARCH = "diffusion-gemma"
 AR_ARCH = "gemma4"
@@ -464,50 +465,49 @@ def add_layout_keys(writer, p: LayoutParams, arch: str) -> None:
         writer.add_array(REFERENCE_DEFAULTS_KEY, defaulted)
 
 
-def write_layout_gguf(out_path: str | Path, p: LayoutParams, arch: str, add_vocab: Callable[[Any], None],
-                      source: TensorSource | None = None, outtype: str = "f32",
+def write_layout_gguf(out_path: str | Path | OutputFile, p: LayoutParams, arch: str,
+                      add_vocab: Callable[[Any], None], source: TensorSource | None = None, outtype: str = "f32",
                       raw_source: RawTensorSource | None = None,
                       storage: Callable[[TensorSpec], Any] | None = None) -> Path:
     """Write a GGUF in the published layout; tensors are pulled from `source` one at a time.
-    `storage(spec)` chooses each tensor's type instead of `outtype` (synthetic quant mixes)."""
+    `storage(spec)` chooses each tensor's type instead of `outtype` (synthetic quant mixes).
+
+    A path is replaced if it exists (pass an OutputFile to refuse that or to protect inputs); the file
+    appears only once complete."""
     gguf = _gguf()
     if outtype not in OUTTYPES:
         raise DgError(f"unknown outtype {outtype!r} (choose from {', '.join(OUTTYPES)})")
     p.validate()
     plan = tensor_plan(p, arch)
-    out_path = Path(out_path)
-    if out_path.is_dir():
-        raise DgError(f"output path {out_path} is a directory")
-    if not out_path.parent.exists():
-        raise DgError(f"output directory {out_path.parent} does not exist")
-    tmp_path = out_path.with_name(out_path.name + ".part")
-
-    writer = gguf.GGUFWriter(str(tmp_path), arch)
-    try:
-        add_layout_keys(writer, p, arch)
-        add_vocab(writer)
-        types = [storage(spec) if storage else storage_type(spec, outtype) for spec in plan]
-        for spec, qtype in zip(plan, types):
-            writer.add_tensor_info(spec.name, _byte_shape(spec.shape, qtype), np.dtype(np.uint8),
-                                   _nbytes(spec.shape, qtype), raw_dtype=qtype)
-        writer.write_header_to_file(tmp_path)
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for spec, qtype in zip(plan, types):
-            if raw_source is not None:
-                chunks = raw_source(spec, qtype)
-            else:
-                chunks = (encode_as(c, qtype) for c in _checked_chunks(spec, source(spec)))
-            _write_streamed(writer, _nbytes(spec.shape, qtype), chunks)
-        writer.close()
-    except BaseException:
+    out = out_path if isinstance(out_path, OutputFile) else gguf_output(out_path, force=True)
+    with writing(out):
+        writer = gguf.GGUFWriter(str(out.write_path), arch)
         try:
-            writer.close()
+            add_layout_keys(writer, p, arch)
+            add_vocab(writer)
+            types = [storage(spec) if storage else storage_type(spec, outtype) for spec in plan]
+            for spec, qtype in zip(plan, types):
+                writer.add_tensor_info(spec.name, _byte_shape(spec.shape, qtype), np.dtype(np.uint8),
+                                       _nbytes(spec.shape, qtype), raw_dtype=qtype)
+            writer.write_header_to_file(out.write_path)
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            for spec, qtype in zip(plan, types):
+                if raw_source is not None:
+                    chunks = raw_source(spec, qtype)
+                else:
+                    chunks = (encode_as(c, qtype) for c in _checked_chunks(spec, source(spec)))
+                _write_streamed(writer, _nbytes(spec.shape, qtype), chunks)
+        except OSError as err:
+            raise DgError(f"cannot write {out.path}: {err.strerror or err}") from None
         finally:
-            tmp_path.unlink(missing_ok=True)
-        raise
-    tmp_path.replace(out_path)
-    return out_path
+            writer.close()
+    return out.path
+
+
+def gguf_output(path: str | Path, *, force: bool, inputs: Sequence[Path] = (), what: str = "output") -> OutputFile:
+    """A GGUF output: a regular file only (the writer seeks), checked before any work starts."""
+    return OutputFile(path, force=force, inputs=inputs, what=what, binary=True, streams=False)
 
 
 def _checked_chunks(spec: TensorSpec, chunks: Iterable[np.ndarray]) -> Iterator[np.ndarray]:
@@ -864,14 +864,35 @@ def read_checkpoint_params(hf_dir: str | Path) -> LayoutParams:
     return params_from_hf_config(config, generation)
 
 
-def convert_checkpoint(hf_dir: str | Path, out_path: str | Path, outtype: str = "f32",
+# what a conversion reads besides the safetensors shards: never an output
+CHECKPOINT_TEXT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                         "chat_template.jinja", "model.safetensors.index.json")
+
+
+def checkpoint_inputs(hf_dir: str | Path) -> list[Path]:
+    """Every file a conversion of `hf_dir` reads (those that exist)."""
+    hf_dir = Path(hf_dir)
+    if not hf_dir.is_dir():
+        return []
+    try:
+        shards = _checkpoint_files(hf_dir)
+    except DgError:
+        shards = sorted(hf_dir.glob("*.safetensors"))
+    return shards + [hf_dir / name for name in CHECKPOINT_TEXT_FILES if (hf_dir / name).is_file()]
+
+
+def convert_checkpoint(hf_dir: str | Path, out_path: str | Path | OutputFile, outtype: str = "f32",
                        arch: str = DIFFUSION_ARCH) -> Path:
-    """Convert an HF DiffusionGemma checkpoint dir to a GGUF (arch "diffusion-gemma" or the AR twin "gemma4")."""
+    """Convert an HF DiffusionGemma checkpoint dir to a GGUF (arch "diffusion-gemma" or the AR twin "gemma4").
+
+    A path is replaced if it exists, but never when it is one of the checkpoint's own files."""
     if outtype not in OUTTYPES:
         raise DgError(f"unknown outtype {outtype!r} (choose from {', '.join(OUTTYPES)})")
     if arch not in (DIFFUSION_ARCH, AR_ARCH):
         raise DgError(f"unknown architecture {arch!r} (expected {DIFFUSION_ARCH!r} or {AR_ARCH!r})")
     hf_dir = Path(hf_dir)
+    out = out_path if isinstance(out_path, OutputFile) else gguf_output(out_path, force=True,
+                                                                        inputs=checkpoint_inputs(hf_dir))
     params = read_checkpoint_params(hf_dir)
     vocab = vocab_from_hf_dir(hf_dir, params.vocab_size)
     reader = CheckpointReader(hf_dir, params)
@@ -879,17 +900,26 @@ def convert_checkpoint(hf_dir: str | Path, out_path: str | Path, outtype: str = 
     for spec in plan:  # fail before writing anything if a tensor is missing
         if spec.role != "rope_freqs":
             reader.hf_name(spec)
-    return write_layout_gguf(out_path, params, arch, vocab.add_to_gguf, reader.chunks, outtype)
+    return write_layout_gguf(out, params, arch, vocab.add_to_gguf, reader.chunks, outtype)
 
 
 def convert_main(hf_dir: str | Path, out_path: str | Path, outtype: str = "bf16",
-                 ar_twin: str | Path | None = None, echo: Callable[[str], None] | None = None) -> list[Path]:
-    """`dg convert HF_DIR OUT.gguf [--outtype f32|f16|bf16|q8_0] [--ar-twin OUT2.gguf]`."""
+                 ar_twin: str | Path | None = None, echo: Callable[[str], None] | None = None,
+                 force: bool = False) -> list[Path]:
+    """`dg convert HF_DIR OUT.gguf [--outtype f32|f16|bf16|q8_0] [--ar-twin OUT2.gguf] [--force]`.
+
+    Both outputs are checked before converting: never one of the checkpoint's files, never each
+    other, an existing file only with `force`."""
     say = echo or (lambda _msg: None)
-    written = [convert_checkpoint(hf_dir, out_path, outtype, DIFFUSION_ARCH)]
+    inputs = checkpoint_inputs(hf_dir)
+    outs = [gguf_output(out_path, force=force, inputs=inputs, what="OUT")]
+    if ar_twin is not None:
+        outs.append(gguf_output(ar_twin, force=force, inputs=inputs, what="--ar-twin"))
+    check_distinct(outs)
+    written = [convert_checkpoint(hf_dir, outs[0], outtype, DIFFUSION_ARCH)]
     say(f"wrote {written[-1]} ({DIFFUSION_ARCH}, {outtype}, {_human_size(written[-1].stat().st_size)})")
     if ar_twin is not None:
-        written.append(convert_checkpoint(hf_dir, ar_twin, outtype, AR_ARCH))
+        written.append(convert_checkpoint(hf_dir, outs[1], outtype, AR_ARCH))
         say(f"wrote {written[-1]} ({AR_ARCH} AR twin, {outtype}, {_human_size(written[-1].stat().st_size)})")
     return written
 

@@ -11,7 +11,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import typer
 from rich.console import Console
@@ -19,6 +19,7 @@ from rich.live import Live
 
 from dgcli import hub, info as ginfo, render
 from dgcli.engine.types import CanvasEvent, DgError, DiffusionParams, GenerationResult, StepEvent
+from dgcli.outputs import OutputFile
 from dgcli.registry import DEFAULT_MODEL, Registry, ResolvedModel, missing_shipped_message
 
 EXIT_INTERRUPTED = 130
@@ -322,63 +323,11 @@ def check_prompt_fits(engine, n_prompt: int) -> None:
                       "(raise it with -c/--ctx-size)")
 
 
-class AtomicOutput:
-    """A file written to a temporary name and renamed into place only on success."""
-
-    def __init__(self, path: Optional[Path]):
-        self.path = path
-        self.tmp: Optional[Path] = None
-        self.handle = None
-        if path is not None:
-            parent = path.expanduser().resolve().parent
-            if not parent.is_dir():
-                raise DgError(f"cannot write {path}: directory {parent} does not exist")
-            if path.is_dir():
-                raise DgError(f"cannot write {path}: it is a directory")
-            self.tmp = parent / f".{path.name}.{os.getpid()}.partial"
-
-    def open(self):
-        if self.tmp is not None:
-            self.handle = open(self.tmp, "w", encoding="utf-8")
-        return self
-
-    def write_line(self, obj: dict) -> None:
-        if self.handle is not None:
-            self.handle.write(json.dumps(obj) + "\n")
-
-    def write_all(self, obj: dict) -> None:
-        if self.handle is not None:
-            json.dump(obj, self.handle, indent=2)
-            self.handle.write("\n")
-
-    def commit(self) -> None:
-        if self.handle is not None:
-            self.handle.close()
-            self.handle = None
-            os.replace(self.tmp, self.path)
-
-    def discard(self) -> None:
-        if self.handle is not None:
-            self.handle.close()
-            self.handle = None
-        if self.tmp is not None and self.tmp.exists():
-            self.tmp.unlink()
-
-
-@contextmanager
-def atomic_outputs(*paths: Optional[Path]) -> Iterator[list[AtomicOutput]]:
-    outs = [AtomicOutput(p) for p in paths]
-    try:
-        for out in outs:
-            out.open()
-        yield outs
-    except BaseException:
-        for out in outs:
-            out.discard()
-        raise
-    else:
-        for out in outs:
-            out.commit()
+def output_file(path: Optional[Path], *, force: bool, inputs: Sequence[Optional[Path]], what: str) -> Optional[OutputFile]:
+    """An output path checked before any work starts (None: not asked for); see dgcli.outputs."""
+    if path is None:
+        return None
+    return OutputFile(path, force=force, inputs=[p for p in inputs if p is not None], what=what)
 
 
 class Throttle:
@@ -607,6 +556,7 @@ SeedOpt = typer.Option(None, "--seed", "-s", help="Random seed (canvas init, sam
 TempOpt = typer.Option(None, "--temp", help="A constant temperature: sets --t-min and --t-max to this value.", show_default=False)
 PaceOpt = typer.Option(0.0, "--pace", help="Seconds each denoising step stays on screen at least (0 = as fast as it runs), to watch a fast model.")
 NoLiveOpt = typer.Option(False, "--no-live", help="Plain streaming (automatic when stdout is not a terminal).")
+ForceOpt = typer.Option(False, "--force", help="Replace output files that already exist (never an input).")
 
 
 def sampler_flags(steps, t_min, t_max, entropy_bound, stability_threshold, confidence_threshold) -> dict:

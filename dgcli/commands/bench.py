@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from dgcli import outputs
 from dgcli.engine.types import DgError
 from dgcli.commands import _shared as shared
 
@@ -28,7 +29,8 @@ def bench(
     rpc: Optional[str] = shared.RpcOpt,
     n_cpu_moe: Optional[int] = shared.NCpuMoeOpt, cpu_moe: bool = shared.CpuMoeOpt, verbose: bool = shared.VerboseOpt,
     json_out: bool = typer.Option(False, "--json", help="Print the whole report as JSON."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Also write the JSON report to this file."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Also write the JSON report to this file ('-': stdout)."),
+    force: bool = shared.ForceOpt,
     yes: bool = shared.YesOpt,
 ) -> None:
     """Benchmark both models: tok/s, steps per canvas, tokens per forward, and the canvas-vs-decode speed model."""
@@ -58,7 +60,8 @@ def bench(
         )
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        with shared.atomic_outputs(output) as (out,):
+        report_file = shared.output_file(output, force=force, inputs=[diff_path, ar_path, prompts], what="--output")
+        with outputs.writing(report_file) as (out,):
             progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                                 console=shared.stderr, transient=True, disable=json_out and not shared.stderr.is_terminal)
             with progress:
@@ -74,7 +77,8 @@ def bench(
                                             open_ar=lambda p: shared.open_ar_engine(p, **offload, verbose=verbose),
                                             open_speed_model=lambda p, n: shared.open_speed_model(p, n, **offload))
             doc = report.to_json()
-            out.write_all(doc)
+            if out is not None:
+                out.write_all(doc)
         if json_out:
             typer.echo(json.dumps(doc, indent=2))
             return

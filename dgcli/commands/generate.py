@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from dgcli import render
+from dgcli import outputs, render
 from dgcli.engine.types import InvalidParameter
 from dgcli.commands import _shared as shared
 
@@ -40,7 +40,8 @@ def generate(
     pace: float = shared.PaceOpt,
     no_live: bool = shared.NoLiveOpt,
     json_out: bool = typer.Option(False, "--json", help=f"Print the result and the per-step trace as JSON ({GENERATE_SCHEMA})."),
-    trace: Optional[Path] = typer.Option(None, "--trace", help="Write the per-step trace to this file (JSON lines, dg-trace/1; `dg replay` shows it again).", show_default=False),
+    trace: Optional[Path] = typer.Option(None, "--trace", help="Write the per-step trace to this file (JSON lines, dg-trace/1; `dg replay` shows it again; '-': stdout).", show_default=False),
+    force: bool = shared.ForceOpt,
     parse_special: bool = shared.ParseSpecialOpt,
     yes: bool = shared.YesOpt,
 ) -> None:
@@ -62,7 +63,8 @@ def generate(
         live = shared.use_live(no_live, json_out)
         header = dict(model=dict(name=resolved.display_name, path=str(path)), prompt=text, system=system, raw=raw,
                       params=params.__dict__, max_new_tokens=max_new_tokens, seed=run_seed)
-        with shared.atomic_outputs(trace) as (trace_out,):
+        trace_file = shared.output_file(trace, force=force, inputs=[path, file], what="--trace")
+        with outputs.writing(trace_file) as (trace_out,):
             engine = shared.open_diffusion_engine(path, threads=threads, gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe,
                                                   **shared.rpc_option(rpc_servers),
                                                   ctx_size=ctx_size, verbose=verbose)
@@ -70,7 +72,7 @@ def generate(
                 ids = shared.prompt_ids(engine.model, text, system=system, raw=raw, parse_special=parse_special)
                 shared.check_prompt_fits(engine, len(ids))
                 events: Optional[list] = [] if json_out else None
-                sinks = ([trace_out.write_line] if trace else []) + ([events.append] if events is not None else [])
+                sinks = ([trace_out.write_line] if trace_out else []) + ([events.append] if events is not None else [])
                 recorder = shared.trace_recorder(engine.model, sinks)
                 if recorder is not None:
                     recorder.header(**header, canvas_length=engine.model.canvas_length,

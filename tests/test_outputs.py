@@ -1,0 +1,247 @@
+"""Output files: never over an input, never over an existing file without --force, never a device
+node or a symlink replaced by a regular file, a stream for `-`, devices and FIFOs, no temporary left.
+
+The CLI cases run the real commands on the tiny GGUFs (generate, bench) and the reference checkpoint
+(convert)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import threading
+
+import pytest
+from typer.testing import CliRunner
+
+from dgcli import cli
+from dgcli.engine.types import DgError
+from dgcli.outputs import OutputFile, writing
+from conftest import HAVE_TORCH, NO_TORCH_REASON
+from native_helpers import requires_native
+
+runner = CliRunner()
+needs_torch = pytest.mark.skipif(not HAVE_TORCH, reason=NO_TORCH_REASON)
+
+
+def run(*args):
+    return runner.invoke(cli.app, [str(a) for a in args])
+
+
+def one_line_error(result, *fragments):
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for f in fragments:
+        assert f in lines[0], lines[0]
+    return lines[0]
+
+
+def write(out: OutputFile, text: str = "new\n") -> None:
+    with writing(out):
+        out.write(text)
+
+
+def leftovers(folder):
+    return sorted(p.name for p in folder.iterdir() if p.name.endswith(".partial"))
+
+
+# ------------------------------------------------------------------------------------- OutputFile
+
+
+def test_new_file_appears_complete_with_ordinary_permissions(tmp_path):
+    target = tmp_path / "out.json"
+    out = OutputFile(target)
+    with writing(out):
+        out.write("part 1\n")
+        assert not target.exists()  # only once complete
+        assert leftovers(tmp_path)
+    assert target.read_text() == "part 1\n" and leftovers(tmp_path) == []
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o666 & ~umask
+
+
+def test_existing_file_needs_force(tmp_path):
+    target = tmp_path / "out.json"
+    target.write_text("keep\n")
+    with pytest.raises(DgError, match="it exists; pass --force"):
+        OutputFile(target)
+    assert target.read_text() == "keep\n"
+    write(OutputFile(target, force=True))
+    assert target.read_text() == "new\n"
+
+
+def test_file_that_appears_while_writing_is_not_replaced(tmp_path):
+    target = tmp_path / "out.json"
+    out = OutputFile(target)
+    with pytest.raises(DgError, match="created by something else"):
+        with writing(out):
+            out.write("new\n")
+            target.write_text("someone else's\n")
+    assert target.read_text() == "someone else's\n" and leftovers(tmp_path) == []
+
+
+def test_an_input_is_never_an_output_even_with_force(tmp_path):
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF weights")
+    alias = tmp_path / "alias.gguf"
+    os.link(model, alias)
+    for path in (model, alias, tmp_path / "." / "model.gguf"):
+        with pytest.raises(DgError, match="one of this command's inputs"):
+            OutputFile(path, force=True, inputs=[model])
+    assert model.read_bytes() == b"GGUF weights"
+
+
+def test_symlink_is_kept_and_its_target_replaced_only_with_force(tmp_path):
+    real = tmp_path / "runs" / "1.json"
+    real.parent.mkdir()
+    real.write_text("old\n")
+    link = tmp_path / "latest.json"
+    link.symlink_to(real)
+    with pytest.raises(DgError, match="a symlink to an existing file; pass --force"):
+        OutputFile(link)
+    write(OutputFile(link, force=True))
+    assert link.is_symlink() and real.read_text() == "new\n"
+    assert leftovers(tmp_path) == [] and leftovers(real.parent) == []
+
+
+def test_fifo_is_a_stream_and_stays_a_fifo(tmp_path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(open(fifo).read()))
+    reader.start()
+    write(OutputFile(fifo), "through the pipe\n")
+    reader.join(10)
+    assert got == ["through the pipe\n"]
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and leftovers(tmp_path) == []
+
+
+def test_fifo_nobody_reads_yet_is_waited_for_with_a_message(tmp_path, capsys):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got = []
+
+    def late_reader():
+        while "waiting for a process to read" not in capsys.readouterr().err:
+            threading.Event().wait(0.01)
+        got.append(open(fifo).read())
+
+    reader = threading.Thread(target=late_reader, daemon=True)
+    reader.start()
+    write(OutputFile(fifo), "late\n")
+    reader.join(10)
+    assert got == ["late\n"]
+
+
+def test_character_device_is_written_to_never_replaced(tmp_path):
+    node = tmp_path / "null"
+    try:
+        os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(1, 3))  # a /dev/null of our own
+    except PermissionError:
+        pytest.skip("creating a device node needs root (the CLI test below uses /dev/null itself)")
+    write(OutputFile(node), "discarded\n")
+    assert stat.S_ISCHR(os.lstat(node).st_mode)
+
+
+def test_full_device_is_one_error(tmp_path):
+    out = OutputFile("/dev/full")
+    with pytest.raises(DgError, match="No space left on device"):
+        with writing(out):
+            out.write("x" * 100_000)
+    assert stat.S_ISCHR(os.lstat("/dev/full").st_mode)
+
+
+def test_dash_is_stdout(capsys):
+    write(OutputFile("-"), "to stdout\n")
+    assert capsys.readouterr().out == "to stdout\n"
+
+
+def test_folder_missing_folder_and_unwritable_folder(tmp_path):
+    with pytest.raises(DgError, match="it is a folder"):
+        OutputFile(tmp_path)
+    with pytest.raises(DgError, match="does not exist"):
+        OutputFile(tmp_path / "no" / "out.json")
+    # /proc/self: a folder nobody can create files in, root included
+    with pytest.raises(DgError, match=r"cannot write output /proc/self/out.json: "):
+        OutputFile("/proc/self/out.json").open()
+
+
+def test_regular_file_only_where_the_writer_seeks(tmp_path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for path in (fifo, "-"):
+        with pytest.raises(DgError, match="regular file"):
+            OutputFile(path, streams=False)
+
+
+# ------------------------------------------------------------------------------------- commands
+
+
+@requires_native
+def test_generate_trace_refuses_existing_file_and_model_and_streams_to_dev_null(tiny_gguf, tmp_path):
+    base = ["generate", "hi", "-m", tiny_gguf, "-n", "4", "--steps", "2", "--seed", "0", "--no-live"]
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("earlier run\n")
+    one_line_error(run(*base, "--trace", trace), "--trace", "pass --force")
+    assert trace.read_text() == "earlier run\n"
+    assert run(*base, "--trace", trace, "--force").exit_code == 0
+    assert json.loads(trace.read_text().splitlines()[0])["kind"] == "step"
+
+    before = tiny_gguf.read_bytes()
+    one_line_error(run(*base, "--trace", tiny_gguf, "--force"), "one of this command's inputs")
+    assert tiny_gguf.read_bytes() == before
+
+    r = run(*base, "--trace", "/dev/null")
+    assert r.exit_code == 0, r.stderr
+    assert stat.S_ISCHR(os.lstat("/dev/null").st_mode)
+
+    r = run(*base, "--trace", "-")
+    assert r.exit_code == 0 and '"kind": "step"' in r.stdout
+    assert leftovers(tmp_path) == []
+
+
+@requires_native
+def test_generate_trace_into_an_unwritable_folder_is_one_line(tiny_gguf):
+    one_line_error(run("generate", "hi", "-m", tiny_gguf, "-n", "4", "--steps", "2", "--trace", "/proc/self/t.jsonl"),
+                   "cannot write --trace /proc/self/t.jsonl")
+
+
+@requires_native
+def test_bench_output_refuses_its_prompt_file(tiny_gguf, tiny_ar_gguf, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hi\n")
+    args = ["bench", "-m", tiny_gguf, "--ar-model", tiny_ar_gguf, "--prompts", prompts, "--repeat", "1",
+            "-n", "4", "--steps", "2", "--no-speed-model", "--json"]
+    one_line_error(run(*args, "-o", prompts, "--force"), "--output", "one of this command's inputs")
+    assert prompts.read_text() == "hi\n"
+    report = tmp_path / "report.json"
+    report.write_text("{}")
+    one_line_error(run(*args, "-o", report), "pass --force")
+    assert run(*args, "-o", report, "--force").exit_code == 0
+    assert json.loads(report.read_text())["schema"] == "dg-bench/1"
+
+
+@needs_torch
+def test_convert_never_writes_over_its_checkpoint_or_one_output_over_the_other(reference_checkpoint, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(reference_checkpoint, ckpt)
+    weights = (ckpt / "model.safetensors").read_bytes()
+    for out in (ckpt / "model.safetensors", ckpt / "config.json"):
+        one_line_error(run("convert", ckpt, out, "--outtype", "f32", "--force"), "one of this command's inputs")
+    assert (ckpt / "model.safetensors").read_bytes() == weights
+
+    out = tmp_path / "m.gguf"
+    one_line_error(run("convert", ckpt, out, "--ar-twin", tmp_path / "." / "m.gguf"), "same file")
+    assert not out.exists()
+
+    assert run("convert", ckpt, out, "--outtype", "f32").exit_code == 0
+    first = out.read_bytes()
+    one_line_error(run("convert", ckpt, out, "--outtype", "f16"), "OUT", "pass --force")
+    assert out.read_bytes() == first
+    r = run("convert", ckpt, out, "--outtype", "f16", "--force", "--ar-twin", tmp_path / "ar.gguf")
+    assert r.exit_code == 0, r.stderr
+    assert out.read_bytes() != first and (tmp_path / "ar.gguf").exists()
+    assert leftovers(tmp_path) == []
