@@ -3,18 +3,21 @@ library, render); this module only assembles them and turns usage errors into on
 
 from __future__ import annotations
 
-import sys
-from typing import Any
+from dgcli.commands import _signals
 
-import typer
-from typer.core import TyperGroup
+with _signals.quiet_startup():
+    import sys
+    from typing import Any
 
-try:  # typer >= 0.20 vendors click
-    from typer._click.exceptions import ClickException
-except ImportError:  # pragma: no cover - older typer on real click
-    from click.exceptions import ClickException
+    import typer
+    from typer.core import TyperGroup
 
-from dgcli.commands import bench, chat, compare, convert, generate, info, list_models, pull, replay, serve, worker
+    try:  # typer >= 0.20 vendors click
+        from typer._click.exceptions import ClickException
+    except ImportError:  # pragma: no cover - older typer on real click
+        from click.exceptions import ClickException
+
+    from dgcli.commands import bench, chat, compare, convert, generate, info, list_models, pull, replay, serve, worker
 
 
 def _flags_without_metavar(command: Any) -> None:
@@ -98,7 +101,11 @@ app.command("worker")(worker.worker)
 
 
 def main() -> None:
-    app()
+    _signals.install()
+    try:
+        app()
+    finally:
+        _signals.finishing()
 
 
 if __name__ == "__main__":

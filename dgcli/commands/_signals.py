@@ -1,0 +1,108 @@
+"""How the dg process ends on signals.
+
+The first Ctrl-C stops the work in progress and prints what it produced (exit 130): the engines
+return their partial result (see `dgcli.engine.native.deferred_interrupts`). Beyond that:
+- a second Ctrl-C exits at once (130);
+- SIGTERM and SIGHUP exit at once (143 and 129);
+each after removing the temporary files of unfinished outputs (`dgcli.outputs`) and showing the
+terminal's cursor again (a live view hides it).
+
+Python runs signal handlers in the main thread between bytecodes, which can be seconds away while a
+forward of a large model runs. Its C-level handler also writes each signal's number to a wakeup fd
+at once: a thread reading that fd acts without waiting for the main thread (ctypes releases the GIL
+during native calls).
+
+Only the standard library is imported here: `quiet_startup()` runs before dg's heavier imports.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+from typing import Any
+
+EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
+SHOW_CURSOR = b"\x1b[?25h"
+
+
+def exit_now(code: int) -> None:
+    """Remove unfinished outputs' temporaries, give the terminal its cursor back, and exit."""
+    try:
+        outputs = sys.modules.get("dgcli.outputs")  # never an import inside a signal handler
+        if outputs is not None:
+            outputs.remove_temporaries()
+    finally:
+        for fd in (1, 2):
+            try:
+                if os.isatty(fd):
+                    os.write(fd, b"\n" + SHOW_CURSOR)
+                    break
+            except OSError:
+                pass
+        os._exit(code)
+
+
+def _quit(signum: int, _frame: Any) -> None:
+    exit_now(EXIT_CODES[signum])
+
+
+def _acted_on_by_the_watcher(_signum: int, _frame: Any) -> None:
+    pass
+
+
+_interrupts = [0]  # SIGINTs seen by the watcher
+_wakeup: list[socket.socket] = []  # kept open for the life of the process
+
+
+def _watch(reader: socket.socket) -> None:
+    while True:
+        try:
+            data = reader.recv(64)
+        except OSError:
+            return
+        for signum in data:
+            if signum == signal.SIGINT:
+                _interrupts[0] += 1
+                if _interrupts[0] < 2:
+                    continue  # the first one stops the work in the main thread
+            if signum in EXIT_CODES:
+                exit_now(EXIT_CODES[signum])
+
+
+def install() -> None:
+    """For the rest of the process: a second Ctrl-C, SIGTERM or SIGHUP exit at once (module docstring)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    reader, writer = socket.socketpair()
+    _wakeup[:] = [reader, writer]
+    writer.setblocking(False)
+    signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(s) is not signal.SIG_IGN:  # a signal ignored (nohup) stays ignored
+            signal.signal(s, _acted_on_by_the_watcher)
+    threading.Thread(target=_watch, args=(reader,), name="dg-signals", daemon=True).start()
+
+
+def finishing() -> None:
+    """The command is done: any Ctrl-C from now on exits at once, never as a traceback during exit."""
+    _interrupts[0] = max(_interrupts[0], 1)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _acted_on_by_the_watcher)
+
+
+class quiet_startup:
+    """Ctrl-C while dg's modules load (a second or so) exits with 130 instead of a traceback."""
+
+    def __enter__(self) -> "quiet_startup":
+        self.changed = (threading.current_thread() is threading.main_thread()
+                        and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+        if self.changed:
+            signal.signal(signal.SIGINT, _quit)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.changed:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
