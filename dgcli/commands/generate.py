@@ -103,6 +103,8 @@ def generate(
             else:
                 typer.echo(answer.strip())
             typer.echo(render.result_summary(result), err=True)
+        if result.stop_reason == "context_full" and not json_out:
+            typer.echo("note: the context is full; the answer stops here", err=True)
         if result.interrupted:
             typer.echo("interrupted: the output above is what was produced so far", err=True)
             raise typer.Exit(shared.EXIT_INTERRUPTED)

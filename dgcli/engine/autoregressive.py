@@ -16,7 +16,7 @@ import numpy as np
 
 from dgcli.engine.diffusion import GEMMA_PAD_TOKEN_ID, TimedEvents, prompt_token_ids, validate_max_new_tokens
 from dgcli.engine.rng import RngStream, inverse_cdf_sample, resolve_seed
-from dgcli.engine.types import DgError, GenerationResult, InvalidParameter, TokenEvent
+from dgcli.engine.types import ContextFull, DgError, GenerationResult, InvalidParameter, TokenEvent
 
 EventCallback = Callable[[Any], Any]
 
@@ -112,7 +112,11 @@ class AutoregressiveEngine:
                 if index + 1 == max_new_tokens:
                     break  # no forward for a token nobody will read
                 began = time.perf_counter()
-                logits = self.model.decode_token(token)
+                try:
+                    logits = self.model.decode_token(token)
+                except ContextFull:  # the answer so far is kept
+                    stop_reason = "context_full"
+                    break
                 step_forward_s = time.perf_counter() - began
                 forward_s += step_forward_s
         except (KeyboardInterrupt, _StopRequested):

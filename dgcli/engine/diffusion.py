@@ -44,6 +44,7 @@ from dgcli.engine.sampler import (
 )
 from dgcli.engine.types import (
     CanvasEvent,
+    ContextFull,
     DgError,
     DiffusionParams,
     GenerationResult,
@@ -448,12 +449,25 @@ class DiffusionEngine:
             while not seq.done:
                 if denoising_step(self.model, [seq])[0]:
                     to_commit = seq.finish_canvas()
+                    if to_commit is not None and not self._room_for_another_canvas():
+                        seq.stop_reason, to_commit = "context_full", None
                     seq.canvas_done(0.0 if to_commit is None else self._commit_canvas(to_commit))
                     if not seq.done:
                         seq.start_canvas()
         except (KeyboardInterrupt, _StopRequested):
             stop_reason = "interrupted"
+        except ContextFull:
+            if not seq.state.steps_per_canvas:
+                raise  # the prompt alone does not fit: nothing was generated
+            stop_reason = "context_full"  # a model that only says so when a forward would overflow
         return seq.result(stop_reason)
+
+    def _room_for_another_canvas(self) -> bool:
+        """Room to commit this canvas and denoise the next one (models without n_ctx: assumed)."""
+        n_ctx, n_past = getattr(self.model, "n_ctx", None), getattr(self.model, "n_past", None)
+        if not isinstance(n_ctx, int) or not isinstance(n_past, int):
+            return True
+        return n_past + 2 * self.model.canvas_length <= n_ctx
 
     # ---- stages ------------------------------------------------------------------------------------
 

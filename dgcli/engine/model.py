@@ -36,6 +36,7 @@ from dgcli.engine import native
 from dgcli.engine.offload import LoadReport, check_offload, expert_override_pattern
 from dgcli.engine.types import (
     DIFFUSION_PARAM_KEYS,
+    ContextFull,
     DgError,
     DiffusionParams,
     InvalidParameter,
@@ -569,7 +570,7 @@ class _LlamaModel:
         arr = _check_tokens(tokens, self.vocab_size, "tokens")
         used, room = self._room(seq)
         if used + arr.size + reserve > room:
-            raise DgError(f"context full: {used} cached + {arr.size} new tokens"
+            raise ContextFull(f"context full: {used} cached + {arr.size} new tokens"
                           + (f" + a {reserve}-token canvas" if reserve else "") + f" exceed n_ctx = {room}")
         out = np.empty(self.vocab_size, dtype=np.float32) if want_logits else None
         native.clear_log()
@@ -692,7 +693,7 @@ class DiffusionModel(_LlamaModel):
             used, room = self._room(s)
             extra = length * (n if self.kv_unified and per_sequence else 1)
             if used + extra > room:
-                raise DgError(f"context full: {used} cached + a {length}-token canvas exceed n_ctx = {room}")
+                raise ContextFull(f"context full: {used} cached + a {length}-token canvas exceed n_ctx = {room}")
         if sc_logits is not None and sc_topk is not None:
             raise DgError("pass sc_logits or sc_topk, not both")
         ids = probs = None

@@ -29,6 +29,10 @@ class ModelLoadError(DgError):
     """A file that is missing, not a GGUF, truncated, malformed, or of the wrong architecture."""
 
 
+class ContextFull(DgError):
+    """The KV cache has no room for what a forward would add (the engines stop with "context_full")."""
+
+
 # The reference's defaults (DiffusionGemmaGenerationConfig._get_default_generation_params).
 DEFAULT_MAX_DENOISING_STEPS = 48
 DEFAULT_T_MIN = 0.4
@@ -225,6 +229,7 @@ class GenerationResult:
     sampling_s: float = 0.0  # sum of sampling/host time over steps/tokens
     # "end_token" | "pad_canvas" (a canvas of padding only: ends as an end token would) | "length" | "interrupted"
     # | "stop" (the caller asked for no further canvas: a stop string in dg serve)
+    # | "context_full" (no room in the KV cache for another canvas or token)
     stop_reason: str = "length"
     interrupted: bool = False
     seed: int | None = None  # the seed the run used (picked at random when none was given)

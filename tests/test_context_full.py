@@ -1,0 +1,54 @@
+"""A full context ends a generation like its length limit would: the answer so far, the JSON and the
+trace are kept, with the stop reason `context_full` (it used to be `error: context full` and nothing)."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from dgcli import cli
+from native_helpers import requires_native
+
+pytestmark = requires_native
+runner = CliRunner()
+
+
+def test_diffusion_keeps_every_canvas_that_fit(tiny_gguf):
+    # seed 0: the random model writes no end token before its 256-token context (llama.cpp's minimum) fills
+    from dgcli.engine.diffusion import DiffusionEngine
+    from dgcli.engine.types import DiffusionParams
+
+    with DiffusionEngine(tiny_gguf, n_threads=1, n_ctx=64) as engine:
+        n_ctx, canvas = engine.model.n_ctx, engine.model.canvas_length
+        result = engine.generate("hi", params=DiffusionParams(max_denoising_steps=2), max_new_tokens=100 * n_ctx,
+                                 seed=0)
+        assert result.stop_reason == "context_full" and not result.interrupted
+        canvases = len(result.steps_per_canvas)
+        # every canvas that fit: the prompt, the committed canvases and the last one's forward
+        assert result.n_prompt_tokens + canvases * canvas <= n_ctx < result.n_prompt_tokens + (canvases + 2) * canvas
+        assert engine.model.n_past + canvas <= n_ctx
+
+
+def test_autoregressive_keeps_the_tokens_that_fit(tiny_ar_gguf):
+    from dgcli.engine.autoregressive import AutoregressiveEngine
+
+    with AutoregressiveEngine(tiny_ar_gguf, n_threads=1, n_ctx=64) as engine:
+        n_ctx = engine.model.n_ctx
+        result = engine.generate("hi", max_new_tokens=100 * n_ctx)
+        assert result.stop_reason == "context_full"
+        assert result.n_prompt_tokens + result.n_new_tokens == n_ctx + 1  # the last token needs no forward
+
+
+def test_generate_json_and_trace_are_kept_when_the_context_fills(tmp_path):
+    # the issue's reproducer on the demo model (1024-token context, 32-token canvases)
+    trace = tmp_path / "t.jsonl"
+    r = runner.invoke(cli.app, ["generate", "--json", "--trace", str(trace), "-n", "2000", "--seed", "0",
+                                "Tell me a long story about a dragon who lives in the mountains"])
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["result"]["stop_reason"] == "context_full"
+    assert doc["result"]["n_new_tokens"] > 0
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert lines == doc["trace"]
+    assert [e["canvas"] for e in lines if e["kind"] == "canvas"] == list(range(len(doc["result"]["steps_per_canvas"])))
