@@ -213,10 +213,12 @@ class BenchReport:
     summaries: list[PromptSummary]
     speed_model: Optional[SpeedModel]
     notes: list[str] = field(default_factory=list)
+    interrupted: bool = False  # Ctrl-C ended it early: the runs finished before it
 
     def to_json(self) -> dict[str, Any]:
         out = {
             "schema": BENCH_SCHEMA,
+            "interrupted": self.interrupted,
             "config": self.config,
             "runs": [asdict(r) | {"mean_steps_per_canvas": r.mean_steps_per_canvas} for r in self.runs],
             "summaries": [asdict(s) for s in self.summaries],
@@ -402,50 +404,56 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], *,
     `open_speed_model(path, n_seq_max)` loads the diffusion weights for the speed model with room for
     the largest batch (a separate load, after the generation engine is closed); without it the
     generation engine's own model is measured (batch sizes it cannot hold are emulated).
+    Ctrl-C ends the bench early: the report holds the runs finished so far, `interrupted=True`.
     """
     runs: list[RunRecord] = []
     notes: list[str] = []
     speed: Optional[SpeedModel] = None
+    interrupted = False
 
-    engine = open_diffusion(config.diffusion_path)
-    try:
+    def generation_runs(engine: Any, mode: str) -> None:
         for p in prompts:
             for i in range(config.repeat):
-                on_progress(f"diffusion {p.name} #{i + 1}")
-                res = engine.generate(p.text, params=config.params, max_new_tokens=config.max_new_tokens,
-                                      seed=config.seed + i)
-                runs.append(_record("diffusion", p, i, res))
-                if res.interrupted:
+                on_progress(f"{mode} {p.name} #{i + 1}")
+                if mode == "diffusion":
+                    res = engine.generate(p.text, params=config.params, max_new_tokens=config.max_new_tokens,
+                                          seed=config.seed + i)
+                else:
+                    res = engine.generate(p.text, max_new_tokens=config.max_new_tokens, seed=config.seed + i)
+                if res.interrupted:  # the engine returned what it had: not a complete run
                     raise KeyboardInterrupt
-        if config.speed_model and open_speed_model is None:
-            on_progress("speed model: canvas forward vs one-token decode")
-            speed, speed_notes = measure_speed_model(engine.model, batch_sizes=config.batch_sizes,
-                                                     repeat=config.speed_model_repeat, seed=config.seed)
-            notes.extend(speed_notes)
-    finally:
-        engine.close()
-    if config.speed_model and open_speed_model is not None:
-        on_progress("speed model: canvas forward vs one-token decode")
-        model = open_speed_model(config.diffusion_path, max(config.batch_sizes))
+                runs.append(_record(mode, p, i, res))
+
+    try:
+        engine = open_diffusion(config.diffusion_path)
         try:
-            speed, speed_notes = measure_speed_model(model, batch_sizes=config.batch_sizes,
-                                                     repeat=config.speed_model_repeat, seed=config.seed)
-            notes.extend(speed_notes)
+            generation_runs(engine, "diffusion")
+            if config.speed_model and open_speed_model is None:
+                on_progress("speed model: canvas forward vs one-token decode")
+                speed, speed_notes = measure_speed_model(engine.model, batch_sizes=config.batch_sizes,
+                                                         repeat=config.speed_model_repeat, seed=config.seed)
+                notes.extend(speed_notes)
         finally:
-            if hasattr(model, "close"):
-                model.close()
+            engine.close()
+        if config.speed_model and open_speed_model is not None:
+            on_progress("speed model: canvas forward vs one-token decode")
+            model = open_speed_model(config.diffusion_path, max(config.batch_sizes))
+            try:
+                speed, speed_notes = measure_speed_model(model, batch_sizes=config.batch_sizes,
+                                                         repeat=config.speed_model_repeat, seed=config.seed)
+                notes.extend(speed_notes)
+            finally:
+                if hasattr(model, "close"):
+                    model.close()
 
-    ar = open_ar(config.ar_path)
-    try:
-        for p in prompts:
-            for i in range(config.repeat):
-                on_progress(f"autoregressive {p.name} #{i + 1}")
-                res = ar.generate(p.text, max_new_tokens=config.max_new_tokens, seed=config.seed + i)
-                runs.append(_record("autoregressive", p, i, res))
-                if res.interrupted:
-                    raise KeyboardInterrupt
-    finally:
-        ar.close()
+        ar = open_ar(config.ar_path)
+        try:
+            generation_runs(ar, "autoregressive")
+        finally:
+            ar.close()
+    except KeyboardInterrupt:
+        interrupted = True
+        notes.append("interrupted (Ctrl-C): the report holds the runs finished before it")
 
     if speed is not None:
         ar_decodes = [r.mean_forward_s for r in runs if r.mode == "autoregressive" and r.decoder_forwards > 0]
@@ -454,7 +462,8 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], *,
     cfg["params"] = asdict(config.params)
     cfg["batch_sizes"] = list(config.batch_sizes)
     cfg["prompts"] = [asdict(p) for p in prompts]
-    return BenchReport(config=cfg, runs=runs, summaries=summarize(runs), speed_model=speed, notes=notes)
+    return BenchReport(config=cfg, runs=runs, summaries=summarize(runs), speed_model=speed, notes=notes,
+                       interrupted=interrupted)
 
 
 def report_tables(report: BenchReport):

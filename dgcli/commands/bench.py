@@ -81,8 +81,10 @@ def bench(
                 out.write_all(doc)
         if json_out:
             typer.echo(json.dumps(doc, indent=2))
-            return
-        for table in benchlib.report_tables(report):
-            shared.stdout.print(table)
-        for note in report.notes:
-            shared.stdout.print(f"note: {note}", style="yellow")
+        else:
+            for table in benchlib.report_tables(report):
+                shared.stdout.print(table)
+            for note in report.notes:
+                shared.stdout.print(f"note: {note}", style="yellow")
+        if report.interrupted:
+            raise typer.Exit(shared.EXIT_INTERRUPTED)

@@ -83,34 +83,48 @@ def compare(
                                              live=live, thinking=thinking, live_obj=lv, view=view, pace=pace)
                 finally:
                     engine.close()
+            a = ar_rss = None
             if not d.interrupted:
-                with PeakRss() as ar_rss:
-                    a = _run_ar_side(ar_path, text, ar_view, lv, system=system, raw=raw, parse_special=parse_special,
-                                     engine_options=dict(threads=threads, gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe,
-                                                         **shared.rpc_option(rpc_servers),
-                                                         ctx_size=ctx_size, verbose=verbose),
-                                     max_new_tokens=max_new_tokens, seed=run_seed, temperature=temp or 0.0)
-        if d.interrupted:
-            view.note, ar_view.note = "(interrupted)", "(not run)"
-            if side is not None:
+                try:
+                    with PeakRss() as ar_rss:
+                        a = _run_ar_side(ar_path, text, ar_view, lv, system=system, raw=raw,
+                                         parse_special=parse_special,
+                                         engine_options=dict(threads=threads, gpu_layers=gpu_layers,
+                                                             n_cpu_moe=n_cpu_moe, **shared.rpc_option(rpc_servers),
+                                                             ctx_size=ctx_size, verbose=verbose),
+                                         max_new_tokens=max_new_tokens, seed=run_seed, temperature=temp or 0.0)
+                except KeyboardInterrupt:  # while the AR model loaded: the diffusion side is kept
+                    pass
+
+        def json_doc() -> str:
+            return json.dumps(dict(
+                schema=COMPARE_SCHEMA, prompt=text, system=system, raw=raw, params=params.__dict__,
+                max_new_tokens=max_new_tokens, seed=run_seed,
+                diffusion=dict(model=diff_res.display_name, path=str(diff_path), peak_rss=diff_rss.peak, result=d.to_json()),
+                autoregressive=None if a is None else dict(model=ar_res.display_name, path=str(ar_path),
+                                                           peak_rss=ar_rss.peak, result=a.to_json()),
+                speedup=None if a is None else render.speedup(d, a),
+            ), indent=2)
+
+        if a is None:
+            if d.interrupted:
+                view.note = "(interrupted)"
+            ar_view.note = "(not run)"
+            if json_out:
+                typer.echo(json_doc())
+            elif side is not None:
                 shared.stdout.print(side.whole())
             else:
                 typer.echo(render.answer_plain(d.text, thinking))
+                typer.echo(render.result_summary(d), err=True)
             typer.echo("interrupted: the diffusion output above is what was produced; the AR side did not run", err=True)
             raise typer.Exit(shared.EXIT_INTERRUPTED)
         if a.interrupted:
             ar_view.note = "(interrupted)"
         if side is not None:
             shared.stdout.print(side.whole())  # the live panels were cut to the terminal's height
-        s = render.speedup(d, a)
         if json_out:
-            typer.echo(json.dumps(dict(
-                schema=COMPARE_SCHEMA, prompt=text, system=system, raw=raw, params=params.__dict__,
-                max_new_tokens=max_new_tokens, seed=run_seed,
-                diffusion=dict(model=diff_res.display_name, path=str(diff_path), peak_rss=diff_rss.peak, result=d.to_json()),
-                autoregressive=dict(model=ar_res.display_name, path=str(ar_path), peak_rss=ar_rss.peak, result=a.to_json()),
-                speedup=s,
-            ), indent=2))
+            typer.echo(json_doc())
         else:
             if not live:
                 typer.echo("--- diffusion ---")

@@ -1,0 +1,197 @@
+"""Signals sent to a real `dg` process mid-run: Ctrl-C stops generate, compare and bench with what
+they produced and exit 130 (on a terminal, piped, and with --json); a second Ctrl-C, SIGTERM and
+SIGHUP exit at once, removing unfinished outputs and giving the terminal its cursor back.
+
+Runs use the tiny random GGUFs (an untrained model never stops early, so a run lasts long enough
+to be interrupted). The signal is sent once llama.cpp has logged a few decoder forwards (DG_VERBOSE=1
+echoes its log to stderr), so it lands mid-generation whatever the machine's speed.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import select
+import signal
+import struct
+import subprocess
+import sys
+import termios
+import time
+from pathlib import Path
+
+import pytest
+
+from native_helpers import requires_native
+
+FORWARD_MARK = b"set_causal_attn"  # llama.cpp logs it around every decoder forward
+HIDE_CURSOR, SHOW_CURSOR = b"\x1b[?25l", b"\x1b[?25h"
+TIMEOUT_S = 120
+
+
+def dg_command(*args) -> list[str]:
+    return [sys.executable, "-m", "dgcli.cli", *[str(a) for a in args]]
+
+
+def environment(**extra) -> dict[str, str]:
+    env = dict(os.environ, DG_VERBOSE="1", **extra)
+    env.pop("COLUMNS", None)
+    env.pop("LINES", None)
+    return env
+
+
+class Run:
+    """A dg process whose output (stdout+stderr, or the terminal's screen) is read as it comes."""
+
+    def __init__(self, args, *, terminal: bool, columns: int = 80, env=None):
+        self.output = bytearray()
+        self.stdout = bytearray()
+        if terminal:
+            master, slave = pty.openpty()
+            fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, columns, 0, 0))
+            self.proc = subprocess.Popen(dg_command(*args), stdin=slave, stdout=slave, stderr=slave,
+                                         env=env or environment(TERM="xterm-256color"))
+            os.close(slave)
+            self.fds = {master: self.output}
+        else:
+            self.proc = subprocess.Popen(dg_command(*args), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, env=env or environment())
+            self.fds = {self.proc.stdout.fileno(): self.stdout, self.proc.stderr.fileno(): self.output}
+
+    def _pump(self, timeout: float) -> bool:
+        """Read what is there; False once every stream has ended."""
+        if not self.fds:
+            return False
+        ready, _, _ = select.select(list(self.fds), [], [], timeout)
+        for fd in ready:
+            try:
+                data = os.read(fd, 65536)
+            except OSError:  # a terminal whose last writer exited
+                data = b""
+            if data:
+                self.fds[fd].extend(data)
+            else:
+                del self.fds[fd]
+        return bool(self.fds)
+
+    def wait_for(self, mark: bytes, count: int = 1) -> None:
+        deadline = time.monotonic() + TIMEOUT_S
+        while (self.output + self.stdout).count(mark) < count:
+            assert self.proc.poll() is None, f"dg ended before {mark!r} x{count}: {bytes(self.output)[-2000:]!r}"
+            assert time.monotonic() < deadline, f"no {mark!r} x{count} after {TIMEOUT_S}s"
+            self._pump(0.05)
+
+    def finish(self) -> int:
+        deadline = time.monotonic() + TIMEOUT_S
+        while self._pump(0.05):
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                pytest.fail("dg did not end after the signal")
+        return self.proc.wait(TIMEOUT_S)
+
+    def text(self) -> str:
+        return self.output.decode("utf-8", "replace")
+
+
+def assert_clean(run: Run) -> None:
+    text = run.text() + run.stdout.decode("utf-8", "replace")
+    assert "Traceback" not in text and "Exception ignored" not in text, text[-3000:]
+
+
+def interrupted_exit(code: int) -> bool:
+    # 130, or killed by SIGINT (what a shell also shows as 130) when Python was already exiting
+    return code in (130, -signal.SIGINT)
+
+
+SAMPLER = ["--steps", "48", "--seed", "0", "--threads", "1"]
+
+
+def command(kind: str, tiny_gguf: Path, tiny_ar_gguf: Path, mode: str) -> list:
+    json_flag = ["--json"] if mode == "json" else []
+    if kind == "generate":
+        return ["generate", "tell me a story", "-m", tiny_gguf, "-n", "4000", *SAMPLER, *json_flag]
+    if kind == "compare":
+        return ["compare", "tell me a story", "-m", tiny_gguf, "--ar-model", tiny_ar_gguf, "-n", "4000", *SAMPLER,
+                *json_flag]
+    return ["bench", "-m", tiny_gguf, "--ar-model", tiny_ar_gguf, "-n", "16", "--steps", "4", "--repeat", "50",
+            "--threads", "1", "--no-speed-model", *json_flag]
+
+
+@requires_native
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["terminal", "piped", "json"])
+@pytest.mark.parametrize("kind", ["generate", "compare", "bench"])
+def test_ctrl_c_mid_run_exits_130_with_what_was_produced(kind, mode, tiny_gguf, tiny_ar_gguf):
+    run = Run(command(kind, tiny_gguf, tiny_ar_gguf, mode), terminal=mode == "terminal")
+    # bench: enough forwards for a few finished runs
+    run.wait_for(FORWARD_MARK, count=60 if kind == "bench" else 12)
+    run.proc.send_signal(signal.SIGINT)
+    code = run.finish()
+    assert interrupted_exit(code), (code, run.text()[-2000:])
+    assert_clean(run)
+    text = run.text()
+    if mode == "json":
+        doc = json.loads(run.stdout)
+        if kind == "generate":
+            assert doc["result"]["stop_reason"] == "interrupted" and doc["result"]["decoder_forwards"] > 0
+        elif kind == "compare":
+            assert doc["diffusion"]["result"]["interrupted"] and doc["autoregressive"] is None
+        else:
+            assert doc["interrupted"] and doc["runs"]  # the finished runs are in the report
+        return
+    if kind == "generate":
+        assert "stop=interrupted" in text and "interrupted: the output above is what was produced" in text
+    elif kind == "compare":
+        assert "stop=interrupted" in text and "the AR side did not run" in text
+    else:
+        shown = text + run.stdout.decode()
+        assert "generation: median" in shown and "interrupted (Ctrl-C)" in shown
+    if mode == "terminal":
+        assert run.output.rfind(SHOW_CURSOR) >= run.output.rfind(HIDE_CURSOR)
+
+
+@requires_native
+@pytest.mark.slow
+def test_sigterm_on_a_terminal_restores_the_cursor_and_removes_the_unfinished_trace(tiny_gguf, tmp_path):
+    trace = tmp_path / "t.jsonl"
+    run = Run(["generate", "tell me a story", "-m", tiny_gguf, "-n", "4000", *SAMPLER, "--trace", trace],
+              terminal=True)
+    run.wait_for(FORWARD_MARK, count=12)
+    assert HIDE_CURSOR in run.output  # the live view is up
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.finish() == 143
+    assert run.output.rfind(SHOW_CURSOR) > run.output.rfind(HIDE_CURSOR)
+    assert list(tmp_path.iterdir()) == []  # neither the trace nor its temporary
+    assert_clean(run)
+
+
+# A main thread that does not react to the first Ctrl-C, as one inside a long forward of a big model.
+STUCK = """
+import signal, sys, tempfile, time
+from pathlib import Path
+from dgcli import outputs
+from dgcli.commands import _signals
+_signals.install()
+signal.signal(signal.SIGINT, lambda *a: None)
+out = outputs.OutputFile(Path(sys.argv[1]) / "report.json").open()
+print("ready", flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+@pytest.mark.parametrize("signals,code", [([signal.SIGINT, signal.SIGINT], 130), ([signal.SIGTERM], 143),
+                                          ([signal.SIGHUP], 129)])
+def test_second_ctrl_c_and_sigterm_exit_at_once_and_remove_temporaries(signals, code, tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", STUCK, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "ready\n"
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".partial")]
+    for i, s in enumerate(signals):
+        if i:
+            time.sleep(0.3)
+            assert proc.poll() is None  # the first Ctrl-C alone does not end it
+        proc.send_signal(s)
+    assert proc.wait(10) == code
+    assert list(tmp_path.iterdir()) == []
