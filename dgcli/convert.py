@@ -23,6 +23,7 @@ Transformers reference):
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,7 +75,23 @@ class LayoutParams:
     # fields ("softcap" and DiffusionParams names) the checkpoint left out, so they hold the reference's defaults
     reference_defaults: tuple[str, ...] = ()
 
+    # what a config can ask for before it is certainly wrong (the 26B: 30 layers, 2816 wide, 262144
+    # tokens): a bound here keeps a corrupt config from sizing tensors and buffers
+    LIMITS = {"n_layer": 1 << 12, "n_embd": 1 << 17, "n_ff": 1 << 20, "n_ff_exp": 1 << 20, "n_expert": 1 << 12,
+              "n_expert_used": 1 << 12, "n_head": 1 << 12, "head_dim_full": 1 << 14, "head_dim_swa": 1 << 14,
+              "sliding_window": 1 << 26, "vocab_size": 1 << 24, "context_length": 1 << 26, "canvas_length": 1 << 16}
+
     def validate(self) -> "LayoutParams":
+        for name, limit in self.LIMITS.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+                raise DgError(f"config.json: {name} = {value!r} is not an integer from 1 to {limit}")
+        for name in ("rms_eps", "rope_base_full", "rope_base_swa", "softcap"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise DgError(f"config.json: {name} = {value!r} must be a finite number > 0")
+        if not 0 < self.partial_rotary_factor <= 1:
+            raise DgError(f"config.json: partial_rotary_factor = {self.partial_rotary_factor!r} must be in (0, 1]")
         if self.n_layer < 1 or len(self.is_swa) != self.n_layer or len(self.head_count_kv) != self.n_layer:
             raise DgError(f"inconsistent layer count: {self.n_layer} layers, {len(self.is_swa)} layer types, "
                           f"{len(self.head_count_kv)} kv-head entries")
@@ -83,7 +100,7 @@ class LayoutParams:
         if not 1 <= self.n_expert_used <= self.n_expert:
             raise DgError(f"top_k_experts={self.n_expert_used} must be between 1 and num_experts={self.n_expert}")
         for i, kv in enumerate(self.head_count_kv):
-            if kv < 1 or self.n_head % kv:
+            if isinstance(kv, bool) or not isinstance(kv, int) or kv < 1 or self.n_head % kv:
                 raise DgError(f"layer {i}: {self.n_head} heads are not a multiple of {kv} kv heads")
         if self.head_dim_full % 2 or self.head_dim_swa % 2:
             raise DgError("head dims must be even for rope")
@@ -200,7 +217,7 @@ def params_from_hf_config(config: dict[str, Any], generation: dict[str, Any] | N
             diffusion=diffusion,
             reference_defaults=(() if softcap else ("softcap",)) + diffusion_defaults,
         )
-    except (TypeError, ValueError, AttributeError) as exc:
+    except (TypeError, ValueError, AttributeError, OverflowError) as exc:
         if isinstance(exc, DgError):
             raise
         raise DgError(f"config.json has a malformed value: {exc}") from None
@@ -527,6 +544,38 @@ def _checked_chunks(spec: TensorSpec, chunks: Iterable[np.ndarray]) -> Iterator[
 # ---------------------------------------------------------------------------------------------
 
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
+# every dtype of the safetensors format, by its size in bytes (the ones above are the ones we convert)
+_ST_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+                "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _tensor_entry(path: Path, name: str, info: Any, base: int, size: int) -> tuple[Path, str, tuple[int, ...], int, int]:
+    """(file, dtype, shape, byte offset, byte count) of one header entry, after checking that its
+    data_offsets hold exactly its shape's bytes inside the file (reversed, negative or shifted
+    offsets would give a GGUF of garbage weights)."""
+    def bad(why: str) -> DgError:
+        return DgError(f"{path.name}: tensor {name} {why}")
+
+    if not isinstance(info, dict):
+        raise bad("is not described by a JSON object")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if dtype not in _ST_ITEMSIZE:
+        raise bad(f"has an unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise bad(f"has an invalid shape {shape!r}")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
+        raise bad(f"has invalid data_offsets {offsets!r}")
+    start, end = offsets
+    nbytes = math.prod(shape) * _ST_ITEMSIZE[dtype]
+    if end - start != nbytes:
+        raise bad(f"has data_offsets {offsets} that do not hold its {dtype} {shape} data ({nbytes} bytes)")
+    if base + end > size:
+        raise DgError(f"{path.name} is truncated (tensor {name} ends past the file)")
+    return path, dtype, tuple(shape), base + start, nbytes
 
 
 class SafetensorsIndex:
@@ -547,17 +596,21 @@ class SafetensorsIndex:
                 if n <= 0 or n > 100_000_000:
                     raise DgError(f"{path.name} is not a safetensors file (bad header size)")
                 header = json.loads(f.read(n))
+            size = path.stat().st_size
         except (OSError, ValueError, UnicodeDecodeError) as exc:
             raise DgError(f"cannot read {path}: {exc}") from None
-        size = path.stat().st_size
-        base = 8 + n
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            start, end = info["data_offsets"]
-            if base + end > size:
-                raise DgError(f"{path.name} is truncated (tensor {name} ends past the file)")
-            self.entries[name] = (path, info["dtype"], tuple(info["shape"]), base + start, end - start)
+        if not isinstance(header, dict):
+            raise DgError(f"{path.name} is not a safetensors file (its header is not a JSON object)")
+        entries = {name: _tensor_entry(path, name, info, 8 + n, size)
+                   for name, info in header.items() if name != "__metadata__"}
+        # the format's rule: the tensors' bytes follow each other, no gap, no overlap (a shifted
+        # offset would otherwise read its neighbour's bytes as weights)
+        end = 0
+        for name, (_, _, _, offset, nbytes) in sorted(entries.items(), key=lambda e: (e[1][3], e[1][4])):
+            if offset - (8 + n) != end:
+                raise DgError(f"{path.name}: tensor {name}'s data_offsets overlap or leave a gap before it")
+            end += nbytes
+        self.entries.update(entries)
 
     def __contains__(self, name: str) -> bool:
         return name in self.entries
@@ -587,7 +640,11 @@ def _checkpoint_files(hf_dir: Path) -> list[Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise DgError(f"cannot read {index}: {exc}") from None
-        files = sorted({hf_dir / f for f in weight_map.values()})
+        shards = weight_map.values() if isinstance(weight_map, dict) else None
+        if shards is None or not all(isinstance(f, str) and f and not Path(f).is_absolute()
+                                     and ".." not in Path(f).parts for f in shards):
+            raise DgError(f"{index.name}: weight_map must map tensor names to shard files of the checkpoint")
+        files = sorted({hf_dir / f for f in shards})
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise DgError(f"checkpoint shard(s) missing: {', '.join(missing)}")
@@ -803,8 +860,8 @@ def vocab_from_hf_dir(hf_dir: Path, vocab_size: int) -> GgufVocab:
     """tokenizer.json (+ tokenizer_config.json, special_tokens_map.json, chat_template.jinja) as gemma4
     GGUF tokenizer keys, each token typed and scored as the published converter does."""
     data = _read_json(hf_dir / "tokenizer.json", required=True)
-    model = data.get("model") or {}
-    if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
+    model = data.get("model")
+    if not isinstance(model, dict) or model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
         raise DgError("tokenizer.json must hold a BPE model with a vocab (the gemma4 tokenizer)")
     by_id = {_token_id(idx, text, vocab_size): text for text, idx in model["vocab"].items()}
     bpe_ids = set(by_id)
@@ -840,9 +897,15 @@ def vocab_from_hf_dir(hf_dir: Path, vocab_size: int) -> GgufVocab:
     template = config.get("chat_template")
     jinja_file = hf_dir / "chat_template.jinja"
     if not template and jinja_file.is_file():
-        template = jinja_file.read_text(encoding="utf-8")
+        try:
+            template = jinja_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise DgError(f"cannot read {jinja_file.name}: {exc}") from None
     if isinstance(template, list):  # named templates: take the default one
-        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    if template is not None and not isinstance(template, str):
+        raise DgError(f"tokenizer_config.json: chat_template must be text, not {type(template).__name__}")
     return GgufVocab(tokens=tokens, token_types=types, merges=_merges_of(model),
                      bos_id=special_id("bos_token", 2), eos_id=special_id("eos_token", 1),
                      unk_id=special_id("unk_token", 3), pad_id=special_id("pad_token", 0),

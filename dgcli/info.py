@@ -203,8 +203,11 @@ def _check_magic(path: Path) -> None:
         raise ModelLoadError(f"model file not found: {path}")
     if path.is_dir():
         raise ModelLoadError(f"not a GGUF file (a directory): {path}")
-    with open(path, "rb") as f:
-        magic = f.read(4)
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as err:
+        raise ModelLoadError(f"cannot read {path}: {err.strerror or err}") from None
     if magic != GGUF_MAGIC:
         raise ModelLoadError(f"not a GGUF file (bad magic {magic!r}): {path}")
 

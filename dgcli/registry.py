@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +18,9 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 DEFAULT_REGISTRY_PATH = PACKAGE_DIR.parent / "models.toml"
 DEFAULT_MODEL = "demo"
 ROLES = ("diffusion", "ar")
-GB = 1024**3
+GB = 10**9  # sizes are in the Hub's units (decimal), as `dg list` shows them
+# a Hugging Face repository id: owner/name, letters, digits, '-', '_', '.' (no '..', no path tricks)
+REPO_ID = re.compile(r"(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
 
 
 class UnknownModel(DgError):
@@ -85,6 +88,63 @@ def _fail(path: Path, message: str) -> DgError:
     return DgError(f"invalid registry {path}: {message}")
 
 
+def _field(path: Path, where: str, raw: dict, key: str, kind: type | tuple, what: str, required: bool = False):
+    """raw[key] when it has the right type (None when absent and optional); else a one-line error."""
+    value = raw.get(key)
+    if value is None:
+        if required:
+            raise _fail(path, f"{where} needs `{key}`")
+        return None
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise _fail(path, f"{where}.{key} must be {what}, not {value!r}")
+    return value
+
+
+def _relative_file(path: Path, where: str, value: str | None) -> str | None:
+    # a repo file name or a file inside the package: never absolute, never climbing out
+    if value is not None and (not value.strip() or Path(value).is_absolute() or ".." in Path(value).parts
+                              or "\\" in value):
+        raise _fail(path, f"{where} must be a relative file name, not {value!r}")
+    return value
+
+
+def _entry(path: Path, name: str, raw: object) -> RegistryEntry:
+    if not isinstance(raw, dict):
+        raise _fail(path, f"[models.{name}] must be a table")
+    role = raw.get("role")
+    if role not in ROLES:
+        raise _fail(path, f"{name}: role must be one of {', '.join(ROLES)}")
+    files = {}
+    for quant, spec in (_field(path, name, raw, "files", dict, "a table") or {}).items():
+        where = f"{name}.files.{quant}"
+        if not isinstance(spec, dict):
+            raise _fail(path, f"{where} must be a table with a `file`")
+        filename = _relative_file(path, f"{where}.file", _field(path, where, spec, "file", str, "a string", True))
+        size = _field(path, where, spec, "size_gb", (int, float), "a number of GB")
+        if size is not None and not 0 < size < 1e6:
+            raise _fail(path, f"{where}.size_gb must be a positive number of GB, not {size!r}")
+        files[quant] = ModelFile(quant, filename, int(size * GB) if size else None)
+    repo = _field(path, name, raw, "repo", str, "a string")
+    if repo is not None and not REPO_ID.fullmatch(repo):
+        raise _fail(path, f"{name}.repo must be a Hub repository id like owner/name, not {repo!r}")
+    shipped = _relative_file(path, f"{name}.shipped", _field(path, name, raw, "shipped", str, "a string"))
+    if bool(repo) == bool(shipped):
+        raise _fail(path, f"{name}: give exactly one of `repo` or `shipped`")
+    if repo and not files:
+        raise _fail(path, f"{name}: a repo entry needs [models.{name}.files]")
+    default_quant = _field(path, name, raw, "default_quant", str, "a string") or (next(iter(files)) if files else None)
+    if files and default_quant not in files:
+        raise _fail(path, f"{name}: default_quant {default_quant} is not in its files")
+    prompts = _relative_file(path, f"{name}.bench_prompts",
+                             _field(path, name, raw, "bench_prompts", str, "a string"))
+    return RegistryEntry(
+        name=name, role=role, description=_field(path, name, raw, "description", str, "a string") or "",
+        repo=repo, files=files, default_quant=default_quant, pair=_field(path, name, raw, "pair", str, "a string"),
+        shipped=(PACKAGE_DIR / shipped) if shipped else None,
+        bench_prompts=(PACKAGE_DIR / prompts) if prompts else None,
+    )
+
+
 class Registry:
     def __init__(self, entries: dict[str, RegistryEntry], source: Path | None = None):
         self.entries = entries
@@ -97,36 +157,14 @@ class Registry:
             data = tomllib.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise DgError(f"model registry not found: {path}") from None
+        except OSError as err:
+            raise DgError(f"cannot read the model registry {path}: {err.strerror or err}") from None
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
             raise _fail(path, str(err)) from None
-        entries: dict[str, RegistryEntry] = {}
-        for name, raw in (data.get("models") or {}).items():
-            if not isinstance(raw, dict):
-                raise _fail(path, f"[models.{name}] must be a table")
-            role = raw.get("role")
-            if role not in ROLES:
-                raise _fail(path, f"{name}: role must be one of {', '.join(ROLES)}")
-            files = {}
-            for quant, spec in (raw.get("files") or {}).items():
-                if not isinstance(spec, dict) or "file" not in spec:
-                    raise _fail(path, f"{name}.files.{quant} needs a `file`")
-                size = spec.get("size_gb")
-                files[quant] = ModelFile(quant, spec["file"], int(size * GB) if size else None)
-            repo = raw.get("repo")
-            shipped = raw.get("shipped")
-            if bool(repo) == bool(shipped):
-                raise _fail(path, f"{name}: give exactly one of `repo` or `shipped`")
-            if repo and not files:
-                raise _fail(path, f"{name}: a repo entry needs [models.{name}.files]")
-            default_quant = raw.get("default_quant") or (next(iter(files)) if files else None)
-            if files and default_quant not in files:
-                raise _fail(path, f"{name}: default_quant {default_quant} is not in its files")
-            entries[name] = RegistryEntry(
-                name=name, role=role, description=raw.get("description", ""), repo=repo, files=files,
-                default_quant=default_quant, pair=raw.get("pair"),
-                shipped=(PACKAGE_DIR / shipped) if shipped else None,
-                bench_prompts=(PACKAGE_DIR / raw["bench_prompts"]) if raw.get("bench_prompts") else None,
-            )
+        models = data.get("models") or {}
+        if not isinstance(models, dict):
+            raise _fail(path, "[models] must be a table")
+        entries = {name: _entry(path, name, raw) for name, raw in models.items()}
         for entry in entries.values():
             if entry.pair is not None and entry.pair not in entries:
                 raise _fail(path, f"{entry.name}: pair {entry.pair!r} is not a registry entry")
@@ -140,7 +178,8 @@ class Registry:
             return self.entries[name]
         except KeyError:
             raise UnknownModel(
-                f"unknown model {name!r}; known models: {', '.join(self.entries)} (or pass a path to a .gguf file)"
+                f"unknown model {_shorten(name)!r}; known models: {', '.join(self.entries)} "
+                "(or pass a path to a .gguf file)"
             ) from None
 
     def resolve(self, spec: str, *, locate=None) -> ResolvedModel:
@@ -154,10 +193,15 @@ class Registry:
             raise UnknownModel("empty --model value")
         if looks_like_path(spec):
             path = Path(spec).expanduser()
-            if not path.exists():
-                raise ModelLoadError(f"model file not found: {spec}")
-            if path.is_dir():
-                raise ModelLoadError(f"model path is a directory, not a GGUF file: {spec}")
+            try:
+                if not path.exists():
+                    raise ModelLoadError(f"model file not found: {_shorten(spec)}")
+                if path.is_dir():
+                    raise ModelLoadError(f"model path is a directory, not a GGUF file: {_shorten(spec)}")
+                if not path.is_file():  # a FIFO would block the reader, a device never ends
+                    raise ModelLoadError(f"model path is not a regular file: {_shorten(spec)}")
+            except OSError as err:
+                raise ModelLoadError(f"cannot use model path {_shorten(spec)}: {err.strerror or err}") from None
             return ResolvedModel(spec=spec, role=None, path=path)
         name, _, quant = spec.partition(":")
         entry = self.get(name)
@@ -198,8 +242,19 @@ def looks_like_path(spec: str) -> bool:
         or os.sep in spec
         or spec.lower().endswith(".gguf")
         or spec.startswith((".", "~"))
-        or Path(spec).is_file()
+        or _is_file(Path(spec))
     )
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # a name too long to be a file name, for one
+        return False
+
+
+def _shorten(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def missing_shipped_message(resolved: ResolvedModel) -> str:

@@ -23,7 +23,7 @@ def test_shipped_registry_lists_the_real_models_and_demo_pair(registry):
     assert dg.role == "diffusion" and dg.repo == "unsloth/diffusiongemma-26B-A4B-it-GGUF"
     assert list(dg.files) == ["Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0"] and dg.default_quant == "Q4_K_M"
     assert dg.files["Q4_K_M"].filename == "diffusiongemma-26B-A4B-it-Q4_K_M.gguf"
-    assert 15 * 1024**3 < dg.files["Q4_K_M"].approx_size_bytes < 17 * 1024**3
+    assert 15 * 10**9 < dg.files["Q4_K_M"].approx_size_bytes < 17 * 10**9  # size_gb: the Hub's decimal GB
     ar = registry.get("gemma4-26b")
     assert ar.role == "ar" and ar.repo == "google/gemma-4-26B-A4B-it-qat-q4_0-gguf"
     assert dg.pair == "gemma4-26b" and ar.pair == "diffusiongemma-26b"

@@ -107,7 +107,7 @@ def ensure_local(resolved: ResolvedModel, *, yes: bool) -> Path:
 
 
 def resolve_model(spec: Optional[str], *, yes: bool, want: str) -> tuple[ResolvedModel, Path]:
-    resolved = registry().resolve(spec or DEFAULT_MODEL)
+    resolved = registry().resolve(DEFAULT_MODEL if spec is None else spec)
     if resolved.role is not None and resolved.role != want:
         raise DgError(f"{resolved.display_name} is {ROLE_NAMES[resolved.role]} model; this needs "
                       f"{ROLE_NAMES[want]} model (see `dg list`)")
@@ -219,6 +219,12 @@ def read_prompt(argument: Optional[str], option: Optional[str] = None, file: Opt
     if len(given) > 1:
         raise DgError("the prompt was given twice: pass it as an argument, with -p/--prompt, or with -f/--file")
     text = argument if argument is not None else option
+    if text is not None and text != "-":
+        try:  # bytes of the command line that are not UTF-8 arrive as lone surrogates (0xDC80 + byte)
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            byte = ord(text[err.start]) & 0xFF
+            raise DgError(f"the prompt is not UTF-8 text (byte {byte:#04x} at character {err.start + 1})") from None
     if file is not None and str(file) != "-":
         text = read_text_file(file, "prompt file").rstrip("\r\n")
     elif text is None or text == "-" or file is not None:
@@ -291,12 +297,12 @@ def diffusion_params(path: Path, temp: Optional[float] = None, **flags: Any) -> 
 
 def check_generation_args(max_new_tokens: int, threads: Optional[int], gpu_layers: int,
                           ctx_size: Optional[int] = None, pace: float = 0.0) -> None:
+    from dgcli.engine.model import check_gpu_layers, check_threads
+
     if max_new_tokens < 1:
         raise DgError(f"invalid max_new_tokens={max_new_tokens}: must be an integer >= 1")
-    if threads is not None and threads < 1:
-        raise DgError(f"invalid threads={threads}: must be an integer >= 1")
-    if gpu_layers < -1:
-        raise DgError(f"invalid gpu_layers={gpu_layers}: must be -1 (all) or >= 0")
+    check_threads(threads)
+    check_gpu_layers(gpu_layers)
     if ctx_size is not None and ctx_size < 0:
         raise DgError(f"invalid ctx_size={ctx_size}: must be 0 (the model's training context) or a token count")
     if not 0 <= pace <= 60:

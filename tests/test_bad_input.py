@@ -1,0 +1,121 @@
+"""Bad command lines, model paths and registry files seen to end in a traceback (or to be silently
+misread): each is one `error:` line and exit 1 now, before any model is loaded."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from typer.testing import CliRunner
+
+from dgcli import cli
+from dgcli.commands import _shared as shared
+
+runner = CliRunner()
+
+
+def error_line(*args, input=None, env=None) -> str:
+    r = runner.invoke(cli.app, [str(a) for a in args], input=input, env=env)
+    assert r.exit_code == 1, (r.stdout, r.stderr, r.exception)
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    return lines[0]
+
+
+@pytest.fixture
+def no_engine(monkeypatch):
+    """Fail the test if a command gets as far as loading a model."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded for input that should have been refused")
+    for seam in ("open_diffusion_engine", "open_ar_engine", "open_speed_model"):
+        monkeypatch.setattr(shared, seam, refuse)
+
+
+def test_prompt_that_is_not_utf8(tiny_gguf, no_engine):
+    # argv bytes that are not UTF-8 reach Python as lone surrogates
+    assert "the prompt is not UTF-8 text (byte 0xff at character 1)" in error_line("generate", "\udcff hi", "-m", tiny_gguf)
+    assert "the prompt on stdin is not UTF-8 text (byte 0xfe at byte 3)" in error_line(
+        "generate", "-m", tiny_gguf, input=b"hi\xfe")
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**64)])
+def test_seed_outside_numpys_range(seed, tiny_gguf, tiny_ar_gguf, no_engine):
+    for command in (["generate", "hi"], ["compare", "hi", "--ar-model", tiny_ar_gguf], ["bench", "--ar-model", tiny_ar_gguf]):
+        assert f"invalid seed={seed}" in error_line(*command, "-m", tiny_gguf, "--seed", seed)
+
+
+@pytest.mark.parametrize("flag,value,name", [("--threads", 2**31, "threads"), ("--threads", 513, "threads"),
+                                             ("--gpu-layers", 2**70, "gpu_layers"), ("--gpu-layers", -2, "gpu_layers")])
+def test_threads_and_gpu_layers_that_would_wrap_in_a_c_int(flag, value, name, tiny_gguf, no_engine):
+    assert f"invalid {name}={value}" in error_line("generate", "hi", "-m", tiny_gguf, flag, value)
+
+
+def test_library_refuses_them_too(tiny_gguf):
+    from dgcli.engine.model import DiffusionModel
+    from dgcli.engine.rng import RngStream
+    from dgcli.engine.types import InvalidParameter
+
+    with pytest.raises(InvalidParameter, match="invalid threads"):
+        DiffusionModel(tiny_gguf, n_threads=2**31)
+    with pytest.raises(InvalidParameter, match="invalid gpu_layers"):
+        DiffusionModel(tiny_gguf, n_gpu_layers=2**70)
+    with pytest.raises(InvalidParameter, match="invalid seed"):
+        RngStream(-1)
+
+
+def test_empty_model_is_not_the_demo(no_engine):
+    assert "empty --model value" in error_line("generate", "hi", "-m", "")
+
+
+def test_model_name_or_path_too_long_for_the_file_system(no_engine):
+    name = "a" * 300
+    line = error_line("generate", "hi", "-m", name)
+    assert "unknown model" in line and len(line) < 300
+    assert "File name too long" in error_line("generate", "hi", "-m", name + ".gguf")
+    assert "File name too long" in error_line("info", name + ".gguf")
+
+
+def test_model_files_that_cannot_be_read(tmp_path, no_engine):
+    unreadable = tmp_path / "locked.gguf"
+    unreadable.write_bytes(b"GGUF" + bytes(64))
+    unreadable.chmod(0)
+    fifo = tmp_path / "pipe.gguf"
+    os.mkfifo(fifo)
+    # /proc/self/mem and clear_refs refuse reads even to root (EIO, EINVAL)
+    cases = {"/proc/self/mem": "cannot read", "/proc/self/clear_refs": "cannot read",
+             "/dev/zero": "not a regular file", fifo: "not a regular file",
+             unreadable: "cannot read" if os.geteuid() else "truncated"}
+    for path, fragment in cases.items():
+        for command in (["generate", "hi", "-m", path], ["info", path]):
+            assert fragment in error_line(*command), (command, fragment)
+
+
+REGISTRIES = {
+    "models = 3": "[models] must be a table",
+    "[models.x]\nrole = 'diffusion'\nrepo = 'a/b'\nfiles = 5": "x.files must be a table",
+    "[models.x]\nrole = 'diffusion'\nrepo = 'a/b'\n[models.x.files]\nQ = {file = 'f.gguf', size_gb = 'big'}":
+        "size_gb must be a number of GB",
+    "[models.x]\nrole = 'diffusion'\nrepo = 'a/b'\n[models.x.files]\nQ = {file = 7}": "x.files.Q.file must be a string",
+    "[models.x]\nrole = 'diffusion'\nrepo = 'a/b'\n[models.x.files]\nQ = {file = '../../etc/passwd'}":
+        "must be a relative file name",
+    "[models.x]\nrole = 'diffusion'\nrepo = '../../x'\n[models.x.files]\nQ = {file = 'f.gguf'}":
+        "must be a Hub repository id",
+    "[models.x]\nrole = 'diffusion'\nrepo = 5": "x.repo must be a string",
+    "[models.x]\nrole = 'diffusion'\nshipped = 'x.gguf'\npair = 3": "x.pair must be a string",
+    "[models.x]\nrole = 'diffusion'\nshipped = 'x.gguf'\ndescription = []": "x.description must be a string",
+    "[models.x]\nrole = 'diffusion'\nrepo = 'a/b'\ndefault_quant = 1\n[models.x.files]\nQ = {file = 'f.gguf'}":
+        "x.default_quant must be a string",
+    "[models]\nx = 1": "[models.x] must be a table",
+}
+
+
+@pytest.mark.parametrize("text", list(REGISTRIES))
+def test_registry_with_wrong_types(text, tmp_path):
+    registry = tmp_path / "models.toml"
+    registry.write_text(text)
+    assert REGISTRIES[text] in error_line("list", env={"DG_REGISTRY": str(registry)})
+
+
+def test_registry_that_is_a_folder(tmp_path):
+    assert "cannot read the model registry" in error_line("list", env={"DG_REGISTRY": str(tmp_path)})

@@ -1,0 +1,149 @@
+"""`dg convert` on malformed checkpoints: each is one `error:` line and exit 1, never a traceback,
+never a huge allocation, never a GGUF of garbage weights, and no output file left behind.
+
+Each case copies the reference checkpoint and breaks one thing in it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+
+import pytest
+from typer.testing import CliRunner
+
+from dgcli import cli
+from conftest import HAVE_TORCH, NO_TORCH_REASON
+
+pytestmark = pytest.mark.skipif(not HAVE_TORCH, reason=NO_TORCH_REASON)
+runner = CliRunner()
+
+
+def _header(ckpt):
+    data = (ckpt / "model.safetensors").read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    return json.loads(data[8:8 + n]), data[8 + n:]
+
+
+def _write_header(ckpt, header, body):
+    raw = json.dumps(header).encode()
+    (ckpt / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + body)
+
+
+def edit_header(edit):
+    def apply(ckpt):
+        header, body = _header(ckpt)
+        names = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+        replaced = edit(header, names)
+        _write_header(ckpt, header if replaced is None else replaced, body)
+    return apply
+
+
+def edit_json(filename, edit):
+    def apply(ckpt):
+        path = ckpt / filename
+        doc = json.loads(path.read_text())
+        doc = edit(doc) or doc
+        path.write_text(json.dumps(doc))
+    return apply
+
+
+def edit_text_config(**values):
+    def edit(config):
+        config["text_config"].update(values)
+    return edit_json("config.json", edit)
+
+
+def write_index(weight_map):
+    def apply(ckpt):
+        (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return apply
+
+
+def _offsets(new):
+    def edit(header, names):
+        header[names[1]]["data_offsets"] = new(header[names[1]]["data_offsets"])
+    return edit
+
+
+def _del(key):
+    def edit(header, names):
+        del header[names[0]][key]
+    return edit
+
+
+def _set_tokenizer_model(value):
+    def edit(doc):
+        doc["model"] = value
+    return edit
+
+
+def _add_token(token):
+    def edit(doc):
+        doc.setdefault("added_tokens", []).append(token)
+    return edit
+
+
+def _set(key, value):
+    def edit(doc):
+        doc[key] = value
+    return edit
+
+
+def _set_field(key, field, value):
+    def edit(header, names):
+        header[names[0]][field] = value
+    return edit
+
+
+CASES = {
+    # safetensors header
+    "header is a list": (edit_header(lambda h, n: []), "not a safetensors file"),
+    "missing data_offsets": (edit_header(_del("data_offsets")), "invalid data_offsets None"),
+    "reversed data_offsets": (edit_header(_offsets(lambda o: [o[1], o[0]])), "data_offsets"),
+    "negative data_offsets": (edit_header(_offsets(lambda o: [-4, o[1] - o[0] - 4])), "invalid data_offsets"),
+    "shifted data_offsets (same length)": (edit_header(_offsets(lambda o: [o[0] + 4, o[1] + 4])), "overlap"),
+    "data_offsets of the wrong length": (edit_header(_offsets(lambda o: [o[0], o[1] - 4])), "do not hold"),
+    "unknown dtype": (edit_header(_set_field("dtype", "dtype", "F99")), "unknown dtype 'F99'"),
+    "negative shape": (edit_header(_set_field("shape", "shape", [-1, 4])), "invalid shape"),
+    "shape of strings": (edit_header(_set_field("shape", "shape", ["4"])), "invalid shape"),
+    # sharded index
+    "weight_map of ints": (write_index({"model.decoder.norm.weight": 5}), "weight_map"),
+    "weight_map a list": (write_index(["model.safetensors"]), "weight_map"),
+    "weight_map escaping the checkpoint": (write_index({"x": "../../../etc/passwd"}), "weight_map"),
+    # tokenizer
+    'tokenizer.json {"model": 5}': (edit_json("tokenizer.json", _set_tokenizer_model(5)), "BPE model"),
+    "tokenizer id a string": (edit_json("tokenizer.json", lambda d: d["model"]["vocab"].update({"zz": "x"})),
+                              "not an integer"),
+    "tokenizer id 10**12": (edit_json("tokenizer.json", _add_token({"id": 10**12, "content": "<x>"})),
+                            "not an integer in [0,"),
+    "tokenizer id negative": (edit_json("tokenizer.json", _add_token({"id": -1, "content": "<x>"})),
+                              "not an integer"),
+    "added token without id": (edit_json("tokenizer.json", _add_token({"content": "<x>"})), "has id None"),
+    "merges of ints": (edit_json("tokenizer.json", lambda d: d["model"].update(merges=[[1, 2]])), "merge"),
+    "chat_template an int": (edit_json("tokenizer_config.json", _set("chat_template", 5)), "chat_template"),
+    # config
+    "hidden_size 2**40": (edit_text_config(hidden_size=2**40), "n_embd = 1099511627776"),
+    "num_hidden_layers -1": (edit_text_config(num_hidden_layers=-1), "for -1 layers"),
+    "head_dim 2**40": (edit_text_config(head_dim=2**40, global_head_dim=2**40), "head_dim"),
+    "vocab_size 0": (edit_text_config(vocab_size=0), "vocab_size = 0"),
+    "layer_types a string": (edit_text_config(layer_types="full_attention"), "layer_types"),
+    "rms_norm_eps NaN": (edit_text_config(rms_norm_eps=float("nan")), "rms_eps"),
+    "max_position_embeddings Infinity": (edit_text_config(max_position_embeddings=float("inf")), "config.json"),
+    "rope_parameters a list": (edit_text_config(rope_parameters=[1, 2]), "config.json"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_malformed_checkpoint_is_one_line(case, reference_checkpoint, tmp_path):
+    mutate, fragment = CASES[case]
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(reference_checkpoint, ckpt)
+    mutate(ckpt)
+    out = tmp_path / "out.gguf"
+    r = runner.invoke(cli.app, ["convert", str(ckpt), str(out), "--outtype", "f32"])
+    assert r.exit_code == 1, (r.stdout, r.stderr, r.exception)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert fragment in lines[0], lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no output, no temporary
