@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from dgcli.engine.types import DgError, DiffusionParams, GenerationResult
+from dgcli.units import format_bytes
 
 
 @dataclass(frozen=True)
@@ -365,7 +366,7 @@ def measure_speed_model(model, *, batch_sizes: Sequence[int], repeat: int = 5, s
     budget = psutil.virtual_memory().available // 4
     for b in batch_sizes:
         if _logits_bytes(b * C, V) > budget:
-            msg = f"skipped: {b} canvases of logits need {_logits_bytes(b * C, V) / 1024**3:.1f} GiB"
+            msg = f"skipped: {b} canvases of logits need {format_bytes(_logits_bytes(b * C, V))}"
             points.append(BatchPoint(b, None, None, None, None, error=msg))
             notes.append(f"batch {b} {msg}")
             continue

@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from dgcli.engine.types import DIFFUSION_PARAM_KEYS, REFERENCE_DEFAULTS_KEY, DgError, DiffusionParams
+from dgcli.units import format_bytes
 from dgcli.outputs import OutputFile, check_distinct, writing
 
 DIFFUSION_ARCH = "diffusion-gemma"
@@ -980,16 +981,8 @@ def convert_main(hf_dir: str | Path, out_path: str | Path, outtype: str = "bf16"
         outs.append(gguf_output(ar_twin, force=force, inputs=inputs, what="--ar-twin"))
     check_distinct(outs)
     written = [convert_checkpoint(hf_dir, outs[0], outtype, DIFFUSION_ARCH)]
-    say(f"wrote {written[-1]} ({DIFFUSION_ARCH}, {outtype}, {_human_size(written[-1].stat().st_size)})")
+    say(f"wrote {written[-1]} ({DIFFUSION_ARCH}, {outtype}, {format_bytes(written[-1].stat().st_size)})")
     if ar_twin is not None:
         written.append(convert_checkpoint(hf_dir, outs[1], outtype, AR_ARCH))
-        say(f"wrote {written[-1]} ({AR_ARCH} AR twin, {outtype}, {_human_size(written[-1].stat().st_size)})")
+        say(f"wrote {written[-1]} ({AR_ARCH} AR twin, {outtype}, {format_bytes(written[-1].stat().st_size)})")
     return written
-
-
-def _human_size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"

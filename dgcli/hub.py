@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from dgcli.engine.types import DgError
+from dgcli.units import format_bytes  # noqa: F401 (callers use hub.format_bytes)
 
 ProgressCallback = Callable[[int, "int | None"], None]  # (bytes done, total bytes or None)
 
@@ -264,13 +265,3 @@ def _link_into_cache(folder: Path, partial: Path, remote: RemoteFile) -> Path:
     refs.parent.mkdir(parents=True, exist_ok=True)
     refs.write_text(remote.commit)
     return pointer
-
-
-def format_bytes(n: int | float | None) -> str:
-    if n is None:
-        return "?"
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1024 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TB"

@@ -44,12 +44,13 @@ class GpuMemory:
     free: int
 
 
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "kib": 1024, "m": 1024**2, "mb": 1024**2, "mib": 1024**2,
-               "g": 1024**3, "gb": 1024**3, "gib": 1024**3, "t": 1024**4, "tb": 1024**4, "tib": 1024**4}
+# kB/MB/GB/TB decimal, as dg prints sizes (dgcli.units); KiB/MiB/GiB/TiB binary, as they say
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+               "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
 
 
 def parse_size(text: str) -> int:
-    """'16GB', '16 GiB', '12g', '8000000000' -> bytes (binary units, as dg prints sizes)."""
+    """'16GB' (16 * 10**9), '16 GiB' (16 * 2**30), '12g', '8000000000' -> bytes."""
     import re
 
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text or "")

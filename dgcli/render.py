@@ -15,6 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dgcli.engine.types import CanvasEvent, GenerationResult, StepEvent, TokenEvent
+from dgcli.units import format_bytes
 
 # Gemma 4's thinking channel (Transformers' gemma4 response template): the model opens it with
 # `<|channel>thought\n` and closes it with `<channel|>`; the answer follows.
@@ -268,7 +269,6 @@ def _fmt(value: float | None, digits: int = 2) -> str:
 def compare_rows(diff: GenerationResult, ar: GenerationResult,
                  diff_rss: int | None, ar_rss: int | None) -> list[tuple[str, str, str]]:
     """The comparison, metric by metric; token counts and rates count answer tokens (answer_token_ids)."""
-    from dgcli.hub import format_bytes
 
     def spc(r: GenerationResult) -> str:
         return ",".join(map(str, r.steps_per_canvas)) if r.steps_per_canvas else "-"
@@ -322,10 +322,6 @@ def fmt_spread(values: Sequence[float], digits: int = 2) -> str:
     return f"{med:.{digits}f} [{lo:.{digits}f}–{hi:.{digits}f}]"
 
 
-def _mib(mib: float) -> str:
-    return f"{mib / 1024:.2f} GiB" if mib >= 1024 else f"{mib:.1f} MiB"
-
-
 def placement_lines(what: str, report) -> list[str]:
     """An engine.offload.LoadReport as a few lines: layers offloaded, buffers per device, and the
     tensors an override kept in system memory (layer runs merged: blk.{0-9}.ffn_down_exps.weight)."""
@@ -336,7 +332,8 @@ def placement_lines(what: str, report) -> list[str]:
     else:
         lines = [f"{what}: {report.offloaded_layers}/{report.total_layers} layers offloaded to the GPU"]
     if report.buffers:
-        lines.append("  buffers: " + ", ".join(f"{name} {kind} {_mib(mib)}" for name, kind, mib in report.buffers))
+        lines.append("  buffers: " + ", ".join(f"{name} {kind} {format_bytes(mib * 2**20)}"  # llama.cpp logs MiB
+                                               for name, kind, mib in report.buffers))
     runs: dict[tuple[str, str], set[int]] = {}
     for tensor, buft in report.overridden:
         layer, _, rest = tensor.removeprefix("blk.").partition(".")

@@ -123,7 +123,10 @@ def test_not_enough_disk_space_stops_before_downloading(fake_hub, monkeypatch):
     assert hub.cached_path("org/model-GGUF", "m.gguf") is None
 
 
-def test_format_bytes():
+def test_format_bytes_uses_one_decimal_unit_system():
     assert hub.format_bytes(512) == "512 B"
-    assert hub.format_bytes(16 * 1024**3) == "16.0 GB"
+    assert hub.format_bytes(1457248) == "1.5 MB"
+    assert hub.format_bytes(16 * 10**9) == "16.0 GB"
+    assert hub.format_bytes(16 * 1024**3) == "17.2 GB"
+    assert hub.format_bytes(3 * 10**12) == "3.0 TB"
     assert hub.format_bytes(None) == "?"

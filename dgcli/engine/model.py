@@ -34,6 +34,7 @@ import numpy as np
 
 from dgcli.engine import native
 from dgcli.engine.offload import LoadReport, check_offload, expert_override_pattern
+from dgcli.units import format_bytes
 from dgcli.engine.types import (
     DIFFUSION_PARAM_KEYS,
     ContextFull,
@@ -659,7 +660,7 @@ class DiffusionModel(_LlamaModel):
         n, length, vocab = sc.shape
         need = n * length * vocab * self.n_embd * 4
         if need > self.DENSE_SC_MAX_BYTES:
-            raise DgError(f"dense self-conditioning over a {vocab}-token vocabulary needs {need / 2**30:.0f} GiB "
+            raise DgError(f"dense self-conditioning over a {vocab}-token vocabulary needs {format_bytes(need)} "
                           "of graph memory: pass sc_topk (the sampler's top-k) instead")
         if not np.isfinite(sc).all():
             raise InvalidParameter("sc_logits", "non-finite values", "finite logits")
