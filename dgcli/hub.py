@@ -1,22 +1,37 @@
 """`dg pull`: download registry models with huggingface-hub into its cache.
 
-The file lands in huggingface-hub's cache layout (`blobs/<etag>`, linked from
+The file lands in huggingface-hub's cache layout (`blobs/<sha256>`, linked from
 `snapshots/<commit>/<file>`), so other Hugging Face tools see it too. The transfer itself is ours:
 huggingface-hub 2.x's `hf_hub_download` deletes its partial file when a download fails or is
-interrupted, and a 16 GB GGUF should not start over after a Ctrl-C. We write `blobs/<etag>.dg-partial`,
-continue it with a Range request on the next `dg pull` (huggingface-hub's `http_get` also resumes
-within a run when the connection drops), check its size (and sha256, which is the etag of LFS
-files), and only then move it to `blobs/<etag>` and link the snapshot. `cached_path` reads the
-snapshot, so a partial file is never loaded.
+interrupted, and a 16 GB GGUF should not start over after a Ctrl-C. We write
+`blobs/<sha256>.dg-partial`, continue it with a Range request on the next `dg pull`
+(huggingface-hub's `http_get` also resumes within a run when the connection drops), check its size
+and sha256, and only then move it to `blobs/<sha256>` and link the snapshot. `cached_path` reads
+the snapshot, so a partial file is never loaded.
+
+Nothing the server sends is trusted as it comes: the commit must be 40 hex digits, the content's
+sha256 comes from the Hub's metadata API (paths-info at that commit; the ETag is only cross-checked)
+and must be 64 hex digits, the sizes must agree, and every path is checked to stay inside the cache
+after resolving symlinks. One pull of a blob at a time: huggingface-hub's own lock file
+(`.locks/<repo>/<sha256>.lock`, which `hf_hub_download` takes too). A pull marks the blob
+`<sha256>.dg-unverified` while it works; a blob still marked (a pull killed before it finished) is
+hashed again before its first use.
+
+hf_xet is not used: dg's transfer is a plain HTTPS download the next run can continue with a Range
+request; every registry file is under the 50 GB the Hub serves over HTTPS, and Xet's protocol
+cannot be exercised against the local fake Hub the tests use.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from dgcli.engine.types import DgError
 from dgcli.units import format_bytes  # noqa: F401 (callers use hub.format_bytes)
@@ -44,14 +59,52 @@ def cache_dir() -> Path:
     return Path(constants.HF_HUB_CACHE)
 
 
+COMMIT = re.compile(r"[0-9a-f]{40}")
+SHA256 = re.compile(r"[0-9a-f]{64}")
+GIT_BLOB_ID = re.compile(r"[0-9a-f]{40}")
+# a Hugging Face repository id: owner/name of letters, digits, '-', '_', '.' (no '..': no path tricks)
+REPO_ID = re.compile(r"(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
+MAX_FILE_BYTES = 1 << 50  # a size from the server above this is not a file dg will fetch
+
+
+def check_repo_file(repo: str, filename: str) -> None:
+    """A repository id and a file name that can only name a place inside the cache."""
+    if not isinstance(repo, str) or not REPO_ID.fullmatch(repo):
+        raise HubError(f"not a Hub repository id: {repo!r}")
+    parts = Path(filename).parts if isinstance(filename, str) else ()
+    if not parts or Path(filename).is_absolute() or ".." in parts or "\\" in filename:
+        raise HubError(f"not a file name inside a repository: {filename!r}")
+
+
+def _inside_cache(path: Path) -> Path:
+    """`path` with symlinks resolved, if that stays inside the cache; else a HubError."""
+    root = cache_dir().resolve()
+    real = path.resolve()
+    if real != root and root not in real.parents:
+        raise HubError(f"refusing to write outside the huggingface-hub cache ({root}): {path} leads to {real}")
+    return real
+
+
+def _unverified_marker(blob: Path) -> Path:
+    return blob.with_name(blob.name + UNVERIFIED_SUFFIX)
+
+
 def cached_path(repo: str, filename: str) -> Path | None:
-    """The complete cached file, or None. Never touches the network."""
+    """The complete cached file, or None. Never touches the network; never hashes.
+
+    A blob a pull did not finish with (still marked unverified) is not complete: `download`
+    checks it first."""
     from huggingface_hub import try_to_load_from_cache
 
-    found = try_to_load_from_cache(repo, filename, cache_dir=str(cache_dir()))
-    if isinstance(found, str) and Path(found).is_file():
-        return Path(found)
-    return None
+    try:
+        check_repo_file(repo, filename)
+        found = try_to_load_from_cache(repo, filename, cache_dir=str(cache_dir()))
+        if not isinstance(found, str) or not Path(found).is_file():
+            return None
+        blob = _inside_cache(Path(found))
+    except (HubError, OSError):
+        return None
+    return None if _unverified_marker(blob).exists() else Path(found)
 
 
 def _repo_cache_folder(repo: str) -> Path:
@@ -76,16 +129,23 @@ def partial_files(repo: str) -> list[Path]:
 
 
 PARTIAL_SUFFIX = ".dg-partial"
+UNVERIFIED_SUFFIX = ".dg-unverified"
 
 
 @dataclass(frozen=True)
 class RemoteFile:
+    """One file of a repo at one commit, every field checked (see `remote_file`)."""
+
     repo: str
     filename: str
-    size: int | None
-    etag: str | None = None
-    commit: str | None = None
-    url: str | None = None  # where the bytes are (after the Hub's redirects)
+    size: int
+    commit: str  # 40 hex digits
+    digest: str  # the blob's name: the LFS sha256 (64 hex), or the git blob id of a small file (40 hex)
+    url: str  # where the bytes are (after the Hub's redirects)
+
+    @property
+    def lfs(self) -> bool:
+        return len(self.digest) == 64
 
 
 def _translate(err: BaseException, repo: str, filename: str) -> HubError:
@@ -114,15 +174,45 @@ def _translate(err: BaseException, repo: str, filename: str) -> HubError:
 
 
 def remote_file(repo: str, filename: str) -> RemoteFile:
-    """Ask the Hub for the file's size (HEAD request); raises HubError when it cannot."""
-    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    """The file's commit, size, digest and URL: a HEAD request, then the Hub's metadata API at that
+    commit for the content digest. Every value is checked; raises HubError when one is missing,
+    malformed or inconsistent."""
+    from huggingface_hub import HfApi, get_hf_file_metadata, hf_hub_url
 
+    check_repo_file(repo, filename)
     endpoint = hub_endpoint()
     try:
         meta = get_hf_file_metadata(hf_hub_url(repo, filename, endpoint=endpoint), endpoint=endpoint)
     except Exception as err:  # noqa: BLE001 - every failure becomes one line
         raise _network_or(err, repo, filename) from None
-    return RemoteFile(repo, filename, meta.size, meta.etag, meta.commit_hash, meta.location)
+    where = f"{repo}/{filename}"
+    commit = meta.commit_hash
+    if not isinstance(commit, str) or not COMMIT.fullmatch(commit):
+        raise HubError(f"the Hub sent no valid commit id for {where} ({commit!r}); cannot download it safely")
+    if not meta.location:
+        raise HubError(f"the Hub sent no download location for {where}")
+    try:
+        [info] = HfApi(endpoint=endpoint).get_paths_info(repo, [filename], revision=commit)
+    except ValueError:
+        raise HubError(f"the Hub's metadata API does not list {where} at commit {commit[:12]}") from None
+    except Exception as err:  # noqa: BLE001
+        raise _network_or(err, repo, filename) from None
+    lfs = getattr(info, "lfs", None)
+    digest = getattr(lfs, "sha256", None) if lfs is not None else getattr(info, "blob_id", None)
+    pattern = SHA256 if lfs is not None else GIT_BLOB_ID
+    if getattr(info, "path", None) != filename or not isinstance(digest, str) or not pattern.fullmatch(digest):
+        raise HubError(f"the Hub's metadata API gave no valid {'sha256' if lfs is not None else 'blob id'} "
+                       f"for {where} ({digest!r}); cannot verify a download")
+    size = getattr(info, "size", None)
+    if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= MAX_FILE_BYTES:
+        raise HubError(f"the Hub's metadata API gave an invalid size for {where}: {size!r}")
+    if meta.size is not None and meta.size != size:
+        raise HubError(f"the Hub disagrees with itself about {where}: {meta.size} bytes in its headers, "
+                       f"{size} in its metadata API")
+    etag = meta.etag or ""
+    if lfs is not None and SHA256.fullmatch(etag) and etag != digest:
+        raise HubError(f"the Hub's ETag for {where} is not the sha256 its metadata API gives")
+    return RemoteFile(repo, filename, size, commit, digest, meta.location)
 
 
 def _network_or(err: BaseException, repo: str, filename: str) -> HubError:
@@ -178,11 +268,14 @@ def download(
     *,
     approx_size: int | None = None,
     on_progress: ProgressCallback | None = None,
+    on_verify: ProgressCallback | None = None,
+    on_wait: Callable[[str], None] | None = None,
 ) -> Path:
     """Download one file into the huggingface-hub cache, continuing a partial one, and return its path.
 
-    Checks free disk space first, against the Hub's size for the file (the registry's approximate
-    size only if the Hub gave none), minus what a partial download already holds.
+    Checks free disk space first, against the Hub's size for the file, minus what a partial
+    download already holds. `on_progress` sees the transfer, `on_verify` the hash pass after it,
+    `on_wait` a line when another pull of the same file holds its lock.
     """
     existing = cached_path(repo, filename)
     if existing is not None:
@@ -191,23 +284,103 @@ def download(
             on_progress(size, size)
         return existing
     remote = remote_file(repo, filename)
-    if not remote.etag or not remote.commit or not remote.url:
-        raise HubError(f"the Hub gave no etag/commit for {filename} in {repo}; cannot download it safely")
     folder = _repo_cache_folder(repo)
-    partial = blobs_dir(repo) / (remote.etag + PARTIAL_SUFFIX)
-    # Leftovers of other versions of files, or of huggingface-hub's own transfers, only hold disk.
-    for stale in incomplete_files(repo) + [p for p in partial_files(repo) if p != partial]:
-        stale.unlink(missing_ok=True)
+    blob = folder / "blobs" / remote.digest
+    for path in (blob, folder / "snapshots" / remote.commit / remote.filename, folder / "refs" / "main"):
+        _inside_cache(path.parent)
+    with _pull_lock(remote, on_wait):
+        return _pull_locked(remote, blob, approx_size, on_progress, on_verify)
+
+
+def _blob_lock(repo: str, digest: str):
+    """huggingface-hub's lock file for one blob (`hf_hub_download` takes the same one)."""
+    from filelock import FileLock
+
+    path = cache_dir() / ".locks" / _repo_cache_folder(repo).name / f"{digest}.lock"
+    _inside_cache(path.parent)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(path))
+
+
+@contextmanager
+def _pull_lock(remote: RemoteFile, on_wait: Callable[[str], None] | None) -> Iterator[None]:
+    """One pull of a blob at a time, dg's or huggingface-hub's; the second waits, saying so."""
+    from filelock import Timeout
+
+    lock = _blob_lock(remote.repo, remote.digest)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        if on_wait is not None:
+            on_wait(f"another download of {remote.filename} is running; waiting for it to finish")
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _remove_stale_partials(repo: str, keep: Path) -> None:
+    """Partial files of other versions of files, or of huggingface-hub's own transfers, only hold
+    disk: removed, unless a download of theirs is running (its lock is held)."""
+    from filelock import Timeout
+
+    held = keep.name.split(".")[0]  # the caller holds this blob's lock
+    for stale in incomplete_files(repo) + partial_files(repo):
+        digest = stale.name.split(".")[0]
+        if stale == keep:
+            continue
+        if digest == held:
+            stale.unlink(missing_ok=True)
+            continue
+        lock = _blob_lock(repo, digest)
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            continue
+        try:
+            stale.unlink(missing_ok=True)
+        finally:
+            lock.release()
+
+
+def _pull_locked(remote: RemoteFile, blob: Path, approx_size: int | None,
+                 on_progress: ProgressCallback | None, on_verify: ProgressCallback | None) -> Path:
+    folder = blob.parent.parent
+    pointer = folder / "snapshots" / remote.commit / remote.filename
+    marker = _unverified_marker(blob)
+    if pointer.is_file() and blob.is_file() and not marker.exists() and _same_file(pointer, blob):
+        return pointer  # another pull finished it while this one waited for the lock
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    marker.touch()
+    partial = blob.with_name(blob.name + PARTIAL_SUFFIX)
+    if blob.is_file():  # left by a pull that stopped before linking it, or by another tool
+        if _mismatch(blob, remote, on_verify) is None:
+            return _link_into_cache(folder, blob, remote)
+        blob.unlink()
+    _remove_stale_partials(remote.repo, keep=partial)
     have = partial.stat().st_size if partial.exists() else 0
-    if remote.size is not None and have > remote.size:
+    if have > remote.size:
         partial.unlink()
         have = 0
-    size = remote.size or approx_size
-    if size:
-        check_free_disk(max(size - have, 0), cache_dir(), filename)
+    check_free_disk(max((remote.size or approx_size or 0) - have, 0), cache_dir(), remote.filename)
     _transfer(remote, partial, have, on_progress)
-    _verify(partial, remote)
-    return _link_into_cache(folder, partial, remote)
+    if partial.stat().st_size < remote.size:
+        raise HubError(f"{remote.filename}: downloaded {partial.stat().st_size} bytes, the Hub says {remote.size}; "
+                       "run `dg pull` again to continue")
+    problem = _mismatch(partial, remote, on_verify)
+    if problem is not None:
+        partial.unlink()
+        raise HubError(f"{remote.filename}: {problem}; the partial download was removed, run `dg pull` again")
+    partial.replace(blob)
+    return _link_into_cache(folder, blob, remote)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def _transfer(remote: RemoteFile, partial: Path, have: int, on_progress: ProgressCallback | None) -> None:
@@ -230,32 +403,41 @@ def _transfer(remote: RemoteFile, partial: Path, have: int, on_progress: Progres
         raise _network_or(err, remote.repo, remote.filename) from None
 
 
-def _verify(partial: Path, remote: RemoteFile) -> None:
-    """Size always; content too where the etag is the file's sha256 (LFS files, i.e. every GGUF)."""
-    import hashlib
-    import re
+def _mismatch(path: Path, remote: RemoteFile, on_progress: ProgressCallback | None) -> str | None:
+    """None when the file is the Hub's (size, then the metadata API's digest: the sha256, or the git
+    blob id of a small non-LFS file); else what differs."""
+    got = path.stat().st_size
+    if got != remote.size:
+        return f"{got} bytes, the Hub says {remote.size}"
+    digest = _digest(path, remote, on_progress)
+    if digest != remote.digest:
+        kind = "sha256" if remote.lfs else "git blob id"
+        return f"checksum mismatch ({kind} {digest[:12]}... != {remote.digest[:12]}... from the Hub's metadata)"
+    return None
 
-    got = partial.stat().st_size
-    if remote.size is not None and got != remote.size:
-        raise HubError(f"{remote.filename}: downloaded {got} bytes, the Hub says {remote.size}; run `dg pull` "
-                       "again to continue")
-    if re.fullmatch(r"[0-9a-f]{64}", remote.etag or ""):
+
+def _digest(path: Path, remote: RemoteFile, on_progress: ProgressCallback | None) -> str:
+    if remote.lfs:
         digest = hashlib.sha256()
-        with open(partial, "rb") as f:
-            for chunk in iter(lambda: f.read(8 << 20), b""):
-                digest.update(chunk)
-        if digest.hexdigest() != remote.etag:
-            partial.unlink()
-            raise HubError(f"{remote.filename}: checksum mismatch (sha256 {digest.hexdigest()[:12]}... != "
-                           f"{remote.etag[:12]}...); the partial download was removed, run `dg pull` again")
+    else:  # git's blob id: sha1 of "blob <size>\0" + content
+        digest = hashlib.sha1()
+        digest.update(f"blob {remote.size}\0".encode())
+    done = 0
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(8 << 20), b""):
+            digest.update(chunk)
+            done += len(chunk)
+            if on_progress is not None:
+                on_progress(done, remote.size)
+    return digest.hexdigest()
 
 
-def _link_into_cache(folder: Path, partial: Path, remote: RemoteFile) -> Path:
-    """Move a complete download into huggingface-hub's cache layout and return the snapshot path."""
-    blob = folder / "blobs" / remote.etag
-    partial.replace(blob)
+def _link_into_cache(folder: Path, blob: Path, remote: RemoteFile) -> Path:
+    """Link a verified blob from the snapshot, point refs/main at its commit, and drop its
+    unverified mark; returns the snapshot path."""
     pointer = folder / "snapshots" / remote.commit / remote.filename
     pointer.parent.mkdir(parents=True, exist_ok=True)
+    _inside_cache(pointer.parent)
     pointer.unlink(missing_ok=True)
     try:
         pointer.symlink_to(os.path.relpath(blob, pointer.parent))
@@ -264,4 +446,5 @@ def _link_into_cache(folder: Path, partial: Path, remote: RemoteFile) -> Path:
     refs = folder / "refs" / "main"
     refs.parent.mkdir(parents=True, exist_ok=True)
     refs.write_text(remote.commit)
+    _unverified_marker(blob).unlink(missing_ok=True)
     return pointer

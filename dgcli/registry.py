@@ -7,20 +7,18 @@
 from __future__ import annotations
 
 import os
-import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from dgcli.engine.types import DgError, ModelLoadError
+from dgcli.hub import REPO_ID
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 DEFAULT_REGISTRY_PATH = PACKAGE_DIR.parent / "models.toml"
 DEFAULT_MODEL = "demo"
 ROLES = ("diffusion", "ar")
 GB = 10**9  # sizes are in the Hub's units (decimal), as `dg list` shows them
-# a Hugging Face repository id: owner/name, letters, digits, '-', '_', '.' (no '..', no path tricks)
-REPO_ID = re.compile(r"(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
 
 
 class UnknownModel(DgError):

@@ -4,17 +4,24 @@ from __future__ import annotations
 
 import hashlib
 import http.server
+import json
 import socket
 import threading
+import time
+import urllib.parse
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
 class FakeHub:
-    """Serves files as `/{repo}/resolve/{rev}/{file}` with the headers huggingface-hub reads.
+    """Serves files as `/{repo}/resolve/{rev}/{file}` with the headers huggingface-hub reads, and the
+    metadata API's `POST /api/models/{repo}/paths-info/{rev}` (size, git blob id, LFS sha256).
 
     `cut_first_get_at`: the first full GET of a file sends only that many bytes then drops the
     connection (a network failure mid-download), so the client has to resume with a Range request.
+    A hostile or broken hub: `etag`, `commit` and `api_sha256` replace what would be sent for every
+    file, `served` replaces the bytes of a GET (not the metadata), `lfs=False` describes files as
+    small git files (no LFS), `seconds_per_chunk` slows each 64 kB of a GET down.
     """
 
     def __init__(self):
@@ -22,6 +29,12 @@ class FakeHub:
         self.requests: list[tuple[str, str, str | None]] = []  # (method, path, Range header)
         self.cut_first_get_at: int | None = None
         self._cut_done = False
+        self.etag: str | None = None
+        self.commit: str | None = None
+        self.api_sha256: str | None = None
+        self.served: bytes | None = None
+        self.lfs = True
+        self.seconds_per_chunk = 0.0
         hub_ref = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -43,8 +56,9 @@ class FakeHub:
 
             def _headers(self, data: bytes, status: int, length: int, extra=()):
                 self.send_response(status)
-                self.send_header("X-Repo-Commit", COMMIT)
-                self.send_header("ETag", '"' + hashlib.sha256(data).hexdigest() + '"')
+                self.send_header("X-Repo-Commit", COMMIT if hub_ref.commit is None else hub_ref.commit)
+                etag = hashlib.sha256(data).hexdigest() if hub_ref.etag is None else hub_ref.etag
+                self.send_header("ETag", f'"{etag}"')
                 self.send_header("Content-Length", str(length))
                 for k, v in extra:
                     self.send_header(k, v)
@@ -64,36 +78,78 @@ class FakeHub:
                     return self._error(err or "RepoNotFound")
                 self._headers(data, 200, len(data))
 
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0)).decode()
+                hub_ref.requests.append(("POST", self.path, None))
+                parts = self.path.split("?")[0].lstrip("/").split("/")
+                # api/models/org/name/paths-info/rev
+                if len(parts) != 6 or parts[:2] != ["api", "models"] or parts[4] != "paths-info":
+                    return self._error("EntryNotFound")
+                repo = "/".join(parts[2:4])
+                if not any(r == repo for r, _ in hub_ref.files):
+                    return self._error("RepoNotFound")
+                listed = []
+                for path in urllib.parse.parse_qs(body).get("paths", []):
+                    data = hub_ref.files.get((repo, path))
+                    if data is None:
+                        continue
+                    entry = {"type": "file", "path": path, "size": len(data),
+                             "oid": hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()}
+                    if hub_ref.lfs:
+                        sha = hashlib.sha256(data).hexdigest() if hub_ref.api_sha256 is None else hub_ref.api_sha256
+                        entry["lfs"] = {"oid": sha,
+                                        "size": len(data), "pointerSize": 134}
+                    listed.append(entry)
+                payload = json.dumps(listed).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def _send(self, body: bytes):
+                if not hub_ref.seconds_per_chunk:
+                    self.wfile.write(body)
+                    return
+                for at in range(0, len(body), 1 << 16):
+                    self.wfile.write(body[at:at + (1 << 16)])
+                    self.wfile.flush()
+                    time.sleep(hub_ref.seconds_per_chunk)
+
             def do_GET(self):
                 rng = self.headers.get("Range")
                 hub_ref.requests.append(("GET", self.path, rng))
                 err, data = self._lookup()
                 if err or data is None:
                     return self._error(err or "RepoNotFound")
+                headers_for = data
+                if hub_ref.served is not None:
+                    data = hub_ref.served
                 if rng:
                     start = int(rng.split("=")[1].split("-")[0])
                     body = data[start:]
-                    self._headers(data, 206, len(body),
+                    self._headers(headers_for, 206, len(body),
                                   [("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")])
-                    self.wfile.write(body)
+                    self._send(body)
                     return
                 if hub_ref.cut_first_get_at is not None and not hub_ref._cut_done:
                     hub_ref._cut_done = True
-                    self._headers(data, 200, len(data))
+                    self._headers(headers_for, 200, len(data))
                     self.wfile.write(data[: hub_ref.cut_first_get_at])
                     self.wfile.flush()
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
                     return
-                self._headers(data, 200, len(data))
-                self.wfile.write(data)
+                self._headers(headers_for, 200, len(data))
+                self._send(data)
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     def gets(self):
-        return [r for r in self.requests if r[0] == "GET"]
+        """GET requests for files (huggingface-hub also GETs an API page or two of its own)."""
+        return [r for r in self.requests if r[0] == "GET" and "/resolve/" in r[1]]
 
 
 def closed_port() -> int:

@@ -64,6 +64,8 @@ def registry() -> Registry:
 
 
 def download_with_progress(resolved: ResolvedModel) -> Path:
+    """hub.download with a progress bar for the transfer and one for the sha256 pass after it.
+    Ctrl-C keeps the partial file for the next `dg pull` and exits 130."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
     # Started on the first byte count, so a missing repo/file or a full disk prints only its error.
@@ -71,20 +73,26 @@ def download_with_progress(resolved: ResolvedModel) -> Path:
         TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
         TimeRemainingColumn(), console=stderr, transient=False,
     )
-    task = None
+    tasks: dict[str, Any] = {}
 
-    def on_progress(done: int, total: int | None) -> None:
-        nonlocal task
-        if task is None:
-            progress.start()
-            task = progress.add_task(resolved.filename or "download", total=total)
-        progress.update(task, completed=done, total=total)
+    def bar(description: str):
+        def update(done: int, total: int | None) -> None:
+            if description not in tasks:
+                progress.start()
+                tasks[description] = progress.add_task(description, total=total)
+            progress.update(tasks[description], completed=done, total=total)
+        return update
 
+    name = resolved.filename or "download"
     try:
         return hub.download(resolved.repo, resolved.filename, approx_size=resolved.approx_size_bytes,
-                            on_progress=on_progress)
+                            on_progress=bar(name), on_verify=bar("sha256 check"),
+                            on_wait=lambda line: stderr.print(line, style="yellow"))
     except KeyboardInterrupt:
-        raise DgError(f"download interrupted; run `dg pull {resolved.display_name}` to continue it (the partial file is never loaded)") from None
+        progress.stop()
+        typer.echo(f"interrupted: run `dg pull {resolved.display_name}` to continue the download "
+                   "(the partial file is never loaded)", err=True)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
     finally:
         progress.stop()
 
