@@ -101,7 +101,7 @@ def _result(mode, n, total, forwards, spc=()):
 def test_compare_table_numbers_and_speedup():
     d = _result("diffusion", 40, 2.0, 10, [6, 4])
     a = _result("autoregressive", 40, 8.0, 40)
-    rows = {r[0]: r[1:] for r in render.compare_rows(d, a, 2 * 1024**3, 1024**3)}
+    rows = {r[0]: r[1:] for r in render.compare_rows(d, a, 2 * 10**9, 10**9)}
     assert rows["new tokens"] == ("40", "40")
     assert rows["tok/s"] == ("20.00", "5.00")
     assert rows["forwards"] == ("10", "40")
