@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN      = $(VENV)/bin
 PROMPT  ?= reverse: HELLO
 
-.PHONY: setup native demo test examples clean-native
+.PHONY: setup native demo test test-hub-floor examples clean-native
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -42,8 +42,17 @@ examples: setup $(VENV)/.examples-deps
 	$(BIN)/python examples/exp_c_speed_model.py --model demo --repeat 3
 	$(BIN)/python examples/exp_d_batch_sweep.py --model demo
 
-test: setup $(VENV)/.test-deps
+test: setup $(VENV)/.test-deps test-hub-floor
 	$(BIN)/python -m pytest -q
+
+# dg pull's tests against the oldest huggingface-hub pyproject.toml allows, in a venv of its own.
+HUB_FLOOR  = $(shell sed -n 's/.*"huggingface-hub>=\([0-9.]*\).*/\1/p' pyproject.toml)
+FLOOR_VENV = .venv-hub-floor
+test-hub-floor:
+	test -x $(FLOOR_VENV)/bin/python || $(PY) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/pip install -q -e . pytest "huggingface-hub==$(HUB_FLOOR)"
+	$(FLOOR_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_hub.py tests/test_hub_security.py \
+		tests/test_cli.py -k "hub or pull or list or security"
 
 clean-native:
 	rm -rf $(HOME)/.cache/dg/native
