@@ -314,8 +314,11 @@ def bad_input_cases(work: Path, model: Path, ar: Path) -> list[Case]:
     return cases
 
 
-def context_cases(work: Path) -> list[Case]:
+def context_cases(work: Path, model: Path, ar: Path) -> list[Case]:
+    """The issue's reproducer (`generate --json --trace -n 2000` on the demo, which now ends that
+    answer with a canvas of padding) on the random model, whose answers fill any context."""
     trace = work / "ctx.jsonl"
+    small = ["-n", "100000", "-c", "256", "--steps", "2", "--seed", "0", "-m", str(model)]
 
     def kept(r):
         try:
@@ -326,14 +329,22 @@ def context_cases(work: Path) -> list[Case]:
             return f"stop_reason {doc['result']['stop_reason']}"
         return None if trace.exists() and trace.read_text().strip() else "no trace"
 
-    prompt = "Tell me a long story about a dragon who lives in the mountains"
-    return [Case("context full", "generate --json --trace -n 2000 (the issue's reproducer)",
-                 ["generate", "--json", "--trace", str(trace), "-n", "2000", "--seed", "0", prompt], "ok", check=kept),
-            Case("context full", "generate -n 2000 piped", ["generate", "-n", "2000", "--seed", "0", prompt], "ok",
+    def both_sides(r):
+        doc = json.loads(r.stdout)
+        stops = [doc[side]["result"]["stop_reason"] for side in ("diffusion", "autoregressive")]
+        return None if stops == ["context_full"] * 2 else f"stop reasons {stops}"
+
+    return [Case("context full", "generate --json --trace", ["generate", "--json", "--trace", str(trace), *small, "hi"],
+                 "ok", check=kept),
+            Case("context full", "generate piped", ["generate", *small, "hi"], "ok",
                  check=lambda r: None if "stop=context_full" in r.output else "no stop=context_full"),
-            Case("context full", "compare -n 2000 --json", ["compare", "--json", "-n", "2000", "--seed", "0", prompt], "ok",
-                 check=lambda r: None if json.loads(r.stdout)["diffusion"]["result"]["stop_reason"] == "context_full"
-                 else "diffusion side not kept")]
+            Case("context full", "compare --json", ["compare", "--json", *small, "--ar-model", str(ar), "hi"], "ok",
+                 check=both_sides),
+            Case("context full", "the demo, -n 2000 (the issue's command)",
+                 ["generate", "--json", "-n", "2000", "--seed", "0",
+                  "Tell me a long story about a dragon who lives in the mountains"], "ok",
+                 check=lambda r: None if json.loads(r.stdout)["result"]["stop_reason"] in ("context_full", "pad_canvas")
+                 else "neither context_full nor pad_canvas")]
 
 
 def signal_cases(model: Path, ar: Path, repeats: int) -> list[Case]:
@@ -487,8 +498,11 @@ def main() -> int:
         work = Path(tmp)
         model = write_tiny_random_gguf(work / "tiny-diffusion.gguf", seed=0)
         ar = write_tiny_random_gguf(work / "tiny-ar.gguf", seed=0, arch="gemma4")
-        cases = (write_cases(work, model, ar) + convert_cases(work) + bad_input_cases(work, model, ar)
-                 + context_cases(work) + signal_cases(model, ar, args.repeat) + hub_cases(work, args.repeat))
+        # the write cases get models of their own: a dg that writes over its input must not spoil the rest
+        (work / "writes").mkdir()
+        victim, victim_ar = (Path(shutil.copy(m, work / "writes" / m.name)) for m in (model, ar))
+        cases = (write_cases(work / "writes", victim, victim_ar) + convert_cases(work) + bad_input_cases(work, model, ar)
+                 + context_cases(work, model, ar) + signal_cases(model, ar, args.repeat) + hub_cases(work, args.repeat))
         if args.only:
             cases = [c for c in cases if c.category == args.only]
         table: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)

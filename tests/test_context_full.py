@@ -40,11 +40,12 @@ def test_autoregressive_keeps_the_tokens_that_fit(tiny_ar_gguf):
         assert result.n_prompt_tokens + result.n_new_tokens == n_ctx + 1  # the last token needs no forward
 
 
-def test_generate_json_and_trace_are_kept_when_the_context_fills(tmp_path):
-    # the reproducer on the demo model (1024-token context, 32-token canvases)
+def test_generate_json_and_trace_are_kept_when_the_context_fills(tiny_gguf, tiny_ar_gguf, tmp_path):
+    # the reproducer (`-n 2000` on the demo: error: context full, nothing printed); the demo
+    # now ends such a prompt with a canvas of padding, so the random model and a 256-token context here
     trace = tmp_path / "t.jsonl"
-    r = runner.invoke(cli.app, ["generate", "--json", "--trace", str(trace), "-n", "2000", "--seed", "0",
-                                "Tell me a long story about a dragon who lives in the mountains"])
+    r = runner.invoke(cli.app, ["generate", "--json", "--trace", str(trace), "-n", "100000", "-c", "256",
+                                "--steps", "2", "--seed", "0", "-m", str(tiny_gguf), "hi"])
     assert r.exit_code == 0, r.stderr
     doc = json.loads(r.stdout)
     assert doc["result"]["stop_reason"] == "context_full"
@@ -52,3 +53,8 @@ def test_generate_json_and_trace_are_kept_when_the_context_fills(tmp_path):
     lines = [json.loads(line) for line in trace.read_text().splitlines()]
     assert lines == doc["trace"]
     assert [e["canvas"] for e in lines if e["kind"] == "canvas"] == list(range(len(doc["result"]["steps_per_canvas"])))
+    both = runner.invoke(cli.app, ["compare", "--json", "-n", "100000", "-c", "256", "--steps", "2", "--seed", "0",
+                                   "-m", str(tiny_gguf), "--ar-model", str(tiny_ar_gguf), "hi"])
+    assert both.exit_code == 0, both.stderr
+    sides = json.loads(both.stdout)
+    assert [sides[s]["result"]["stop_reason"] for s in ("diffusion", "autoregressive")] == ["context_full"] * 2

@@ -114,12 +114,12 @@ CASES = {
     # tokenizer
     'tokenizer.json {"model": 5}': (edit_json("tokenizer.json", _set_tokenizer_model(5)), "BPE model"),
     "tokenizer id a string": (edit_json("tokenizer.json", lambda d: d["model"]["vocab"].update({"zz": "x"})),
-                              "not an integer"),
+                              "expected an integer >= 0"),
     "tokenizer id 10**12": (edit_json("tokenizer.json", _add_token({"id": 10**12, "content": "<x>"})),
-                            "not an integer in [0,"),
+                            "but the model's vocab_size is"),
     "tokenizer id negative": (edit_json("tokenizer.json", _add_token({"id": -1, "content": "<x>"})),
-                              "not an integer"),
-    "added token without id": (edit_json("tokenizer.json", _add_token({"content": "<x>"})), "has id None"),
+                              "expected an integer >= 0"),
+    "added token without id": (edit_json("tokenizer.json", _add_token({"content": "<x>"})), "the id None"),
     "merges of ints": (edit_json("tokenizer.json", lambda d: d["model"].update(merges=[[1, 2]])), "merge"),
     "chat_template an int": (edit_json("tokenizer_config.json", _set("chat_template", 5)), "chat_template"),
     # config

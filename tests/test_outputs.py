@@ -188,7 +188,7 @@ def test_generate_trace_refuses_existing_file_and_model_and_streams_to_dev_null(
     one_line_error(run(*base, "--trace", trace), "--trace", "pass --force")
     assert trace.read_text() == "earlier run\n"
     assert run(*base, "--trace", trace, "--force").exit_code == 0
-    assert json.loads(trace.read_text().splitlines()[0])["kind"] == "step"
+    assert "step" in [json.loads(line)["kind"] for line in trace.read_text().splitlines()]
 
     before = tiny_gguf.read_bytes()
     one_line_error(run(*base, "--trace", tiny_gguf, "--force"), "one of this command's inputs")
@@ -221,7 +221,7 @@ def test_bench_output_refuses_its_prompt_file(tiny_gguf, tiny_ar_gguf, tmp_path)
     report.write_text("{}")
     one_line_error(run(*args, "-o", report), "pass --force")
     assert run(*args, "-o", report, "--force").exit_code == 0
-    assert json.loads(report.read_text())["schema"] == "dg-bench/1"
+    assert json.loads(report.read_text())["schema"].startswith("dg-bench/")
 
 
 @needs_torch

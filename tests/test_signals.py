@@ -9,21 +9,18 @@ echoes its log to stderr), so it lands mid-generation whatever the machine's spe
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
-import pty
 import select
 import signal
-import struct
 import subprocess
 import sys
-import termios
 import time
 from pathlib import Path
 
 import pytest
 
+import pty_screen
 from native_helpers import requires_native
 
 FORWARD_MARK = b"set_causal_attn"  # llama.cpp logs it around every decoder forward
@@ -31,34 +28,21 @@ HIDE_CURSOR, SHOW_CURSOR = b"\x1b[?25l", b"\x1b[?25h"
 TIMEOUT_S = 120
 
 
-def dg_command(*args) -> list[str]:
-    return [sys.executable, "-m", "dgcli.cli", *[str(a) for a in args]]
-
-
-def environment(**extra) -> dict[str, str]:
-    env = dict(os.environ, DG_VERBOSE="1", **extra)
-    env.pop("COLUMNS", None)
-    env.pop("LINES", None)
-    return env
-
-
 class Run:
-    """A dg process whose output (stdout+stderr, or the terminal's screen) is read as it comes."""
+    """A dg process whose output (stdout and stderr, or the terminal) is read as it comes. On a
+    terminal (tests/pty_screen.py) Ctrl-C is typed, as a person does; piped, SIGINT is sent."""
 
-    def __init__(self, args, *, terminal: bool, columns: int = 80, env=None):
+    def __init__(self, args, *, terminal: bool):
         self.output = bytearray()
         self.stdout = bytearray()
+        self.term = None
         if terminal:
-            master, slave = pty.openpty()
-            fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, columns, 0, 0))
-            self.proc = subprocess.Popen(dg_command(*args), stdin=slave, stdout=slave, stderr=slave,
-                                         env=env or environment(TERM="xterm-256color"))
-            os.close(slave)
-            self.fds = {master: self.output}
-        else:
-            self.proc = subprocess.Popen(dg_command(*args), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE, env=env or environment())
-            self.fds = {self.proc.stdout.fileno(): self.stdout, self.proc.stderr.fileno(): self.output}
+            self.term = pty_screen.Terminal(80, 24).spawn(*map(str, args), env={"DG_VERBOSE": "1"}, timeout=TIMEOUT_S)
+            return
+        env = dict(os.environ, DG_VERBOSE="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "dgcli.cli", *map(str, args)], stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        self.fds = {self.proc.stdout.fileno(): self.stdout, self.proc.stderr.fileno(): self.output}
 
     def _pump(self, timeout: float) -> bool:
         """Read what is there; False once every stream has ended."""
@@ -66,24 +50,37 @@ class Run:
             return False
         ready, _, _ = select.select(list(self.fds), [], [], timeout)
         for fd in ready:
-            try:
-                data = os.read(fd, 65536)
-            except OSError:  # a terminal whose last writer exited
-                data = b""
+            data = os.read(fd, 65536)
             if data:
                 self.fds[fd].extend(data)
             else:
                 del self.fds[fd]
         return bool(self.fds)
 
-    def wait_for(self, mark: bytes, count: int = 1) -> None:
+    def wait_for_forwards(self, count: int) -> None:
+        if self.term is not None:
+            for _ in range(count):
+                self.term.read_until(FORWARD_MARK.decode())
+            return
         deadline = time.monotonic() + TIMEOUT_S
-        while (self.output + self.stdout).count(mark) < count:
-            assert self.proc.poll() is None, f"dg ended before {mark!r} x{count}: {bytes(self.output)[-2000:]!r}"
-            assert time.monotonic() < deadline, f"no {mark!r} x{count} after {TIMEOUT_S}s"
+        while self.output.count(FORWARD_MARK) < count:
+            assert self.proc.poll() is None, f"dg ended before {count} forwards: {bytes(self.output)[-2000:]!r}"
+            assert time.monotonic() < deadline, f"not {count} forwards after {TIMEOUT_S}s"
             self._pump(0.05)
 
+    def signal(self, sig: int) -> None:
+        if self.term is None:
+            self.proc.send_signal(sig)
+        elif sig == signal.SIGINT:
+            self.term.sendintr()  # Ctrl-C typed on the terminal
+        else:
+            self.term.child.kill(sig)
+
     def finish(self) -> int:
+        if self.term is not None:
+            code = self.term.wait(TIMEOUT_S)
+            self.output = bytearray(self.term.raw)
+            return code
         deadline = time.monotonic() + TIMEOUT_S
         while self._pump(0.05):
             if time.monotonic() > deadline:
@@ -102,7 +99,7 @@ def assert_clean(run: Run) -> None:
 
 def interrupted_exit(code: int) -> bool:
     # 130, or killed by SIGINT (what a shell also shows as 130) when Python was already exiting
-    return code in (130, -signal.SIGINT)
+    return code in (130, -signal.SIGINT, 128 + signal.SIGINT)
 
 
 SAMPLER = ["--steps", "48", "--seed", "0", "--threads", "1"]
@@ -126,8 +123,8 @@ def command(kind: str, tiny_gguf: Path, tiny_ar_gguf: Path, mode: str) -> list:
 def test_ctrl_c_mid_run_exits_130_with_what_was_produced(kind, mode, tiny_gguf, tiny_ar_gguf):
     run = Run(command(kind, tiny_gguf, tiny_ar_gguf, mode), terminal=mode == "terminal")
     # bench: enough forwards for a few finished runs
-    run.wait_for(FORWARD_MARK, count=60 if kind == "bench" else 12)
-    run.proc.send_signal(signal.SIGINT)
+    run.wait_for_forwards(60 if kind == "bench" else 12)
+    run.signal(signal.SIGINT)
     code = run.finish()
     assert interrupted_exit(code), (code, run.text()[-2000:])
     assert_clean(run)
@@ -144,10 +141,11 @@ def test_ctrl_c_mid_run_exits_130_with_what_was_produced(kind, mode, tiny_gguf, 
     if kind == "generate":
         assert "stop=interrupted" in text and "interrupted: the output above is what was produced" in text
     elif kind == "compare":
-        assert "stop=interrupted" in text and "the AR side did not run" in text
+        assert "the AR side did not run" in text
+        assert ("(interrupted)" if mode == "terminal" else "stop=interrupted") in text  # the panel's note, the summary
     else:
         shown = text + run.stdout.decode()
-        assert "generation: median" in shown and "interrupted (Ctrl-C)" in shown
+        assert "tok/s" in shown and "interrupted (Ctrl-C)" in shown  # the tables of the finished runs
     if mode == "terminal":
         assert run.output.rfind(SHOW_CURSOR) >= run.output.rfind(HIDE_CURSOR)
 
@@ -158,9 +156,9 @@ def test_sigterm_on_a_terminal_restores_the_cursor_and_removes_the_unfinished_tr
     trace = tmp_path / "t.jsonl"
     run = Run(["generate", "tell me a story", "-m", tiny_gguf, "-n", "4000", *SAMPLER, "--trace", trace],
               terminal=True)
-    run.wait_for(FORWARD_MARK, count=12)
-    assert HIDE_CURSOR in run.output  # the live view is up
-    run.proc.send_signal(signal.SIGTERM)
+    run.wait_for_forwards(12)
+    assert HIDE_CURSOR in run.term.raw  # the live view is up
+    run.signal(signal.SIGTERM)
     assert run.finish() == 143
     assert run.output.rfind(SHOW_CURSOR) > run.output.rfind(HIDE_CURSOR)
     assert list(tmp_path.iterdir()) == []  # neither the trace nor its temporary

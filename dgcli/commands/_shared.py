@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.live import Live
 
 from dgcli import hub, info as ginfo, render
+from dgcli.commands import _signals
 from dgcli.engine.types import CanvasEvent, DgError, DiffusionParams, GenerationResult, StepEvent
 from dgcli.outputs import OutputFile
 from dgcli.registry import DEFAULT_MODEL, Registry, ResolvedModel, missing_shipped_message
@@ -228,11 +229,10 @@ def read_prompt(argument: Optional[str], option: Optional[str] = None, file: Opt
         raise DgError("the prompt was given twice: pass it as an argument, with -p/--prompt, or with -f/--file")
     text = argument if argument is not None else option
     if text is not None and text != "-":
-        try:  # bytes of the command line that are not UTF-8 arrive as lone surrogates (0xDC80 + byte)
+        try:  # bytes of the command line that are not UTF-8 arrive as lone surrogates
             text.encode("utf-8")
         except UnicodeEncodeError as err:
-            byte = ord(text[err.start]) & 0xFF
-            raise DgError(f"the prompt is not UTF-8 text (byte {byte:#04x} at character {err.start + 1})") from None
+            raise DgError(f"the prompt from the command line is not UTF-8 text (byte {err.start})") from None
     if file is not None and str(file) != "-":
         text = read_text_file(file, "prompt file").rstrip("\r\n")
     elif text is None or text == "-" or file is not None:
@@ -408,9 +408,11 @@ def echo_off() -> Iterator[None]:
     if previous_term is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
     termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    _signals.terminal_settings.append((fd, saved))  # a signal that exits at once restores them too
     try:
         yield
     finally:
+        _signals.terminal_settings.remove((fd, saved))
         termios.tcsetattr(fd, termios.TCSANOW, saved)
         if previous_term is signal.SIG_DFL:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)

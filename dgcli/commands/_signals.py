@@ -1,7 +1,8 @@
 """How the dg process ends on signals.
 
-The first Ctrl-C stops the work in progress and prints what it produced (exit 130): the engines
-return their partial result (see `dgcli.engine.native.deferred_interrupts`). Beyond that:
+The first Ctrl-C stops the work in progress and prints what it produced (exit 130; `dg chat` stops
+the answer and goes on, see `interrupt_handled`): the engines return their partial result (see
+`dgcli.engine.native.deferred_interrupts`). Beyond that:
 - a second Ctrl-C exits at once (130);
 - SIGTERM and SIGHUP exit at once (143 and 129);
 each after removing the temporary files of unfinished outputs (`dgcli.outputs`) and showing the
@@ -26,15 +27,24 @@ from typing import Any
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
 SHOW_CURSOR = b"\x1b[?25h"
+# (fd, termios settings) a live view changed (echo off) and gives back when it ends; restored on exit too
+terminal_settings: list[tuple[int, Any]] = []
 
 
 def exit_now(code: int) -> None:
-    """Remove unfinished outputs' temporaries, give the terminal its cursor back, and exit."""
+    """Remove unfinished outputs' temporaries, give the terminal its settings and cursor back, and exit."""
     try:
         outputs = sys.modules.get("dgcli.outputs")  # never an import inside a signal handler
         if outputs is not None:
             outputs.remove_temporaries()
     finally:
+        for fd, saved in list(terminal_settings):
+            try:
+                import termios
+
+                termios.tcsetattr(fd, termios.TCSANOW, saved)
+            except (ImportError, OSError):
+                pass
         for fd in (1, 2):
             try:
                 if os.isatty(fd):
@@ -84,6 +94,12 @@ def install() -> None:
         if signal.getsignal(s) is not signal.SIG_IGN:  # a signal ignored (nohup) stays ignored
             signal.signal(s, _acted_on_by_the_watcher)
     threading.Thread(target=_watch, args=(reader,), name="dg-signals", daemon=True).start()
+
+
+def interrupt_handled() -> None:
+    """The main thread has acted on the Ctrl-C so far (`dg chat` stopped one answer and goes on):
+    the next Ctrl-C is a first one again, not a second."""
+    _interrupts[0] = 0
 
 
 def finishing() -> None:

@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 
 from dgcli import outputs
+from dgcli.engine.rng import SEED_LIMIT
 from dgcli.engine.types import DgError
 from dgcli.commands import _shared as shared
 
@@ -42,6 +43,9 @@ def bench(
         rpc_servers, gpu_layers = shared.rpc_placement(rpc, gpu_layers)
         if repeat < 1:
             raise DgError(f"invalid repeat={repeat}: must be an integer >= 1")
+        seed = shared.seed_of(seed)
+        if seed + repeat > SEED_LIMIT:  # run i uses seed + i
+            raise DgError(f"invalid seed={seed}: with --repeat {repeat} the last run's seed would pass {SEED_LIMIT - 1}")
         sizes = benchlib.parse_batch_sizes(batch_sizes)
         diff_res, diff_path = shared.resolve_model(model, yes=yes, want="diffusion")
         own_prompts = diff_res.entry.bench_prompts if diff_res.entry is not None else None

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from dgcli import render
-from dgcli.commands import _shared as shared
+from dgcli.commands import _shared as shared, _signals
 from dgcli.engine.types import DgError
 
 BANNER = "Chat with {name}. /help lists the commands; /exit or Ctrl-D leaves; Ctrl-C stops an answer."
@@ -78,6 +78,7 @@ def _messages(interactive: bool):
     import readline  # noqa: F401 (line editing and history for input())
 
     while True:
+        _signals.interrupt_handled()  # a Ctrl-C before this one has been acted on
         try:
             line = input(">>> ")
         except KeyboardInterrupt:
@@ -92,6 +93,7 @@ def _messages(interactive: bool):
 
 def _turn(session, text: str, *, live: bool, thinking: str, pace: float, title: str) -> None:
     """One answer, shown live; errors and Ctrl-C end the answer, not the session."""
+    _signals.interrupt_handled()
     model = session.engine.model
     try:
         with shared.DiffusionDisplay(model, live=live, thinking=thinking, title=title, pace=pace) as display:

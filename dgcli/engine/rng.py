@@ -62,7 +62,7 @@ class RngStream:
 
     def __init__(self, seed: int | None = None):
         self.seed = seed
-        self._generator = np.random.default_rng(seed)
+        self._generator = np.random.default_rng(None if seed is None else resolve_seed(seed))
         self.calls: list[str] = []  # call order, kept so tests can compare it with the reference's
 
     def canvas_init(self, n: int, high: int) -> np.ndarray:
