@@ -436,8 +436,8 @@ def _link_into_cache(folder: Path, blob: Path, remote: RemoteFile) -> Path:
     """Link a verified blob from the snapshot, point refs/main at its commit, and drop its
     unverified mark; returns the snapshot path."""
     pointer = folder / "snapshots" / remote.commit / remote.filename
-    pointer.parent.mkdir(parents=True, exist_ok=True)
     _inside_cache(pointer.parent)
+    pointer.parent.mkdir(parents=True, exist_ok=True)
     pointer.unlink(missing_ok=True)
     try:
         pointer.symlink_to(os.path.relpath(blob, pointer.parent))

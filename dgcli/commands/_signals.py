@@ -34,16 +34,15 @@ terminal_settings: list[tuple[int, Any]] = []
 def exit_now(code: int) -> None:
     """Remove unfinished outputs' temporaries, give the terminal its settings and cursor back, and exit."""
     try:
-        outputs = sys.modules.get("dgcli.outputs")  # never an import inside a signal handler
+        outputs = sys.modules.get("dgcli.outputs")  # no import here: the main thread may hold the import lock
         if outputs is not None:
             outputs.remove_temporaries()
     finally:
+        termios = sys.modules.get("termios")  # loaded by whoever saved settings
         for fd, saved in list(terminal_settings):
             try:
-                import termios
-
                 termios.tcsetattr(fd, termios.TCSANOW, saved)
-            except (ImportError, OSError):
+            except (AttributeError, OSError):
                 pass
         for fd in (1, 2):
             try:
