@@ -63,6 +63,8 @@ def _acted_on_by_the_watcher(_signum: int, _frame: Any) -> None:
 
 
 _interrupts = [0]  # SIGINTs seen by the watcher
+_acting = [True]  # False once a command handles signals itself (hand_over)
+_replaced: dict[int, Any] = {}  # the handlers install() replaced
 _wakeup: list[socket.socket] = []  # kept open for the life of the process
 
 
@@ -77,7 +79,7 @@ def _watch(reader: socket.socket) -> None:
                 _interrupts[0] += 1
                 if _interrupts[0] < 2:
                     continue  # the first one stops the work in the main thread
-            if signum in EXIT_CODES:
+            if signum in EXIT_CODES and _acting[0]:
                 exit_now(EXIT_CODES[signum])
 
 
@@ -91,8 +93,16 @@ def install() -> None:
     signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
     for s in (signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(s) is not signal.SIG_IGN:  # a signal ignored (nohup) stays ignored
-            signal.signal(s, _acted_on_by_the_watcher)
+            _replaced[s] = signal.signal(s, _acted_on_by_the_watcher)
     threading.Thread(target=_watch, args=(reader,), name="dg-signals", daemon=True).start()
+
+
+def hand_over() -> None:
+    """The command handles its signals itself from now on (dg serve: uvicorn's graceful shutdown);
+    what it does not handle does what it did before install()."""
+    _acting[0] = False
+    for s, handler in _replaced.items():
+        signal.signal(s, handler)
 
 
 def interrupt_handled() -> None:

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from dgcli.commands import _shared as shared
+from dgcli.commands import _shared as shared, _signals
 from dgcli.engine.types import DgError, InvalidParameter
 
 MAX_PARALLEL = 64
@@ -132,6 +132,7 @@ def _run(uvicorn, listener: socket.socket, name: str, path, *, parallel: int, qu
 
         config = uvicorn.Config(create_app(service), log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=5)
+        _signals.hand_over()  # uvicorn's own handlers: SIGTERM shuts down gracefully, a second Ctrl-C forces it
         Server(config).run(sockets=[listener])
         typer.echo("dg serve: stopped", err=True)
     finally:
