@@ -1,7 +1,8 @@
-"""`dg info`: what a GGUF holds, read with the gguf package (never loaded into llama.cpp).
+"""`dg info`: what a GGUF holds, read from its header (never loaded into llama.cpp).
 
 Also the pre-flight checks the CLI runs before loading a model: is it a readable GGUF, is it the
-right architecture for the command, does it fit in this machine's memory.
+right architecture for the command with hyperparameters llama.cpp can take, does it fit in this
+machine's memory. All of them share one parse of the header (dgcli/engine/header.py).
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dgcli.engine.header import GgufHeader, read_header
+from dgcli.engine.hparams import DIFFUSION_ARCH, check_model_header, sampler_defaults
 from dgcli.engine.offload import PlacementPlan, plan_placement
 from dgcli.engine.types import DIFFUSION_PARAM_KEYS, REFERENCE_DEFAULTS_KEY, DgError, DiffusionParams, ModelLoadError
 
-GGUF_MAGIC = b"GGUF"
-DIFFUSION_ARCH = "diffusion-gemma"
 # llama.cpp mmaps the weights; KV cache, compute buffers and the process itself come on top.
 MEMORY_OVERHEAD_FACTOR = 1.10
 MEMORY_OVERHEAD_BYTES = 256 * 1024**2
@@ -101,6 +102,7 @@ class GgufInfo:
     # keys beyond the published converter's: dg wrote the reference's defaults where the checkpoint had none
     reference_default_keys: list[str] = field(default_factory=list)
     has_chat_template: bool = False
+    problem: str | None = None  # why dg would refuse to load it (check_model_header), if it would
     ram_total: int = 0
     ram_available: int = 0
     memory_needed: int = 0  # system memory (RAM) this placement needs
@@ -190,138 +192,103 @@ def memory_plan(get, tensors: list[tuple[str, int]], vocab: int, file_size: int,
     return plan, ram_need, gpu_need
 
 
-def header_plan(path: Path | str, n_gpu_layers: int, n_cpu_moe: int, gpus: list[GpuMemory]):
-    """memory_plan from the fast header reader (arrays skipped): what the pre-load check uses."""
-    from dgcli.engine.model import read_gguf_header
-
-    header = read_gguf_header(path)
-    vocab = header.array_lengths.get("tokenizer.ggml.tokens", 0)
-    return memory_plan(header.get, header.tensors, vocab, Path(path).stat().st_size, n_gpu_layers, n_cpu_moe, gpus)
+def header_plan(header: GgufHeader, n_gpu_layers: int, n_cpu_moe: int, gpus: list[GpuMemory]):
+    """memory_plan from the header: what `dg info` and the pre-load check use."""
+    return memory_plan(header.get, tensor_sizes(header), header.n_vocab or 0, header.file_size, n_gpu_layers,
+                       n_cpu_moe, gpus)
 
 
-def _check_magic(path: Path) -> None:
-    if not path.exists():
-        raise ModelLoadError(f"model file not found: {path}")
-    if path.is_dir():
-        raise ModelLoadError(f"not a GGUF file (a directory): {path}")
-    try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
-    except OSError as err:
-        raise ModelLoadError(f"cannot read {path}: {err.strerror or err}") from None
-    if magic != GGUF_MAGIC:
-        raise ModelLoadError(f"not a GGUF file (bad magic {magic!r}): {path}")
+def tensor_sizes(header: GgufHeader) -> list[tuple[str, int]]:
+    """(name, bytes) of every tensor, in file order."""
+    return [(t.name, t.n_bytes) for t in header.tensors]
 
 
-def _scalar(reader, key: str):
-    fld = reader.fields.get(key)
-    if fld is None:
+def _reference_default_keys(header: GgufHeader, arch: str) -> list[str]:
+    """The keys dg says it filled with the reference's defaults: only those dg adds and the file holds."""
+    listed = header.get(REFERENCE_DEFAULTS_KEY)
+    if not isinstance(listed, list):
+        return []
+    addable = [f"{arch}.final_logit_softcapping", *DIFFUSION_PARAM_KEYS]
+    return [key for key in addable if key in listed and key in header.metadata]
+
+
+def _scalar(header: GgufHeader, key: str, kind: type):
+    """A scalar of the expected kind, or None (a malformed optional key reads as absent)."""
+    value = header.get(key)
+    if isinstance(value, bool) or not isinstance(value, kind):
         return None
-    try:
-        value = fld.contents()
-    except Exception:  # noqa: BLE001 - a malformed optional key reads as absent
-        return None
-    if isinstance(value, float):
+    if kind is float:
         return float(f"{value:.7g}")  # float32 in the file: 0.3 instead of 0.30000001192092896
     return value
 
 
-def open_reader(path: Path | str):
-    """A GGUFReader over `path`, or ModelLoadError naming what is wrong with the file."""
-    from gguf import GGUFReader
-
-    path = Path(path)
-    _check_magic(path)
-    try:
-        reader = GGUFReader(path)
-    except Exception as err:  # noqa: BLE001 - the gguf package raises many kinds on bad input
-        raise ModelLoadError(f"not a valid GGUF file (truncated or corrupt): {path} ({type(err).__name__})") from None
-    size = path.stat().st_size
-    end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
-    if end > size:
-        raise ModelLoadError(f"truncated GGUF file: {path} ({size} bytes, tensor data needs {end})")
-    return reader
-
-
-def _reference_default_keys(reader, arch: str) -> list[str]:
-    """The keys dg says it filled with the reference's defaults: only those dg adds and the file holds."""
-    listed = _scalar(reader, REFERENCE_DEFAULTS_KEY)
-    if not isinstance(listed, list):
-        return []
-    addable = [f"{arch}.final_logit_softcapping", *DIFFUSION_PARAM_KEYS]
-    return [key for key in addable if key in listed and key in reader.fields]
-
-
 def read_info(path: Path | str, *, n_gpu_layers: int = 0, n_cpu_moe: int = 0,
               gpus: list[GpuMemory] | None = None) -> GgufInfo:
-    """What the file holds, and where its weights would go with this offload (gpus: detected when None)."""
+    """What the file holds, and where its weights would go with this offload (gpus: detected when None).
+    From the header alone: nothing is loaded, and arrays are not read."""
     import psutil
-    from gguf import GGMLQuantizationType
 
-    path = Path(path)
-    reader = open_reader(path)
-    arch = _scalar(reader, "general.architecture")
-    if not isinstance(arch, str):
-        raise ModelLoadError(f"GGUF without general.architecture: {path}")
+    header = read_header(path)
+    arch = header.architecture
+    if not arch:
+        raise ModelLoadError(f"GGUF without general.architecture: {header.path}")
 
     histogram: dict[str, list[int]] = {}
-    params = 0
-    for t in reader.tensors:
-        type_name = GGMLQuantizationType(t.tensor_type).name
-        row = histogram.setdefault(type_name, [0, 0, 0])
+    weight_types: Counter = Counter()
+    for t in header.tensors:
+        row = histogram.setdefault(t.type_name, [0, 0, 0])
         row[0] += 1
-        row[1] += int(t.n_elements)
-        row[2] += int(t.n_bytes)
-        params += int(t.n_elements)
-    types = sorted(
-        (TensorTypeCount(k, v[0], v[1], v[2]) for k, v in histogram.items()), key=lambda r: -r.bytes
-    )
-    # The dominant 2D weight type names the quant (norms and scales stay F32 in every quant).
-    weight_types = Counter()
-    for t in reader.tensors:
+        row[1] += t.n_elements
+        row[2] += t.n_bytes
+        # the dominant 2D weight type names the quant (norms and scales stay F32 in every quant)
         if len(t.shape) >= 2:
-            weight_types[GGMLQuantizationType(t.tensor_type).name] += int(t.n_bytes)
-    file_type = weight_types.most_common(1)[0][0] if weight_types else None
+            weight_types[t.type_name] += t.n_bytes
+    types = sorted((TensorTypeCount(k, *v) for k, v in histogram.items()), key=lambda r: -r.bytes)
 
-    filled = _reference_default_keys(reader, arch)
+    filled = _reference_default_keys(header, arch)
     sampler, source = {}, {}
     if arch == DIFFUSION_ARCH:
-        reference_defaults = DiffusionParams()
+        try:
+            from_file = sampler_defaults(header)  # the reference's defaults for keys it lacks
+        except ModelLoadError:  # a key of a non-numeric type: shown as the problem below
+            from_file = None
         for key, name in DIFFUSION_PARAM_KEYS.items():
-            value = _scalar(reader, key)
-            sampler[name] = value if value is not None else getattr(reference_defaults, name)
-            source[name] = (FROM_DEFAULT if value is None else
+            in_file = from_file is not None and key in header.metadata
+            sampler[name] = getattr(from_file if in_file else DiffusionParams(), name)
+            source[name] = (FROM_DEFAULT if not in_file else
                             FROM_GGUF_REFERENCE_DEFAULT if key in filled else FROM_GGUF)
+    try:
+        check_model_header(header)
+        problem = None
+    except ModelLoadError as err:
+        problem = str(err).removeprefix(f"{header.path}: ")
 
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    size = path.stat().st_size
     vm = psutil.virtual_memory()
     if gpus is None:
         gpus = detect_gpus() if n_gpu_layers != 0 else []
-    plan, ram_need, gpu_need = memory_plan(lambda key: _scalar(reader, key), [(t.name, int(t.n_bytes)) for t in reader.tensors],
-                                           len(tokens.data) if tokens is not None else 0, size, n_gpu_layers,
-                                           n_cpu_moe, gpus)
+    plan, ram_need, gpu_need = header_plan(header, n_gpu_layers, n_cpu_moe, gpus)
     return GgufInfo(
-        path=str(path),
-        file_size=size,
+        path=str(header.path),
+        file_size=header.file_size,
         architecture=arch,
-        name=_scalar(reader, "general.name"),
-        parameter_count=params,
-        tensor_count=len(reader.tensors),
+        name=_scalar(header, "general.name", str),
+        parameter_count=sum(t.n_elements for t in header.tensors),
+        tensor_count=len(header.tensors),
         tensor_types=types,
-        file_type=file_type,
-        context_length=_scalar(reader, f"{arch}.context_length"),
-        block_count=_scalar(reader, f"{arch}.block_count"),
-        embedding_length=_scalar(reader, f"{arch}.embedding_length"),
-        expert_count=_scalar(reader, f"{arch}.expert_count"),
-        expert_used_count=_scalar(reader, f"{arch}.expert_used_count"),
-        vocab_size=len(tokens.data) if tokens is not None else None,
-        canvas_length=_scalar(reader, "diffusion.canvas_length"),
+        file_type=weight_types.most_common(1)[0][0] if weight_types else None,
+        context_length=_scalar(header, f"{arch}.context_length", int),
+        block_count=_scalar(header, f"{arch}.block_count", int),
+        embedding_length=_scalar(header, f"{arch}.embedding_length", int),
+        expert_count=_scalar(header, f"{arch}.expert_count", int),
+        expert_used_count=_scalar(header, f"{arch}.expert_used_count", int),
+        vocab_size=header.n_vocab,
+        canvas_length=_scalar(header, "diffusion.canvas_length", int),
         sampler_defaults=sampler,
         sampler_defaults_source=source,
-        final_logit_softcapping=_scalar(reader, f"{arch}.final_logit_softcapping"),
+        final_logit_softcapping=_scalar(header, f"{arch}.final_logit_softcapping", float),
         reference_default_keys=filled,
-        has_chat_template=_scalar(reader, "tokenizer.chat_template") is not None,
+        has_chat_template=isinstance(header.get("tokenizer.chat_template"), str),
+        problem=problem,
         ram_total=vm.total,
         ram_available=vm.available,
         memory_needed=ram_need,
@@ -336,17 +303,13 @@ def read_info(path: Path | str, *, n_gpu_layers: int = 0, n_cpu_moe: int = 0,
     )
 
 
-def architecture_of(path: Path | str) -> str:
-    reader = open_reader(path)
-    arch = _scalar(reader, "general.architecture")
-    if not isinstance(arch, str):
-        raise ModelLoadError(f"GGUF without general.architecture: {path}")
-    return arch
-
-
 def check_architecture(path: Path | str, *, diffusion: bool, command: str) -> str:
-    """Refuse a GGUF of the wrong kind for `command` before llama.cpp sees it."""
-    arch = architecture_of(path)
+    """Refuse a GGUF of the wrong kind for `command`, or with a hyperparameter llama.cpp cannot
+    take, before llama.cpp sees it."""
+    header = read_header(path)
+    arch = header.architecture
+    if not arch:
+        raise ModelLoadError(f"GGUF without general.architecture: {path}")
     if diffusion and arch != DIFFUSION_ARCH:
         raise ModelLoadError(
             f"{path} is a {arch!r} model, not a DiffusionGemma ({DIFFUSION_ARCH!r}) GGUF; "
@@ -354,6 +317,7 @@ def check_architecture(path: Path | str, *, diffusion: bool, command: str) -> st
         )
     if not diffusion and arch == DIFFUSION_ARCH:
         raise ModelLoadError(f"{path} is a diffusion model; the autoregressive side needs a stock gemma4 GGUF")
+    check_model_header(header)
     return arch
 
 
@@ -373,7 +337,7 @@ def check_fits_memory(path: Path | str, *, n_gpu_layers: int = 0, n_cpu_moe: int
 
     if gpus is None:
         gpus = detect_gpus() if n_gpu_layers != 0 else []
-    _, ram_need, gpu_need = header_plan(path, n_gpu_layers, n_cpu_moe, gpus)
+    _, ram_need, gpu_need = header_plan(read_header(path), n_gpu_layers, n_cpu_moe, gpus)
     name, total = Path(path).name, psutil.virtual_memory().total
     if ram_need > total:
         hint = ("offload more to the GPU (--gpu-layers, or a smaller --n-cpu-moe)" if gpu_need
@@ -399,17 +363,14 @@ def _offload_words(n_gpu_layers: int, n_cpu_moe: int) -> str:
 def smallest_fitting_n_cpu_moe(path: Path | str, n_gpu_layers: int, gpus: list[GpuMemory]) -> int | None:
     """The fewest layers whose experts must stay in RAM for the rest to fit the GPUs' free memory
     (None: not even with every expert in RAM)."""
-    from dgcli.engine.model import read_gguf_header
-
-    header = read_gguf_header(path)
+    header = read_header(path)
     n_layer = header.get(f"{header.architecture}.block_count")
     if not isinstance(n_layer, int) or not gpus:
         return None
     free = sum(g.free for g in gpus)
-    vocab, size = header.array_lengths.get("tokenizer.ggml.tokens", 0), Path(path).stat().st_size
 
     def gpu_need(n: int) -> int:
-        return memory_plan(header.get, header.tensors, vocab, size, n_gpu_layers, n, gpus)[2]
+        return header_plan(header, n_gpu_layers, n, gpus)[2]
 
     if gpu_need(n_layer) > free:
         return None

@@ -19,6 +19,8 @@ from rich.live import Live
 
 from dgcli import hub, info as ginfo, render
 from dgcli.commands import _signals
+from dgcli.engine.header import read_header
+from dgcli.engine.hparams import sampler_defaults
 from dgcli.engine.types import CanvasEvent, DgError, DiffusionParams, GenerationResult, StepEvent
 from dgcli.outputs import OutputFile
 from dgcli.registry import DEFAULT_MODEL, Registry, ResolvedModel, missing_shipped_message
@@ -292,15 +294,15 @@ def prompt_ids(model, text: str, *, system: Optional[str], raw: bool, parse_spec
 
 
 def diffusion_params(path: Path, temp: Optional[float] = None, **flags: Any) -> DiffusionParams:
-    """The GGUF's sampler defaults with the user's flags on top, validated before any loading.
-    temp: a constant temperature (t_min = t_max), llama-cli's --temp."""
+    """The GGUF's sampler defaults with the user's flags on top, validated (against the file's canvas)
+    before any loading. temp: a constant temperature (t_min = t_max), llama-cli's --temp."""
     if temp is not None:
         if flags.get("t_min") is not None or flags.get("t_max") is not None:
             raise DgError("--temp sets both ends of the temperature schedule; pass --temp or --t-min/--t-max, not both")
         flags.update(t_min=temp, t_max=temp)
-    meta = ginfo.read_info(path)
-    base = DiffusionParams(**meta.sampler_defaults) if meta.sampler_defaults else DiffusionParams()
-    return base.replace(**flags).validate()
+    header = read_header(path)
+    canvas = header.get("diffusion.canvas_length")
+    return sampler_defaults(header).replace(**flags).validate(canvas_length=canvas if isinstance(canvas, int) else None)
 
 
 def check_generation_args(max_new_tokens: int, threads: Optional[int], gpu_layers: int,

@@ -7,6 +7,7 @@ from typing import Optional
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from dgcli import hub, info as ginfo
 from dgcli.engine.types import DIFFUSION_PARAM_KEYS, DgError
@@ -68,8 +69,11 @@ def info_cmd(model: str = typer.Argument(..., help="A .gguf path or a registry n
                                         "the model's config gave none (the published converter leaves these keys out)"))
         if gpu_layers != 0:
             rows.append(("GPU memory", gpu_fit_words(meta)))
+        if meta.problem:
+            rows.append(("problem", Text(f"{meta.problem} (dg will not load it)", style="red")))
         for k, v in rows:
-            summary.add_row(k, v)
+            # Text, not markup: names and paths come from the file and may hold brackets
+            summary.add_row(k, v if isinstance(v, Text) else Text(v))
         shared.stdout.print(summary)
         if meta.sampler_defaults:
             sampler = Table(title="sampler defaults (diffusion.eb_*)")

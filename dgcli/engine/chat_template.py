@@ -1,5 +1,6 @@
 """A GGUF's chat template: rendered by llama-cpp-python's Jinja2ChatFormatter, split into the
 template's own text and the messages' text, so that only the former is parsed for control tokens.
+The template is a program from the file: it runs in a limited child process (template_sandbox.py).
 
 Text a user types (or pipes in from elsewhere) may hold the text of a control token: `<turn|>`,
 `<eos>`, `<|turn>model`. Tokenized with special parsing, that text would close the user's turn and
@@ -14,8 +15,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
+from dgcli.engine.template_sandbox import render_chat_template
 from dgcli.engine.types import DgError
 
 # Private-use characters: a sentinel cannot be confused with text a template writes.
@@ -41,14 +43,11 @@ class ChatTemplate:
 
     def __init__(self, template: str, bos_token: str = "", eos_token: str = "", name: str = "the model"):
         self.template, self.bos_token, self.eos_token, self.name = template, bos_token, eos_token, name
-        self._formatters: dict[bool, Any] = {}
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
-        formatter = self._formatter(add_generation_prompt)
-        try:
-            return formatter(messages=[dict(m) for m in messages]).prompt
-        except Exception as err:  # noqa: BLE001 (jinja2 errors and the template's raise_exception)
-            raise DgError(f"the chat template of {self.name} failed: {err}") from None
+        return render_chat_template(self.template, messages=[dict(m) for m in messages],
+                                    add_generation_prompt=add_generation_prompt, bos_token=self.bos_token,
+                                    eos_token=self.eos_token, source=self.name)
 
     def segments(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[Segment] | None:
         """The rendered prompt as consecutive segments of structure and message text, or None when the
@@ -76,18 +75,6 @@ class ChatTemplate:
         if pos != len(full):
             return None
         return [s for s in out if s.text]
-
-    def _formatter(self, add_generation_prompt: bool):
-        if add_generation_prompt not in self._formatters:
-            from llama_cpp.llama_chat_format import Jinja2ChatFormatter  # noqa: PLC0415 (loads the native library)
-
-            try:
-                self._formatters[add_generation_prompt] = Jinja2ChatFormatter(
-                    self.template, eos_token=self.eos_token, bos_token=self.bos_token,
-                    add_generation_prompt=add_generation_prompt)
-            except Exception as err:  # noqa: BLE001 (a template that does not parse)
-                raise DgError(f"the chat template of {self.name} does not parse: {err}") from None
-        return self._formatters[add_generation_prompt]
 
 
 def check_message(message: dict) -> None:

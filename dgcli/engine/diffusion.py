@@ -191,7 +191,7 @@ class DiffusionSequence:
                  rng: RngStream, step_sampler: StepSampler, top_k: int = 0, pad_token_id: int | None = GEMMA_PAD_TOKEN_ID,
                  on_event: EventCallback | None = None):
         self.model = model
-        self.params = params.validate()
+        self.params = params.validate(canvas_length=model.canvas_length)
         limit = validate_max_new_tokens(max_new_tokens)
         self.max_new_canvases = math.ceil(limit / model.canvas_length)
         self.rng, self.step_sampler, self.top_k = rng, step_sampler, top_k

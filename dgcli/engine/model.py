@@ -15,45 +15,38 @@ so its logits are bit-identical to a single generation's.
 
 `ArModel` is the same surface for a stock `gemma4` GGUF (the AR base): prefill / decode_token.
 
-Files are checked here before llama.cpp sees them (exists, GGUF magic, header parses, tensor data
-inside the file, architecture), and a load llama.cpp refuses becomes a one-line ModelLoadError
-quoting llama.cpp's reason.
+Files are checked here before llama.cpp sees them (header.py: exists, GGUF magic, header parses,
+tensor data inside the file; hparams.py: every hyperparameter the architecture uses), and a load
+llama.cpp refuses becomes a one-line ModelLoadError quoting llama.cpp's reason.
 """
 
 from __future__ import annotations
 
 import ctypes
-import math
 import os
-import struct
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
 from dgcli.engine import native
+from dgcli.engine.header import END_TOKEN_TEXTS, VISIBLE_CONTROL_TEXTS, read_header
+from dgcli.engine.hparams import AR_ARCH, DIFFUSION_ARCH, check_model_header, sampler_defaults
 from dgcli.engine.offload import LoadReport, check_offload, expert_override_pattern
-from dgcli.units import format_bytes
+from dgcli.engine.template_sandbox import start_renderer
 from dgcli.engine.types import (
-    DIFFUSION_PARAM_KEYS,
+    MAX_CANVAS_LENGTH,
     ContextFull,
     DgError,
     DiffusionParams,
     InvalidParameter,
     ModelLoadError,
 )
+from dgcli.units import format_bytes
 
 if TYPE_CHECKING:
     from dgcli.engine.chat_template import ChatTemplate
 
-DIFFUSION_ARCH = "diffusion-gemma"
-AR_ARCH = "gemma4"
-
-END_TOKEN_TEXTS = ("<eos>", "<turn|>")
-# Gemma 4's thinking-channel markers are control tokens, which detokenizing normally drops; they stay
-# in the text so that the CLI can show the thinking dimmed or hide it (render.split_thinking).
-VISIBLE_CONTROL_TEXTS = ("<|channel>", "<channel|>")
 DEFAULT_N_CTX = 4096
 # Prompts go through the encoder in chunks of this many tokens (the default n_ubatch): a caller that
 # wants the very same K/V as another run feeds prompts in chunks of this size too
@@ -92,157 +85,6 @@ def default_threads(path: str | os.PathLike) -> int:
     except OSError:
         pass
     return max(1, os.cpu_count() or 1)
-
-
-# -- GGUF header check ------------------------------------------------------------------------------
-
-_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
-_TYPE_NAMES = {0: "uint8", 1: "int8", 2: "uint16", 3: "int16", 4: "uint32", 5: "int32", 6: "float32", 7: "bool",
-               8: "string", 9: "array", 10: "uint64", 11: "int64", 12: "float64"}
-_KEEP_ARRAYS_UP_TO = 4096  # per-layer arrays are kept; vocabularies are only scanned
-
-
-@dataclass
-
-class GgufHeader:
-    """What dg needs from a GGUF header without loading it: metadata (values with their type names)."""
-
-    path: Path
-    version: int
-    metadata: dict[str, tuple[str, Any]] = field(default_factory=dict)
-    token_ids: dict[str, int] = field(default_factory=dict)  # selected token texts -> id
-    n_tensors: int = 0
-    tensors: list[tuple[str, int]] = field(default_factory=list)  # (name, bytes), file order
-    array_lengths: dict[str, int] = field(default_factory=dict)  # every array key's length (kept or not)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.metadata[key][1] if key in self.metadata else default
-
-    @property
-    def architecture(self) -> str | None:
-        value = self.get("general.architecture")
-        return value if isinstance(value, str) else None
-
-
-class _Reader:
-    def __init__(self, f: Any, size: int):
-        self.f, self.size = f, size
-
-    def read(self, n: int) -> bytes:
-        if n < 0 or self.f.tell() + n > self.size:
-            raise EOFError
-        data = self.f.read(n)
-        if len(data) != n:
-            raise EOFError
-        return data
-
-    def unpack(self, fmt: str) -> Any:
-        return struct.unpack(fmt, self.read(struct.calcsize(fmt)))[0]
-
-    def string(self) -> bytes:
-        return self.read(self.unpack("<Q"))
-
-    def skip(self, n: int) -> None:
-        if n < 0 or self.f.tell() + n > self.size:
-            raise EOFError
-        self.f.seek(n, os.SEEK_CUR)
-
-
-def read_gguf_header(path: str | os.PathLike, wanted_tokens: Sequence[str] = ()) -> GgufHeader:
-    """Parse and sanity-check a GGUF file's header; raise ModelLoadError naming what is wrong."""
-    p = Path(path)
-    if not p.exists():
-        raise ModelLoadError(f"model file not found: {p}")
-    if not p.is_file():
-        raise ModelLoadError(f"not a file: {p}")
-    size = p.stat().st_size
-    wanted = {t.encode(): t for t in wanted_tokens}
-    try:
-        with open(p, "rb") as f:
-            r = _Reader(f, size)
-            try:
-                magic = r.read(4)
-            except EOFError:
-                raise ModelLoadError(f"{p} is not a GGUF file (only {size} bytes)") from None
-            if magic != b"GGUF":
-                raise ModelLoadError(f"{p} is not a GGUF file (magic {magic!r}, expected b'GGUF')")
-            try:
-                header = _read_header_body(r, p, wanted)
-            except (EOFError, struct.error, UnicodeDecodeError, OverflowError, MemoryError):
-                raise ModelLoadError(f"{p} is truncated or malformed: its GGUF header cannot be read") from None
-    except OSError as err:
-        raise ModelLoadError(f"cannot read {p}: {err.strerror or err}") from None
-    return header
-
-
-def _read_header_body(r: _Reader, p: Path, wanted: dict[bytes, str]) -> GgufHeader:
-    version = r.unpack("<I")
-    if version not in (2, 3):
-        raise ModelLoadError(f"{p}: unsupported GGUF version {version}")
-    n_tensors, n_kv = r.unpack("<Q"), r.unpack("<Q")
-    if n_tensors > 1 << 24 or n_kv > 1 << 24:
-        raise ModelLoadError(f"{p} is malformed: implausible counts ({n_tensors} tensors, {n_kv} keys)")
-    header = GgufHeader(path=p, version=version, n_tensors=n_tensors)
-    for _ in range(n_kv):
-        key = r.string().decode("utf-8")
-        vtype = r.unpack("<I")
-        header.metadata[key] = (_TYPE_NAMES.get(vtype, "?"), _read_value(r, vtype, key, header, wanted))
-
-    import gguf  # noqa: PLC0415 (only for the quantization block sizes)
-
-    alignment = header.get("general.alignment", 32)
-    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-        raise ModelLoadError(f"{p} is malformed: general.alignment = {alignment!r}")
-    tensors = []
-    for _ in range(n_tensors):
-        name = r.string().decode("utf-8")
-        n_dims = r.unpack("<I")
-        if n_dims > 8:
-            raise ModelLoadError(f"{p} is malformed: tensor {name} has {n_dims} dimensions")
-        dims = [r.unpack("<Q") for _ in range(n_dims)]
-        ttype, offset = r.unpack("<I"), r.unpack("<Q")
-        try:
-            block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ttype)]
-        except (ValueError, KeyError):
-            raise ModelLoadError(f"{p}: tensor {name} has an unknown type id {ttype}") from None
-        n_elems = math.prod(dims)
-        tensors.append((name, offset, n_elems // block * type_size))
-    data_start = -(-r.f.tell() // alignment) * alignment
-    for name, offset, nbytes in tensors:
-        end = data_start + offset + nbytes
-        if end > r.size:
-            raise ModelLoadError(f"{p} is truncated: tensor {name} ends at byte {end}, the file has {r.size}")
-    header.tensors = [(name, nbytes) for name, _offset, nbytes in tensors]
-    return header
-
-
-def _read_value(r: _Reader, vtype: int, key: str, header: GgufHeader, wanted: dict[bytes, str]) -> Any:
-    if vtype in _SCALAR_FORMATS:
-        return r.unpack(_SCALAR_FORMATS[vtype])
-    if vtype == _STRING:
-        return r.string().decode("utf-8", errors="replace")
-    if vtype != _ARRAY:
-        raise ModelLoadError(f"{header.path} is malformed: key {key} has unknown type {vtype}")
-    etype, n = r.unpack("<I"), r.unpack("<Q")
-    header.array_lengths[key] = n
-    if etype in _SCALAR_FORMATS:
-        width = struct.calcsize(_SCALAR_FORMATS[etype])
-        if n <= _KEEP_ARRAYS_UP_TO:
-            return [r.unpack(_SCALAR_FORMATS[etype]) for _ in range(n)]
-        r.skip(n * width)
-        return None
-    if etype == _STRING:
-        keep = n <= 64
-        values = []
-        for i in range(n):
-            text = r.string()
-            if key == "tokenizer.ggml.tokens" and text in wanted:
-                header.token_ids.setdefault(wanted[text], i)
-            if keep:
-                values.append(text.decode("utf-8", errors="replace"))
-        return values if keep else None
-    raise ModelLoadError(f"{header.path} is malformed: key {key} is an array of type {etype}")
 
 
 def _cpu_has_amx() -> bool:
@@ -291,11 +133,14 @@ class _LlamaModel:
         self._ctx = None
         self.path = Path(path)
         self.exact = bool(exact)
-        self.header = read_gguf_header(self.path, wanted_tokens=END_TOKEN_TEXTS + VISIBLE_CONTROL_TEXTS)
+        self.header = read_header(self.path)
         arch = self.header.architecture
         if arch != self.architecture:
             raise ModelLoadError(f"{self.path} is a {arch or 'unknown-architecture'} model; "
                                  f"{type(self).__name__} needs general.architecture = {self.architecture}")
+        check_model_header(self.header)
+        if isinstance(self.header.get("tokenizer.chat_template"), str):
+            start_renderer()  # it starts while the model loads
         check_threads(n_threads)
         check_gpu_layers(n_gpu_layers)
         if not isinstance(n_seq_max, int) or n_seq_max < 1:
@@ -410,6 +255,8 @@ class _LlamaModel:
 
     def tokenize(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
         self._require_open()
+        if add_bos and self._lib.llama_vocab_get_add_bos(self._vocab) and self._lib.llama_vocab_bos(self._vocab) < 0:
+            raise DgError(f"{self.path.name} has no valid <bos> token (tokenizer.ggml.bos_token_id)")
         data = text.encode("utf-8")
         cap = len(data) + 8
         buf = (self._lib.llama_token * cap)()
@@ -423,6 +270,8 @@ class _LlamaModel:
         return list(buf[:n])
 
     def token_piece(self, token: int, special: bool = False) -> bytes:
+        if not 0 <= token < self.vocab_size:  # llama.cpp indexes its table without a check
+            raise InvalidParameter("token id", token, f"in [0, {self.vocab_size})")
         buf = ctypes.create_string_buffer(64)
         n = self._lib.llama_token_to_piece(self._vocab, int(token), buf, len(buf), 0, special)
         if n < 0:
@@ -459,8 +308,9 @@ class _LlamaModel:
         return self._chat_template
 
     def _special_text(self, which: str) -> str:
-        token = self.header.get(f"tokenizer.ggml.{which}_token_id")
-        if not isinstance(token, int) or not 0 <= token < self.vocab_size:
+        # the id llama.cpp resolved (an id the file gets wrong is never looked up)
+        token = {"bos": self._lib.llama_vocab_bos, "eos": self._lib.llama_vocab_eos}[which](self._vocab)
+        if not 0 <= token < self.vocab_size:
             return ""
         return self.token_piece(token, special=True).decode("utf-8", "replace")
 
@@ -592,9 +442,8 @@ class DiffusionModel(_LlamaModel):
     def __init__(self, path: str | os.PathLike, n_threads: int | None = None, n_gpu_layers: int = 0,
                  exact: bool = False, n_ctx: int | None = None, n_seq_max: int = 1, n_ubatch: int | None = None,
                  n_cpu_moe: int = 0, kv_unified: bool = True, rpc_servers: Sequence[str] | None = None):
-        header = read_gguf_header(path)
-        canvas = header.get("diffusion.canvas_length")
-        canvas = canvas if isinstance(canvas, int) and 0 < canvas <= 1 << 16 else 0
+        canvas = read_header(path).get("diffusion.canvas_length")
+        canvas = canvas if isinstance(canvas, int) and 0 < canvas <= MAX_CANVAS_LENGTH else 0
         # a canvas must be one micro-batch (the decoder is non-causal over it); prompts are chunked
         need = canvas * (n_seq_max if isinstance(n_seq_max, int) else 1)
         if n_ubatch is None:
@@ -611,23 +460,8 @@ class DiffusionModel(_LlamaModel):
         self.default_params = self._read_default_params()
 
     def _read_default_params(self) -> DiffusionParams:
-        values: dict[str, Any] = {}
-        for key, name in DIFFUSION_PARAM_KEYS.items():
-            if key not in self.header.metadata:
-                continue
-            vtype, value = self.header.metadata[key]
-            integral = name in ("max_denoising_steps", "stability_threshold")
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ModelLoadError(f"{self.path}: {key} has type {vtype}, expected a number")
-            if integral:
-                values[name] = int(value)
-            elif vtype == "float32":
-                # the float32's shortest decimal (0.4, not 0.4000000059604645): what the writer meant
-                values[name] = float(str(np.float32(value)))
-            else:
-                values[name] = float(value)
         try:
-            return DiffusionParams(**values).validate()
+            return sampler_defaults(self.header).validate(canvas_length=self.canvas_length)
         except InvalidParameter as err:
             raise ModelLoadError(f"{self.path}: bad diffusion.eb_* default: {err}") from None
 
@@ -753,11 +587,6 @@ class ArModel(_LlamaModel):
 
     def __init__(self, path: str | os.PathLike, n_threads: int | None = None, n_gpu_layers: int = 0,
                  n_ctx: int | None = None, n_cpu_moe: int = 0, rpc_servers: Sequence[str] | None = None):
-        pattern = read_gguf_header(path).get(f"{AR_ARCH}.attention.sliding_window_pattern")
-        # stock gemma4 builds an iSWA cache and aborts the process (GGML_ASSERT) when no layer slides
-        if isinstance(pattern, list) and pattern and not any(pattern):
-            raise ModelLoadError(f"{path}: {AR_ARCH}.attention.sliding_window_pattern has no sliding layer "
-                                 "(gemma4 needs at least one)")
         super().__init__(path, n_threads=n_threads, n_gpu_layers=n_gpu_layers, exact=False, n_ctx=n_ctx,
                          n_cpu_moe=n_cpu_moe, rpc_servers=rpc_servers)
         self.default_params = None

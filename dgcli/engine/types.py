@@ -41,6 +41,19 @@ DEFAULT_ENTROPY_BOUND = 0.1
 DEFAULT_STABILITY_THRESHOLD = 1
 DEFAULT_CONFIDENCE_THRESHOLD = 0.005
 
+# What is meaningful, so that a flag or a GGUF key cannot make a run go on for ever: a canvas up to
+# 4x the published 256 tokens; up to 4 denoising steps per canvas position (every step accepts at
+# least one; the reference's 48 on 256 positions is 0.19 per position), never fewer than the
+# reference's 48; a stability threshold within the steps (beyond them the stop can never fire).
+MAX_CANVAS_LENGTH = 1024
+MAX_STEPS_PER_CANVAS_POSITION = 4
+
+
+def max_denoising_steps_for(canvas_length: int | None) -> int:
+    """The largest meaningful max_denoising_steps for a canvas of `canvas_length` tokens."""
+    canvas = canvas_length if canvas_length else MAX_CANVAS_LENGTH
+    return max(MAX_STEPS_PER_CANVAS_POSITION * canvas, DEFAULT_MAX_DENOISING_STEPS)
+
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
@@ -77,10 +90,15 @@ class DiffusionParams:
     stability_threshold: int = DEFAULT_STABILITY_THRESHOLD
     confidence_threshold: float = DEFAULT_CONFIDENCE_THRESHOLD
 
-    def validate(self) -> "DiffusionParams":
-        """Raise InvalidParameter naming the first bad value and its allowed range."""
-        if not _is_int(self.max_denoising_steps) or self.max_denoising_steps < 1:
-            raise InvalidParameter("max_denoising_steps", self.max_denoising_steps, "an integer >= 1")
+    def validate(self, canvas_length: int | None = None) -> "DiffusionParams":
+        """Raise InvalidParameter naming the first bad value and its allowed range. The step
+        bound depends on the canvas (`max_denoising_steps_for`); without one, the largest canvas's."""
+        max_steps = max_denoising_steps_for(canvas_length)
+        if not _is_int(self.max_denoising_steps) or not 1 <= self.max_denoising_steps <= max_steps:
+            where = f"a {canvas_length}-token canvas" if canvas_length else "any canvas"
+            raise InvalidParameter("max_denoising_steps", self.max_denoising_steps,
+                                   f"an integer between 1 and {max_steps} (at most {max_steps} steps are meaningful "
+                                   f"for {where})")
         if not _is_real(self.t_min) or self.t_min < 0:
             raise InvalidParameter("t_min", self.t_min, "a number >= 0")
         if not _is_real(self.t_max) or self.t_max <= 0:
@@ -91,8 +109,9 @@ class DiffusionParams:
             raise InvalidParameter("t_max", self.t_max, f"at least t_min ({self.t_min})")
         if not _is_real(self.entropy_bound) or self.entropy_bound <= 0:
             raise InvalidParameter("entropy_bound", self.entropy_bound, "a number > 0")
-        if not _is_int(self.stability_threshold) or self.stability_threshold < 0:
-            raise InvalidParameter("stability_threshold", self.stability_threshold, "an integer >= 0")
+        if not _is_int(self.stability_threshold) or not 0 <= self.stability_threshold <= self.max_denoising_steps:
+            raise InvalidParameter("stability_threshold", self.stability_threshold,
+                                   f"an integer between 0 and max_denoising_steps ({self.max_denoising_steps})")
         if not _is_real(self.confidence_threshold) or self.confidence_threshold <= 0:
             raise InvalidParameter("confidence_threshold", self.confidence_threshold, "a number > 0")
         return self
