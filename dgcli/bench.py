@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from dgcli.engine.types import DgError, DiffusionParams, GenerationResult
+from dgcli.textfile import read_text_file
 from dgcli.units import format_bytes
 
 
@@ -43,16 +44,14 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16)
 SPEEDUP_STEPS = (1, 2, 4, 8, 12, 16, 24, 32, 48)
 
 
+MAX_PROMPT_FILE_BYTES = 16 << 20
+
+
 def load_prompts(path: Path | str) -> list[BenchPrompt]:
     """One prompt per line: `prompt`, `name<TAB>prompt` or `name<TAB>prompt<TAB>expected answer`;
     blank lines and `#` comments skipped."""
     path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        raise DgError(f"prompt file not found: {path}") from None
-    except (UnicodeDecodeError, IsADirectoryError):
-        raise DgError(f"prompt file is not UTF-8 text: {path}") from None
+    lines = read_text_file(path, what="prompt file", max_bytes=MAX_PROMPT_FILE_BYTES).splitlines()
     prompts = []
     for line in lines:
         if not line.strip() or line.lstrip().startswith("#"):
