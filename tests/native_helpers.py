@@ -33,8 +33,9 @@ requires_gpu = pytest.mark.skipif(bool(GPU_REASON), reason=GPU_REASON)
 
 def rewrite_gguf(src: Path, dst: Path, *, drop_keys: tuple[str, ...] = (), set_keys: dict[str, tuple[Any, Any]] | None = None,
                  drop_tensors: tuple[str, ...] = (), tensor_edit: Callable[[str, np.ndarray], np.ndarray] | None = None) -> Path:
-    """Copy `src` to `dst` with keys dropped / replaced ({key: (value, GGUFValueType)}) and tensors
-    dropped or edited (F32/F16 tensors only for edits)."""
+    """Copy `src` to `dst` with keys dropped / replaced ({key: (value, GGUFValueType)}, or
+    (values, ARRAY, element GGUFValueType) for an array) and tensors dropped or edited (F32/F16
+    tensors only for edits)."""
     import gguf
 
     reader = gguf.GGUFReader(str(src))
@@ -49,8 +50,8 @@ def rewrite_gguf(src: Path, dst: Path, *, drop_keys: tuple[str, ...] = (), set_k
         vtype = gguf.GGUFValueType(fld.types[0])
         sub = gguf.GGUFValueType(fld.types[1]) if vtype == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(name, fld.contents(), vtype, sub_type=sub)
-    for name, (value, vtype) in set_keys.items():
-        writer.add_key_value(name, value, vtype)
+    for name, (value, vtype, *sub) in set_keys.items():
+        writer.add_key_value(name, value, vtype, sub_type=sub[0] if sub else None)
     for t in reader.tensors:
         if t.name in drop_tensors:
             continue
