@@ -97,8 +97,7 @@ class DiffusionParams:
         if not _is_int(self.max_denoising_steps) or not 1 <= self.max_denoising_steps <= max_steps:
             where = f"a {canvas_length}-token canvas" if canvas_length else "any canvas"
             raise InvalidParameter("max_denoising_steps", self.max_denoising_steps,
-                                   f"an integer between 1 and {max_steps} (at most {max_steps} steps are meaningful "
-                                   f"for {where})")
+                                   f"an integer between 1 and {max_steps} (the most that is meaningful for {where})")
         if not _is_real(self.t_min) or self.t_min < 0:
             raise InvalidParameter("t_min", self.t_min, "a number >= 0")
         if not _is_real(self.t_max) or self.t_max <= 0:
