@@ -100,12 +100,15 @@ class _Checker:
     def run(self) -> None:
         if self.arch not in (DIFFUSION_ARCH, AR_ARCH):
             return  # not a file dg loads; the caller names the architecture it wanted
-        self.check_layers_and_sizes()
+        n_layer, n_embd = self.check_sizes()
+        self.check_experts(n_layer)
+        self.check_attention(n_layer, n_embd)
+        self.check_norms_and_rope_bases()
         self.check_tokenizer()
         if self.arch == DIFFUSION_ARCH:
             self.check_diffusion()
 
-    def check_layers_and_sizes(self) -> None:
+    def check_sizes(self) -> tuple[int, int]:
         k = self.h.arch_key
         n_layer = self.integer(k("block_count"), 1, LLAMA_MAX_LAYERS)
         self.integer(k("context_length"), 1, 2**31 - 1)  # llama.cpp hands it out as an int32
@@ -114,8 +117,15 @@ class _Checker:
         if embd is not None and (len(embd.shape) != 2 or embd.shape[0] != n_embd):
             raise self.fail(k("embedding_length"), n_embd,
                             f"the row length of token_embd.weight (shape {list(embd.shape)})")
-        n_ff = self.per_layer(k("feed_forward_length"), n_layer, 1, MAX_FFN)  # noqa: F841 (range is the check)
+        self.per_layer(k("feed_forward_length"), n_layer, 1, MAX_FFN)
+        per_layer_input = self.integer(k("embedding_length_per_layer_input"), 0, MAX_EMBEDDING,
+                                       default=0 if self.arch == DIFFUSION_ARCH else None)
+        if self.arch == DIFFUSION_ARCH and per_layer_input:
+            raise self.fail(k("embedding_length_per_layer_input"), per_layer_input, "0 (DiffusionGemma has none)")
+        return n_layer, n_embd
 
+    def check_experts(self, n_layer: int) -> None:
+        k = self.h.arch_key
         n_expert = self.integer(k("expert_count"), 1 if self.arch == DIFFUSION_ARCH else 0, LLAMA_MAX_EXPERTS,
                                 default=0 if self.arch == AR_ARCH else None)
         if n_expert:
@@ -125,6 +135,8 @@ class _Checker:
             self.per_layer(k("expert_used_count"), n_layer, 0, 0, default=[0] * n_layer,
                            what="0 (expert_count is 0)")
 
+    def check_attention(self, n_layer: int, n_embd: int) -> None:
+        k = self.h.arch_key
         n_head = self.per_layer(k("attention.head_count"), n_layer, 1, MAX_HEADS)
         n_head_kv = self.per_layer(k("attention.head_count_kv"), n_layer, 1, MAX_HEADS, default=n_head)
         for il, (q, kv) in enumerate(zip(n_head, n_head_kv)):
@@ -155,20 +167,19 @@ class _Checker:
         if not (2 <= n_rot_swa <= head_swa and n_rot_swa % 2 == 0):
             raise self.fail(k("rope.dimension_count_swa"), n_rot_swa,
                             f"even, between 2 and the sliding layers' head size ({head_swa})")
+
+        self.integer(k("attention.sliding_window"), 1, MAX_SLIDING_WINDOW)
+        pattern = self.sliding_pattern(n_layer)
+        self.check_shared_kv(n_layer, pattern)
+
+    def check_norms_and_rope_bases(self) -> None:
+        k = self.h.arch_key
         positive = "finite and > 0"
         self.real(k("rope.freq_base"), lambda v: v > 0, positive, default=10000.0)
         self.real(k("rope.freq_base_swa"), lambda v: v > 0, positive, default=10000.0)
         self.real(k("attention.layer_norm_rms_epsilon"), lambda v: 0 < v < MAX_EPSILON,
                   f"finite, > 0 and < {MAX_EPSILON:g}")
         self.real(k("final_logit_softcapping"), lambda v: v >= 0, "finite and >= 0 (0 = no softcap)", default=0.0)
-
-        self.integer(k("attention.sliding_window"), 1, MAX_SLIDING_WINDOW)
-        pattern = self.sliding_pattern(n_layer)
-        self.check_shared_kv(n_layer, pattern)
-        per_layer_input = self.integer(k("embedding_length_per_layer_input"), 0, MAX_EMBEDDING,
-                                       default=0 if self.arch == DIFFUSION_ARCH else None)
-        if self.arch == DIFFUSION_ARCH and per_layer_input:
-            raise self.fail(k("embedding_length_per_layer_input"), per_layer_input, "0 (DiffusionGemma has none)")
 
     def sliding_pattern(self, n_layer: int) -> list[bool]:
         key = self.h.arch_key("attention.sliding_window_pattern")
