@@ -140,6 +140,17 @@ def named_edits(base: str) -> list[tuple[str, Callable[[Gguf], None]]]:
     add("sliding_window_pattern has 5 entries")(set_arch("attention.sliding_window_pattern", ARRAY, (BOOL, [True] * 5)))
     add("sliding_window_pattern has 600 entries")(set_arch("attention.sliding_window_pattern", ARRAY, (BOOL, [True] * 600)))
     add("sliding_window_pattern of ints 7")(set_arch("attention.sliding_window_pattern", ARRAY, (U8, [7] * 6)))
+    # keys the Gemma files do not have, which llama.cpp's generic loader asserts on
+    add("rope.scaling.type bogus")(set_arch("rope.scaling.type", STRING, b"bogus"))
+    add("rope.scaling.factor NaN")(set_arch("rope.scaling.factor", F32, math.nan))
+    add("rope.scaling.factor -1")(set_arch("rope.scaling.factor", F32, -1.0))
+    add("expert_group_count = expert_count")(lambda g: g.set(f"{_prefix(g)}.expert_group_count", U32,
+                                                             _int_value(g.get(f"{_prefix(g)}.expert_count"), 4)))
+    add("expert_group_count 3 (does not divide)")(set_arch("expert_group_count", U32, 3))
+    add("expert_group_count 2, used 0")(lambda g: (g.set(f"{_prefix(g)}.expert_group_count", U32, 2),
+                                                   g.set(f"{_prefix(g)}.expert_group_used_count", U32, 0)))
+    add("nextn_predict_layers > block_count")(set_arch("nextn_predict_layers", U32, 7))
+    add("alignment as uint64")(lambda g: g.set("general.alignment", U64, 32))
     add("expert_used_count > expert_count")(lambda g: (g.set(f"{_prefix(g)}.expert_count", U32, 2),
                                                        g.set(f"{_prefix(g)}.expert_used_count", U32, 4)))
     add("feed_forward_length as per-layer array of 5")(set_arch("feed_forward_length", ARRAY, (U32, [128] * 5)))

@@ -60,6 +60,9 @@ REPRODUCERS = [
     ("eb_max_steps 1e9", D, {"diffusion.eb_max_steps": (10**9, V.UINT32)}, "diffusion.eb_max_steps"),
     ("eb_stability_threshold 1e7", D, {"diffusion.eb_stability_threshold": (10**7, V.UINT32)},
      "diffusion.eb_stability_threshold"),
+    ("unknown rope scaling type", D, {f"{D}.rope.scaling.type": ("bogus", V.STRING)}, "rope.scaling.type"),
+    ("expert groups", D, {f"{D}.expert_group_count": (4, V.UINT32)}, "expert_group_count"),
+    ("more MTP layers than layers", D, {f"{D}.nextn_predict_layers": (7, V.UINT32)}, "nextn_predict_layers"),
     ("AR block_count 0", "gemma4", {"gemma4.block_count": (0, V.UINT32)}, "block_count"),
     ("AR shared_kv_layers = block_count", "gemma4", {"gemma4.attention.shared_kv_layers": (6, V.UINT32)},
      "shared_kv_layers"),
@@ -92,6 +95,13 @@ def test_each_reproducer_is_refused_naming_its_key(reproducers, name, arch, keys
     assert key in message and "\n" not in message, message
     # dg info still shows the file, with the reason dg will not load it
     assert key in info.read_info(reproducers[name]).problem
+
+
+def test_alignment_of_another_type_is_refused_by_the_reader(tiny_gguf, tmp_path):
+    # llama.cpp's gguf reader asserts that general.alignment is a uint32
+    path = rewrite_gguf(tiny_gguf, tmp_path / "align.gguf", set_keys={"general.alignment": (32, V.UINT64)})
+    with pytest.raises(ModelLoadError, match="general.alignment"):
+        read_header(path)
 
 
 def test_the_shipped_and_tiny_models_pass(tiny_gguf, tiny_ar_gguf):

@@ -32,6 +32,7 @@ MAX_HEAD_DIM = 1 << 12
 MAX_FFN = 1 << 20
 MAX_SLIDING_WINDOW = 1 << 24
 MAX_EPSILON = 1.0
+ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")
 SPECIAL_TOKEN_KEYS = ("bos", "eos", "unknown", "padding", "mask", "eot", "eom", "seperator")
 
 
@@ -118,6 +119,7 @@ class _Checker:
             raise self.fail(k("embedding_length"), n_embd,
                             f"the row length of token_embd.weight (shape {list(embd.shape)})")
         self.per_layer(k("feed_forward_length"), n_layer, 1, MAX_FFN)
+        self.integer(k("nextn_predict_layers"), 0, n_layer, default=0, what=f"at most block_count ({n_layer})")
         per_layer_input = self.integer(k("embedding_length_per_layer_input"), 0, MAX_EMBEDDING,
                                        default=0 if self.arch == DIFFUSION_ARCH else None)
         if self.arch == DIFFUSION_ARCH and per_layer_input:
@@ -128,6 +130,13 @@ class _Checker:
         k = self.h.arch_key
         n_expert = self.integer(k("expert_count"), 1 if self.arch == DIFFUSION_ARCH else 0, LLAMA_MAX_EXPERTS,
                                 default=0 if self.arch == AR_ARCH else None)
+        # expert groups (DeepSeek's routing; no Gemma has them): what llama.cpp's loader asserts
+        groups = self.integer(k("expert_group_count"), 0, max(n_expert - 1, 0), default=0,
+                              what=f"less than expert_count ({n_expert})" if n_expert else "0 (expert_count is 0)")
+        if groups > 1:
+            self.integer(k("expert_group_used_count"), 1, groups - 1, what=f"in [1, expert_group_count = {groups})")
+            if n_expert % groups:
+                raise self.fail(k("expert_group_count"), groups, f"a divisor of expert_count ({n_expert})")
         if n_expert:
             self.per_layer(k("expert_used_count"), n_layer, 1, n_expert, what=f"in [1, expert_count = {n_expert}]")
             self.integer(k("expert_feed_forward_length"), 1, MAX_FFN)
@@ -174,6 +183,11 @@ class _Checker:
 
     def check_norms_and_rope_bases(self) -> None:
         k = self.h.arch_key
+        scaling = self.h.get(k("rope.scaling.type"), "linear")
+        if k("rope.scaling.type") in self.h.metadata and scaling not in ROPE_SCALING_TYPES:
+            raise self.fail(k("rope.scaling.type"), repr(scaling), "one of " + ", ".join(ROPE_SCALING_TYPES))
+        for key in ("rope.scaling.factor", "rope.scale_linear"):
+            self.real(k(key), lambda v: v >= 0, "finite and >= 0 (0 = no scaling)", default=0.0)
         positive = "finite and > 0"
         self.real(k("rope.freq_base"), lambda v: v > 0, positive, default=10000.0)
         self.real(k("rope.freq_base_swa"), lambda v: v > 0, positive, default=10000.0)
