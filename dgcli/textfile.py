@@ -43,5 +43,5 @@ def read_text_file(path: Path | str, *, what: str = "file", max_bytes: int = DEF
         raise DgError(f"{what} is more than {max_bytes:,} bytes: {path}")
     try:
         return data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise DgError(f"{what} is not UTF-8 text: {path}") from None
+    except UnicodeDecodeError as err:
+        raise DgError(f"{what} is not UTF-8 text (byte {err.start}): {path}") from None

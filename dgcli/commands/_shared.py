@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 from rich.live import Live
 
-from dgcli import hub, info as ginfo, render
+from dgcli import hub, info as ginfo, render, textfile
 from dgcli.commands import _signals
 from dgcli.engine.header import read_header
 from dgcli.engine.hparams import sampler_defaults
@@ -257,17 +257,7 @@ def decode_prompt(data: bytes, source: str) -> str:
 
 def read_text_file(path: Path, what: str) -> str:
     """A regular file's UTF-8 text (never a device or a FIFO that would block or never end)."""
-    path = Path(path)
-    try:
-        if not path.exists():
-            raise DgError(f"{what} not found: {path}")
-        if not path.is_file():
-            raise DgError(f"{what} is not a regular file: {path}")
-        with open(path, "rb") as f:
-            data = f.read(MAX_PROMPT_BYTES + 1)
-    except OSError as err:
-        raise DgError(f"cannot read {what} {path}: {err.strerror or err}") from None
-    return decode_prompt(data, str(path))
+    return textfile.read_text_file(path, what=what, max_bytes=MAX_PROMPT_BYTES)
 
 
 def prompt_messages(text: str, system: Optional[str]) -> list[dict]:
