@@ -89,14 +89,14 @@ def _run(uvicorn, listener: socket.socket, name: str, path, *, parallel: int, qu
          max_tokens: int, api_key: Optional[str], self_cond_top_k: Optional[int], threads: Optional[int],
          gpu_layers: int, rpc_servers: Optional[list[str]]) -> None:
     from dgcli.engine.diffusion import DiffusionEngine
-    from dgcli.engine.model import DEFAULT_N_CTX, DiffusionModel, read_gguf_header
+    from dgcli.engine.header import read_header
+    from dgcli.engine.model import DEFAULT_N_CTX, DiffusionModel
     from dgcli.server.app import DgService, ServeConfig, create_app
     from dgcli.server.scheduler import BatchScheduler
 
     if ctx_size is None:
-        header = read_gguf_header(path)
-        n_ctx_train = next((v for k, (_, v) in header.metadata.items() if k.endswith(".context_length")
-                            and isinstance(v, int) and v > 0), DEFAULT_N_CTX)
+        n_ctx_train = read_header(path).arch("context_length")
+        n_ctx_train = n_ctx_train if isinstance(n_ctx_train, int) and n_ctx_train > 0 else DEFAULT_N_CTX
         ctx_size = min(n_ctx_train, DEFAULT_N_CTX)
     elif ctx_size < 1:
         raise InvalidParameter("ctx_size", ctx_size, "an integer >= 1")
