@@ -25,13 +25,14 @@ def read_text_file(path: Path | str, *, what: str = "file", max_bytes: int = DEF
     except FileNotFoundError:
         raise DgError(f"{what} not found: {path}") from None
     except IsADirectoryError:
-        raise DgError(f"{what} is a directory: {path}") from None
+        raise DgError(f"{what} is not a regular file (a directory): {path}") from None
     except OSError as err:
         raise DgError(f"cannot read {what} {path}: {err.strerror or err}") from None
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        raise DgError(f"{what} is {'a directory' if stat.S_ISDIR(st.st_mode) else 'not a regular file'}: {path}")
+        kind = " (a directory)" if stat.S_ISDIR(st.st_mode) else ""
+        raise DgError(f"{what} is not a regular file{kind}: {path}")
     with os.fdopen(fd, "rb") as f:
         if st.st_size > max_bytes:
             raise DgError(f"{what} is {st.st_size:,} bytes; at most {max_bytes:,} are read: {path}")

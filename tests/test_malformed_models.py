@@ -312,7 +312,7 @@ def test_bench_prompts_must_be_a_regular_file_of_bounded_size(tmp_path):
         f.truncate(MAX_PROMPT_FILE_BYTES + 1)
     with pytest.raises(DgError, match="at most"):
         load_prompts(big)
-    with pytest.raises(DgError, match="is a directory"):
+    with pytest.raises(DgError, match="not a regular file \\(a directory\\)"):
         load_prompts(tmp_path)
     ok = tmp_path / "ok.txt"
     ok.write_text("a\tsort: QWERTY\n")

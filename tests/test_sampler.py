@@ -138,7 +138,9 @@ def test_valid_tokens_exclude_generated_pad_ids_like_the_reference():
 
 @pytest.mark.parametrize("field, value, fragment", [
     ("confidence_threshold", 0.0, "confidence_threshold=0.0: must be a number > 0"),
-    ("max_denoising_steps", 0, "max_denoising_steps=0: must be an integer >= 1"),
+    ("max_denoising_steps", 0, "max_denoising_steps=0: must be an integer between 1 and"),
+    ("max_denoising_steps", 10**9, "max_denoising_steps=1000000000: must be an integer between 1 and 4096"),
+    ("stability_threshold", 49, "stability_threshold=49: must be an integer between 0 and max_denoising_steps (48)"),
     ("entropy_bound", -1.0, "entropy_bound=-1.0"),
     ("stability_threshold", -1, "stability_threshold=-1"),
     ("t_max", 0.3, "t_max=0.3: must be at least t_min"),
