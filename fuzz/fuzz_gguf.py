@@ -31,6 +31,7 @@ import json
 import os
 import random
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -192,10 +193,12 @@ def run_mutants(mutants: Iterable[Mutant], *, mode: str, timeout: float, mem_mb:
     done: list[Mutant] = []
     with tempfile.TemporaryDirectory(prefix="dg-fuzz-") as tmp:
         for i, m in enumerate(mutants):
-            done.append(Mutant(m.index, m.category, m.base, m.description, b""))
             path = os.path.join(tmp, f"mutant-{m.index}.gguf")
             with open(path, "wb") as f:
                 f.write(m.data)
+            # only the file keeps the bytes: a forked run would otherwise count them in its own RSS
+            m = Mutant(m.index, m.category, m.base, m.description, b"")
+            done.append(m)
             bad_here = False
             for args in dg_commands(path, m.base, demo):
                 out_path = os.path.join(tmp, "out.txt")
@@ -219,7 +222,7 @@ def run_mutants(mutants: Iterable[Mutant], *, mode: str, timeout: float, mem_mb:
                                      f"last: {m.category} {args[0]} {outcome:<9}")
                     sys.stderr.flush()
             if bad_here and keep is not None:
-                (keep / f"mutant-{m.index}.gguf").write_bytes(m.data)
+                shutil.copyfile(path, keep / f"mutant-{m.index}.gguf")
     if progress:
         sys.stderr.write("\n")
     return runs, done
