@@ -35,6 +35,8 @@ sys.path.insert(0, str(REPO))
 # Runs `dg generate` until dg asks llama.cpp to load the model, then prints the wall clock and exits.
 _UNTIL_LOAD = """
 import os, runpy, sys, time
+import dgcli
+print(f"DGCLI {os.path.dirname(dgcli.__file__)}", flush=True)
 from dgcli.engine import native
 _lib = native.lib
 def lib():
@@ -68,6 +70,12 @@ def _env(checkout: Path) -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=str(checkout), COLUMNS="100")
 
 
+def _run(checkout: Path, args: list[str]) -> subprocess.CompletedProcess:
+    # in the checkout: `python -c` and `-m` put the working directory first on the module path
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=_env(checkout),
+                          cwd=checkout, stdin=subprocess.DEVNULL, timeout=3600)
+
+
 def _children_cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
@@ -76,19 +84,19 @@ def _children_cpu() -> float:
 def time_to_load(checkout: Path, model: Path) -> tuple[float, float]:
     """(wall, CPU) seconds from the process's start to llama_model_load_from_file."""
     start, cpu = time.time(), _children_cpu()
-    proc = subprocess.run([sys.executable, "-c", _UNTIL_LOAD, str(model)], capture_output=True, text=True,
-                          env=_env(checkout), stdin=subprocess.DEVNULL, timeout=3600)
+    proc = _run(checkout, ["-c", _UNTIL_LOAD, str(model)])
     marks = [line for line in proc.stdout.splitlines() if line.startswith("LOAD ")]
     if not marks:
         raise SystemExit(f"{checkout}: dg never reached the model load:\n{proc.stderr[-2000:]}")
+    if f"DGCLI {checkout / 'dgcli'}" not in proc.stdout:
+        raise SystemExit(f"{checkout}: another dgcli was imported: {proc.stdout.splitlines()[0]}")
     return float(marks[0].split()[1]) - start, _children_cpu() - cpu
 
 
 def time_info(checkout: Path, model: Path) -> tuple[float, float]:
     """(wall, CPU) seconds of the whole `dg info`."""
     start, cpu = time.monotonic(), _children_cpu()
-    proc = subprocess.run([sys.executable, "-m", "dgcli.cli", "info", str(model)], capture_output=True, text=True,
-                          env=_env(checkout), stdin=subprocess.DEVNULL, timeout=3600)
+    proc = _run(checkout, ["-m", "dgcli.cli", "info", str(model)])
     if proc.returncode != 0:
         raise SystemExit(f"{checkout}: dg info failed:\n{proc.stderr[-2000:]}")
     return time.monotonic() - start, _children_cpu() - cpu
