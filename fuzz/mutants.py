@@ -21,7 +21,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from gguf_codec import (ARRAY, BOOL, F32, F64, FLOAT_TYPES, I32, I64, INTEGER_TYPES, STRING, U8, U16, U32, U64,
+from gguf_codec import (ARRAY, BOOL, F32, F64, I32, I64, INTEGER_TYPES, STRING, U8, U16, U32, U64,
                         Gguf, Kv, parse, serialize)
 
 CATEGORIES = ("truncate", "byteflip", "huge-count", "wrong-type", "hparam")
