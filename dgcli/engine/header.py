@@ -185,9 +185,9 @@ def clear_cache() -> None:
 def _parse_file(p: Path, size: int) -> GgufHeader:
     try:
         with open(p, "rb") as f:
-            if size < 4:
+            magic = f.read(4)  # first: a /proc file that refuses reads says so, whatever its size
+            if size < 4 or len(magic) < 4:
                 raise ModelLoadError(f"not a GGUF file (only {size} bytes): {p}")
-            magic = f.read(4)
             if magic != GGUF_MAGIC:
                 raise ModelLoadError(f"not a GGUF file (bad magic {magic!r}): {p}")
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
