@@ -196,8 +196,9 @@ def run_mutants(mutants: Iterable[Mutant], *, mode: str, timeout: float, mem_mb:
             path = os.path.join(tmp, f"mutant-{m.index}.gguf")
             with open(path, "wb") as f:
                 f.write(m.data)
-            # only the file keeps the bytes: a forked run would otherwise count them in its own RSS
-            m = Mutant(m.index, m.category, m.base, m.description, b"")
+            # only the file keeps the bytes: a forked run counts the parent's resident pages in its
+            # own peak RSS, and the caller's generator still holds this Mutant, so it is emptied in place
+            m.data = b""
             done.append(m)
             bad_here = False
             for args in dg_commands(path, m.base, demo):
