@@ -221,3 +221,13 @@ def test_worker_usage_errors_and_ctrl_c():
     worker = Worker()
     worker.proc.send_signal(signal.SIGINT)
     assert worker.proc.wait(30) == 130
+
+
+def test_a_worker_whose_listening_socket_closes_just_after_the_abort_is_named():
+    # the broken connection can arrive before the killed worker's listening socket is closed
+    from dgcli.engine import rpc
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    endpoint = f"127.0.0.1:{listener.getsockname()[1]}"
+    threading.Timer(0.3, listener.close).start()
+    assert rpc._refusing_workers([endpoint]) == [endpoint]

@@ -278,7 +278,7 @@ def _on_ggml_abort(message: bytes | None) -> None:
     # and end the process here, since ggml would abort right after this returns
     reason = (message or b"").decode("utf-8", "replace").strip()
     reason = reason.split(": ", 1)[1] if ": " in reason else reason  # drop "file.cpp:123: "
-    gone = [e for e in _watched if not _accepts_connections(e)]
+    gone = _refusing_workers(_watched)
     if gone:
         line = (f"error: lost RPC worker {', '.join(gone)} mid-run (llama.cpp: {reason}); "
                 "the model's layers there are gone: restart the worker and run again")
@@ -289,6 +289,17 @@ def _on_ggml_abort(message: bytes | None) -> None:
         sys.stderr.flush()
     finally:
         os._exit(WORKER_LOST_EXIT)
+
+
+def _refusing_workers(endpoints: Sequence[str], settle_s: float = 1.0) -> list[str]:
+    # a killed worker's kernel closes its sockets in descriptor order, so the broken connection can
+    # reach us a moment before its listening socket is gone: ask again for a short while
+    deadline = time.monotonic() + settle_s
+    while True:
+        gone = [e for e in endpoints if not _accepts_connections(e)]
+        if gone or time.monotonic() >= deadline:
+            return gone
+        time.sleep(0.1)
 
 
 def _accepts_connections(endpoint: str) -> bool:
