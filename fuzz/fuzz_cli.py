@@ -13,7 +13,7 @@ still a device, nothing outside the cache ...), and the table says what each run
   other      anything else: a wrong exit status, a missing partial answer, a file lost or replaced
 
     python fuzz/fuzz_cli.py                 # every case (about 200 runs, a few minutes)
-    python fuzz/fuzz_cli.py --only signals  # one category
+    python fuzz/fuzz_cli.py --only Ctrl-C  # one category (Ctrl-C, SIGTERM, SIGHUP)
     PYTHONPATH=/other/checkout python fuzz/fuzz_cli.py   # another dg, the same cases
 
 Exit status 1 when any run is not clean. Needs the native layer; the checkpoint cases need torch.

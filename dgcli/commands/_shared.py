@@ -4,7 +4,6 @@ can replace a seam (`open_diffusion_engine`, `stdout`, ...) in one place."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
