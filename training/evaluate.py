@@ -5,9 +5,15 @@
         --ar-gguf dgcli/models/demo-ar.gguf                                    # through dg's engines
 
 Both back-ends run the default sampler settings (entropy bound 0.1, temperature 0.8 -> 0.4,
-confidence 0.005, stability 1, 48-step cap), batch 1, one seed per example, and print one table
-row per (task, difficulty): accuracy of the diffusion decode, mean steps, mean tokens per forward,
-the share of canvases stopped before the cap, and the AR twin's accuracy.
+confidence 0.005, stability 1, 48-step cap), batch 1, one seed per example, up to MAX_CANVASES
+canvases, and print one table row per (task, difficulty): accuracy of the diffusion decode, mean
+steps per canvas, canvases per answer, tokens per forward (answer tokens, without the end token and
+padding, over decoder forwards, summed over the cell), the share of canvases stopped before the cap,
+and the AR twin's accuracy.
+
+    .venv/bin/python -m training.evaluate --write-bench-prompts dgcli/data/demo-prompts.tsv
+
+writes the held-out set `dg bench --model demo` runs (tasks.BENCH_LEVELS, 3 prompts per level).
 """
 
 from __future__ import annotations
@@ -22,11 +28,19 @@ from typing import Callable
 from training import tasks
 
 
+# Two canvases hold every answer; a third shows a model that does not stop, without waiting for eight.
+MAX_CANVASES = 3
+
+
 @dataclass
 class Outcome:
     answer: str
-    steps: int
-    tokens_per_forward: float
+    steps_per_canvas: list[int]
+    answer_tokens: int  # tokens before the end token
+
+    @property
+    def forwards(self) -> int:
+        return sum(self.steps_per_canvas)
 
 
 @dataclass
@@ -35,9 +49,10 @@ class Row:
     difficulty: int
     n: int
     accuracy: float
-    mean_steps: float
-    mean_tokens_per_forward: float
-    stopped_early: float
+    mean_steps: float  # per canvas
+    mean_canvases: float
+    tokens_per_forward: float  # answer tokens / decoder forwards over the cell
+    stopped_early: float  # share of canvases stopped before the cap
     ar_accuracy: float | None
 
 
@@ -85,10 +100,14 @@ def reference_backends(checkpoint: Path, threads: int = 1):
         torch.manual_seed(seed)
         decoder_calls[0] = 0
         with torch.no_grad():
-            out = model.generate(input_ids=ids, max_new_tokens=canvas_length, eos_token_id=list(vocab.end_token_ids),
-                                 pad_token_id=vocab.pad_id)
+            out = model.generate(input_ids=ids, max_new_tokens=MAX_CANVASES * canvas_length,
+                                 eos_token_id=list(vocab.end_token_ids), pad_token_id=vocab.pad_id)
         generated = out.sequences[0, ids.shape[1]:].tolist()
-        return Outcome(tasks.parse_answer(generated, vocab), decoder_calls[0], float(out.tokens_per_forward[0]))
+        answer = _before_end(generated, vocab.end_token_ids)
+        # generate() does not report steps per canvas; the mean over its canvases is what is known
+        canvases = max(1, -(-len(generated) // canvas_length))
+        steps = [decoder_calls[0] / canvases] * canvases
+        return Outcome(tasks.parse_answer(generated, vocab), steps, len(answer))
 
     def autoregressive(example: tasks.Example) -> str:
         from transformers.cache_utils import DynamicCache
@@ -99,7 +118,7 @@ def reference_backends(checkpoint: Path, threads: int = 1):
         step_input = torch.tensor([ids])
         cap = model.config.text_config.final_logit_softcapping
         with torch.no_grad():
-            for _ in range(canvas_length):
+            for _ in range(MAX_CANVASES * canvas_length):
                 hidden = model.model.encoder(input_ids=step_input, past_key_values=cache).last_hidden_state
                 logits = torch.tanh(model.lm_head(hidden[:, -1]).float() / cap) * cap
                 token = int(logits.argmax(-1))
@@ -127,10 +146,10 @@ def engine_over_reference_backend(checkpoint: Path, threads: int = 1):
                              sampler="numpy")
 
     def diffusion(example: tasks.Example, seed: int) -> Outcome:
-        result = engine.generate(tasks.prompt_ids(example, vocab), max_new_tokens=model.config.canvas_length,
+        result = engine.generate(tasks.prompt_ids(example, vocab), max_new_tokens=MAX_CANVASES * model.config.canvas_length,
                                  seed=seed, chat=False)
-        return Outcome(tasks.parse_answer(result.token_ids, vocab), _engine_steps(result),
-                       float(result.tokens_per_forward))
+        return Outcome(tasks.parse_answer(result.token_ids, vocab), list(result.steps_per_canvas),
+                       result.n_new_tokens)
 
     return diffusion
 
@@ -143,19 +162,22 @@ def engine_backends(gguf: Path, ar_gguf: Path | None, threads: int | None = None
     ar_engine = AutoregressiveEngine(str(ar_gguf), n_threads=threads) if ar_gguf else None
 
     def diffusion(example: tasks.Example, seed: int) -> Outcome:
-        result = engine.generate(example.question, max_new_tokens=engine.model.canvas_length, seed=seed, chat=True)
-        return Outcome(result.text.strip(), _engine_steps(result), float(result.tokens_per_forward))
+        result = engine.generate(example.question, max_new_tokens=MAX_CANVASES * engine.model.canvas_length,
+                                 seed=seed, chat=True)
+        return Outcome(result.text.strip(), list(result.steps_per_canvas), result.n_new_tokens)
 
     def autoregressive(example: tasks.Example) -> str:
-        result = ar_engine.generate(example.question, max_new_tokens=tasks.CANVAS_LENGTH, chat=True)
+        result = ar_engine.generate(example.question, max_new_tokens=MAX_CANVASES * tasks.CANVAS_LENGTH, chat=True)
         return result.text.strip()
 
     return diffusion, (autoregressive if ar_engine else None)
 
 
-def _engine_steps(result) -> int:
-    # One canvas per example (max_new_tokens = canvas_length), so its step count is the first entry.
-    return int(result.steps_per_canvas[0])
+def _before_end(ids: list[int], end_ids) -> list[int]:
+    for i, token in enumerate(ids):
+        if token in end_ids:
+            return ids[:i]
+    return ids
 
 
 # -- measurement -----------------------------------------------------------------------------
@@ -164,7 +186,7 @@ def _engine_steps(result) -> int:
 def measure(diffusion: Callable, autoregressive: Callable | None, per_cell: int, max_steps: int = 48,
             difficulties: dict[str, list[int]] | None = None, seed: int = 0) -> list[Row]:
     rows = []
-    for task in tasks.TASKS:
+    for task in (difficulties or {t: None for t in tasks.TASKS}):
         levels = (difficulties or {}).get(task) or list(range(1, tasks.MAX_DIFFICULTY[task] + 1))
         for difficulty in levels:
             examples = tasks.evaluation_set(task, difficulty, per_cell)
@@ -172,12 +194,14 @@ def measure(diffusion: Callable, autoregressive: Callable | None, per_cell: int,
             ar_correct = None
             if autoregressive is not None:
                 ar_correct = statistics.mean(autoregressive(e) == e.answer for e in examples)
+            canvas_steps = [s for o in outcomes for s in o.steps_per_canvas]
             rows.append(Row(
                 task=task, difficulty=difficulty, n=len(examples),
                 accuracy=statistics.mean(o.answer == e.answer for o, e in zip(outcomes, examples)),
-                mean_steps=statistics.mean(o.steps for o in outcomes),
-                mean_tokens_per_forward=statistics.mean(o.tokens_per_forward for o in outcomes),
-                stopped_early=statistics.mean(o.steps < max_steps for o in outcomes),
+                mean_steps=statistics.mean(canvas_steps),
+                mean_canvases=statistics.mean(len(o.steps_per_canvas) for o in outcomes),
+                tokens_per_forward=sum(o.answer_tokens for o in outcomes) / sum(o.forwards for o in outcomes),
+                stopped_early=statistics.mean(s < max_steps for s in canvas_steps),
                 ar_accuracy=ar_correct,
             ))
             print(json.dumps(asdict(rows[-1])), flush=True)
@@ -185,20 +209,36 @@ def measure(diffusion: Callable, autoregressive: Callable | None, per_cell: int,
 
 
 def markdown_table(rows: list[Row]) -> str:
-    lines = ["| task | difficulty | n | diffusion acc | mean steps | tokens/forward | stopped < cap | AR acc |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| task | difficulty | n | diffusion acc | steps/canvas | canvases | tokens/forward | stopped < cap "
+             "| AR acc |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         ar = "-" if r.ar_accuracy is None else f"{r.ar_accuracy:.2f}"
         lines.append(f"| {r.task} | {r.difficulty} | {r.n} | {r.accuracy:.2f} | {r.mean_steps:.1f} | "
-                     f"{r.mean_tokens_per_forward:.2f} | {r.stopped_early:.2f} | {ar} |")
+                     f"{r.mean_canvases:.1f} | {r.tokens_per_forward:.2f} | {r.stopped_early:.2f} | {ar} |")
     total = sum(r.n for r in rows)
     weighted = lambda attr: sum(getattr(r, attr) * r.n for r in rows) / total  # noqa: E731
     ar_rows = [r for r in rows if r.ar_accuracy is not None]
     ar_total = (sum(r.ar_accuracy * r.n for r in ar_rows) / sum(r.n for r in ar_rows)) if ar_rows else None
     lines.append(f"| **all** | | {total} | {weighted('accuracy'):.2f} | {weighted('mean_steps'):.1f} | "
-                 f"{weighted('mean_tokens_per_forward'):.2f} | {weighted('stopped_early'):.2f} | "
+                 f"{weighted('mean_canvases'):.1f} | | {weighted('stopped_early'):.2f} | "
                  f"{'-' if ar_total is None else f'{ar_total:.2f}'} |")
     return "\n".join(lines)
+
+
+def bench_prompt_lines(per_level: int = 3) -> list[str]:
+    """dg bench's prompt file for the demo: name<TAB>prompt<TAB>answer, held-out examples at
+    tasks.BENCH_LEVELS, then the hand-written unknown prompts (tasks.UNKNOWN_PROMPTS)."""
+    lines = ["# dg bench prompts for the shipped demo pair: held-out examples of its tasks (training/tasks.py",
+             f"# evaluation_set), {per_level} per difficulty, and prompts that are no task (answer: the help reply).",
+             "# name<TAB>prompt<TAB>expected answer; runs sharing a name are summarised together.",
+             "# Written by: python -m training.evaluate --write-bench-prompts dgcli/data/demo-prompts.tsv"]
+    for task, levels in tasks.BENCH_LEVELS.items():
+        for level in levels:
+            name = task if task == "help" else f"{task}-{level}"
+            lines += [f"{name}\t{e.question}\t{e.answer}" for e in tasks.evaluation_set(task, level, per_level)]
+    lines += [f"unknown\t{q}\t{tasks.HELP_REPLY}" for q in tasks.UNKNOWN_PROMPTS]
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -213,7 +253,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-ar", action="store_true")
     parser.add_argument("--json-out", type=Path)
     parser.add_argument("--levels", help="difficulties to run, e.g. 1,4,8 (default: all)")
+    parser.add_argument("--tasks", help="tasks to run, e.g. sort,nato (default: all)")
+    parser.add_argument("--write-bench-prompts", type=Path, metavar="TSV", help="write dg bench's demo prompt set and exit")
     args = parser.parse_args(argv)
+    if args.write_bench_prompts:
+        args.write_bench_prompts.write_text("\n".join(bench_prompt_lines()) + "\n", encoding="utf-8")
+        return
     if args.checkpoint and args.via_engine:
         diffusion, autoregressive = engine_over_reference_backend(args.checkpoint, args.threads), None
     elif args.checkpoint:
@@ -222,10 +267,10 @@ def main(argv: list[str] | None = None) -> None:
         diffusion, autoregressive = engine_backends(args.gguf, args.ar_gguf, args.threads)
     else:
         parser.error("give --checkpoint or --gguf")
-    levels = None
-    if args.levels:
-        wanted = [int(x) for x in args.levels.split(",")]
-        levels = {t: [d for d in wanted if d <= tasks.MAX_DIFFICULTY[t]] for t in tasks.TASKS}
+    chosen = args.tasks.split(",") if args.tasks else list(tasks.TASKS)
+    wanted = [int(x) for x in args.levels.split(",")] if args.levels else None
+    levels = {t: [d for d in (wanted or range(1, tasks.MAX_DIFFICULTY[t] + 1)) if d <= tasks.MAX_DIFFICULTY[t]]
+              or [tasks.MAX_DIFFICULTY[t]] for t in chosen}
     rows = measure(diffusion, None if args.no_ar else autoregressive, args.per_cell, difficulties=levels)
     print(markdown_table(rows))
     if args.json_out:

@@ -1,19 +1,21 @@
-"""The demo model's tasks: short questions with one checkable answer and a difficulty knob.
+"""The demo model's tasks: questions with one checkable answer, a difficulty knob, and a help reply.
 
-Three tasks, each a chat turn whose answer fits one 32-token canvas:
+    reverse: HELLO WORLD    -> DLROW OLLEH                      (difficulty = characters, 1..12)
+    sort: DBCA              -> ABCD                             (difficulty = letters, 1..8)
+    nato: DG                -> DELTA GOLF                       (difficulty = letters, 1..6)
+    json: A=1 BC=22         -> {"A": 1, "BC": 22}               (difficulty = pairs, 1..3)
+    anything else           -> HELP_REPLY, one line naming the tasks with an example prompt
 
-    sort: DBCA          -> ABCD          (difficulty = number of letters, 1..8)
-    reverse: HELLO      -> OLLEH         (difficulty = number of letters, 1..8)
-    add: 123+45         -> 168           (difficulty = digits of the longer operand, 1..4)
+Inputs and outputs are upper-case letters, digits and punctuation because dg-tiny has no merges for
+them (nor for a space before them): every character is one token, so an answer's tokens line up with
+the question's. Lower-case text merges ("er", "st", " d"...); it only appears in the help reply, a
+memorised sentence, and in the prompts that get it.
 
-Letters are upper case because dg-tiny has no merges for upper-case letters or digits (nor for a
-space before them): every letter is one token, so the answer's tokens line up with the question's.
-Lower-case letters merge ("er", "st", " d"...), which makes reversing and sorting a tokenization
-puzzle that a model this small learns far more slowly.
-
-Every answer token depends on the whole question, but once a few answer tokens are fixed the rest
-become easier, so a bidirectional decoder can commit several tokens per step, and longer inputs
-leave it less sure for longer: the room the diffusion sampler needs to show adaptive stopping.
+Answers are long enough to fill most of a 32-token canvas (reverse of 12 characters is 12 tokens,
+nato of 4 letters ~25, json of 3 pairs ~25), so a bidirectional decoder has many tokens to commit per
+forward; nato answers of 5-6 letters and the help reply span two canvases, so generation commits a
+canvas and continues from the KV cache. Harder inputs (more letters to sort) leave the model less
+sure for longer: the room the sampler needs to show adaptive stopping.
 
 Held-out split: a question belongs to the evaluation set when crc32(question) % 10 == 0; training
 never samples those (short inputs included, so no evaluation question is ever seen in training).
@@ -21,16 +23,24 @@ never samples those (short inputs included, so no evaluation question is ever se
 
 from __future__ import annotations
 
+import json
 import random
 import zlib
 from dataclasses import dataclass
+from typing import Callable
 
 from dgcli.tiny import TinyVocab, tiny_vocab
 
-TASKS = ("sort", "reverse", "add")
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
-MAX_DIFFICULTY = {"sort": 8, "reverse": 8, "add": 4}
 CANVAS_LENGTH = 32
+
+NATO = dict(zip(LETTERS, (
+    "ALFA", "BRAVO", "CHARLIE", "DELTA", "ECHO", "FOXTROT", "GOLF", "HOTEL", "INDIA", "JULIETT", "KILO",
+    "LIMA", "MIKE", "NOVEMBER", "OSCAR", "PAPA", "QUEBEC", "ROMEO", "SIERRA", "TANGO", "UNIFORM", "VICTOR",
+    "WHISKEY", "XRAY", "YANKEE", "ZULU")))
+
+# What the model answers to anything that is not one of its tasks (trained, like every other answer).
+HELP_REPLY = "I can reverse, sort, spell (NATO) and write JSON. Try: reverse: HELLO"
 
 
 @dataclass(frozen=True)
@@ -45,34 +55,164 @@ def is_held_out(question: str) -> bool:
     return zlib.crc32(question.encode("utf-8")) % 10 == 0
 
 
-def _random_number(rng: random.Random, digits: int) -> int:
-    return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
+def _letters(rng: random.Random, count: int) -> str:
+    return "".join(rng.choice(LETTERS) for _ in range(count))
+
+
+def _letters_and_spaces(rng: random.Random, count: int) -> str:
+    """`count` characters: upper-case words separated by single spaces (none at either end)."""
+    chars = []
+    for i in range(count):
+        can_space = 0 < i < count - 1 and chars[-1] != " "
+        chars.append(" " if can_space and rng.random() < 0.15 else rng.choice(LETTERS))
+    return "".join(chars)
+
+
+def _reverse(rng: random.Random, difficulty: int) -> tuple[str, str]:
+    text = _letters_and_spaces(rng, difficulty)
+    return f"reverse: {text}", text[::-1]
+
+
+def _sort(rng: random.Random, difficulty: int) -> tuple[str, str]:
+    text = _letters(rng, difficulty)
+    return f"sort: {text}", "".join(sorted(text))
+
+
+def _nato(rng: random.Random, difficulty: int) -> tuple[str, str]:
+    text = _letters(rng, difficulty)
+    return f"nato: {text}", " ".join(NATO[c] for c in text)
+
+
+def _json(rng: random.Random, difficulty: int) -> tuple[str, str]:
+    pairs: dict[str, int] = {}
+    while len(pairs) < difficulty:
+        pairs.setdefault(_letters(rng, rng.randint(1, 2)), rng.randint(0, 999))
+    question = "json: " + " ".join(f"{k}={v}" for k, v in pairs.items())
+    return question, json.dumps(pairs)
+
+
+# -- prompts that are none of the tasks -------------------------------------------------------------
+
+_WORDS = (
+    "the a an is are was what who how why when where which can could would should do does did you your me my "
+    "i we they it this that there here please tell write give show explain make find help say know want need "
+    "story poem joke song letter email essay list summary recipe plan idea name word number time day week "
+    "year today tomorrow weather sun moon star sky sea river mountain city country world people friend family "
+    "cat dog bird fish horse tree flower food water coffee tea bread apple music book movie game code python "
+    "computer phone car train bus school work money love life dream night morning hello hi hey thanks good "
+    "bad big small new old long short hot cold happy sad fast slow red blue green about of for with in on to "
+    "from and or but not all some many more most best first last next one two three ten hundred math "
+    "capital france paris history science space robot model diffusion gemma canvas token answer question"
+).split()
+_OPENERS = ("hello", "hi", "hey", "tell me a story", "what can you do", "who are you", "help", "what is this",
+            "thanks", "good morning", "how are you", "what is 3+5", "translate this", "write a poem",
+            "summarize this", "explain diffusion", "what is your name", "are you there", "test", "ok")
+_TASK_WORDS = ("reverse", "sort", "nato", "json")
+_OTHER_TASKS = ("add", "count", "spell", "upper", "lower", "translate", "sum", "repeat", "echo", "solve",
+                "define", "capitalize", "shuffle", "length", "what")
+_PUNCTUATION = "?!.,"
+
+
+def _sentence(rng: random.Random) -> str:
+    words = [rng.choice(_WORDS) for _ in range(rng.randint(1, 9))]
+    text = " ".join(words)
+    style = rng.random()
+    if style < 0.4:
+        text = text[:1].upper() + text[1:]
+    elif style < 0.5:
+        text = text.upper()
+    return text + (rng.choice(_PUNCTUATION) if rng.random() < 0.5 else "")
+
+
+def _junk(rng: random.Random) -> str:
+    alphabet = LETTERS + LETTERS.lower() + "0123456789 +-*/=:;,.!?()'\"#@"
+    return "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 24))).strip() or "?"
+
+
+def _near_miss(rng: random.Random) -> str:
+    """Looks like a task but is not one: a wrong task name, lower case, digits, no colon, no input."""
+    task = rng.choice(_TASK_WORDS)
+    kind = rng.randrange(6)
+    if kind == 0:
+        return f"{rng.choice(_OTHER_TASKS)}: {_letters(rng, rng.randint(1, 10))}"
+    if kind == 1:
+        return f"{task}: {_letters(rng, rng.randint(1, 10)).lower()}"
+    if kind == 2:
+        return f"{rng.choice(_OTHER_TASKS)}: {rng.randint(0, 999)}+{rng.randint(0, 999)}"
+    if kind == 3:
+        return f"{task} {_letters(rng, rng.randint(1, 10))}"
+    if kind == 4:
+        return f"{task}:" if rng.random() < 0.5 else task
+    return f"{task}: {_sentence(rng)}"
+
+
+def _unknown(rng: random.Random, difficulty: int) -> tuple[str, str]:
+    kind = rng.random()
+    if kind < 0.15:
+        question = rng.choice(_OPENERS)
+        question = question[:1].upper() + question[1:] if rng.random() < 0.5 else question
+    elif kind < 0.55:
+        question = _sentence(rng)
+    elif kind < 0.7:
+        question = _junk(rng)
+    else:
+        question = _near_miss(rng)
+    if is_task_question(question):  # a generated near miss can happen to be a real question
+        question = "hello"
+    return question, HELP_REPLY
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    max_difficulty: int
+    make: Callable[[random.Random, int], tuple[str, str]]
+    weight: float  # share of training examples
+
+
+TASK_LIST = (
+    Task("reverse", 12, _reverse, 0.22),
+    Task("sort", 8, _sort, 0.28),
+    Task("nato", 6, _nato, 0.22),
+    Task("json", 3, _json, 0.2),
+    Task("help", 1, _unknown, 0.08),
+)
+TASK_BY_NAME = {t.name: t for t in TASK_LIST}
+TASKS = tuple(TASK_BY_NAME)
+MAX_DIFFICULTY = {t.name: t.max_difficulty for t in TASK_LIST}
+
+
+def is_task_question(question: str) -> bool:
+    """Whether `question` is in one of the task forms (so its answer is not the help reply)."""
+    name, sep, text = question.partition(": ")
+    if not sep or name not in _TASK_WORDS or not text:
+        return False
+    if name == "json":
+        pairs = [p.partition("=") for p in text.split(" ")]
+        return all(k and set(k) <= set(LETTERS) and eq and v.isdigit() for k, eq, v in pairs)
+    allowed = set(LETTERS) | ({" "} if name == "reverse" else set())
+    return set(text) <= allowed and text.strip() == text and "  " not in text
 
 
 def make_example(task: str, difficulty: int, rng: random.Random) -> Example:
-    if task not in TASKS:
+    if task not in TASK_BY_NAME:
         raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
-    if not 1 <= difficulty <= MAX_DIFFICULTY[task]:
-        raise ValueError(f"{task} difficulty must be in 1..{MAX_DIFFICULTY[task]}, got {difficulty}")
-    if task == "add":
-        # The longer operand has `difficulty` digits; the other one is at most as long.
-        a = _random_number(rng, difficulty)
-        b = _random_number(rng, rng.randint(1, difficulty))
-        if rng.random() < 0.5:
-            a, b = b, a
-        return Example(task, difficulty, f"add: {a}+{b}", str(a + b))
-    letters = "".join(rng.choice(LETTERS) for _ in range(difficulty))
-    answer = "".join(sorted(letters)) if task == "sort" else letters[::-1]
-    return Example(task, difficulty, f"{task}: {letters}", answer)
+    spec = TASK_BY_NAME[task]
+    if not 1 <= difficulty <= spec.max_difficulty:
+        raise ValueError(f"{task} difficulty must be in 1..{spec.max_difficulty}, got {difficulty}")
+    question, answer = spec.make(rng, difficulty)
+    return Example(task, difficulty, question, answer)
 
 
 def sample_example(rng: random.Random, held_out: bool, task: str | None = None,
                    difficulty: int | None = None) -> Example:
     """A random example from the training split (held_out=False) or the evaluation split."""
     while True:
-        chosen_task = task or rng.choice(TASKS)
-        chosen_difficulty = difficulty or rng.randint(1, MAX_DIFFICULTY[chosen_task])
-        example = make_example(chosen_task, chosen_difficulty, rng)
+        chosen = TASK_BY_NAME[task] if task else rng.choices(TASK_LIST, weights=[t.weight for t in TASK_LIST])[0]
+        # harder inputs are drawn more often (weight = difficulty): short ones are learned from few examples
+        levels = range(1, chosen.max_difficulty + 1)
+        chosen_difficulty = difficulty or rng.choices(levels, weights=levels)[0]
+        example = make_example(chosen.name, chosen_difficulty, rng)
         if is_held_out(example.question) == held_out:
             return example
 
@@ -106,12 +246,19 @@ def answer_ids(example: Example, vocab: TinyVocab | None = None) -> list[int]:
     return vocab.encode(example.answer, add_bos=False) + [vocab.eos_id]
 
 
-def canvas_ids(example: Example, canvas_length: int = CANVAS_LENGTH, vocab: TinyVocab | None = None) -> list[int]:
-    """The clean canvas: answer, <eos>, then <pad> to the end (the reference pads after the end)."""
+def canvas_count(example: Example, canvas_length: int = CANVAS_LENGTH, vocab: TinyVocab | None = None) -> int:
+    """How many canvases the answer (with its <eos>) takes."""
+    return -(-len(answer_ids(example, vocab)) // canvas_length)
+
+
+def canvas_ids(example: Example, index: int = 0, canvas_length: int = CANVAS_LENGTH,
+               vocab: TinyVocab | None = None) -> list[int]:
+    """Clean canvas `index` of the answer: its slice of answer + <eos>, then <pad> to the end (the
+    reference pads after the end). Canvases before it are committed context, as in generation."""
     vocab = vocab or tiny_vocab()
-    ids = answer_ids(example, vocab)
-    if len(ids) > canvas_length:
-        raise ValueError(f"answer of {example.question!r} needs {len(ids)} tokens; canvas holds {canvas_length}")
+    ids = answer_ids(example, vocab)[index * canvas_length:(index + 1) * canvas_length]
+    if not ids:
+        raise ValueError(f"the answer of {example.question!r} has no canvas {index}")
     return ids + [vocab.pad_id] * (canvas_length - len(ids))
 
 
@@ -125,3 +272,20 @@ def parse_answer(generated_ids: list[int], vocab: TinyVocab | None = None) -> st
         if token != vocab.pad_id:
             kept.append(token)
     return vocab.decode(kept).strip()
+
+
+# -- what dg bench measures the demo on (dgcli/data/demo-prompts.tsv) ------------------------------
+
+# Held-out examples at these difficulties, 3 each (python -m training.evaluate --write-bench-prompts).
+BENCH_LEVELS = {"reverse": (3, 6, 9, 12), "sort": (2, 4, 6, 8), "nato": (2, 4, 6), "json": (1, 2, 3), "help": (1,)}
+
+# Hand-written prompts that are none of the tasks, as a new user types them. "Hello" and "Tell me a
+# story" can also come out of the training generator; the others use words and forms it never makes.
+UNKNOWN_PROMPTS = (
+    "Hello",
+    "Tell me a story",
+    "Who are you?",
+    "What's the weather like in Paris today?",
+    "Write a haiku about autumn leaves",
+    "reverse: hello",
+)

@@ -36,12 +36,18 @@ SEED = 20260610
 CANVAS_LENGTH = tasks.CANVAS_LENGTH
 # Temperatures the sampler feeds back as self-conditioning (t_max .. t_min of the defaults).
 SC_TEMPERATURE_RANGE = (0.4, 0.8)
+WARMUP_STEPS = 200
 
 # Layer scalars are buffers in Transformers (fixed, not trained). Distinct, fixed values for the
 # encoder and the decoder make them part of the function the model learns, so an engine that
 # applies the wrong one (or none) visibly loses accuracy instead of passing by accident.
 ENCODER_LAYER_SCALARS = (0.9, 0.8, 1.1, 0.7, 1.2, 1.0)
 DECODER_LAYER_SCALARS = (1.1, 0.7, 0.9, 1.2, 0.8, 1.0)
+
+
+# Two canvases: a canvas's sliding layers see the whole question and the canvas committed before it
+# (the 26B's window is four of its canvases). The full layer sees everything.
+SLIDING_WINDOW = 2 * CANVAS_LENGTH
 
 
 def demo_config(hidden_size: int = 128):
@@ -61,7 +67,7 @@ def demo_config(hidden_size: int = 128):
         global_head_dim=64,
         num_global_key_value_heads=1,
         layer_types=layer_types,
-        sliding_window=32,
+        sliding_window=SLIDING_WINDOW,
         num_experts=4,
         top_k_experts=2,
         moe_intermediate_size=hidden_size // 2,
@@ -105,7 +111,7 @@ def build_model(seed: int = SEED, hidden_size: int = 128):
 def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded ids and a 0/1 mask. RoPE only sees relative offsets, so left padding leaves every
     real token's attention exactly as in an unpadded batch-1 run (what the engine does)."""
-    width = max(len(r) for r in rows)
+    width = max((len(r) for r in rows), default=0)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, row in enumerate(rows):
@@ -114,22 +120,29 @@ def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
     return ids, mask
 
 
-def make_batch(rng: random.Random, batch_size: int) -> dict[str, torch.Tensor]:
+def make_batch(rng: random.Random, batch_size: int, ar_rows: int) -> dict:
+    """One training batch. Each example trains one of its answer's canvases, chosen at random: canvas k
+    is conditioned on the question plus the k clean canvases before it (what generation commits to the
+    cache), so answers longer than a canvas teach commit-and-continue. The first `ar_rows` examples
+    also give the AR objective over question + whole answer + <eos>."""
     vocab = tiny_vocab()
     examples = [tasks.sample_example(rng, held_out=False) for _ in range(batch_size)]
     prompts = [tasks.prompt_ids(e, vocab) for e in examples]
     answers = [tasks.answer_ids(e, vocab) for e in examples]
-    prompt_ids, prompt_mask = _left_pad(prompts, vocab.pad_id)
-    canvas = torch.tensor([tasks.canvas_ids(e, CANVAS_LENGTH, vocab) for e in examples])
+    canvas_index = [rng.randrange(tasks.canvas_count(e, CANVAS_LENGTH, vocab)) for e in examples]
+    contexts = [p + a[:k * CANVAS_LENGTH] for p, a, k in zip(prompts, answers, canvas_index)]
+    context_ids, context_mask = _left_pad(contexts, vocab.pad_id)
+    canvas = torch.tensor([tasks.canvas_ids(e, k, CANVAS_LENGTH, vocab) for e, k in zip(examples, canvas_index)])
     # AR sequence: prompt + answer + <eos>, left-padded; targets only on the answer (incl. <eos>).
-    full_ids, full_mask = _left_pad([p + a for p, a in zip(prompts, answers)], vocab.pad_id)
+    full_ids, full_mask = _left_pad([p + a for p, a in zip(prompts[:ar_rows], answers[:ar_rows])], vocab.pad_id)
     ar_targets = torch.full_like(full_ids, -100)
-    for i, a in enumerate(answers):
+    for i, a in enumerate(answers[:ar_rows]):
         width = full_ids.shape[1]
         # position j predicts token j+1: the answer's tokens are predicted from the positions before them
         ar_targets[i, width - len(a) - 1: width - 1] = torch.tensor(a)
-    return dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, canvas=canvas,
-                full_ids=full_ids, full_mask=full_mask, ar_targets=ar_targets)
+    return dict(prompt_ids=context_ids, prompt_mask=context_mask, canvas=canvas,
+                full_ids=full_ids, full_mask=full_mask, ar_targets=ar_targets,
+                tasks=[e.task for e in examples])
 
 
 def softcapped_logits(model, hidden: torch.Tensor) -> torch.Tensor:
@@ -146,8 +159,9 @@ def noise_canvas(canvas: torch.Tensor, vocab_size: int, generator: torch.Generat
     return torch.where(replace, random_tokens, canvas)
 
 
-def losses(model, batch: dict[str, torch.Tensor], generator: torch.Generator, self_condition: bool,
+def losses(model, batch: dict, generator: torch.Generator, self_condition: bool,
            ar_weight: float) -> dict[str, torch.Tensor]:
+    """Diffusion (+ AR) loss of one batch; also the diffusion loss per task (detached, for the log)."""
     from transformers.cache_utils import DynamicCache
 
     text_config = model.config.text_config
@@ -169,46 +183,76 @@ def losses(model, batch: dict[str, torch.Tensor], generator: torch.Generator, se
             temperature = low + (high - low) * torch.rand(first.shape[0], 1, 1, generator=generator)
             sc_logits = first / temperature
     logits = decode(sc_logits)
-    diffusion_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["canvas"].reshape(-1))
-    result = {"diffusion": diffusion_loss}
-    if ar_weight > 0:
-        # Half the rows are enough for the AR objective and save a third of the step's compute.
-        rows = max(1, batch["full_ids"].shape[0] // 2)
-        encoded = model.model.encoder(input_ids=batch["full_ids"][:rows], attention_mask=batch["full_mask"][:rows],
-                                      use_cache=False)
+    per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["canvas"].reshape(-1), reduction="none")
+    per_row = per_token.view(batch["canvas"].shape).mean(dim=1)
+    result = {"diffusion": per_row.mean()}
+    if ar_weight > 0 and batch["full_ids"].shape[0]:
+        encoded = model.model.encoder(input_ids=batch["full_ids"], attention_mask=batch["full_mask"], use_cache=False)
         ar_logits = softcapped_logits(model, encoded.last_hidden_state)
-        result["ar"] = F.cross_entropy(ar_logits.reshape(-1, ar_logits.shape[-1]),
-                                       batch["ar_targets"][:rows].reshape(-1), ignore_index=-100)
-    result["total"] = diffusion_loss + ar_weight * result.get("ar", 0.0)
+        result["ar"] = F.cross_entropy(ar_logits.reshape(-1, ar_logits.shape[-1]), batch["ar_targets"].reshape(-1),
+                                       ignore_index=-100)
+    result["total"] = result["diffusion"] + ar_weight * result.get("ar", 0.0)
+    for name in set(batch["tasks"]):
+        rows = torch.tensor([t == name for t in batch["tasks"]])
+        result[f"diffusion_{name}"] = per_row.detach()[rows].mean()
     return result
 
 
 def train(out_dir: Path, steps: int, batch_size: int, lr: float, ar_weight: float, seed: int,
           threads: int, hidden_size: int, log_every: int = 50, save_every: int = 0,
-          stop_after: int | None = None) -> Path:
+          stop_after: int | None = None, ar_fraction: float = 0.25, decay_fraction: float = 0.2) -> Path:
+    """Train (or resume from out_dir/train_state.pt, written every `save_every` steps) and save the
+    HF checkpoint. A resumed run continues the same data and noise streams, so it ends where an
+    uninterrupted run would."""
     torch.set_num_threads(threads)
     model = build_model(seed, hidden_size)
     model.train()
     rng = random.Random(seed)
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
-    warmup = max(1, steps // 20)
+    ar_rows = round(batch_size * ar_fraction) if ar_weight > 0 else 0
+    decay_from = steps - round(steps * decay_fraction)
+    run = dict(seed=seed, hidden_size=hidden_size, batch_size=batch_size, lr=lr, ar_weight=ar_weight,
+               ar_fraction=ar_fraction)  # what a resumed state must match
 
     def lr_at(step: int) -> float:
-        if step < warmup:
-            return lr * (step + 1) / warmup
-        progress = (step - warmup) / max(1, steps - warmup)
+        """Warm-up, constant, then a cosine decay over the last `decay_fraction` of the steps to 5%.
+        Until the decay starts the rate does not depend on `steps`, so a run can be resumed with a
+        larger --steps and ends exactly as a fresh run with that --steps would."""
+        if step < WARMUP_STEPS:
+            return lr * (step + 1) / WARMUP_STEPS
+        if step < decay_from:
+            return lr
+        progress = (step - decay_from) / max(1, steps - decay_from)
         return lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
 
     out_dir.mkdir(parents=True, exist_ok=True)
     log_path = out_dir / "train_log.jsonl"
-    started = time.time()
-    running: dict[str, float] = {}
-    with log_path.open("w") as log:
-        for step in range(steps if stop_after is None else min(steps, stop_after)):
+    state_path = out_dir / "train_state.pt"
+    first_step, running, elapsed_before = 0, {}, 0.0
+    if state_path.exists():
+        state = torch.load(state_path, weights_only=False)
+        if state["run"] != run:
+            raise SystemExit(f"{state_path} is from another run ({state['run']}); use another --out")
+        if state["next_step"] > min(decay_from, state["decay_from"]) and state["steps"] != steps:
+            raise SystemExit(f"{state_path} is past the start of its decay (step {state['decay_from']}): "
+                             f"resume it with --steps {state['steps']}")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        rng.setstate(state["rng"])
+        generator.set_state(state["generator"])
+        first_step, running, elapsed_before = state["next_step"], state["running"], state["elapsed_s"]
+        print(f"resuming at step {first_step} from {state_path}", flush=True)
+    started = time.time() - elapsed_before
+    last_step = steps if stop_after is None else min(steps, stop_after)
+    if first_step:  # drop what the interrupted run logged after its last saved state
+        kept = [line for line in log_path.read_text().splitlines() if json.loads(line)["step"] < first_step]
+        log_path.write_text("".join(line + "\n" for line in kept))
+    with log_path.open("a") as log:
+        for step in range(first_step, last_step):
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step)
-            batch = make_batch(rng, batch_size)
+            batch = make_batch(rng, batch_size, ar_rows)
             self_condition = rng.random() < 0.5
             parts = losses(model, batch, generator, self_condition, ar_weight)
             optimizer.zero_grad(set_to_none=True)
@@ -220,11 +264,16 @@ def train(out_dir: Path, steps: int, batch_size: int, lr: float, ar_weight: floa
                 running[key] = 0.98 * running.get(key, value) + 0.02 * value
             if step % log_every == 0 or step == steps - 1:
                 record = {"step": step, "lr": lr_at(step), "elapsed_s": round(time.time() - started, 1),
-                          **{k: round(v, 4) for k, v in running.items()}}
+                          **{k: round(v, 4) for k, v in sorted(running.items())}}
                 log.write(json.dumps(record) + "\n")
                 log.flush()
                 print(json.dumps(record), flush=True)
             if save_every and (step + 1) % save_every == 0:
+                torch.save(dict(run=run, steps=steps, decay_from=decay_from, next_step=step + 1,
+                                model=model.state_dict(), optimizer=optimizer.state_dict(), rng=rng.getstate(),
+                                generator=generator.get_state(), running=running,
+                                elapsed_s=time.time() - started), state_path.with_suffix(".tmp"))
+                state_path.with_suffix(".tmp").replace(state_path)  # never a half-written state
                 save_hf_checkpoint(model, out_dir)  # an intermediate checkpoint to evaluate while training goes on
                 model.train()
     save_hf_checkpoint(model, out_dir)
@@ -258,9 +307,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--save-every", type=int, default=0)
     parser.add_argument("--stop-after", type=int, help="stop after this many steps of the --steps schedule")
+    parser.add_argument("--ar-fraction", type=float, default=0.25, help="share of each batch that also trains AR")
+    parser.add_argument("--decay-fraction", type=float, default=0.2, help="share of the steps spent decaying the rate")
     args = parser.parse_args(argv)
     train(args.out, args.steps, args.batch_size, args.lr, args.ar_weight, args.seed, args.threads, args.hidden_size,
-          args.log_every, args.save_every, args.stop_after)
+          args.log_every, args.save_every, args.stop_after, args.ar_fraction, args.decay_fraction)
 
 
 if __name__ == "__main__":
