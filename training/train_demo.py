@@ -200,7 +200,8 @@ def losses(model, batch: dict, generator: torch.Generator, self_condition: bool,
 
 def train(out_dir: Path, steps: int, batch_size: int, lr: float, ar_weight: float, seed: int,
           threads: int, hidden_size: int, log_every: int = 50, save_every: int = 0,
-          stop_after: int | None = None, ar_fraction: float = 0.25, decay_fraction: float = 0.2) -> Path:
+          stop_after: int | None = None, ar_fraction: float = 0.25, decay_fraction: float = 0.2,
+          decay_from: int | None = None) -> Path:
     """Train (or resume from out_dir/train_state.pt, written every `save_every` steps) and save the
     HF checkpoint. A resumed run continues the same data and noise streams, so it ends where an
     uninterrupted run would."""
@@ -211,7 +212,10 @@ def train(out_dir: Path, steps: int, batch_size: int, lr: float, ar_weight: floa
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
     ar_rows = round(batch_size * ar_fraction) if ar_weight > 0 else 0
-    decay_from = steps - round(steps * decay_fraction)
+    if decay_from is None:
+        decay_from = steps - round(steps * decay_fraction)
+    if not WARMUP_STEPS <= decay_from <= steps:
+        raise SystemExit(f"--decay-from {decay_from} must lie between the warm-up ({WARMUP_STEPS}) and --steps ({steps})")
     run = dict(seed=seed, hidden_size=hidden_size, batch_size=batch_size, lr=lr, ar_weight=ar_weight,
                ar_fraction=ar_fraction)  # what a resumed state must match
 
@@ -234,9 +238,10 @@ def train(out_dir: Path, steps: int, batch_size: int, lr: float, ar_weight: floa
         state = torch.load(state_path, weights_only=False)
         if state["run"] != run:
             raise SystemExit(f"{state_path} is from another run ({state['run']}); use another --out")
-        if state["next_step"] > min(decay_from, state["decay_from"]) and state["steps"] != steps:
+        schedule_changed = (state["steps"], state["decay_from"]) != (steps, decay_from)
+        if state["next_step"] > min(decay_from, state["decay_from"]) and schedule_changed:
             raise SystemExit(f"{state_path} is past the start of its decay (step {state['decay_from']}): "
-                             f"resume it with --steps {state['steps']}")
+                             f"resume it with --steps {state['steps']} --decay-from {state['decay_from']}")
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         rng.setstate(state["rng"])
@@ -309,9 +314,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stop-after", type=int, help="stop after this many steps of the --steps schedule")
     parser.add_argument("--ar-fraction", type=float, default=0.25, help="share of each batch that also trains AR")
     parser.add_argument("--decay-fraction", type=float, default=0.2, help="share of the steps spent decaying the rate")
+    parser.add_argument("--decay-from", type=int,
+                        help="step where the decay starts (instead of --decay-fraction); lets a resumed run end sooner")
     args = parser.parse_args(argv)
     train(args.out, args.steps, args.batch_size, args.lr, args.ar_weight, args.seed, args.threads, args.hidden_size,
-          args.log_every, args.save_every, args.stop_after, args.ar_fraction, args.decay_fraction)
+          args.log_every, args.save_every, args.stop_after, args.ar_fraction, args.decay_fraction, args.decay_from)
 
 
 if __name__ == "__main__":
