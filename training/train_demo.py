@@ -1,7 +1,8 @@
 """Train the demo DiffusionGemma pair (diffusion + its AR twin: the same weights) on training/tasks.py.
 
-    .venv/bin/python -m training.train_demo --out build/demo-hf            # train, seeded, ~25 min on 1 core
-    .venv/bin/python -m training.train_demo --out build/demo-hf --steps 50 # a smoke run
+    .venv/bin/python -m training.train_demo --out build/demo-hf --steps 3200 --decay-from 2400 \
+        --save-every 100                                                   # the shipped run: ~3 h on 1 busy core
+    .venv/bin/python -m training.train_demo --out build/smoke --steps 50   # a smoke run
 
 The model is the real architecture in miniature (Transformers' DiffusionGemmaForBlockDiffusion):
 sliding and full attention layers (full layers with k_eq_v and their own head size), a shared dense
