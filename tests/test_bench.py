@@ -46,5 +46,5 @@ def test_the_demo_declares_its_own_graded_prompt_set():
     entry = Registry.load().get("demo")
     prompts = bench.load_prompts(entry.bench_prompts)
     assert prompts and all(p.expected for p in prompts)
-    assert {p.name.split("-")[0] for p in prompts} == {"sort", "reverse", "add"}
+    assert {p.name.split("-")[0] for p in prompts} == {"reverse", "sort", "nato", "json", "help", "unknown"}
     assert Registry.load().get("diffusiongemma-26b").bench_prompts is None

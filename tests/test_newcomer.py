@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 from dgcli import cli, render
 from dgcli.commands import _shared as shared
 from dgcli.engine import native
+from dgcli.engine.types import GenerationResult
 from dgcli.tiny import write_tiny_random_gguf
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,10 +52,17 @@ def one_line_error(r, *fragments) -> None:
 def test_pads_count_for_nothing_and_a_canvas_of_pads_ends_the_run():
     doc = ok_json("compare", "What is the capital of France?", "--seed", "0", "--json")
     d = doc["diffusion"]["result"]
-    # it printed an empty answer yet reported 256 new tokens, 1026 tok/s and a 1.56x speedup
-    assert d["text"] == "" and d["n_new_tokens"] == 0 and d["tokens_per_second"] == 0
-    assert d["tokens_per_forward"] == 0 and d["stop_reason"] == "pad_canvas" and doc["speedup"] is None
-    long = ok_json("generate", "reverse: ABCDEFGHIJKLMNOPQRSTUVWXYZ", "-n", "200", "--seed", "0", "--json")["result"]
+    # The first demo printed an empty answer here yet reported 256 new tokens, 1026 tok/s and a 1.56x
+    # speedup. The retrained one answers with its help line: every answer token counted, nothing else.
+    assert d["text"] and d["stop_reason"] == "end_token" and 0 not in d["token_ids"]
+    assert d["n_new_tokens"] == len(d["token_ids"]) and doc["speedup"] is not None
+    assert d["tokens_per_forward"] == pytest.approx(d["n_new_tokens"] / d["decoder_forwards"])
+    # an empty answer (a first canvas of pads) has no rate, so no speedup either
+    empty = GenerationResult(mode="diffusion", text="", token_ids=[], n_prompt_tokens=3, total_s=1.0)
+    one = GenerationResult(mode="autoregressive", text="A", token_ids=[5], n_prompt_tokens=3, total_s=1.0)
+    assert empty.tokens_per_second == 0 and render.speedup(empty, one) is None
+    # far past its trained lengths the demo's answer runs into a canvas of pads, which ends the run
+    long = ok_json("generate", "sort: ABCDEFGHIJKLMNOPQRSTUVWXYZ", "-n", "200", "--seed", "0", "--json")["result"]
     assert long["stop_reason"] == "pad_canvas" and len(long["steps_per_canvas"]) == 2  # not six more canvases
     assert long["n_new_tokens"] == len(long["token_ids"]) == len(long["text"]) and 0 not in long["token_ids"]
     assert long["tokens_per_forward"] == pytest.approx(long["n_new_tokens"] / long["decoder_forwards"])

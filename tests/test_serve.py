@@ -81,10 +81,10 @@ def test_chat_stream_deltas_add_up_to_the_answer_then_usage(demo_server):
 
 def test_completions_endpoint_takes_raw_text_streaming_or_not(demo_server):
     client = client_for(demo_server.url)
-    prompt = "<|turn>user\nsort: DBCA<turn|>\n<|turn>model\n"
+    prompt = "<|turn>user\nsort: QWERTY<turn|>\n<|turn>model\n"
     want = solo(prompt, seed=5, chat=False)
     r = client.completions.create(model="demo", prompt=prompt, seed=5, max_tokens=32)
-    assert r.object == "text_completion" and r.choices[0].text == want.text == "ABCD"
+    assert r.object == "text_completion" and r.choices[0].text == want.text == "EQRTWY"
     assert r.usage.completion_tokens == want.n_new_tokens and r.usage.prompt_tokens == want.n_prompt_tokens
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model="demo", prompt=prompt, seed=5, max_tokens=32, stream=True) if c.choices)
