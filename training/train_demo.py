@@ -215,8 +215,8 @@ def train(out_dir: Path, steps: int, batch_size: int, lr: float, ar_weight: floa
     ar_rows = round(batch_size * ar_fraction) if ar_weight > 0 else 0
     if decay_from is None:
         decay_from = steps - round(steps * decay_fraction)
-    if not WARMUP_STEPS <= decay_from <= steps:
-        raise SystemExit(f"--decay-from {decay_from} must lie between the warm-up ({WARMUP_STEPS}) and --steps ({steps})")
+    if not 0 <= decay_from <= steps:
+        raise SystemExit(f"--decay-from {decay_from} must lie between 0 and --steps ({steps})")
     run = dict(seed=seed, hidden_size=hidden_size, batch_size=batch_size, lr=lr, ar_weight=ar_weight,
                ar_fraction=ar_fraction)  # what a resumed state must match
 
