@@ -14,6 +14,7 @@ Session-scoped and built lazily, so a test that does not ask for the reference n
 from __future__ import annotations
 
 import importlib.util
+import signal
 
 import pytest
 
@@ -21,6 +22,14 @@ from dgcli.tiny import tiny_vocab, write_tiny_random_gguf
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("transformers") is not None
 NO_TORCH_REASON = "torch/transformers not installed (the Transformers reference needs them)"
+
+# A suite started with `&` from a shell without job control (or under nohup) inherits SIGINT/SIGHUP
+# as ignored, and so would every dg the tests start: the Ctrl-C and SIGHUP tests would then test
+# nothing but the disposition. Give the children the defaults a terminal gives them.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 def _require_reference() -> None:
