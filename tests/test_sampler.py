@@ -108,6 +108,46 @@ def test_stop_with_stability_threshold_two_needs_two_equal_predecessors():
     assert not stop(b, certain)
 
 
+def reference_stability(threshold: int, canvases: list) -> list[bool]:
+    """The reference's rule, literally: the last `threshold` argmax canvases kept, each compared."""
+    history: list = []
+    stable = []
+    for canvas in canvases:
+        stable.append(len(history) == threshold and all(np.array_equal(h, canvas) for h in history)
+                      if threshold else True)
+        history = (history + [canvas])[-threshold:] if threshold else []
+    return stable
+
+
+@pytest.mark.parametrize("threshold", [0, 1, 2, 3, 5])
+def test_stop_rule_matches_the_reference_history_on_random_sequences(threshold):
+    rng = np.random.default_rng(threshold)
+    # few distinct canvases, so runs of equal ones of every length occur
+    pool = [rng.integers(0, 50, 6) for _ in range(3)]
+    canvases = [pool[i] for i in rng.choice(3, size=400, p=[0.7, 0.2, 0.1])]
+    stop = S.StableAndConfidentStop(stability_threshold=threshold, confidence_threshold=0.5)
+    ours = [stop(c, np.zeros(6)) for c in canvases]
+    assert ours == reference_stability(threshold, canvases)
+    assert any(ours) and not all(ours) or threshold == 0
+
+
+def test_stop_rule_bookkeeping_does_not_grow_with_the_threshold():
+    """O(canvas) per step whatever the threshold: a threshold of a billion steps allocates nothing
+    of its size (the history form would need a [threshold, canvas] array: 2 TB here)."""
+    import tracemalloc
+
+    stop = S.StableAndConfidentStop(stability_threshold=10**9, confidence_threshold=0.5)
+    canvas = np.arange(256)
+    tracemalloc.start()
+    try:
+        for _ in range(50):
+            assert not stop(canvas, np.zeros(256))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+
+
 def test_confidence_threshold_is_strict():
     stop = S.StableAndConfidentStop(stability_threshold=0, confidence_threshold=0.5)
     assert not stop(np.array([1]), np.array([0.5]))

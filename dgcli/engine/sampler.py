@@ -264,26 +264,29 @@ def mean_entropy(entropy: np.ndarray) -> float:
 
 
 class StableAndConfidentStop:
-    """Adaptive stop: argmax canvas unchanged over the last `stability_threshold` steps and confident."""
+    """Adaptive stop: argmax canvas unchanged over the last `stability_threshold` steps and confident.
+
+    The reference keeps the last `stability_threshold` argmax canvases and compares the current one
+    with each. "Equal to each of the last T" is "equal to the previous one, which began a run of at
+    least T equal canvases", so only the previous canvas and the length of its run are kept: one
+    O(canvas) comparison per step, whatever the threshold."""
 
     def __init__(self, stability_threshold: int, confidence_threshold: float):
         self.stability_threshold = stability_threshold
         self.confidence_threshold = confidence_threshold
-        self._history: np.ndarray | None = None
+        self._previous: np.ndarray | None = None
+        self._run = 0  # consecutive steps, ending at the previous one, with that same argmax canvas
 
     def reset(self) -> None:
-        self._history = None
+        self._previous = None
+        self._run = 0
 
     def __call__(self, argmax_canvas: np.ndarray, entropy: np.ndarray) -> bool:
-        if self.stability_threshold == 0:
-            stable = True
-        else:
-            if self._history is None:
-                # -1 never equals a token id: no canvas is stable before `stability_threshold` steps
-                self._history = np.full((self.stability_threshold, argmax_canvas.shape[0]), -1, dtype=np.int64)
-            stable = bool((self._history == argmax_canvas[None, :]).all())
-            self._history = np.roll(self._history, -1, axis=0)
-            self._history[-1] = argmax_canvas
+        current = np.asarray(argmax_canvas)
+        same = self._previous is not None and np.array_equal(self._previous, current)
+        stable = self.stability_threshold == 0 or (same and self._run >= self.stability_threshold)
+        self._run = self._run + 1 if same else 1
+        self._previous = current.copy()
         confident = np.float32(mean_entropy(entropy)) < np.float32(self.confidence_threshold)
         return bool(stable and confident)
 
