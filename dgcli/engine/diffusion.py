@@ -6,8 +6,10 @@ Outer loop, one canvas at a time (at most ceil(max_new_tokens / canvas_length) c
 Inner loop, cur_step from max_denoising_steps down to 1 (`denoising_step`):
     decoder forward (self-conditioned on the previous step's processed logits: dense as the
     reference on small vocabularies, else the sampler's top-k of their softmax); temperature,
-    entropy, argmax and multinomial sample per position (native or numpy, see sampler.py);
-    entropy-bound acceptance; renoise; adaptive stop.
+    entropy, argmax and multinomial sample per position; entropy-bound acceptance; renoise;
+    adaptive stop. The forward and the per-position pass are one graph when the model offers
+    `denoise_step` (the "graph" step: only per-position results leave llama.cpp), else the model's
+    logits go through a host sampler (native or numpy, see sampler.py).
 
 The committed canvas is the ARGMAX canvas of the last step. Like the reference, max_new_tokens sets
 the number of canvases and a canvas is always denoised whole; the answer (`answer_token_ids`: before
@@ -37,6 +39,7 @@ from dgcli.engine.sampler import (
     StepSampler,
     entropy_bound_accept_mask,
     finalize_canvas,
+    StepStats,
     make_step_sampler,
     mean_entropy,
     renoise_canvas,
@@ -113,6 +116,18 @@ class _LoopState:
 
 
 @dataclass
+class _StepPlan:
+    """What a step fixes before its forward: its number, the schedule's temperature and the
+    multinomial sample's uniforms (the forward draws nothing, so the RNG order stays the
+    reference's: the uniforms, then the renoise)."""
+
+    step: int  # 1-based within the canvas
+    cur_step: int  # the reference's countdown: max_denoising_steps .. 1
+    temperature: np.float32
+    uniforms: np.ndarray  # float64 [C]
+
+
+@dataclass
 class _StepOutcome:
     canvas: np.ndarray  # the next step's input canvas
     argmax: np.ndarray
@@ -122,6 +137,25 @@ class _StepOutcome:
     mean_entropy: float
     temperature: float
     sampling_s: float
+
+
+STEP_BACKENDS = ("auto", "graph", "native", "numpy")
+
+
+def _resolve_step_backend(sampler: str | StepSampler, model: Any, n_threads: int | None) -> StepSampler | None:
+    """The host sampler for `sampler`, or None when the step runs inside the model's graph.
+    "auto": the graph step when the model has one (`denoise_step`), else the best host sampler;
+    "graph": the graph step (error without it); "native" / "numpy": host logits, that sampler."""
+    if not isinstance(sampler, str):
+        return sampler  # a StepSampler object (tests hand in a freshly compiled one)
+    if sampler not in STEP_BACKENDS:
+        raise DgError(f"invalid sampler backend {sampler!r}: must be one of {', '.join(STEP_BACKENDS)}")
+    has_graph_step = callable(getattr(model, "denoise_step", None))
+    if sampler == "graph" and not has_graph_step:
+        raise DgError(f"{type(model).__name__} has no in-graph denoising step (denoise_step)")
+    if sampler in ("graph", "auto") and has_graph_step:
+        return None
+    return make_step_sampler(sampler, n_threads=n_threads)
 
 
 def validate_max_new_tokens(max_new_tokens: Any) -> int:
@@ -183,12 +217,12 @@ class DiffusionSequence:
     sampler parameters. `DiffusionEngine.generate` runs one alone; the server's scheduler runs many,
     their canvases denoised together by `denoising_step`. Per canvas the stages are:
 
-        start_canvas -> (decoder forward, sample_step) until the canvas is finished
+        start_canvas -> (plan_step, decoder forward, sample_step or apply_step) until the canvas is finished
         -> finish_canvas -> [commit the returned canvas] -> canvas_done -> start_canvas unless done
     """
 
     def __init__(self, model: Any, prompt_ids: Sequence[int], params: DiffusionParams, max_new_tokens: int,
-                 rng: RngStream, step_sampler: StepSampler, top_k: int = 0, pad_token_id: int | None = GEMMA_PAD_TOKEN_ID,
+                 rng: RngStream, step_sampler: StepSampler | None, top_k: int = 0, pad_token_id: int | None = GEMMA_PAD_TOKEN_ID,
                  on_event: EventCallback | None = None):
         self.model = model
         self.params = params.validate(canvas_length=model.canvas_length)
@@ -222,47 +256,63 @@ class DiffusionSequence:
         self.self_cond = None
         self.state.steps_per_canvas.append(0)
 
-    def sample_step(self, logits: np.ndarray, forward_s: float) -> bool:
-        """The sampler rules on this canvas's decoder logits (reference: the rest of `_denoising_step`);
-        emits the StepEvent. True when the canvas is finished (adaptive stop, or its last step)."""
-        state = self.state
-        step = state.steps_per_canvas[-1] + 1
+    def plan_step(self) -> _StepPlan:
+        """This step's temperature and uniforms, drawn before the forward (the graph step needs them)."""
+        step = self.state.steps_per_canvas[-1] + 1
         cur_step = self.params.max_denoising_steps - step + 1
+        temperature = schedule_temperature(cur_step, self.params.max_denoising_steps, self.params.t_min,
+                                           self.params.t_max)
+        return _StepPlan(step=step, cur_step=cur_step, temperature=temperature,
+                         uniforms=self.rng.multinomial_uniforms(len(self.canvas)))
+
+    def sample_step(self, logits: np.ndarray, forward_s: float, plan: _StepPlan | None = None) -> bool:
+        """The host sampler's pass over this canvas's decoder logits (temperature, entropy, argmax,
+        sample, the next top-k), then `apply_step`. True when the canvas is finished."""
+        plan = plan if plan is not None else self.plan_step()
+        began = time.perf_counter()
+        if self.top_k:
+            stats = self.step_sampler.process_logits(logits, plan.temperature, plan.uniforms, top_k=self.top_k)
+        else:
+            stats = self.step_sampler.process_logits(logits, plan.temperature, plan.uniforms)
+        return self.apply_step(plan, stats, forward_s, sampler_s=time.perf_counter() - began)
+
+    def apply_step(self, plan: _StepPlan, stats: StepStats, forward_s: float, sampler_s: float = 0.0) -> bool:
+        """The sampler rules on a step's per-position results (reference: the rest of
+        `_denoising_step`): entropy-bound acceptance, renoise, adaptive stop; emits the StepEvent.
+        sampler_s: the host sampler's time (0 when the pass ran inside the graph). True when the
+        canvas is finished (adaptive stop, or its last step)."""
+        state = self.state
         used_dropped = self.self_cond.dropped_mass if self.self_cond is not None else 0.0
-        outcome = self._sample(logits, cur_step)
+        outcome = self._apply_rules(plan, stats, sampler_s)
         self.canvas, self.self_cond = outcome.canvas, outcome.self_cond
         state.current_argmax = outcome.argmax
-        state.steps_per_canvas[-1] = step
+        state.steps_per_canvas[-1] = plan.step
         state.decoder_forwards += 1
         state.forward_s += forward_s
         state.sampling_s += outcome.sampling_s
         _emit(self.events, StepEvent(
-            canvas_index=self.canvas_index, step=step, max_steps=self.params.max_denoising_steps,
+            canvas_index=self.canvas_index, step=plan.step, max_steps=self.params.max_denoising_steps,
             temperature=outcome.temperature,
             argmax_canvas=outcome.argmax.astype(np.int32), accepted_mask=outcome.accepted_mask,
             n_accepted=int(outcome.accepted_mask.sum()), mean_entropy=outcome.mean_entropy,
             forward_s=forward_s, sampling_s=outcome.sampling_s, stopped=outcome.stopped,
             sc_dropped_mass=used_dropped))
-        return outcome.stopped or cur_step == 1
+        return outcome.stopped or plan.cur_step == 1
 
-    def _sample(self, logits: np.ndarray, cur_step: int) -> _StepOutcome:
+    def _apply_rules(self, plan: _StepPlan, stats: StepStats, sampler_s: float) -> _StepOutcome:
         began = time.perf_counter()
-        params = self.params
-        temperature = schedule_temperature(cur_step, params.max_denoising_steps, params.t_min, params.t_max)
-        uniforms = self.rng.multinomial_uniforms(len(self.canvas))
         if self.top_k:
-            stats = self.step_sampler.process_logits(logits, temperature, uniforms, top_k=self.top_k)
             next_sc = _SelfCond(ids=stats.topk_ids, probs=stats.topk_probs,
                                 dropped_mass=float(np.max(stats.dropped_mass)))
         else:
-            stats = self.step_sampler.process_logits(logits, temperature, uniforms)
             next_sc = _SelfCond(logits=stats.processed)
-        accepted = entropy_bound_accept_mask(stats.entropy, params.entropy_bound)
+        accepted = entropy_bound_accept_mask(stats.entropy, self.params.entropy_bound)
         next_canvas = renoise_canvas(stats.sampled, accepted, self.rng.renoise(len(self.canvas), self.model.vocab_size))
         stopped = self.stop_rule(stats.argmax, stats.entropy)
         return _StepOutcome(canvas=next_canvas, argmax=stats.argmax, accepted_mask=accepted,
                             self_cond=next_sc, stopped=stopped, mean_entropy=mean_entropy(stats.entropy),
-                            temperature=float(temperature), sampling_s=time.perf_counter() - began)
+                            temperature=float(plan.temperature),
+                            sampling_s=sampler_s + time.perf_counter() - began)
 
     def finish_canvas(self) -> np.ndarray | None:
         """Finalize the canvas (its argmax, padded after the first end token) and take its answer
@@ -357,9 +407,19 @@ def batched_self_cond(self_conds: Sequence[_SelfCond | None]) -> tuple[np.ndarra
 
 def denoising_step(model: Any, sequences: Sequence[DiffusionSequence]) -> list[bool]:
     """One denoising step for every sequence: ONE decoder forward over all their canvases, then each
-    sequence's sampler rules on its own rows. Sequence i must own KV-cache sequence i (its prompt and
-    committed canvases). Returns, per sequence, whether its canvas is finished."""
+    sequence's sampler rules on its own rows. Sequences without a host sampler (the engine's "graph"
+    step) run the per-position pass inside that forward (`model.denoise_step`): only its per-position
+    results leave the graph. Sequence i must own KV-cache sequence i (its prompt and committed
+    canvases). Returns, per sequence, whether its canvas is finished."""
+    plans = [seq.plan_step() for seq in sequences]
+    in_graph = [seq.step_sampler is None for seq in sequences]
+    if any(in_graph) and not all(in_graph):
+        raise DgError("canvases in one forward need the same step backend (all in the graph or all on the host)")
     began = time.perf_counter()
+    if all(in_graph):
+        stats = _graph_step(model, sequences, plans)
+        forward_s = time.perf_counter() - began
+        return [seq.apply_step(plan, rows, forward_s) for seq, plan, rows in zip(sequences, plans, stats)]
     if len(sequences) == 1:
         # a single generation: the step-level API every model object has (the torch reference too)
         seq = sequences[0]
@@ -373,7 +433,25 @@ def denoising_step(model: Any, sequences: Sequence[DiffusionSequence]) -> list[b
         logits = model.decode_canvases(canvases, sc_topk=batched_self_cond([seq.self_cond for seq in sequences]),
                                        per_sequence=True)
     forward_s = time.perf_counter() - began
-    return [seq.sample_step(rows, forward_s) for seq, rows in zip(sequences, logits)]
+    return [seq.sample_step(rows, forward_s, plan) for seq, plan, rows in zip(sequences, plans, logits)]
+
+
+def _graph_step(model: Any, sequences: Sequence[DiffusionSequence], plans: Sequence[_StepPlan]) -> list[StepStats]:
+    """The decoder forward and the per-position pass in one graph, for every sequence's canvas.
+    The dense self-conditioning input (top_k 0) needs the processed logits back."""
+    top_k = sequences[0].top_k
+    if any(seq.top_k != top_k for seq in sequences):
+        raise DgError("canvases in one forward need the same self-conditioning form (dense or the same top-k)")
+    canvases = np.stack([seq.canvas for seq in sequences])
+    temperatures = np.array([plan.temperature for plan in plans], dtype=np.float32)
+    uniforms = np.stack([plan.uniforms for plan in plans])
+    if len(sequences) == 1:
+        sc = sequences[0].self_cond
+        self_cond = {} if sc is None else (
+            {"sc_topk": (sc.ids[None], sc.probs[None])} if sc.ids is not None else {"sc_logits": sc.logits[None]})
+    else:
+        self_cond = {"sc_topk": batched_self_cond([seq.self_cond for seq in sequences]), "per_sequence": True}
+    return model.denoise_step(canvases, temperatures, uniforms, top_k=top_k, return_values=not top_k, **self_cond)
 
 
 class DiffusionEngine:
@@ -392,9 +470,8 @@ class DiffusionEngine:
         else:
             self.model = model
             self._owns_model = False
-        # "auto" | "native" | "numpy", or a StepSampler object (tests hand in a freshly compiled one)
-        self.step_sampler: StepSampler = (make_step_sampler(sampler, n_threads=n_threads)
-                                          if isinstance(sampler, str) else sampler)
+        # "auto" | "graph" | "native" | "numpy", or a StepSampler object; None: the graph step
+        self.step_sampler: StepSampler | None = _resolve_step_backend(sampler, self.model, n_threads)
         # an engine option, not a DiffusionParams knob: the reference has no such setting
         resolve_self_cond_top_k(self_cond_top_k, self.model.vocab_size)  # fail early on a bad value
         self.self_cond_top_k = self_cond_top_k
@@ -410,6 +487,11 @@ class DiffusionEngine:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+    @property
+    def step_backend(self) -> str:
+        """Where a step's per-position pass runs: "graph" (inside the decoder graph) or the host sampler's name."""
+        return "graph" if self.step_sampler is None else self.step_sampler.name
 
     @property
     def default_params(self) -> DiffusionParams:
@@ -491,4 +573,3 @@ class DiffusionEngine:
         began = time.perf_counter()
         self.model.commit(argmax_canvas)
         return time.perf_counter() - began
-

@@ -5,6 +5,9 @@
         logits = m.decode_canvas(canvas)           # decoder: [C, V] softcapped logits, cache unchanged
         logits = m.decode_canvas(canvas, sc_logits=processed_logits)   # later steps: self-conditioned (dense)
         logits = m.decode_canvas(canvas, sc_topk=(ids, probs))         # ... or the sampler's top-k
+        [stats] = m.denoise_step(canvas[None], [t], uniforms[None], sc_topk=..., top_k=64)
+                                                   # the whole step in one graph: per position only
+                                                   # entropy, argmax, sample, next top-k (no logits)
         m.commit(final_canvas)                     # encoder over the canvas; n_past += C
 
 Several generations share one model through KV-cache sequences (`n_seq_max` at load): prefill and
@@ -34,6 +37,8 @@ from dgcli.engine.header import END_TOKEN_TEXTS, VISIBLE_CONTROL_TEXTS, read_hea
 from dgcli.engine.hparams import AR_ARCH, DIFFUSION_ARCH, check_model_header, sampler_defaults
 from dgcli.engine.offload import LoadReport, check_offload, expert_override_pattern
 from dgcli.engine.template_sandbox import start_renderer
+from dgcli.engine.sampler import StepStats
+from dgcli.units import format_bytes
 from dgcli.engine.types import (
     MAX_CANVAS_LENGTH,
     ContextFull,
@@ -512,6 +517,71 @@ class DiffusionModel(_LlamaModel):
         sits after sequence s's own cached tokens (independent generations batched together).
         sc_logits [n, C, V] or sc_topk = (ids [n, C, k], probs [n, C, k]): see decode_canvas. A row
         whose probs are all zero gets no self-conditioning signal, exactly as a first step does."""
+        inputs = self._decoder_inputs(canvases, sc_logits, sc_topk, per_sequence)
+        out = np.empty((inputs.n, inputs.length, self.vocab_size), dtype=np.float32)
+        rc = self._run_decoder(inputs, lambda L: L._lib.dg_decode_canvases(
+            self._ctx, native.as_token_p(inputs.tokens), inputs.n, inputs.length, *inputs.self_cond_args(),
+            self.exact, native.as_float_p(out)))
+        if rc != 0:
+            raise DgError(f"decoder forward failed (status {rc}): {native.last_error('no detail logged')}")
+        return out
+
+    def denoise_step(self, canvases: Any, temperatures: Any, uniforms: Any, sc_logits: np.ndarray | None = None,
+                     sc_topk: tuple[np.ndarray, np.ndarray] | None = None, top_k: int = 0,
+                     return_values: bool = False, portable_ops: bool = False,
+                     per_sequence: bool = False) -> list[StepStats]:
+        """One denoising step of n canvases in ONE graph: the decoder forward (as decode_canvases,
+        same self-conditioning inputs and per_sequence), then, where the logits are, the sampler's pass over
+        softmax(softcap(logits) / t). Only per-position results leave the graph: one StepStats per
+        canvas with entropy, argmax, the inverse-CDF sample at `uniforms`, and with top_k > 0 the
+        next step's self-conditioning input (topk_ids, topk_probs, dropped_mass). `processed`
+        (logits / t, [C, V]) only with return_values=True (debugging; the dense self-conditioning
+        of small vocabularies). temperatures: one per canvas (or one for all); uniforms [n, C] in
+        [0, 1). portable_ops: the ggml-ops form of the step that non-CPU backends run (tests).
+        The cache is unchanged."""
+        inputs = self._decoder_inputs(canvases, sc_logits, sc_topk, per_sequence)
+        n, length, vocab = inputs.n, inputs.length, self.vocab_size
+        temps = np.broadcast_to(np.asarray(temperatures, dtype=np.float32), (n,)).copy() \
+            if np.ndim(temperatures) == 0 else np.ascontiguousarray(temperatures, dtype=np.float32)
+        if temps.shape != (n,) or not (np.isfinite(temps).all() and (temps > 0).all()):
+            raise InvalidParameter("temperatures", temperatures, f"{n} finite temperatures > 0 (one per canvas)")
+        unif = np.ascontiguousarray(uniforms, dtype=np.float64)
+        if unif.shape != (n, length) or not ((unif >= 0) & (unif < 1)).all():
+            raise InvalidParameter("uniforms", f"array of shape {unif.shape}", f"[{n}, {length}] values in [0, 1)")
+        if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or not 0 <= top_k <= vocab:
+            raise InvalidParameter("top_k", top_k, f"an integer in [0, {vocab}]")
+        top_k = int(top_k)
+
+        entropy = np.empty((n, length), dtype=np.float32)
+        argmax = np.empty((n, length), dtype=np.int32)
+        sampled = np.empty((n, length), dtype=np.int32)
+        topk_ids = np.empty((n, length, top_k), dtype=np.int32)
+        topk_probs = np.empty((n, length, top_k), dtype=np.float32)
+        dropped = np.zeros((n, length), dtype=np.float32)
+        values = np.empty((n, length, vocab), dtype=np.float32) if return_values else None
+        out = native.StepOutputs(
+            native.as_float_p(entropy), native.as_token_p(argmax), native.as_token_p(sampled),
+            native.as_token_p(topk_ids), native.as_float_p(topk_probs), native.as_float_p(dropped),
+            native.as_float_p(values) if values is not None else None)
+        flags = (native.DG_STEP_EXACT if self.exact else 0) | (native.DG_STEP_PORTABLE_OPS if portable_ops else 0)
+        rc = self._run_decoder(inputs, lambda L: L._lib.dg_denoise_step(
+            self._ctx, native.as_token_p(inputs.tokens), n, length, *inputs.self_cond_args(),
+            native.as_float_p(temps), unif.ctypes.data_as(ctypes.POINTER(ctypes.c_double)), top_k, flags,
+            ctypes.byref(out)))
+        if rc == -3:
+            raise DgError("decoder step failed: non-finite logits")
+        if rc != 0:
+            raise DgError(f"decoder step failed (status {rc}): {native.last_error('no detail logged')}")
+        return [StepStats(entropy=entropy[i].astype(np.float64), argmax=argmax[i].astype(np.int64),
+                          sampled=sampled[i].astype(np.int64),
+                          processed=values[i] if values is not None else None,
+                          topk_ids=topk_ids[i] if top_k else None, topk_probs=topk_probs[i] if top_k else None,
+                          dropped_mass=dropped[i].astype(np.float64) if top_k else None)
+                for i in range(n)]
+
+    def _decoder_inputs(self, canvases: Any, sc_logits: np.ndarray | None,
+                        sc_topk: tuple[np.ndarray, np.ndarray] | None, per_sequence: bool) -> "_DecoderInputs":
+        """The checked canvases and self-conditioning input of a decoder forward."""
         self._require_open()
         arr = np.asarray(canvases)
         if arr.ndim != 2 or arr.shape[0] < 1:
@@ -540,26 +610,23 @@ class DiffusionModel(_LlamaModel):
             ids, probs = self._dense_topk(np.asarray(sc, dtype=np.float32))
         elif sc_topk is not None:
             ids, probs = self._check_topk(sc_topk, n, length)
-        k = 0 if ids is None else ids.shape[-1]
-        out = np.empty((n, length, self.vocab_size), dtype=np.float32)
+        return _DecoderInputs(tokens=flat, n=n, length=length, per_sequence=per_sequence, sc_ids=ids, sc_probs=probs)
+
+    def _run_decoder(self, inputs: "_DecoderInputs", call: Any) -> int:
+        """`call(lib)`; without per_sequence, sequences 1..n-1 share sequence 0's cached cells for its
+        duration. Ctrl-C waits until the call returns (see native.deferred_interrupts)."""
         L = self._lib
         # shared context: extra sequences borrow sequence 0's cached cells for the duration of the forward
-        borrowed = range(0) if per_sequence else range(1, n)
+        borrowed = range(0) if inputs.per_sequence else range(1, inputs.n)
         with native.deferred_interrupts():
             for s in borrowed:
                 L.llama_memory_seq_cp(self._mem, 0, s, -1, -1)
             try:
                 native.clear_log()
-                rc = L._lib.dg_decode_canvases(self._ctx, native.as_token_p(flat), n, length,
-                                               native.as_token_p(ids) if ids is not None else None,
-                                               native.as_float_p(probs) if probs is not None else None, k,
-                                               self.exact, native.as_float_p(out))
+                return call(L)
             finally:
                 for s in borrowed:
                     L.llama_memory_seq_rm(self._mem, s, -1, -1)
-        if rc != 0:
-            raise DgError(f"decoder forward failed (status {rc}): {native.last_error('no detail logged')}")
-        return out
 
     def _check_topk(self, sc_topk: Any, n: int, length: int) -> tuple[np.ndarray, np.ndarray]:
         if not isinstance(sc_topk, (tuple, list)) or len(sc_topk) != 2:
@@ -578,6 +645,24 @@ class DiffusionModel(_LlamaModel):
         if not np.isfinite(probs).all() or (probs < 0).any():
             raise InvalidParameter("sc_topk probs", "negative or non-finite values", "probabilities")
         return np.ascontiguousarray(ids, dtype=np.int32), probs
+
+
+@dataclass
+class _DecoderInputs:
+    """A decoder forward's checked inputs: canvases (flat int32) and the self-conditioning top-k."""
+
+    tokens: np.ndarray
+    n: int
+    length: int
+    per_sequence: bool  # canvas s after sequence s's own cache (else all after sequence 0's)
+    sc_ids: np.ndarray | None = None  # int32 [n, C, k]
+    sc_probs: np.ndarray | None = None  # float32 [n, C, k]
+
+    def self_cond_args(self) -> tuple[Any, Any, int]:
+        """(sc_ids, sc_probs, sc_k) as the dg_* functions take them."""
+        if self.sc_ids is None:
+            return None, None, 0
+        return native.as_token_p(self.sc_ids), native.as_float_p(self.sc_probs), int(self.sc_ids.shape[-1])
 
 
 class ArModel(_LlamaModel):

@@ -35,6 +35,24 @@ LOG_NONE, LOG_DEBUG, LOG_INFO, LOG_WARN, LOG_ERROR, LOG_CONT = 0, 1, 2, 3, 4, 5
 
 GGML_TYPE_F32 = 0
 
+# dg_denoise_step flags (native/patch/include/diffusion-gemma.h)
+DG_STEP_EXACT = 1
+DG_STEP_PORTABLE_OPS = 2
+
+
+class StepOutputs(ctypes.Structure):
+    """struct dg_step_outputs: where dg_denoise_step writes its per-position results."""
+
+    _fields_ = [
+        ("entropy", ctypes.POINTER(ctypes.c_float)),
+        ("argmax", ctypes.POINTER(ctypes.c_int32)),
+        ("sampled", ctypes.POINTER(ctypes.c_int32)),
+        ("topk_ids", ctypes.POINTER(ctypes.c_int32)),
+        ("topk_probs", ctypes.POINTER(ctypes.c_float)),
+        ("dropped", ctypes.POINTER(ctypes.c_float)),
+        ("values", ctypes.POINTER(ctypes.c_float)),
+    ]
+
 
 class NativeUnavailable(DgError):
     """llama_cpp is not importable, or it lacks the diffusion-gemma patch."""
@@ -132,6 +150,26 @@ def _declare(lib_mod: Any) -> None:
         # (ctx, canvases, n_seqs, n_canvas, sc_ids, sc_probs, sc_k, exact, logits_out)
         "dg_decode_canvases": ([lib_mod.llama_context_p_ctypes, token_p, ctypes.c_int32, ctypes.c_int32, token_p,
                                 c_float_p, ctypes.c_int32, ctypes.c_bool, c_float_p], ctypes.c_int32),
+        # (ctx, canvases, n_seqs, n_canvas, sc_ids, sc_probs, sc_k, temperatures, uniforms, top_k, flags, out)
+        "dg_denoise_step": ([lib_mod.llama_context_p_ctypes, token_p, ctypes.c_int32, ctypes.c_int32, token_p, c_float_p,
+                             ctypes.c_int32, c_float_p, ctypes.POINTER(ctypes.c_double), ctypes.c_int32, ctypes.c_uint32,
+                             ctypes.POINTER(StepOutputs)], ctypes.c_int32),
+        "dg_lm_head_path": ([lib_mod.llama_model_p_ctypes], ctypes.c_char_p),
+        # (kernel, n_embd, n_vocab, n_cols, seed, max_rel_error out)
+        "dg_lm_head_selftest": ([ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint32,
+                                 ctypes.POINTER(ctypes.c_double)], ctypes.c_int32),
+        "dg_peak_gmacs": ([ctypes.c_int32, ctypes.c_double, ctypes.c_char_p, ctypes.c_int32], ctypes.c_double),
+        "dg_profile_new": ([], ctypes.c_void_p),
+        "dg_profile_free": ([ctypes.c_void_p], None),
+        "dg_profile_reset": ([ctypes.c_void_p], None),
+        "dg_profile_enable": ([ctypes.c_void_p, ctypes.c_bool], None),
+        "dg_profile_enabled": ([ctypes.c_void_p], ctypes.c_bool),
+        "dg_profile_eval": ([ctypes.c_void_p, ctypes.c_bool, ctypes.c_void_p], ctypes.c_bool),
+        "dg_profile_count": ([ctypes.c_void_p], ctypes.c_int32),
+        # (profile, i, name, name_len, op, op_len, src0_type, type_len, ne[16], seconds, cpu_seconds)
+        "dg_profile_node": ([ctypes.c_void_p, ctypes.c_int32, ctypes.c_char_p, ctypes.c_int32, ctypes.c_char_p,
+                             ctypes.c_int32, ctypes.c_char_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int64),
+                             ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_double)], ctypes.c_int32),
         "dg_sampler_step": ([c_float_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_float, ctypes.POINTER(ctypes.c_double),
                              ctypes.POINTER(ctypes.c_double), token_p, token_p, ctypes.c_int32], ctypes.c_int),
     }
@@ -323,6 +361,18 @@ def available() -> tuple[bool, str]:
     except DgError as err:
         return False, str(err)
     return True, ""
+
+
+# dg_peak_gmacs kinds (native/patch/include/diffusion-gemma.h)
+PEAK_INT8, PEAK_BF16, PEAK_F32 = 0, 1, 2
+
+
+def peak_gmacs(kind: int, seconds: float = 0.5) -> tuple[float, str]:
+    """This CPU's single-thread multiply-add peak (G MAC/s) for PEAK_INT8 / PEAK_BF16 / PEAK_F32,
+    and which instructions were measured."""
+    name = ctypes.create_string_buffer(96)
+    rate = lib()._lib.dg_peak_gmacs(kind, seconds, name, len(name))
+    return float(rate), name.value.decode()
 
 
 def as_float_p(array: Any) -> Any:

@@ -46,7 +46,9 @@ class StepStats:
     entropy: np.ndarray  # float64 [C]: entropy of softmax(logits / t)
     argmax: np.ndarray  # int64 [C]: argmax of logits / t
     sampled: np.ndarray  # int64 [C]: multinomial sample from softmax(logits / t)
-    processed: np.ndarray  # float32 [C, V]: logits / t (the self-conditioning input of the next step)
+    # float32 [C, V]: logits / t (the dense self-conditioning input of the next step); None when the
+    # step ran inside the decoder graph without being asked for it
+    processed: np.ndarray | None
     # with top_k > 0: the next step's self-conditioning input in top-k form (see `top_k_softmax`)
     topk_ids: np.ndarray | None = None  # int32 [C, k]: most probable first
     topk_probs: np.ndarray | None = None  # float32 [C, k]: softmax(processed) at those ids

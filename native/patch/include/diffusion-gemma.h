@@ -41,6 +41,80 @@ LLAMA_API int32_t dg_decode_canvases(struct llama_context * ctx, const llama_tok
                                      int32_t n_canvas, const int32_t * sc_ids, const float * sc_probs,
                                      int32_t sc_k, bool exact, float * logits_out);
 
+// One denoising step in one graph: the decoder forward of dg_decode_canvases (same canvases,
+// sequences and self-conditioning input), then, where the logits are, per canvas position
+// (row r = s*n_canvas + c) the sampler's pass over softmax(softcap(logits) / t_s):
+//   entropy[r]  (nats), argmax[r] (first index of the maximum),
+//   sampled[r]  = first i with cumsum(p)[i] > uniforms[r] (inverse CDF; cumsum in double on the CPU),
+//   with top_k > 0 the next step's self-conditioning input: topk_ids[r, :top_k] most probable
+//   first (ties: the lower id), topk_probs[r, :top_k] their probabilities, dropped[r] = 1 - their sum.
+// temperatures[s] is canvas s's temperature (> 0); uniforms [n_seqs*n_canvas] in [0, 1).
+// Only these leave the graph; values (nullable) additionally receives softcap(logits) / t,
+// [n_seqs*n_canvas, n_vocab] (debugging, and the dense self-conditioning of small vocabularies).
+// flags: DG_STEP_EXACT (F32 GELU, libm tanh), DG_STEP_PORTABLE_OPS (the ggml-ops form of the step,
+// which non-CPU backends use, also where the logits are on the CPU: for tests).
+// Returns 0, a llama_decode status, -1 for bad arguments, -2 if n_seqs*n_canvas > n_ubatch,
+// -3 if a row held a non-finite logit. The KV cache is unchanged on return.
+#define DG_STEP_EXACT        1u
+#define DG_STEP_PORTABLE_OPS 2u
+
+struct dg_step_outputs {
+    float *   entropy;    // [rows]
+    int32_t * argmax;     // [rows]
+    int32_t * sampled;    // [rows]
+    int32_t * topk_ids;   // [rows, top_k]  (top_k > 0)
+    float *   topk_probs; // [rows, top_k]  (top_k > 0)
+    float *   dropped;    // [rows]         (top_k > 0)
+    float *   values;     // nullable: [rows, n_vocab]
+};
+
+LLAMA_API int32_t dg_denoise_step(struct llama_context * ctx, const llama_token * canvases, int32_t n_seqs,
+                                  int32_t n_canvas, const int32_t * sc_ids, const float * sc_probs, int32_t sc_k,
+                                  const float * temperatures, const double * uniforms, int32_t top_k,
+                                  uint32_t flags, struct dg_step_outputs * out);
+
+// Which kernel runs this model's LM head on the CPU: "avx512-vnni", "avx2" or "emulated" (our
+// repacked int8 GEMM, src/diffusion-gemma-lm-head.h) or "ggml" (ggml's matmul: no kernel for this
+// CPU, DG_LM_HEAD=ggml, or output weights that are not Q8_0 in host memory).
+LLAMA_API const char * dg_lm_head_path(const struct llama_model * model);
+
+// A kernel of that GEMM (1 avx2, 2 avx512-vnni, 3 emulated) on random Q8_0 weights against a
+// double-precision sum of the same operands: *max_rel_error relative to each output's magnitude.
+// Returns 0, 1 if this CPU lacks the kernel, -1 for bad arguments.
+LLAMA_API int32_t dg_lm_head_selftest(int32_t kernel, int64_t n_embd, int64_t n_vocab, int64_t n_cols, uint32_t seed,
+                                      double * max_rel_error);
+
+// This CPU's single-thread multiply-add peak in G MAC/s for `kind`, from register-resident
+// instruction chains run for about `seconds` of the thread's CPU time, the fastest of five rounds
+// (CPU time, so that other processes on a shared machine do not lower it). DG_PEAK_INT8: the widest int8 dot-product instruction the CPU has (AVX-512 VNNI,
+// AVX-VNNI, else AVX2 vpmaddubsw + vpmaddwd); DG_PEAK_BF16: AVX-512 BF16, else the fp32 FMA rate
+// (what a bf16 GEMM runs at without bf16 instructions); DG_PEAK_F32: fp32 FMA. name_out
+// (nullable) receives which instructions were measured.
+#define DG_PEAK_INT8 0
+#define DG_PEAK_BF16 1
+#define DG_PEAK_F32  2
+
+LLAMA_API double dg_peak_gmacs(int32_t kind, double seconds, char * name_out, int32_t name_len);
+
+// Per-node timing of graph computes (benchmarks/step_profile.py): pass dg_profile_eval as the
+// context's cb_eval with a dg_profile as its user data; while enabled, every node computed is
+// recorded (name, op, its and its first three sources' shapes [4][4], the first source's type,
+// wall seconds, and the process's CPU seconds over all threads). The graph then runs one node at a time: for finding where time goes, not for
+// end-to-end numbers. Disabled (the default) it declines every node: the graph runs as usual.
+struct dg_profile;
+struct ggml_tensor;
+
+LLAMA_API struct dg_profile * dg_profile_new(void);
+LLAMA_API void    dg_profile_free(struct dg_profile * p);
+LLAMA_API void    dg_profile_reset(struct dg_profile * p);
+LLAMA_API void    dg_profile_enable(struct dg_profile * p, bool enabled);
+LLAMA_API bool    dg_profile_enabled(const struct dg_profile * p);
+LLAMA_API bool    dg_profile_eval(struct ggml_tensor * t, bool ask, void * user_data);
+LLAMA_API int32_t dg_profile_count(const struct dg_profile * p);
+LLAMA_API int32_t dg_profile_node(const struct dg_profile * p, int32_t i, char * name, int32_t name_len, char * op,
+                                  int32_t op_len, char * src0_type, int32_t type_len, int64_t * ne, double * seconds,
+                                  double * cpu_seconds);
+
 #ifdef __cplusplus
 }
 #endif

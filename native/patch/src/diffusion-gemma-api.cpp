@@ -3,12 +3,18 @@
 
 #include "diffusion-gemma.h"
 #include "diffusion-gemma-api.h"
+#include "diffusion-gemma-lm-head.h"
+#include "diffusion-gemma-step.h"
 
 #include "llama-model.h"
 #include "models/models.h"
 
+#include "ggml-backend.h"
+
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <vector>
 
 static thread_local const dg_request * dg_current = nullptr;
 
@@ -63,6 +69,15 @@ int32_t dg_canvas_length(const llama_model * model) {
     return dg ? (int32_t) dg->canvas_length : 0;
 }
 
+const char * dg_lm_head_path(const llama_model * model) {
+    const auto * dg = dg_model_of(model);
+    if (!dg) {
+        return "ggml";
+    }
+    const dg_lm_head_kernel kernel = dg_lm_head::kernel_for_cpu();
+    return dg_lm_head::qualifies(dg->output) ? dg_lm_head::kernel_name(kernel) : "ggml";
+}
+
 int32_t dg_encode(llama_context * ctx, const llama_token * tokens, int32_t n_tokens, llama_seq_id seq_id, bool exact,
                   float * last_logits_out) {
     if (!ctx || !tokens || n_tokens <= 0 || seq_id < 0 || seq_id >= (llama_seq_id) llama_n_seq_max(ctx) ||
@@ -101,36 +116,41 @@ int32_t dg_encode(llama_context * ctx, const llama_token * tokens, int32_t n_tok
     return 0;
 }
 
-int32_t dg_decode_canvases(llama_context * ctx, const llama_token * canvases, int32_t n_seqs, int32_t n_canvas,
-                           const int32_t * sc_ids, const float * sc_probs, int32_t sc_k, bool exact,
-                           float * logits_out) {
-    if (!ctx || !canvases || !logits_out || n_seqs <= 0 || n_canvas <= 0 ||
-        n_seqs > (int32_t) llama_n_seq_max(ctx) || !dg_tokens_valid(ctx, canvases, n_seqs * n_canvas)) {
+namespace {
+
+// The checks every decoder forward makes: 0, -1 (bad arguments) or -2 (too many tokens for one
+// micro-batch).
+int32_t dg_check_decoder_args(llama_context * ctx, const llama_token * canvases, int32_t n_seqs, int32_t n_canvas,
+                              const int32_t * sc_ids, const float * sc_probs, int32_t sc_k) {
+    if (!ctx || !canvases || n_seqs <= 0 || n_canvas <= 0 || n_seqs > (int32_t) llama_n_seq_max(ctx) ||
+        !dg_tokens_valid(ctx, canvases, n_seqs * n_canvas)) {
         return -1;
     }
     const int32_t n_total = n_seqs * n_canvas;
     if (sc_ids) {
-        const int32_t n_vocab_model = llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx)));
+        const int32_t n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx)));
         // get_rows reads E at these ids without a bounds check of its own
-        if (!sc_probs || sc_k <= 0 || sc_k > n_vocab_model ||
-            !dg_tokens_valid(ctx, sc_ids, n_total * sc_k)) {
+        if (!sc_probs || sc_k <= 0 || sc_k > n_vocab || !dg_tokens_valid(ctx, sc_ids, n_total * sc_k)) {
             return -1;
         }
     }
     if (n_total > (int32_t) llama_n_ubatch(ctx) || n_total > (int32_t) llama_n_batch(ctx)) {
         return -2;
     }
-    const int32_t n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx)));
+    return 0;
+}
 
-    llama_memory_t mem = llama_get_memory(ctx);
+// One decoder forward over the canvases, each right after its sequence's cached tokens, as
+// described by `req` (its pos0 is filled here). `extract(n_total)` reads the results after a
+// successful llama_decode, before the canvases leave the cache; returns 0 or an error status.
+template <typename Extract>
+int32_t dg_run_decoder(llama_context * ctx, dg_request & req, const llama_token * canvases, int32_t n_seqs,
+                       int32_t n_canvas, Extract extract) {
+    llama_memory_t mem     = llama_get_memory(ctx);
+    const int32_t  n_total = n_seqs * n_canvas;
 
-    dg_request req;
-    req.exact     = exact;
-    req.sc_ids    = sc_ids;
-    req.sc_probs  = sc_ids ? sc_probs : nullptr;
-    req.sc_k      = sc_ids ? sc_k : 0;
-    req.n_canvas  = n_canvas;
-    req.n_vocab   = n_vocab;
+    req.n_canvas = n_canvas;
+    req.n_vocab  = llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx)));
     req.pos0.resize(n_seqs);
 
     dg_batch b(n_total);
@@ -146,16 +166,8 @@ int32_t dg_decode_canvases(llama_context * ctx, const llama_token * canvases, in
         dg_call_scope scope(ctx, req, /*causal =*/ false);
         rc = llama_decode(ctx, b.batch);
     }
-
     if (rc == 0) {
-        for (int32_t i = 0; i < n_total; ++i) {
-            const float * logits = llama_get_logits_ith(ctx, i);
-            if (!logits) {
-                rc = -1;
-                break;
-            }
-            std::memcpy(logits_out + (size_t) i * n_vocab, logits, (size_t) n_vocab * sizeof(float));
-        }
+        rc = extract(n_total);
     }
 
     // the canvas went through the cache only to be attended to: take it out again. Sliding-window
@@ -164,4 +176,108 @@ int32_t dg_decode_canvases(llama_context * ctx, const llama_token * canvases, in
         llama_memory_seq_rm(mem, s, req.pos0[s], -1);
     }
     return rc;
+}
+
+void dg_set_self_cond(dg_request & req, const int32_t * sc_ids, const float * sc_probs, int32_t sc_k) {
+    req.sc_ids   = sc_ids;
+    req.sc_probs = sc_ids ? sc_probs : nullptr;
+    req.sc_k     = sc_ids ? sc_k : 0;
+}
+
+}  // namespace
+
+int32_t dg_decode_canvases(llama_context * ctx, const llama_token * canvases, int32_t n_seqs, int32_t n_canvas,
+                           const int32_t * sc_ids, const float * sc_probs, int32_t sc_k, bool exact,
+                           float * logits_out) {
+    const int32_t bad = dg_check_decoder_args(ctx, canvases, n_seqs, n_canvas, sc_ids, sc_probs, sc_k);
+    if (bad != 0 || !logits_out) {
+        return bad != 0 ? bad : -1;
+    }
+    dg_request req;
+    req.exact = exact;
+    dg_set_self_cond(req, sc_ids, sc_probs, sc_k);
+
+    return dg_run_decoder(ctx, req, canvases, n_seqs, n_canvas, [&](int32_t n_total) -> int32_t {
+        for (int32_t i = 0; i < n_total; ++i) {
+            const float * logits = llama_get_logits_ith(ctx, i);
+            if (!logits) {
+                return -1;
+            }
+            std::memcpy(logits_out + (size_t) i * req.n_vocab, logits, (size_t) req.n_vocab * sizeof(float));
+        }
+        return 0;
+    });
+}
+
+int32_t dg_denoise_step(llama_context * ctx, const llama_token * canvases, int32_t n_seqs, int32_t n_canvas,
+                        const int32_t * sc_ids, const float * sc_probs, int32_t sc_k, const float * temperatures,
+                        const double * uniforms, int32_t top_k, uint32_t flags, struct dg_step_outputs * out) {
+    const int32_t bad = dg_check_decoder_args(ctx, canvases, n_seqs, n_canvas, sc_ids, sc_probs, sc_k);
+    if (bad != 0) {
+        return bad;
+    }
+    const int32_t n_total = n_seqs * n_canvas;
+    const int32_t n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx)));
+    if (!temperatures || !uniforms || !out || !out->entropy || !out->argmax || !out->sampled ||
+        top_k < 0 || top_k > n_vocab || n_vocab > DG_STEP_MAX_VOCAB ||
+        (top_k > 0 && (!out->topk_ids || !out->topk_probs || !out->dropped)) ||
+        (flags & ~(DG_STEP_EXACT | DG_STEP_PORTABLE_OPS)) != 0) {
+        return -1;
+    }
+    for (int32_t s = 0; s < n_seqs; ++s) {
+        if (!(temperatures[s] > 0.0f) || !std::isfinite(temperatures[s])) {
+            return -1;
+        }
+    }
+    for (int32_t r = 0; r < n_total; ++r) {
+        if (!(uniforms[r] >= 0.0 && uniforms[r] < 1.0)) {
+            return -1;
+        }
+    }
+
+    dg_request req;
+    req.exact = (flags & DG_STEP_EXACT) != 0;
+    dg_set_self_cond(req, sc_ids, sc_probs, sc_k);
+    req.step.active       = true;
+    req.step.top_k        = top_k;
+    req.step.keep_values  = out->values != nullptr;
+    req.step.portable     = (flags & DG_STEP_PORTABLE_OPS) != 0;
+    req.step.temperatures = temperatures;
+    req.step.uniforms     = uniforms;
+
+    return dg_run_decoder(ctx, req, canvases, n_seqs, n_canvas, [&](int32_t n_rows) -> int32_t {
+        const dg_step_request & step = req.step;
+        if (!step.record || (int32_t) step.rows.size() != n_rows || step.record->ne[1] != n_rows ||
+            step.record->ne[0] != dg_step_record_width(top_k) || (out->values && !step.values)) {
+            return -1;
+        }
+        llama_synchronize(ctx);
+        const int64_t      width = step.record->ne[0];
+        std::vector<float> records((size_t) width * n_rows);
+        ggml_backend_tensor_get(step.record, records.data(), 0, records.size() * sizeof(float));
+
+        int32_t status = 0;
+        for (int32_t i = 0; i < n_rows; ++i) {
+            const float * rec = records.data() + (size_t) i * width;
+            const size_t  r   = (size_t) step.rows[i];
+            if (!std::isfinite(rec[DG_STEP_ENTROPY])) {
+                status = -3; // a non-finite logit
+            }
+            out->entropy[r] = rec[DG_STEP_ENTROPY];
+            out->argmax[r]  = (int32_t) rec[DG_STEP_ARGMAX];
+            out->sampled[r] = (int32_t) rec[DG_STEP_SAMPLED];
+            if (top_k > 0) {
+                out->dropped[r] = rec[DG_STEP_DROPPED];
+                for (int32_t j = 0; j < top_k; ++j) {
+                    out->topk_ids[r * top_k + j]   = (int32_t) rec[DG_STEP_TOPK + j];
+                    out->topk_probs[r * top_k + j] = rec[DG_STEP_TOPK + top_k + j];
+                }
+            }
+            if (out->values) {
+                ggml_backend_tensor_get(step.values, out->values + r * n_vocab, (size_t) i * step.values->nb[1],
+                                        (size_t) n_vocab * sizeof(float));
+            }
+        }
+        return status;
+    });
 }

@@ -9,8 +9,28 @@
 #include <cstdint>
 #include <vector>
 
+struct ggml_tensor;
+
+// The denoising step at the end of the decoder graph (dg_denoise_step): per canvas position the
+// sampler's results instead of the logits.
+struct dg_step_request {
+    bool           active      = false;
+    int32_t        top_k       = 0;       // the next step's self-conditioning width (0: none)
+    bool           keep_values = false;   // also hand back softcap(logits) / t, [rows, n_vocab]
+    bool           portable    = false;   // ggml ops only, even where the logits are on the CPU
+    const float *  temperatures = nullptr; // [n_seqs]
+    const double * uniforms     = nullptr; // [n_seqs*n_canvas], batch row order
+
+    // Published by the step's graph input while the inputs are set (same thread, inside
+    // llama_decode), read by the caller after the forward: the graph may be a reused one, so its
+    // tensors are only known then.
+    mutable ggml_tensor *        record = nullptr; // F32 [dg_step_record_width(top_k), n_rows]
+    mutable ggml_tensor *        values = nullptr; // F32 [n_vocab, n_rows] when keep_values
+    mutable std::vector<int32_t> rows;             // the batch row of each graph row
+};
+
 struct dg_request {
-    bool exact = false; // GELU composed from F32 ops instead of ggml's F16-table GELU
+    bool exact = false; // GELU composed from F32 ops instead of ggml's F16-table GELU; libm tanh in the step
 
     // decoder only: the previous step's self-conditioning input in top-k form. Row
     // r = seq_index*n_canvas + (pos - pos0[seq_index]) holds sc_k token ids (sc_ids) and their
@@ -22,6 +42,11 @@ struct dg_request {
     int32_t                n_canvas  = 0;
     int32_t                n_vocab   = 0;
     std::vector<llama_pos> pos0; // first canvas position per sequence id
+
+    dg_step_request step;
+
+    // the batch row of a canvas token: sequence s, position pos
+    int64_t row_of(llama_seq_id s, llama_pos pos) const { return (int64_t) s * n_canvas + (pos - pos0[s]); }
 };
 
 // The request of the dg_* call running on this thread, or null (plain llama_decode).

@@ -1,13 +1,16 @@
-// Native per-step pass of the DiffusionGemma sampler: see include/diffusion-gemma-sampler.h.
+// Native per-step pass of the DiffusionGemma sampler: see include/diffusion-gemma-sampler.h. The
+// row routine (dg_step_row, diffusion-gemma-step.h) also runs inside the decoder graph, as the
+// step op that follows the LM head (models/diffusion-gemma.cpp).
 //
 // Why native: the real model yields 256 x 262144 logits per denoising step; temperature, softmax
 // entropy, argmax and a multinomial draw over that in numpy take about as long as a small model's
-// forward. Here a row is read three times: divide + max (stored in place), exp + sums (weights in a
-// per-thread scratch row), then a walk over the weights up to the sampled index. The first two
-// loops use 8-wide generic vectors (8 independent accumulators, branch-free exp), so their
-// reduction order differs from numpy's, which only moves the entropy in its last bits.
+// forward. Here a row is read three times: softcap + divide + max (values), exp + sums (weights),
+// then a walk over the weights up to the sampled index. The first two loops use 8-wide generic
+// vectors (8 independent accumulators, branch-free exp and tanh), so their reduction order differs
+// from numpy's, which only moves the entropy in its last bits.
 
 #include "diffusion-gemma-sampler.h"
+#include "diffusion-gemma-step.h"
 
 #include <algorithm>
 #include <atomic>
@@ -39,6 +42,10 @@ constexpr int32_t LANES = 8;
 
 inline v8f splat(float value) {
     return v8f{ value, value, value, value, value, value, value, value };
+}
+
+inline v8i splat_int(int32_t value) {
+    return v8i{ value, value, value, value, value, value, value, value };
 }
 
 inline v8f load8(const float * p) {
@@ -79,19 +86,22 @@ inline float exp_nonpositive(float x) {
     return exp_nonpositive(v)[0];
 }
 
-struct step_args {
-    float *        logits;
-    int32_t        n_vocab;
-    float          temperature;
-    const double * uniforms;
-    double *       entropy_out;
-    int32_t *      argmax_out;
-    int32_t *      sampled_out;
-    int32_t        top_k;          // 0: no top-k output
-    int32_t *      topk_ids_out;   // [n_rows, top_k]
-    float *        topk_probs_out; // [n_rows, top_k]
-    double *       dropped_out;    // [n_rows]
-};
+// tanh(x) within ~2 ulp of tanhf: Cephes' tanhf, an odd polynomial below |x| = 0.625 and
+// (1 - e) / (1 + e) with e = exp(-2|x|) above it (e <= 0.29 there, so no cancellation).
+inline v8f tanh_approx(v8f x) {
+    const v8i sign  = (v8i) x & splat_int(INT32_MIN);
+    const v8f a     = (v8f) ((v8i) x & splat_int(INT32_MAX));
+    const v8f z     = x * x;
+    v8f       p     = splat(-5.70498872745e-3f);
+    p               = p * z + splat(2.06390887954e-2f);
+    p               = p * z + splat(-5.37397155531e-2f);
+    p               = p * z + splat(1.33314422036e-1f);
+    p               = p * z + splat(-3.33332819422e-1f);
+    const v8f small = p * z * x + x;
+    const v8f e     = exp_nonpositive(splat(-2.0f) * a);
+    const v8f large = (v8f) ((v8i) ((splat(1.0f) - e) / (splat(1.0f) + e)) | sign);
+    return a < splat(0.625f) ? small : large;
+}
 
 // (weight, index), ordered best first: larger weight, then the lower index (deterministic ties)
 typedef std::pair<float, int32_t> candidate;
@@ -140,25 +150,39 @@ void select_top_k(const float * w, int32_t n, int32_t k, std::vector<candidate> 
     std::sort_heap(heap.begin(), heap.end(), better);  // ascending under `better`: best first
 }
 
-// logits /= t in place; returns the row maximum, and whether every value was finite.
+// values = softcap(logits) / t (division, not multiplication by 1/t: bit-identical to the
+// reference's `logits / t`); returns the row maximum, and whether every value was finite.
+// softcap(x) = tanh(x / cap) * cap, computed as ggml's scale, tanh, scale ops do (x * (1/cap)).
 DG_SAMPLER_CLONES
-float divide_and_max(float * x, int32_t n, float t, bool & finite) {
-    const v8f vt   = splat(t);
-    v8f       vmax = splat(-INFINITY);
-    v8f       vbad = splat(0.0f);
-    int32_t   i    = 0;
-    for (; i + LANES <= n; i += LANES) {
-        // division, not multiplication by 1/t: bit-identical to the reference's `logits / t`
-        const v8f v = load8(x + i) / vt;
-        store8(x + i, v);
-        vmax = v > vmax ? v : vmax;
-        vbad += v - v;  // 0 for finite values, NaN for inf/NaN: a branch-free finiteness test
+float transform_and_max(const float * x, float * values, int32_t n, float softcap, bool exact_tanh, float t,
+                        bool & finite) {
+    const bool  capped  = softcap != 0.0f;
+    const float inv_cap = capped ? 1.0f / softcap : 0.0f;
+    const v8f   vt      = splat(t);
+    v8f         vmax    = splat(-INFINITY);
+    v8f         vbad    = splat(0.0f);
+    int32_t     i       = 0;
+    if (!capped || !exact_tanh) {
+        for (; i + LANES <= n; i += LANES) {
+            v8f v = load8(x + i);
+            if (capped) {
+                v = tanh_approx(v * splat(inv_cap)) * splat(softcap);
+            }
+            v = v / vt;
+            store8(values + i, v);
+            vmax = v > vmax ? v : vmax;
+            vbad += v - v;  // 0 for finite values, NaN for inf/NaN: a branch-free finiteness test
+        }
     }
     float best = -INFINITY;
     float bad  = 0.0f;
     for (; i < n; ++i) {
-        const float v = x[i] / t;
-        x[i] = v;
+        float v = x[i];
+        if (capped) {
+            v = exact_tanh ? tanhf(v * inv_cap) * softcap : tanh_approx(splat(v * inv_cap))[0] * softcap;
+        }
+        v = v / t;
+        values[i] = v;
         best = v > best ? v : best;
         bad += v - v;
     }
@@ -200,47 +224,46 @@ void exp_and_sums(const float * x, float * weights, int32_t n, float best, doubl
     }
 }
 
-// Returns false if the row held a non-finite value.
-bool process_row(const step_args & a, int32_t row, std::vector<float> & weights, std::vector<candidate> & heap) {
-    float *       x = a.logits + (size_t) row * (size_t) a.n_vocab;
-    const int32_t n = a.n_vocab;
+}  // namespace
+
+bool dg_step_row(const dg_row_in & in, dg_row_out & out, dg_topk_heap & heap) {
+    const int32_t n = in.n_vocab;
 
     bool        finite = true;
-    const float best   = divide_and_max(x, n, a.temperature, finite);
+    const float best   = transform_and_max(in.logits, in.values, n, in.softcap, in.exact_tanh, in.temperature, finite);
     if (!finite) {
         return false;
     }
     int32_t best_idx = 0;
-    while (x[best_idx] != best) {  // the first index of the maximum, as numpy/torch argmax
+    while (in.values[best_idx] != best) {  // the first index of the maximum, as numpy/torch argmax
         ++best_idx;
     }
 
     double total    = 0.0;
     double weighted = 0.0;
-    exp_and_sums(x, weights.data(), n, best, total, weighted);
+    exp_and_sums(in.values, in.weights, n, best, total, weighted);
     const double entropy = std::log(total) - weighted / total;
-    a.entropy_out[row] = entropy > 0.0 ? entropy : 0.0;
-    a.argmax_out[row]  = best_idx;
+    out.entropy = entropy > 0.0 ? entropy : 0.0;
+    out.argmax  = best_idx;
 
-    if (a.top_k > 0) {
-        // the self-conditioning input of the next step: softmax(processed row) at its k most
-        // probable tokens, and the probability mass left out
-        select_top_k(weights.data(), n, a.top_k, heap);
-        int32_t * ids   = a.topk_ids_out + (size_t) row * (size_t) a.top_k;
-        float *   probs = a.topk_probs_out + (size_t) row * (size_t) a.top_k;
-        double    kept  = 0.0;
-        for (int32_t j = 0; j < a.top_k; ++j) {
+    const float * weights = in.weights;
+    if (in.top_k > 0) {
+        // the self-conditioning input of the next step: softmax(values) at its k most probable
+        // tokens, and the probability mass left out
+        select_top_k(weights, n, in.top_k, heap);
+        double kept = 0.0;
+        for (int32_t j = 0; j < in.top_k; ++j) {
             const double p = (double) heap[j].first / total;
-            ids[j]   = heap[j].second;
-            probs[j] = (float) p;
+            in.topk_ids[j]   = heap[j].second;
+            in.topk_probs[j] = (float) p;
             kept += p;
         }
-        a.dropped_out[row] = kept < 1.0 ? 1.0 - kept : 0.0;
+        out.dropped = kept < 1.0 ? 1.0 - kept : 0.0;
     }
 
-    if (a.uniforms != nullptr) {
+    if (in.uniform != nullptr) {
         // inverse CDF in index order, cumsum in double (numpy: searchsorted(cumsum, u * sum, 'right'))
-        const double target    = a.uniforms[row] * total;
+        const double target    = *in.uniform * total;
         double       cdf       = 0.0;
         int32_t      pick      = -1;
         int32_t      last_kept = best_idx;
@@ -254,12 +277,11 @@ bool process_row(const step_args & a, int32_t row, std::vector<float> & weights,
             }
         }
         // `total` was summed lane-wise, so the sequential cdf can end a hair below u * total
-        a.sampled_out[row] = pick >= 0 ? pick : last_kept;
+        out.sampled = pick >= 0 ? pick : last_kept;
     }
     return true;
 }
 
-}  // namespace
 
 extern "C" int dg_sampler_step(float * logits, int32_t n_rows, int32_t n_vocab, float temperature,
                                const double * uniforms, double * entropy_out, int32_t * argmax_out,
@@ -278,22 +300,40 @@ extern "C" int dg_sampler_step_topk(float * logits, int32_t n_rows, int32_t n_vo
         (top_k > 0 && (topk_ids_out == nullptr || topk_probs_out == nullptr || dropped_out == nullptr))) {
         return 1;
     }
-    const step_args args = { logits,   n_vocab,      temperature,    uniforms,   entropy_out, argmax_out,
-                             sampled_out, top_k, topk_ids_out, topk_probs_out, dropped_out };
-
     int32_t threads = n_threads > 0 ? n_threads : (int32_t) std::max(1u, std::thread::hardware_concurrency());
     threads = std::min(threads, n_rows);
 
     std::atomic<int32_t> next_row{0};
     std::atomic<bool>    all_finite{true};
     auto worker = [&]() {
-        std::vector<float>     weights((size_t) n_vocab);
-        std::vector<candidate> heap;
+        std::vector<float> weights((size_t) n_vocab);
+        dg_topk_heap       heap;
         heap.reserve((size_t) top_k);
         // rows handed out one at a time: an even split even when threads are descheduled
         for (int32_t row = next_row.fetch_add(1); row < n_rows; row = next_row.fetch_add(1)) {
-            if (!process_row(args, row, weights, heap)) {
+            float *   x      = logits + (size_t) row * (size_t) n_vocab;
+            dg_row_in in     = {};
+            in.logits        = x;
+            in.values        = x;  // logits / t in place: the processed logits the caller gets back
+            in.weights       = weights.data();
+            in.n_vocab       = n_vocab;
+            in.temperature   = temperature;
+            in.uniform       = uniforms != nullptr ? uniforms + row : nullptr;
+            in.top_k         = top_k;
+            in.topk_ids      = top_k > 0 ? topk_ids_out + (size_t) row * (size_t) top_k : nullptr;
+            in.topk_probs    = top_k > 0 ? topk_probs_out + (size_t) row * (size_t) top_k : nullptr;
+            dg_row_out out;
+            if (!dg_step_row(in, out, heap)) {
                 all_finite = false;
+                continue;
+            }
+            entropy_out[row] = out.entropy;
+            argmax_out[row]  = out.argmax;
+            if (uniforms != nullptr) {
+                sampled_out[row] = out.sampled;
+            }
+            if (top_k > 0) {
+                dropped_out[row] = out.dropped;
             }
         }
     };

@@ -1,6 +1,8 @@
 #include "models.h"
 #include "llama-impl.h"
 #include "../diffusion-gemma-api.h"
+#include "../diffusion-gemma-lm-head.h"
+#include "../diffusion-gemma-step.h"
 
 #include <cmath>
 #include <string>
@@ -12,7 +14,8 @@
 //   decoder (cparams.causal_attn = false): one forward over a canvas, bidirectional inside it,
 //       reading the cache (full layers: all of it; sliding layers: the last W-1 tokens, for every
 //       canvas query: LLAMA_NON_CAUSAL_TYPE_BLOCK), self-conditioned input, DECODER scalars
-//       (blk.N.layer_output_scale), softcapped logits for every position.
+//       (blk.N.layer_output_scale), softcapped logits for every position, or (dg_denoise_step) the
+//       denoising step right after the LM head: per position only the sampler's results leave.
 // The dg_* functions (diffusion-gemma-api.cpp) remove the canvas from the cache after a decoder
 // forward, so from the outside the decoder never changes the cache.
 
@@ -221,6 +224,26 @@ std::unique_ptr<llm_graph_context> llama_model_diffusion_gemma::build_arch_graph
     return std::make_unique<graph>(*this, params);
 }
 
+// The LM head repacked for this CPU's int8 kernels (diffusion-gemma-lm-head.h), made once, on the
+// first graph that needs it; null where ggml's matmul stays (no kernel, or the output weights are
+// not Q8_0 in host memory).
+const dg_lm_head * llama_model_diffusion_gemma::lm_head() const {
+    std::call_once(lm_head_once, [this] {
+        const dg_lm_head_kernel kernel = dg_lm_head::kernel_for_cpu();
+        if (kernel == dg_lm_head_kernel::none || !dg_lm_head::qualifies(output)) {
+            return;
+        }
+        std::shared_ptr<const dg_lm_head> head = dg_lm_head::repack(output, kernel);
+        if (head) {
+            LLAMA_LOG_INFO("%s: LM head repacked for the %s kernel (%.1f MiB)\n", __func__,
+                           dg_lm_head::kernel_name(kernel),
+                           head->n_groups() * (head->n_embd() / 32) * dg_lm_head_group_block_bytes(head->group_rows()) / 1048576.0);
+        }
+        lm_head_repacked = std::move(head);
+    });
+    return lm_head_repacked.get();
+}
+
 // gelu_tanh from F32 ops: ggml's CPU gelu/geglu read an F16 lookup table (~1e-3 relative error)
 static ggml_tensor * dg_gelu_tanh_f32(ggml_context * ctx, ggml_tensor * x) {
     x = ggml_cont(ctx, x);
@@ -230,27 +253,56 @@ static ggml_tensor * dg_gelu_tanh_f32(ggml_context * ctx, ggml_tensor * x) {
     return ggml_mul(ctx, x, ggml_scale_bias(ctx, t, 0.5f, 0.5f));
 }
 
-// Graph inputs of ours. Both compare the request they were built for with the current one, so a
-// graph built with (or without) self-conditioning, with another top-k width, or with(out) exact
-// GELU is never reused for the other.
+// What a graph was built for, beyond what llama.cpp itself compares: a graph built with (or
+// without) self-conditioning, another top-k width, exact GELU or another step is never reused for
+// a request that differs.
+struct dg_graph_key {
+    bool    exact     = false;
+    int32_t sc_k      = 0;     // 0: no self-conditioning input
+    bool    step      = false;
+    int32_t step_k    = 0;
+    bool    keep      = false;
+    bool    portable  = false;
+
+    explicit dg_graph_key(const dg_request * req) {
+        if (!req) {
+            return;
+        }
+        exact    = req->exact;
+        sc_k     = req->sc_ids ? req->sc_k : 0;
+        step     = req->step.active;
+        step_k   = step ? req->step.top_k : 0;
+        keep     = step && req->step.keep_values;
+        portable = step && req->step.portable;
+    }
+
+    bool operator==(const dg_graph_key & o) const {
+        return exact == o.exact && sc_k == o.sc_k && step == o.step && step_k == o.step_k && keep == o.keep &&
+               portable == o.portable;
+    }
+};
+
 class llm_graph_input_dg_mode : public llm_graph_input_i {
 public:
-    llm_graph_input_dg_mode(bool exact, bool has_sc, int32_t sc_k) : exact(exact), has_sc(has_sc), sc_k(sc_k) {}
+    explicit llm_graph_input_dg_mode(const dg_graph_key & key) : key(key) {}
 
     void set_input(const llama_ubatch *) override {}
 
     bool can_reuse(const llm_graph_params &) override {
-        const dg_request * req = dg_active_request();
-        const bool    cur_exact  = req && req->exact;
-        const bool    cur_has_sc = req && req->sc_ids;
-        const int32_t cur_k      = cur_has_sc ? req->sc_k : 0;
-        return cur_exact == exact && cur_has_sc == has_sc && cur_k == sc_k;
+        return dg_graph_key(dg_active_request()) == key;
     }
 
-    const bool    exact;
-    const bool    has_sc;
-    const int32_t sc_k;
+    const dg_graph_key key;
 };
+
+// ubatch order may differ from batch order: a canvas token's batch row, by (sequence, position)
+static int64_t dg_batch_row(const dg_request & req, const llama_ubatch & ubatch, uint32_t i) {
+    const llama_seq_id seq = ubatch.seq_id[i][0];
+    GGML_ASSERT(seq >= 0 && (size_t) seq < req.pos0.size());
+    const int64_t row = req.row_of(seq, ubatch.pos[i]);
+    GGML_ASSERT(row >= (int64_t) seq * req.n_canvas && row < (int64_t) (seq + 1) * req.n_canvas);
+    return row;
+}
 
 class llm_graph_input_dg_self_cond : public llm_graph_input_i {
 public:
@@ -263,12 +315,7 @@ public:
         const size_t ids_bytes   = (size_t) k * sizeof(int32_t);
         const size_t probs_bytes = (size_t) k * sizeof(float);
         for (uint32_t i = 0; i < ubatch->n_tokens; ++i) {
-            // ubatch order may differ from batch order: locate the row by (sequence, position)
-            const llama_seq_id seq = ubatch->seq_id[i][0];
-            GGML_ASSERT(seq >= 0 && (size_t) seq < req->pos0.size());
-            const int64_t c = ubatch->pos[i] - req->pos0[seq];
-            GGML_ASSERT(c >= 0 && c < req->n_canvas);
-            const size_t row = ((size_t) seq * req->n_canvas + (size_t) c) * (size_t) k;
+            const size_t row = (size_t) dg_batch_row(*req, *ubatch, i) * (size_t) k;
             ggml_backend_tensor_set(ids,   req->sc_ids   + row, i * ids_bytes,   ids_bytes);
             ggml_backend_tensor_set(probs, req->sc_probs + row, i * probs_bytes, probs_bytes);
         }
@@ -282,6 +329,229 @@ public:
     ggml_tensor * ids   = nullptr; // I32 [k * n_tokens]: token ids, k per canvas position
     ggml_tensor * probs = nullptr; // F32 [k, n_tokens]: their probabilities under softmax(prev logits)
 };
+
+// The settings of one graph's step op, read by every thread of the op.
+struct dg_step_op_params {
+    int32_t top_k       = 0;
+    float   softcap     = 0.0f;  // 0: none
+    bool    exact_tanh  = false;
+    bool    keep_values = false; // leave softcap(logits) / t in the logits tensor for the caller
+};
+
+// The denoising step over the LM head's output, one row per canvas position (rows split over
+// the op's threads): softcap, / temperature, max, exp, entropy, argmax, top-k, inverse-CDF sample
+// (dg_step_row, shared with the host sampler). The row is transformed in place, so the step adds
+// no logits-sized buffer: values over the raw logits, then weights over the values unless the
+// caller wants the values, in which case the weights go to a per-thread row kept across steps.
+static void dg_step_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const auto & p       = *(const dg_step_op_params *) userdata;
+    ggml_tensor * logits = dst->src[0];                        // F32 [n_vocab, n_rows]
+    const auto *  temps  = (const float *)  dst->src[1]->data; // [n_rows]
+    const auto *  unif   = (const double *) dst->src[2]->data; // [n_rows]
+    const int32_t n_vocab = (int32_t) logits->ne[0];
+    const int64_t n_rows  = logits->ne[1];
+
+    thread_local std::vector<float>   weights_row;
+    thread_local std::vector<int32_t> ids;
+    thread_local dg_topk_heap         heap;
+    if (p.keep_values && weights_row.size() < (size_t) n_vocab) {
+        weights_row.resize((size_t) n_vocab);
+    }
+    ids.resize((size_t) p.top_k);
+    for (int64_t r = ith; r < n_rows; r += nth) {
+        float * row    = (float *) ((char *) logits->data + r * logits->nb[1]);
+        float * record = (float *) ((char *) dst->data + r * dst->nb[1]);
+
+        dg_row_in in   = {};
+        in.logits      = row;
+        in.values      = row;
+        in.weights     = p.keep_values ? weights_row.data() : row;
+        in.n_vocab     = n_vocab;
+        in.softcap     = p.softcap;
+        in.exact_tanh  = p.exact_tanh;
+        in.temperature = temps[r];
+        in.uniform     = unif + r;
+        in.top_k       = p.top_k;
+        in.topk_ids    = ids.data();
+        in.topk_probs  = record + DG_STEP_TOPK + p.top_k;
+        dg_row_out out;
+        if (!dg_step_row(in, out, heap)) {
+            record[DG_STEP_ENTROPY] = NAN;
+            continue;
+        }
+        record[DG_STEP_ENTROPY] = (float) out.entropy;
+        record[DG_STEP_ARGMAX]  = (float) out.argmax;
+        record[DG_STEP_SAMPLED] = (float) out.sampled;
+        record[DG_STEP_DROPPED] = (float) out.dropped;
+        for (int32_t j = 0; j < p.top_k; ++j) {
+            record[DG_STEP_TOPK + j] = (float) ids[j];
+        }
+    }
+}
+
+// The step's per-row inputs (temperature of the row's canvas, its uniform) and, once the inputs
+// are set, where the caller finds the results (published into the request: the graph may be
+// reused, so its tensors are only known then).
+class llm_graph_input_dg_step : public llm_graph_input_i {
+public:
+    void set_input(const llama_ubatch * ubatch) override {
+        const dg_request * req = dg_active_request();
+        GGML_ASSERT(req && req->step.active);
+        const dg_step_request & step = req->step;
+
+        std::vector<float>  temps(ubatch->n_tokens);
+        std::vector<double> unif(ubatch->n_tokens);
+        step.rows.resize(ubatch->n_tokens);
+        for (uint32_t i = 0; i < ubatch->n_tokens; ++i) {
+            const int64_t row = dg_batch_row(*req, *ubatch, i);
+            step.rows[i] = (int32_t) row;
+            temps[i]     = step.temperatures[ubatch->seq_id[i][0]];
+            unif[i]      = step.uniforms[row];
+        }
+        ggml_backend_tensor_set(temperatures, temps.data(), 0, temps.size() * sizeof(float));
+        if (uniforms->type == GGML_TYPE_F64) {
+            ggml_backend_tensor_set(uniforms, unif.data(), 0, unif.size() * sizeof(double));
+        } else {
+            std::vector<float> unif32(unif.begin(), unif.end());
+            ggml_backend_tensor_set(uniforms, unif32.data(), 0, unif32.size() * sizeof(float));
+        }
+        step.record = record;
+        step.values = values;
+    }
+
+    bool can_reuse(const llm_graph_params & params) override {
+        return temperatures->ne[1] == params.ubatch.n_tokens;
+    }
+
+    dg_step_op_params op;
+    ggml_tensor * temperatures = nullptr; // F32 [1, n_rows]
+    ggml_tensor * uniforms     = nullptr; // F64 [n_rows] (the step op) or F32 [1, n_rows] (ggml ops)
+    ggml_tensor * record       = nullptr; // F32 [dg_step_record_width(top_k), n_rows]
+    ggml_tensor * values       = nullptr; // F32 [n_vocab, n_rows], when the caller keeps them
+};
+
+// logits (LM head output, before the softcap) -> the step's record. Where the logits are on the
+// CPU this is one op of ours (dg_step_op); on any other backend (or when asked, to test that
+// path) ggml ops that every backend has, so the logits never leave the device.
+void llama_model_diffusion_gemma::graph::build_step(const llama_model_diffusion_gemma & model, ggml_tensor * logits) {
+    const dg_request &      req   = *dg_active_request();
+    const dg_step_request & step  = req.step;
+    const int64_t           n_rows = logits->ne[1];
+    const int32_t           k      = step.top_k;
+    const float             cap    = hparams.f_final_logit_softcapping;
+    GGML_ASSERT(n_rows == n_tokens); // every canvas position is an output
+
+    auto inp = std::make_unique<llm_graph_input_dg_step>();
+    inp->temperatures = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, 1, n_rows);
+    ggml_set_input(inp->temperatures);
+
+    ggml_backend_dev_t dev_out = model.dev_output();
+    const bool on_cpu = !dev_out || ggml_backend_dev_type(dev_out) == GGML_BACKEND_DEVICE_TYPE_CPU;
+
+    ggml_tensor * record;
+    ggml_tensor * values = nullptr;
+    if (on_cpu && !step.portable) {
+        inp->op.top_k       = k;
+        inp->op.softcap     = cap;
+        inp->op.exact_tanh  = req.exact;
+        inp->op.keep_values = step.keep_values;
+        inp->uniforms = ggml_new_tensor_1d(ctx0, GGML_TYPE_F64, n_rows);
+        ggml_set_input(inp->uniforms);
+        ggml_tensor * args[] = { logits, inp->temperatures, inp->uniforms };
+        record = ggml_custom_4d(ctx0, GGML_TYPE_F32, dg_step_record_width(k), n_rows, 1, 1, args, 3, dg_step_op,
+                                GGML_N_TASKS_MAX, &inp->op);
+        values = step.keep_values ? logits : nullptr; // the op leaves the values there
+    } else {
+        inp->uniforms = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, 1, n_rows);
+        ggml_set_input(inp->uniforms);
+        record = build_step_ops(logits, inp->temperatures, inp->uniforms, k, values);
+        values = step.keep_values ? values : nullptr;
+    }
+    cb(record, "dg_step", -1);
+    ggml_set_output(record);
+    if (values) {
+        ggml_set_output(values);
+    }
+    inp->record = record;
+    inp->values = values;
+    res->add_input(std::move(inp));
+    ggml_build_forward_expand(gf, record);
+    if (values) {
+        ggml_build_forward_expand(gf, values);
+    }
+}
+
+// The step from ggml ops, for backends without our op: the same record in float arithmetic
+// (softmax, cumulative sum and the sample's comparison in F32, where the op accumulates in double;
+// the top-k sorted by probability, ties in the backend's order).
+ggml_tensor * llama_model_diffusion_gemma::graph::build_step_ops(ggml_tensor * logits, ggml_tensor * temperatures,
+                                                                  ggml_tensor * uniforms, int32_t k, ggml_tensor *& values) {
+    const int64_t n_vocab = logits->ne[0];
+    const int64_t n_rows  = logits->ne[1];
+    const float   cap     = hparams.f_final_logit_softcapping;
+
+    ggml_tensor * x = logits;
+    if (cap) {
+        x = ggml_scale(ctx0, x, 1.0f / cap);
+        x = ggml_tanh(ctx0, x);
+        x = ggml_scale(ctx0, x, cap);
+    }
+    values = ggml_div(ctx0, x, temperatures);                                   // [V, N]
+    ggml_tensor * probs = ggml_soft_max(ctx0, values);                          // [V, N]
+
+    // a row's value and probability at one index per row: get_rows over [1, V, N]
+    auto at = [&](ggml_tensor * t, ggml_tensor * idx /* I32 [m, N] */) {
+        ggml_tensor * picked = ggml_get_rows(ctx0, ggml_reshape_3d(ctx0, t, 1, n_vocab, n_rows), idx);
+        return ggml_reshape_2d(ctx0, picked, idx->ne[0], n_rows);              // [m, N]
+    };
+    ggml_tensor * argmax = ggml_reshape_2d(ctx0, ggml_argmax(ctx0, values), 1, n_rows);
+    ggml_tensor * v_max  = at(values, argmax);
+    ggml_tensor * p_max  = at(probs, argmax);
+
+    // H = log Z - sum p (v - max), with log Z = -log p_max; every term of the sum is <= 0
+    ggml_tensor * shifted = ggml_sub(ctx0, values, v_max);
+    ggml_tensor * entropy = ggml_neg(ctx0, ggml_add(ctx0, ggml_log(ctx0, p_max),
+                                                    ggml_sum_rows(ctx0, ggml_mul(ctx0, probs, shifted))));
+
+    // inverse CDF: the number of entries whose cumulative probability stays below u
+    ggml_tensor * below   = ggml_step(ctx0, ggml_neg(ctx0, ggml_sub(ctx0, ggml_cumsum(ctx0, probs), uniforms)));
+    ggml_tensor * sampled = ggml_clamp(ctx0, ggml_sum_rows(ctx0, below), 0.0f, (float) (n_vocab - 1));
+
+    ggml_tensor * record = ggml_concat(ctx0, entropy, ggml_cast(ctx0, argmax, GGML_TYPE_F32), 0);
+    record = ggml_concat(ctx0, record, sampled, 0);
+    if (k == 0) {
+        return ggml_concat(ctx0, record, ggml_scale(ctx0, entropy, 0.0f), 0); // dropped: 0
+    }
+    ggml_tensor * ids     = ggml_top_k(ctx0, probs, k);                         // I32 [k, N], any order
+    ggml_tensor * kept    = at(probs, ids);                                     // [k, N]
+    ggml_tensor * order   = ggml_argsort(ctx0, kept, GGML_SORT_ORDER_DESC);      // most probable first
+    ggml_tensor * ids_f   = ggml_reshape_3d(ctx0, ggml_cast(ctx0, ids, GGML_TYPE_F32), 1, k, n_rows);
+    ggml_tensor * ids_out = ggml_reshape_2d(ctx0, ggml_get_rows(ctx0, ids_f, order), k, n_rows);
+    ggml_tensor * p_out   = ggml_reshape_2d(ctx0, ggml_get_rows(ctx0, ggml_reshape_3d(ctx0, kept, 1, k, n_rows), order),
+                                            k, n_rows);
+    ggml_tensor * dropped = ggml_scale_bias(ctx0, ggml_sum_rows(ctx0, p_out), -1.0f, 1.0f);
+    dropped = ggml_clamp(ctx0, dropped, 0.0f, 1.0f);
+    record = ggml_concat(ctx0, record, dropped, 0);
+    record = ggml_concat(ctx0, record, ids_out, 0);
+    return ggml_concat(ctx0, record, p_out, 0);
+}
+
+// logits = output weights x hidden states: our repacked int8 GEMM where the CPU has a kernel for
+// it (two ops: quantize the activations once, then the GEMM, so that every thread of the second
+// sees all of them), else ggml's matmul
+ggml_tensor * llama_model_diffusion_gemma::graph::build_lm_head(const llama_model_diffusion_gemma & model, ggml_tensor * cur) {
+    const dg_lm_head * head = (loras == nullptr || loras->empty()) ? model.lm_head() : nullptr;
+    if (!head) {
+        return build_lora_mm(model.output, cur);
+    }
+    void * userdata = const_cast<dg_lm_head *>(head); // the ops only read it
+    cur = ggml_cont(ctx0, cur);
+    ggml_tensor * act = ggml_custom_4d(ctx0, GGML_TYPE_I8, head->act_bytes(), cur->ne[1], 1, 1, &cur, 1,
+                                       dg_lm_head_quantize_op, GGML_N_TASKS_MAX, userdata);
+    cb(act, "lm_head_act", -1);
+    return ggml_custom_4d(ctx0, GGML_TYPE_F32, head->n_vocab(), cur->ne[1], 1, 1, &act, 1, dg_lm_head_gemm_op,
+                          GGML_N_TASKS_MAX, userdata);
+}
 
 // e + sc, where sc is the self-conditioning block on the previous step's soft embeddings
 ggml_tensor * llama_model_diffusion_gemma::graph::build_self_cond_input(const llama_model_diffusion_gemma & model, ggml_tensor * inp_embd) {
@@ -374,7 +644,9 @@ llama_model_diffusion_gemma::graph::graph(const llama_model & model_base, const 
     const bool exact   = req && req->exact;
     const bool has_sc  = decoder && req && req->sc_ids;
 
-    res->add_input(std::make_unique<llm_graph_input_dg_mode>(exact, has_sc, has_sc ? req->sc_k : 0));
+    const bool has_step = decoder && req && req->step.active;
+
+    res->add_input(std::make_unique<llm_graph_input_dg_mode>(dg_graph_key(req)));
 
     ggml_tensor * cur;
     ggml_tensor * inpL = build_inp_embd(model.tok_embd);
@@ -481,7 +753,13 @@ llama_model_diffusion_gemma::graph::graph(const llama_model & model_base, const 
     cb(cur, "result_norm", -1);
     res->t_embd = cur;
 
-    cur = build_lora_mm(model.output, cur);
+    cur = build_lm_head(model, cur);
+    cb(cur, "lm_head", -1);
+    if (has_step) {
+        // the logits stay in the graph (res->t_logits unset: llama_decode copies nothing out)
+        build_step(model, cur);
+        return;
+    }
     if (hparams.f_final_logit_softcapping) {
         cur = ggml_scale(ctx0, cur, 1.0f / hparams.f_final_logit_softcapping);
         cur = ggml_tanh(ctx0, cur);

@@ -1,0 +1,91 @@
+#pragma once
+// Internal: the LM head of a Q8_0 embedding (262144 x 2816 on the real model, ~75% of a CPU
+// denoising step's multiply-adds) as a GEMM of our own, on a lossless repack of the matrix.
+//
+// ggml runs it through llamafile's tinyBLAS (256-bit, one row against one column per dot
+// product, about half the int8 rate of the core). Here the quants of `group` consecutive rows are
+// interleaved four at a time, so that one vector load holds quants k..k+3 of every row of the
+// group and each 32-bit lane accumulates one row: one int8 dot-product instruction per
+// (group, column, 4 quants). The values are the file's, bit for bit (same quants, same fp16
+// scales); the repack adds each row-block's quant sum (for VNNI's unsigned operand), 6% more
+// bytes than Q8_0.
+//
+// Kernels, chosen once per model by the CPU (DG_LM_HEAD overrides: ggml | avx2 | emulated):
+//   avx512-vnni  16-row groups, vpdpbusd zmm on (activation + 128) x quant, minus 128 x quant sum
+//   avx2         8-row groups, vpmaddubsw on |quant| x sign-adjusted activation, vpmaddwd
+//   emulated     the avx512-vnni layout and arithmetic in portable code (tests, any CPU)
+// Other CPUs, other types (Q6_K of Q4_K_M files, F16, ...), and LM heads not in plain host memory
+// keep ggml's matmul.
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+struct ggml_tensor;
+
+enum class dg_lm_head_kernel : int32_t {
+    none        = 0, // ggml's matmul
+    avx2        = 1,
+    avx512_vnni = 2,
+    emulated    = 3,
+};
+
+class dg_lm_head {
+public:
+    // The kernel this CPU (and DG_LM_HEAD) asks for.
+    static dg_lm_head_kernel kernel_for_cpu();
+    static const char *      kernel_name(dg_lm_head_kernel kernel);
+
+    // Whether `w` can be repacked: Q8_0 [n_embd, n_vocab] in plain host memory (not on a GPU, not
+    // already repacked by a CPU extra buffer type).
+    static bool qualifies(const ggml_tensor * w);
+
+    // A repack of `w` for `kernel`; null if the tensor does not qualify or the CPU lacks the kernel.
+    static std::unique_ptr<dg_lm_head> repack(const ggml_tensor * w, dg_lm_head_kernel kernel);
+    // The same from raw Q8_0 rows (tests).
+    static std::unique_ptr<dg_lm_head> repack(const void * q8_0_rows, int64_t n_embd, int64_t n_vocab,
+                                              dg_lm_head_kernel kernel);
+
+    dg_lm_head_kernel kernel() const { return kernel_; }
+    int64_t           n_embd() const { return n_embd_; }
+    int64_t           n_vocab() const { return n_vocab_; }
+
+    // Bytes of one quantized activation column (see quantize).
+    int64_t act_bytes() const;
+
+    // Columns [c0, c1) of x (F32, column c at x + c * ld_x) quantized as ggml quantizes the
+    // activations of a Q8_0 matmul (per 32 values: d = amax / 127 as fp16, round-to-even of
+    // x * 127 / amax), into act (column c at act + c * act_bytes()).
+    void quantize(const float * x, int64_t ld_x, int64_t c0, int64_t c1, uint8_t * act) const;
+
+    // out[c * ld_out + v] for the vocabulary rows of groups [g0, g1) (group_rows() rows each)
+    // and every column of act.
+    void gemm(const uint8_t * act, int64_t n_cols, float * out, int64_t ld_out, int64_t g0, int64_t g1) const;
+
+    int64_t group_rows() const { return group_; }
+    int64_t n_groups() const { return (n_vocab_ + group_ - 1) / group_; }
+
+private:
+    dg_lm_head(dg_lm_head_kernel kernel, int64_t n_embd, int64_t n_vocab);
+
+    dg_lm_head_kernel kernel_;
+    int64_t           n_embd_;
+    int64_t           n_vocab_;
+    int64_t           n_blocks_; // n_embd / 32
+    int64_t           group_;    // rows per group: 16 for the VNNI layout, 8 for AVX2
+    // per (group, block): group fp16 scales, group int16 quant sums, then 8 x (group x 4) quants
+    std::vector<uint8_t, std::allocator<uint8_t>> data_;
+    uint8_t * base_ = nullptr; // data_ aligned to 64 bytes
+
+    friend struct dg_lm_head_access;
+};
+
+// ggml custom ops over a dg_lm_head (userdata): activations [n_embd, n_cols] F32 -> quantized
+// columns (I8 [act_bytes, n_cols]), and those -> logits F32 [n_vocab, n_cols].
+void dg_lm_head_quantize_op(ggml_tensor * dst, int ith, int nth, void * userdata);
+void dg_lm_head_gemm_op(ggml_tensor * dst, int ith, int nth, void * userdata);
+
+// Bytes of one (group, block) of the repack.
+inline int64_t dg_lm_head_group_block_bytes(int64_t group) {
+    return 2 * group + 2 * group + 32 * group;
+}
