@@ -1,4 +1,5 @@
-"""Sampler and host work per denoising step as a fraction of the decoder forward: numpy vs native.
+"""Sampler and host work per denoising step as a fraction of the decoder forward: numpy vs native,
+and the graph step (the sampler's pass inside the decoder graph: only the rules left on the host).
 
 Runs the real DiffusionEngine loop for a few steps of one canvas on a synthetic GGUF with the real
 vocabulary (262144) and hidden size (2816), so each step yields 256 x 262144 logits, and reads the
@@ -90,7 +91,7 @@ def measure(model, backend: str, steps: int, threads: int | None) -> dict:
     forward = statistics.median(e.forward_s for e in timed)
     sampling = statistics.median(e.sampling_s for e in timed)
     return {
-        "backend": engine.step_sampler.name,
+        "backend": engine.step_backend,
         "steps": len(timed),
         "forward_ms": forward * 1e3,
         "sampling_ms": sampling * 1e3,
@@ -110,6 +111,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     backends = ["numpy"] + (["native"] if native_library() is not None else [])
+    if args.forward == "gguf" and native_library() is not None:
+        backends.append("graph")
     with tempfile.TemporaryDirectory(prefix="dg-bench-") as tmp:
         model, label = open_model(args, Path(tmp))
         rows = [measure(model, backend, args.steps, args.threads) for backend in backends]
