@@ -133,7 +133,8 @@ class _LlamaModel:
 
     def __init__(self, path: str | os.PathLike, n_threads: int | None = None, n_gpu_layers: int = 0,
                  exact: bool = False, n_ctx: int | None = None, n_seq_max: int = 1, n_ubatch: int = ENCODE_CHUNK,
-                 n_cpu_moe: int = 0, kv_unified: bool = True, rpc_servers: Sequence[str] | None = None):
+                 n_cpu_moe: int = 0, kv_unified: bool = True, rpc_servers: Sequence[str] | None = None,
+                 eval_callback: tuple | None = None):
         self._model = None
         self._ctx = None
         self.path = Path(path)
@@ -201,6 +202,10 @@ class _LlamaModel:
         # must then not disturb the cells it still needs (see diffusion-gemma-api.cpp)
         cparams.swa_full = False
         cparams.no_perf = True
+        if eval_callback is not None:
+            # llama.cpp's per-node callback (dgcli.engine.profile.NodeProfiler.eval_callback)
+            self._eval_callback = eval_callback  # the ctypes objects must outlive the context
+            cparams.cb_eval, cparams.cb_eval_user_data = eval_callback
         if self.exact:
             cparams.type_k = cparams.type_v = native.GGML_TYPE_F32
             cparams.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
@@ -446,8 +451,10 @@ class DiffusionModel(_LlamaModel):
 
     def __init__(self, path: str | os.PathLike, n_threads: int | None = None, n_gpu_layers: int = 0,
                  exact: bool = False, n_ctx: int | None = None, n_seq_max: int = 1, n_ubatch: int | None = None,
-                 n_cpu_moe: int = 0, kv_unified: bool = True, rpc_servers: Sequence[str] | None = None):
-        canvas = read_header(path).get("diffusion.canvas_length")
+                 n_cpu_moe: int = 0, kv_unified: bool = True, rpc_servers: Sequence[str] | None = None,
+                 eval_callback: tuple | None = None):
+        header = read_header(path)
+        canvas = header.get("diffusion.canvas_length")
         canvas = canvas if isinstance(canvas, int) and 0 < canvas <= MAX_CANVAS_LENGTH else 0
         # a canvas must be one micro-batch (the decoder is non-causal over it); prompts are chunked
         need = canvas * (n_seq_max if isinstance(n_seq_max, int) else 1)
@@ -457,7 +464,7 @@ class DiffusionModel(_LlamaModel):
             raise InvalidParameter("n_ubatch", n_ubatch, f"an integer >= {max(need, 1)} (canvas_length x n_seq_max)")
         super().__init__(path, n_threads=n_threads, n_gpu_layers=n_gpu_layers, exact=exact, n_ctx=n_ctx,
                          n_seq_max=n_seq_max, n_ubatch=n_ubatch, n_cpu_moe=n_cpu_moe, kv_unified=kv_unified,
-                         rpc_servers=rpc_servers)
+                         rpc_servers=rpc_servers, eval_callback=eval_callback)
         self.canvas_length = int(self._lib._lib.dg_canvas_length(self._model))
         if self.canvas_length <= 0:
             self.close()

@@ -1,0 +1,395 @@
+#!/usr/bin/env python3
+"""One denoising step, op by op, against this CPU's measured peaks, and the Transformers reference.
+
+    .venv/bin/python benchmarks/step_profile.py [--gguf PATH | --layers 2 --experts 8 --quant q8_0]
+                                                [--threads 1,2] [--reps 3] [--sc-top-k 64]
+                                                [--no-reference] [--json]
+
+For any diffusion-gemma GGUF (default: the real-width synthetic model of benchmarks/native_costs.py,
+vocab 262144, hidden 2816, --layers layers of --experts experts, written once and cached), per
+thread count:
+
+1. the step end to end, self-conditioned on the previous step's top-k (what `dg generate` runs on
+   this vocabulary): the one-graph step (`DiffusionModel.denoise_step`) against the forward with
+   the logits copied out and sampled on the host (`decode_canvas` + the native sampler, dg's
+   previous path), interleaved, minimum and median of --reps;
+2. where the graph step's time goes: every node timed through llama.cpp's per-node eval callback
+   (dgcli.engine.profile), grouped by op and node name: seconds, share of the step, multiply-adds,
+   achieved G MAC/s per thread against this CPU's single-thread int8 and bf16 peaks (measured here
+   with register-resident instruction chains, `dg_peak_gmacs`), and the op's floor (its
+   multiply-adds at the peak: int8 for quantized weights, bf16 otherwise);
+3. with torch installed, the Transformers reference (DiffusionGemmaForBlockDiffusion in bf16 with
+   the GGUF's shapes and random weights) timed through its own `_denoising_step`: with the dense
+   self-conditioning it always uses after a canvas's first step, and without (the first step).
+
+The per-node timing runs the graph one node at a time, so its total is a little above the
+uninterrupted step of part 1; the shares are what to read from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dgcli.engine.types import DgError  # noqa: E402
+
+PROMPT_TOKENS = 64
+
+
+def synthetic_model(layers: int, quant: str, experts: int) -> Path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from native_costs import synthetic_pair
+
+    return synthetic_pair(layers, quant, experts)[0]
+
+
+def timed(fn) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the whole process) of fn(): on a shared machine the CPU time
+    is what the work cost, the wall time also holds the waits for a core."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+# ---- dg: the step end to end, and op by op --------------------------------------------------------
+
+
+NAMED_GROUPS = {
+    ("MUL_MAT_ID", "ffn_moe_gate_up"): "MoE gate+up (MUL_MAT_ID)",
+    ("MUL_MAT_ID", "ffn_moe_down"): "MoE down (MUL_MAT_ID)",
+    ("MUL_MAT", "ffn_gate"): "dense FFN gate (MUL_MAT)",
+    ("MUL_MAT", "ffn_up"): "dense FFN up (MUL_MAT)",
+    ("MUL_MAT", "ffn_down"): "dense FFN down (MUL_MAT)",
+    ("CUSTOM", "lm_head"): "LM head (repacked int8 GEMM)",
+    ("CUSTOM", "lm_head_act"): "LM head activations (quantize)",
+    ("CUSTOM", "dg_step"): "step: softcap, softmax, entropy, sample, top-k",
+}
+
+
+def group_of(node, n_vocab: int) -> str:
+    """A readable group for a graph node: its op and its name without the layer suffix."""
+    base = re.sub(r"-\d+$", "", node.name)
+    if node.op == "MUL_MAT" and node.shapes[1][1] == n_vocab:
+        return "LM head (ggml MUL_MAT)"
+    if (node.op, base) in NAMED_GROUPS:
+        return NAMED_GROUPS[(node.op, base)]
+    if node.op == "MUL_MAT" and base.startswith("sc_"):
+        return "self-conditioning MLP (MUL_MAT)"
+    if node.op == "FLASH_ATTN_EXT":
+        return "attention (FLASH_ATTN_EXT)"
+    if not base or base.startswith(("node_", "leaf_")) or " (" in base:
+        return f"{node.op} (unnamed: attention projections, ...)" if node.op == "MUL_MAT" else node.op
+    return f"{node.op} {base}"
+
+
+def multiply_adds(node, n_embd: int) -> int:
+    # our LM head GEMM is a custom op: n_embd multiply-adds per logit
+    if node.op == "CUSTOM" and node.name == "lm_head":
+        return n_embd * node.shapes[0][0] * node.shapes[0][1]
+    return node.multiply_adds()
+
+
+def floor_peak(node, peaks: dict) -> float:
+    """The single-thread peak an op's multiply-adds could run at: int8 for quantized weights."""
+    quantized = node.src0_type.startswith(("q", "iq", "tq")) or node.name == "lm_head"
+    return peaks["int8"][0] if quantized else peaks["bf16"][0]
+
+
+def open_model(path: Path, threads: int, lm_head: str | None = None, eval_callback=None):
+    """A DiffusionModel; lm_head="ggml" keeps ggml's matmul for its LM head (DG_LM_HEAD is read
+    when the model's first graph is built, here)."""
+    from dgcli.engine.model import DiffusionModel
+
+    saved = os.environ.get("DG_LM_HEAD")
+    if lm_head is not None:
+        os.environ["DG_LM_HEAD"] = lm_head
+    try:
+        m = DiffusionModel(path, n_threads=threads, n_ctx=2048, eval_callback=eval_callback)
+        m.decode_canvas(np.zeros(m.canvas_length, np.int32))
+    finally:
+        if saved is None:
+            os.environ.pop("DG_LM_HEAD", None)
+        else:
+            os.environ["DG_LM_HEAD"] = saved
+    return m
+
+
+def measure_dg(path: Path, threads: int, reps: int, sc_top_k: int, peaks: dict) -> dict:
+    from dgcli.engine.profile import NodeProfiler
+    from dgcli.engine.sampler import make_step_sampler
+
+    profiler = NodeProfiler()
+    new = open_model(path, threads, eval_callback=profiler.eval_callback)
+    old = open_model(path, threads, lm_head="ggml")
+    try:
+        rng = np.random.default_rng(0)
+        C, V, n_embd = new.canvas_length, new.vocab_size, new.n_embd
+        prompt = [int(t) for t in rng.integers(200, 400, PROMPT_TOKENS)]
+        new.prefill(prompt)
+        old.prefill(prompt)
+        canvas = rng.integers(0, V, (1, C))
+        temperature = np.float32(0.6)
+        # a first step (no self-conditioning) gives the top-k the next ones are conditioned on
+        [first] = new.denoise_step(canvas, temperature, rng.random((1, C)), top_k=sc_top_k)
+        sc = (first.topk_ids[None], first.topk_probs[None])
+        host = make_step_sampler("native", n_threads=threads)
+
+        def graph_step(m):
+            return lambda: m.denoise_step(canvas, temperature, rng.random((1, C)), sc_topk=sc, top_k=sc_top_k)
+
+        def host_step():
+            logits = old.decode_canvas(canvas[0], sc_topk=(sc[0][0], sc[1][0]))
+            host.process_logits(logits, temperature, rng.random(C), top_k=sc_top_k)
+
+        variants = {"graph step": graph_step(new), "graph step, ggml LM head": graph_step(old),
+                    "previous: forward + host sampler, ggml LM head": host_step}
+        times: dict[str, list] = {name: [] for name in variants}
+        for _ in range(reps):  # interleaved: the box's load hits every variant alike
+            for name, fn in variants.items():
+                times[name].append(timed(fn))
+
+        profiled = []
+        for _ in range(reps):
+            profiler.enabled = True
+            graph_step(new)()
+            profiler.enabled = False
+            profiled.append(profiler.take())
+        from dgcli.engine import native
+
+        lm_head_path = native.lib()._lib.dg_lm_head_path(new._model).decode()
+    finally:
+        new.close()
+        old.close()
+        profiler.close()
+
+    # per group: the repetition with the least CPU time (the box's load only adds)
+    groups: dict[str, dict] = {}
+    for nodes in profiled:
+        sums: dict[str, list] = defaultdict(lambda: [0.0, 0.0, 0, 0.0])
+        for node in nodes:
+            g = sums[group_of(node, V)]
+            macs = multiply_adds(node, n_embd)
+            g[0] += node.cpu_seconds
+            g[1] += node.seconds
+            g[2] += macs
+            g[3] += macs / floor_peak(node, peaks) / 1e9 if macs else 0.0
+        for name, (cpu, wall, macs, floor) in sums.items():
+            if name not in groups or cpu < groups[name]["cpu_s"]:
+                groups[name] = {"cpu_s": cpu, "wall_s": wall, "multiply_adds": macs, "floor_cpu_s": floor}
+    total = sum(g["cpu_s"] for g in groups.values())
+    rows = []
+    for name, g in sorted(groups.items(), key=lambda kv: -kv[1]["cpu_s"]):
+        rate = g["multiply_adds"] / g["cpu_s"] / 1e9 if g["multiply_adds"] and g["cpu_s"] else 0.0
+        rows.append(dict(op=name, cpu_s=g["cpu_s"], wall_s=g["wall_s"], share=g["cpu_s"] / total,
+                         gmac=g["multiply_adds"] / 1e9, gmacs_per_thread=rate,
+                         of_int8_peak=rate / peaks["int8"][0], of_bf16_peak=rate / peaks["bf16"][0],
+                         floor_cpu_s=g["floor_cpu_s"]))
+    return dict(threads=threads, lm_head=lm_head_path, steps={k: v for k, v in times.items()},
+                profiled_cpu_s=total, ops=rows, step_gmac=sum(r["gmac"] for r in rows),
+                floor_cpu_s=sum(r["floor_cpu_s"] for r in rows))
+
+
+# ---- the Transformers reference ------------------------------------------------------------------
+
+
+def reference_config(path: Path):
+    """A DiffusionGemmaConfig with the GGUF's shapes (read with the gguf package)."""
+    import gguf
+    from transformers import DiffusionGemmaConfig
+
+    reader = gguf.GGUFReader(str(path))
+
+    def value(key, default=None):
+        field = reader.fields.get(key)
+        if field is None:
+            return default
+        parts = [field.parts[i].tolist() for i in field.data]
+        flat = [p[0] if isinstance(p, list) and len(p) == 1 else p for p in parts]
+        return flat if len(flat) > 1 else flat[0]
+
+    def scalar(v):
+        return v[0] if isinstance(v, list) else v
+
+    arch = "diffusion-gemma"
+    n_layer = int(value(f"{arch}.block_count"))
+    sliding = value(f"{arch}.attention.sliding_window_pattern")
+    sliding = [bool(s) for s in (sliding if isinstance(sliding, list) else [sliding])]
+    kv = value(f"{arch}.attention.head_count_kv")
+    kv = kv if isinstance(kv, list) else [kv] * n_layer
+    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    text = dict(
+        vocab_size=int(embd.shape[1]), hidden_size=int(value(f"{arch}.embedding_length")),
+        intermediate_size=int(scalar(value(f"{arch}.feed_forward_length"))), num_hidden_layers=n_layer,
+        layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+        num_attention_heads=int(scalar(value(f"{arch}.attention.head_count"))),
+        num_key_value_heads=int(next(k for k, s in zip(kv, sliding) if s)),
+        num_global_key_value_heads=int(next(k for k, s in zip(kv, sliding) if not s)),
+        head_dim=int(value(f"{arch}.attention.key_length_swa")),
+        global_head_dim=int(value(f"{arch}.attention.key_length")),
+        sliding_window=int(value(f"{arch}.attention.sliding_window")),
+        num_experts=int(value(f"{arch}.expert_count")), top_k_experts=int(value(f"{arch}.expert_used_count")),
+        moe_intermediate_size=int(scalar(value(f"{arch}.expert_feed_forward_length"))),
+        rms_norm_eps=float(value(f"{arch}.attention.layer_norm_rms_epsilon")),
+        final_logit_softcapping=float(value(f"{arch}.final_logit_softcapping", 30.0)),
+        max_position_embeddings=int(value(f"{arch}.context_length", 262144)),
+    )
+    from dgcli.reference import TINY_VISION
+
+    return DiffusionGemmaConfig(text_config=text, vision_config=dict(TINY_VISION),
+                                canvas_length=int(value("diffusion.canvas_length")))
+
+
+def measure_reference(path: Path, threads_list: list[int], reps: int, dtype: str = "bf16") -> dict:
+    """Seconds per `_denoising_step` of the reference in `dtype` (bf16 or fp32): the first step of
+    a canvas (no self-conditioning), and the later ones (dense self-conditioning)."""
+    import torch
+    from transformers import DiffusionGemmaForBlockDiffusion
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
+
+    config = reference_config(path)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    model = DiffusionGemmaForBlockDiffusion._from_config(config, dtype=torch_dtype).eval()
+    step_times: list[tuple[float, float]] = []
+    real_step = model._denoising_step
+
+    def timed_step(*args, **kwargs):
+        out = []
+        step_times.append(timed(lambda: out.append(real_step(*args, **kwargs))))
+        return out[0]
+
+    model._denoising_step = timed_step
+    prompt = torch.randint(200, 400, (1, PROMPT_TOKENS))
+    results = {}
+    for threads in threads_list:
+        torch.set_num_threads(threads)
+        step_times.clear()
+        with torch.no_grad():
+            # confidence 1e-30: the adaptive stop never fires, every step runs
+            model.generate(prompt, max_new_tokens=config.canvas_length, max_denoising_steps=1 + reps,
+                           t_min=0.4, t_max=0.8, sampler_config=EntropyBoundSamplerConfig(entropy_bound=0.1),
+                           stability_threshold=1, confidence_threshold=1e-30)
+        results[threads] = {"no_sc_s": step_times[0], "dense_sc_s": list(step_times[1:])}  # (wall, CPU) each
+    return results
+
+
+# ---- report ------------------------------------------------------------------------------------
+
+
+def print_report(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    peaks = report["peaks"]
+    console.print(f"[bold]{report['model']}[/bold]: canvas {report['canvas']}, prompt {PROMPT_TOKENS}, "
+                  f"self-conditioning top-{report['sc_top_k']}, {report['reps']} reps; times in CPU seconds "
+                  f"of the process (the wait for a core on a shared machine left out), wall seconds beside")
+    console.print(f"single-thread peaks: int8 {peaks['int8'][0]:.1f} G MAC/s ({peaks['int8'][1]}), "
+                  f"bf16 {peaks['bf16'][0]:.1f} G MAC/s ({peaks['bf16'][1]})")
+    for run in report["runs"]:
+        t = run["threads"]
+        table = Table(title=f"{t} thread(s), LM head kernel {run['lm_head']}: one self-conditioned step, "
+                            f"{run['step_gmac']:.0f} G multiply-adds, {run['floor_cpu_s']:.2f} CPU s at the peaks")
+        for col in ("op", "CPU s", "wall s", "share", "G MAC", "G MAC/s/thread", "of int8 peak", "of bf16 peak",
+                    "floor CPU s"):
+            table.add_column(col, justify="left" if col == "op" else "right")
+        shown, rest = run["ops"][:12], run["ops"][12:]
+        for r in shown:
+            has = r["gmac"] > 0
+            table.add_row(r["op"], f"{r['cpu_s']:.3f}", f"{r['wall_s']:.3f}", f"{r['share']:.1%}",
+                          f"{r['gmac']:.1f}" if has else "", f"{r['gmacs_per_thread']:.1f}" if has else "",
+                          f"{r['of_int8_peak']:.0%}" if has else "", f"{r['of_bf16_peak']:.0%}" if has else "",
+                          f"{r['floor_cpu_s']:.3f}" if has else "")
+        if rest:
+            table.add_row(f"({len(rest)} more groups)", f"{sum(r['cpu_s'] for r in rest):.3f}",
+                          f"{sum(r['wall_s'] for r in rest):.3f}", f"{sum(r['share'] for r in rest):.1%}",
+                          "", "", "", "", "")
+        table.add_row("profiled total", f"{run['profiled_cpu_s']:.3f}", "", "100%", "", "", "", "", "")
+        console.print(table)
+
+        steps = Table(title=f"{t} thread(s): the step end to end, interleaved (min / median)")
+        for col in ("variant", "CPU s", "wall s", "CPU vs graph step"):
+            steps.add_column(col, justify="left" if col == "variant" else "right")
+        base = min(c for _, c in run["steps"]["graph step"])
+        rows = dict(run["steps"])
+        for dtype, by_threads in (report.get("reference") or {}).items():
+            ref = by_threads.get(t)
+            if ref:
+                rows[f"Transformers {dtype}, dense self-conditioning"] = ref["dense_sc_s"]
+                rows[f"Transformers {dtype}, no self-conditioning"] = [ref["no_sc_s"]]
+        for name, samples in rows.items():
+            cpu = [c for _, c in samples]
+            wall = [w for w, _ in samples]
+            steps.add_row(name, f"{min(cpu):.2f} / {statistics.median(cpu):.2f}",
+                          f"{min(wall):.2f} / {statistics.median(wall):.2f}", f"{min(cpu) / base:.2f}x")
+        console.print(steps)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gguf", type=Path, default=None, help="a diffusion-gemma GGUF (default: synthetic)")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--quant", default="q8_0", choices=["q8_0", "f16"])
+    parser.add_argument("--threads", default="1,2", help="comma-separated thread counts")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--sc-top-k", type=int, default=64)
+    parser.add_argument("--peak-seconds", type=float, default=1.0)
+    parser.add_argument("--no-reference", action="store_true", help="skip the Transformers reference")
+    parser.add_argument("--reference-dtype", default="bf16",
+                        help="comma-separated Transformers dtypes: bf16 (the issue's comparison), fp32")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+
+    from dgcli.engine import native
+
+    try:
+        try:
+            threads_list = [int(t) for t in args.threads.split(",") if t.strip()]
+        except ValueError:
+            raise DgError(f"--threads takes comma-separated counts, got {args.threads!r}") from None
+        if not threads_list or min(threads_list) < 1 or args.reps < 1:
+            raise DgError("--threads needs counts >= 1 and --reps >= 1")
+        dtypes = [d.strip() for d in args.reference_dtype.split(",") if d.strip()]
+        if any(d not in ("bf16", "fp32") for d in dtypes):
+            raise DgError(f"--reference-dtype takes bf16 and/or fp32, got {args.reference_dtype!r}")
+        path = args.gguf or synthetic_model(args.layers, args.quant, args.experts)
+        peaks = {"int8": native.peak_gmacs(native.PEAK_INT8, args.peak_seconds),
+                 "bf16": native.peak_gmacs(native.PEAK_BF16, args.peak_seconds)}
+        runs = [measure_dg(path, t, args.reps, args.sc_top_k, peaks) for t in threads_list]
+        report = dict(model=Path(path).name, canvas=256, sc_top_k=args.sc_top_k, reps=args.reps,
+                      cpu_threads=os.cpu_count(), peaks=peaks, runs=runs)
+        if not args.no_reference:
+            try:
+                import torch  # noqa: F401
+                import transformers  # noqa: F401
+            except ImportError:
+                print("(torch/transformers not installed: no reference column)", file=sys.stderr)
+            else:
+                report["reference"] = {dtype: measure_reference(Path(path), threads_list, args.reps, dtype)
+                                       for dtype in dtypes}
+    except DgError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        print_report(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
