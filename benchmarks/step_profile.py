@@ -292,7 +292,7 @@ def print_report(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 150)
     peaks = report["peaks"]
     console.print(f"[bold]{report['model']}[/bold]: canvas {report['canvas']}, prompt {PROMPT_TOKENS}, "
                   f"self-conditioning top-{report['sc_top_k']}, {report['reps']} reps; times in CPU seconds "
@@ -351,8 +351,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-reference", action="store_true", help="skip the Transformers reference")
     parser.add_argument("--reference-dtype", default="bf16",
                         help="comma-separated Transformers dtypes: bf16 (the issue's comparison), fp32")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--from-json", type=Path, default=None, help="print the tables of a saved --json report")
     args = parser.parse_args(argv)
+
+    if args.from_json is not None:
+        try:
+            report = json.loads(args.from_json.read_text())
+        except (OSError, ValueError) as err:
+            print(f"error: cannot read {args.from_json}: {err}", file=sys.stderr)
+            return 1
+        # JSON object keys are strings: the thread counts back to ints
+        report["reference"] = {dtype: {int(t): v for t, v in by_threads.items()}
+                               for dtype, by_threads in (report.get("reference") or {}).items()}
+        print_report(report)
+        return 0
 
     from dgcli.engine import native
 
