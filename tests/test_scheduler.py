@@ -47,21 +47,21 @@ class Collector:
         return None
 
 
-def open_scheduler(path, slots, n_ctx=None, self_cond_top_k=None, max_queue=64, kv_unified=False):
+def open_scheduler(path, slots, n_ctx=None, self_cond_top_k=None, max_queue=64, kv_unified=False, sampler="auto"):
     from dgcli.engine.diffusion import DiffusionEngine
     from dgcli.engine.model import DiffusionModel
     from dgcli.server.scheduler import BatchScheduler
 
     model = DiffusionModel(str(path), n_seq_max=slots, n_ctx=n_ctx or 512 * slots, kv_unified=kv_unified)
-    engine = DiffusionEngine(model, self_cond_top_k=self_cond_top_k)
+    engine = DiffusionEngine(model, self_cond_top_k=self_cond_top_k, sampler=sampler)
     return BatchScheduler(engine, slots=slots, max_queue=max_queue), model
 
 
-def solo_results(path, jobs, self_cond_top_k=None):
+def solo_results(path, jobs, self_cond_top_k=None, sampler="auto"):
     """Each job alone through DiffusionEngine.generate (a model of its own, one sequence)."""
     from dgcli.engine.diffusion import DiffusionEngine
 
-    with DiffusionEngine(str(path), self_cond_top_k=self_cond_top_k) as engine:
+    with DiffusionEngine(str(path), self_cond_top_k=self_cond_top_k, sampler=sampler) as engine:
         return [engine.generate(ids, params=params, max_new_tokens=n, seed=seed) for ids, params, n, seed in jobs]
 
 
@@ -158,6 +158,34 @@ def test_top_k_self_conditioning_batched_equals_solo(tiny_gguf):
         assert sink.outcome.result.token_ids == want.token_ids
     dropped = [e.sc_dropped_mass for e in sinks[0].events if isinstance(e, StepEvent)]
     assert dropped[0] == 0.0 and max(dropped) > 0.0  # the top-k form was really used
+
+
+@pytest.mark.parametrize("self_cond_top_k", [None, 8])
+@pytest.mark.parametrize("batched, solo", [("graph", "native"), ("native", "graph")])
+def test_batched_step_backend_equals_solo_on_the_other_backend(tiny_gguf, self_cond_top_k, batched, solo):
+    """The server's step on either backend: canvases batched through the one-graph step (each with its
+    own temperature, uniforms and self-conditioning, in its own sequence) give what each request gives
+    alone with the forward + host sampler, and the other way round."""
+    from dgcli.engine.model import DiffusionModel
+
+    with DiffusionModel(str(tiny_gguf)) as m:
+        prompts = [m.tokenize(t) for t in ("one", "two three", "four five six")]
+    jobs = [(ids, DiffusionParams(max_denoising_steps=3 + i), n, 20 + i)
+            for i, (ids, n) in enumerate(zip(prompts, (32, 16, 32)))]
+    expected = solo_results(tiny_gguf, jobs, self_cond_top_k=self_cond_top_k, sampler=solo)
+    scheduler, model = open_scheduler(tiny_gguf, slots=3, self_cond_top_k=self_cond_top_k, sampler=batched)
+    try:
+        assert scheduler.engine.step_backend == batched
+        sinks, _ = run_jobs(scheduler, jobs, stagger_s=0.01)
+        stats = scheduler.stats
+    finally:
+        scheduler.close()
+        model.close()
+    for sink, want in zip(sinks, expected):
+        got = sink.outcome.result
+        assert got.token_ids == want.token_ids and got.steps_per_canvas == want.steps_per_canvas
+        assert got.canvas_token_ids == want.canvas_token_ids
+    assert stats.max_batch >= 2
 
 
 def test_a_cancelled_request_frees_its_slot_and_the_others_are_unaffected(tiny_gguf):

@@ -644,7 +644,9 @@ llama_model_diffusion_gemma::graph::graph(const llama_model & model_base, const 
     const bool exact   = req && req->exact;
     const bool has_sc  = decoder && req && req->sc_ids;
 
-    const bool has_step = decoder && req && req->step.active;
+    // a worst-case graph llama.cpp reserves mid-call (after a memory update: a sequence's stream
+    // copied) has fewer outputs than tokens: it gets the plain logits, the request's step is not its
+    const bool has_step = decoder && req && req->step.active && n_outputs == n_tokens;
 
     res->add_input(std::make_unique<llm_graph_input_dg_mode>(dg_graph_key(req)));
 
