@@ -218,7 +218,6 @@ def write_cases(work: Path, model: Path, ar: Path) -> list[Case]:
     cases.append(Case("writes", "--trace a folder", gen + ["--trace", str(work)]))
     fifo = work / "fifo"
     os.mkfifo(fifo)
-    got = []
     cases.append(Case("writes", "--trace a FIFO with a reader", gen + ["--trace", str(fifo)], "ok",
                       check=lambda r: None if stat.S_ISFIFO(os.lstat(fifo).st_mode) else "FIFO replaced",
                       env={"_READER": str(fifo)}))

@@ -26,6 +26,7 @@ llama.cpp refuses becomes a one-line ModelLoadError quoting llama.cpp's reason.
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
@@ -36,9 +37,8 @@ from dgcli.engine import native
 from dgcli.engine.header import END_TOKEN_TEXTS, VISIBLE_CONTROL_TEXTS, read_header
 from dgcli.engine.hparams import AR_ARCH, DIFFUSION_ARCH, check_model_header, sampler_defaults
 from dgcli.engine.offload import LoadReport, check_offload, expert_override_pattern
-from dgcli.engine.template_sandbox import start_renderer
 from dgcli.engine.sampler import StepStats
-from dgcli.units import format_bytes
+from dgcli.engine.template_sandbox import start_renderer
 from dgcli.engine.types import (
     MAX_CANVAS_LENGTH,
     ContextFull,
