@@ -81,6 +81,17 @@ def run_jobs(scheduler, jobs, stagger_s=0.0, sinks=None):
     return sinks, requests
 
 
+def run_batched(path, jobs, stagger_s=0.0, **open_kwargs):
+    """jobs through a fresh scheduler: (sinks, stats, the step backend it used), closed afterwards."""
+    scheduler, model = open_scheduler(path, **open_kwargs)
+    try:
+        sinks, _ = run_jobs(scheduler, jobs, stagger_s=stagger_s)
+        return sinks, scheduler.stats, scheduler.engine.step_backend
+    finally:
+        scheduler.close()
+        model.close()
+
+
 def demo_jobs():
     from dgcli.engine.model import DiffusionModel
 
@@ -96,13 +107,7 @@ def demo_jobs():
 def test_batched_answers_equal_solo_generate_on_the_demo():
     jobs = demo_jobs()
     expected = solo_results(DEMO, jobs)
-    scheduler, model = open_scheduler(DEMO, slots=4)
-    try:
-        sinks, _ = run_jobs(scheduler, jobs)
-        stats = scheduler.stats
-    finally:
-        scheduler.close()
-        model.close()
+    sinks, stats, _ = run_batched(DEMO, jobs, slots=4)
     for sink, want in zip(sinks, expected):
         got = sink.outcome.result
         assert got.token_ids == want.token_ids and got.text == want.text
@@ -127,13 +132,7 @@ def test_multi_canvas_requests_joining_and_leaving_mid_run_equal_solo(tiny_gguf)
             for i, (ids, n) in enumerate(zip(prompts, (48, 16, 40, 32, 16)))]
     expected = solo_results(tiny_gguf, jobs)
     assert max(len(r.steps_per_canvas) for r in expected) >= 2  # the check needs commits
-    scheduler, model = open_scheduler(tiny_gguf, slots=3)
-    try:
-        sinks, _ = run_jobs(scheduler, jobs, stagger_s=0.02)
-        stats = scheduler.stats
-    finally:
-        scheduler.close()
-        model.close()
+    sinks, stats, _ = run_batched(tiny_gguf, jobs, stagger_s=0.02, slots=3)
     for sink, want in zip(sinks, expected):
         assert sink.outcome.result.token_ids == want.token_ids
         assert sink.outcome.result.steps_per_canvas == want.steps_per_canvas
@@ -149,12 +148,7 @@ def test_top_k_self_conditioning_batched_equals_solo(tiny_gguf):
     jobs = [(ids, DiffusionParams(max_denoising_steps=4), n, seed)
             for ids, n, seed in zip(prompts, (32, 16, 32), (7, 8, 9))]
     expected = solo_results(tiny_gguf, jobs, self_cond_top_k=8)
-    scheduler, model = open_scheduler(tiny_gguf, slots=3, self_cond_top_k=8)
-    try:
-        sinks, _ = run_jobs(scheduler, jobs, stagger_s=0.01)
-    finally:
-        scheduler.close()
-        model.close()
+    sinks, _, _ = run_batched(tiny_gguf, jobs, stagger_s=0.01, slots=3, self_cond_top_k=8)
     for sink, want in zip(sinks, expected):
         assert sink.outcome.result.token_ids == want.token_ids
     dropped = [e.sc_dropped_mass for e in sinks[0].events if isinstance(e, StepEvent)]
@@ -175,15 +169,9 @@ def test_batched_step_backend_equals_solo_on_the_other_backend(tiny_gguf, self_c
     jobs = [(ids, DiffusionParams(max_denoising_steps=3 + i), n, 20 + i)
             for i, (ids, n) in enumerate(zip(prompts, (32, 16, 32)))]
     expected = solo_results(tiny_gguf, jobs, self_cond_top_k=self_cond_top_k, sampler=solo, exact=True)
-    scheduler, model = open_scheduler(tiny_gguf, slots=3, self_cond_top_k=self_cond_top_k, sampler=batched,
-                                      exact=True)
-    try:
-        assert scheduler.engine.step_backend == batched
-        sinks, _ = run_jobs(scheduler, jobs, stagger_s=0.01)
-        stats = scheduler.stats
-    finally:
-        scheduler.close()
-        model.close()
+    sinks, stats, backend = run_batched(tiny_gguf, jobs, stagger_s=0.01, slots=3, self_cond_top_k=self_cond_top_k,
+                                        sampler=batched, exact=True)
+    assert backend == batched
     for sink, want in zip(sinks, expected):
         got = sink.outcome.result
         assert got.token_ids == want.token_ids and got.steps_per_canvas == want.steps_per_canvas
