@@ -27,6 +27,7 @@ import platform
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -157,19 +158,54 @@ def run_logged(cmd: list[str], log: Path, step: str, env: dict | None = None, cw
     with open(log, "a") as out:
         out.write(f"\n$ {' '.join(cmd)}\n")
         out.flush()
+        # Its own process group, so that stopping the build stops ninja and every compiler under it:
+        # a compiler left running would write into the build folder after the lock is released.
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                cwd=cwd, bufsize=1)
+                                cwd=cwd, bufsize=1, start_new_session=True)
         tail: deque[str] = deque(maxlen=25)
         assert proc.stdout is not None
-        for line in proc.stdout:
-            out.write(line)
-            tail.append(line.rstrip())
-            if on_line:
-                on_line(line.rstrip())
-        code = proc.wait()
+        try:
+            for line in proc.stdout:
+                out.write(line)
+                tail.append(line.rstrip())
+                if on_line:
+                    on_line(line.rstrip())
+            code = proc.wait()
+        finally:
+            stop_process_group(proc)
     if code != 0:
         last = next((t for t in reversed(tail) if "error" in t.lower()), tail[-1] if tail else "")
         raise BuildError(step, f"`{cmd[0]} {cmd[1] if len(cmd) > 1 else ''}` exited {code}: {last.strip()[:200]}", log)
+
+
+def stop_process_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """End whatever is left of the group `proc` leads: TERM, then KILL after `grace_s`."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(proc.pid, 0)
+            except (ProcessLookupError, PermissionError):
+                proc.poll()
+                return
+            proc.poll()  # reap the leader, or the group never empties
+            time.sleep(0.05)
+
+
+class StopRequested(BaseException):
+    """SIGTERM or SIGHUP: unwind like Ctrl-C (stopping the compilers), then exit 128 + signal."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def raise_stop(signum: int, _frame) -> None:
+    raise StopRequested(signum)
 
 
 # -- steps ---------------------------------------------------------------------------------------
@@ -497,6 +533,8 @@ def main(argv: list[str] | None = None) -> int:
     if up_to_date:
         print(f"dg native: up to date (key {key})")
         return 0
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, raise_stop)
     with exclusive_build_lock():
         # The build we waited for may have installed exactly this key.
         if not args.force and not args.no_install and installed_key() == key:
@@ -560,6 +598,10 @@ def build_and_install(args: argparse.Namespace, cmake_args: list[str], key: str)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/yellow]: nothing was installed; the next run resumes the build")
         return 130
+    except StopRequested as stop:
+        console.print(f"[yellow]stopped by {signal.Signals(stop.signum).name}[/yellow]: nothing was installed; "
+                      "the next run resumes the build")
+        return 128 + stop.signum
     console.print(f"dg native: installed (key {key}, {time.monotonic() - started:.0f} s; log {log})")
     return 0
 

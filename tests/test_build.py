@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import signal
 import stat
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -107,3 +112,64 @@ def test_cublas_from_the_toolkit_or_the_cache(toolkit, tmp_path):
                     f"-DCUDA_cublasLt_LIBRARY={dest / 'lib' / 'libcublasLt.so.13'}",
                     f"-DCMAKE_CUDA_FLAGS=-I{dest / 'include'}"]
     assert not log.exists()  # nothing was fetched
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie has finished; only its parent's wait is missing
+    return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+
+
+def _wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+# A stand-in for pip -> ninja -> nvcc: a shell whose child outlives a signal to the shell alone.
+_TREE = "sleep 120 & echo child $!; wait"
+
+
+def test_interrupted_step_stops_its_compilers(tmp_path):
+    seen: list[int] = []
+
+    def interrupt_on_child(line: str) -> None:
+        if line.startswith("child "):
+            seen.append(int(line.split()[1]))
+            raise KeyboardInterrupt  # Ctrl-C while the compile runs
+
+    with pytest.raises(KeyboardInterrupt):
+        build.run_logged(["sh", "-c", _TREE], tmp_path / "log", "compile", on_line=interrupt_on_child)
+    assert seen, "the stand-in never started its child"
+    assert _wait_gone(seen[0]), "the compile's child kept running after the build was interrupted"
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+def test_terminated_build_stops_its_compilers_and_exits_128_plus_signal(tmp_path, signum, code):
+    script = tmp_path / "run.py"
+    script.write_text(f"""
+import importlib.util, signal, sys
+from pathlib import Path
+spec = importlib.util.spec_from_file_location("b", {str(ROOT / "native" / "build.py")!r})
+b = importlib.util.module_from_spec(spec); spec.loader.exec_module(b)
+for s in (signal.SIGTERM, signal.SIGHUP):
+    signal.signal(s, b.raise_stop)
+try:
+    b.run_logged(["sh", "-c", {_TREE!r}], Path({str(tmp_path / "log")!r}), "compile",
+                 on_line=lambda line: print(line, flush=True))
+except b.StopRequested as stop:
+    sys.exit(128 + stop.signum)
+""")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    assert line.startswith("child "), line
+    child = int(line.split()[1])
+    proc.send_signal(signum)
+    assert proc.wait(timeout=30) == code
+    assert _wait_gone(child), "the compile's child kept running after the build was stopped"
