@@ -243,9 +243,58 @@ def test_generate_verbose_reports_where_the_experts_went(tiny_diff, monkeypatch)
     result = CliRunner().invoke(app, ["generate", "hi", "-m", str(tiny_diff), "--n-cpu-moe", "2", "--verbose",
                                       "--no-live", "--steps", "2", "-n", "4", "--seed", "0"])
     assert result.exit_code == 0, result.output
-    assert "diffusion model diff.gguf: this llama.cpp build has no GPU offload" in result.output
+    from dgcli.engine import native
+
+    reason = native.no_gpu_reason()  # a CPU build: no GPU backend; a CUDA build without a driver: CUDA's words
+    assert f"diffusion model diff.gguf: every weight is in system memory: {reason}" in " ".join(result.output.split())
     assert "kept in system memory (CPU): blk.{0-1}.ffn_gate_up_exps.weight" in result.output
     assert "kept in system memory (CPU): blk.{0-1}.ffn_down_exps.weight" in result.output
+
+
+def test_no_gpu_reason_names_the_missing_backend_or_what_it_said(monkeypatch):
+    from dgcli.engine import native
+
+    monkeypatch.setattr(native, "gpu_backends", lambda: [])
+    assert native.no_gpu_reason().startswith("this llama.cpp build has no GPU backend")
+    # a CUDA build on a machine whose driver is missing or too old: CUDA's own words
+    monkeypatch.setattr(native, "gpu_backends", lambda: ["CUDA"])
+    monkeypatch.setattr(native, "_backend_init_log", [
+        "load_backend: loaded RPC backend",
+        "ggml_cuda_init: failed to initialize CUDA: CUDA driver version is insufficient for CUDA runtime version"])
+    assert native.no_gpu_reason() == ("this llama.cpp build has CUDA but no GPU to use (failed to initialize CUDA: "
+                                      "CUDA driver version is insufficient for CUDA runtime version)")
+    monkeypatch.setattr(native, "_backend_init_log", [])
+    assert native.no_gpu_reason() == "this llama.cpp build has CUDA but no GPU to use (no device found)"
+
+
+@requires_native
+def test_gpu_backends_lists_no_cpu_or_rpc():
+    from dgcli.engine import native
+
+    native.lib()
+    backends = native.gpu_backends()
+    assert not {"CPU", "RPC"} & set(backends)
+    # a device of GPU type implies its backend is listed
+    assert bool(native.gpu_devices()) <= bool(backends)
+
+
+@requires_native
+@pytest.mark.parametrize("command", ["generate", "compare"])
+def test_gpu_layers_without_a_gpu_warns_once_per_model_and_runs_on_the_cpu(command):
+    from dgcli.engine import native
+
+    native.lib()
+    if native.gpu_devices():
+        pytest.skip("a GPU is visible: --gpu-layers offloads here")
+    # the shipped demo models (compare runs the diffusion model and its AR twin)
+    args = [command, "reverse: AB", "--gpu-layers", "-1", "--no-live", "-n", "4", "--seed", "0"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    expected = ["diffusion model"] + (["autoregressive model"] if command == "compare" else [])
+    for what in expected:
+        assert f"warning: --gpu-layers -1: {native.no_gpu_reason()}; the {what} runs on the CPU" in text
+    assert text.count("warning: --gpu-layers") == len(expected)
 
 
 def test_cuda_libraries_come_from_nvidia_pip_wheels(tmp_path, monkeypatch):

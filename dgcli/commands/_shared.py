@@ -185,6 +185,15 @@ def report_placement(what: str, model) -> None:
             stderr.print(line, markup=False)
 
 
+def warn_if_not_offloaded(what: str, model, gpu_layers: int) -> None:
+    """--gpu-layers asked for a GPU and llama.cpp put every weight in system memory: say so and why,
+    since the speed shown is then the CPU's."""
+    report = getattr(model, "load_report", None)
+    if gpu_layers != 0 and report is not None and report.offloaded_layers is None:
+        stderr.print(f"warning: --gpu-layers {gpu_layers}: {report.no_gpu_reason or 'no GPU offload'}; "
+                     f"the {what} runs on the CPU", markup=False)
+
+
 # ---------------------------------------------------------------- engines (seams for tests)
 
 
@@ -194,6 +203,7 @@ def open_diffusion_engine(path: Path, *, threads: Optional[int], gpu_layers: int
 
     engine = DiffusionEngine(str(path), n_threads=threads, n_gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe, n_ctx=ctx_size,
                              rpc_servers=rpc)
+    warn_if_not_offloaded("diffusion model", engine.model, gpu_layers)
     if verbose:
         report_placement(f"diffusion model {path.name}", engine.model)
     return engine
@@ -204,8 +214,10 @@ def open_speed_model(path: Path, n_seq_max: int, *, threads: Optional[int], gpu_
     """The diffusion weights loaded with room for `n_seq_max` canvases in one forward (bench's batch sweep)."""
     from dgcli.engine.model import DiffusionModel
 
-    return DiffusionModel(str(path), n_threads=threads, n_gpu_layers=gpu_layers, n_seq_max=n_seq_max,
-                          n_cpu_moe=n_cpu_moe, rpc_servers=rpc)
+    model = DiffusionModel(str(path), n_threads=threads, n_gpu_layers=gpu_layers, n_seq_max=n_seq_max,
+                           n_cpu_moe=n_cpu_moe, rpc_servers=rpc)
+    warn_if_not_offloaded("speed model", model, gpu_layers)
+    return model
 
 
 def open_ar_engine(path: Path, *, threads: Optional[int], gpu_layers: int, n_cpu_moe: int = 0,
@@ -214,6 +226,7 @@ def open_ar_engine(path: Path, *, threads: Optional[int], gpu_layers: int, n_cpu
 
     engine = AutoregressiveEngine(str(path), n_threads=threads, n_gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe,
                                   n_ctx=ctx_size, rpc_servers=rpc)
+    warn_if_not_offloaded("autoregressive model", engine.model, gpu_layers)
     if verbose:
         report_placement(f"autoregressive model {path.name}", engine.model)
     return engine

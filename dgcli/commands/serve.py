@@ -104,6 +104,7 @@ def _run(uvicorn, listener: socket.socket, name: str, path, *, parallel: int, qu
         # a KV-cache stream per request: each is laid out as if alone, so answers equal `dg generate`'s
         model = DiffusionModel(str(path), n_threads=threads, n_gpu_layers=gpu_layers, n_ctx=ctx_size * parallel,
                                n_seq_max=parallel, kv_unified=False, rpc_servers=rpc_servers)
+    shared.warn_if_not_offloaded("model", model, gpu_layers)
     scheduler = None
     try:
         if model.n_ctx_seq < model.canvas_length + 1:

@@ -179,6 +179,8 @@ class _LlamaModel:
             model = self._model = L.llama_model_load_from_file(str(self.path).encode(), mparams)
         # where llama.cpp put the weights, in its own words (offloaded layers, buffers, overrides)
         self.load_report = LoadReport.from_log(load_log)
+        if self.load_report.offloaded_layers is None:
+            self.load_report.no_gpu_reason = native.no_gpu_reason()
         if not model:
             raise ModelLoadError(f"cannot load {self.path}: {native.last_error()}")
         self._vocab = L.llama_model_get_vocab(model)

@@ -64,6 +64,9 @@ _log_lines: collections.deque[tuple[int, str]] = collections.deque(maxlen=200)
 _log_state = {"level": LOG_INFO, "partial": ""}
 _log_callback: Any = None  # keeps the ctypes callback alive
 _sinks: list[list[str]] = []  # collect_log() lists, each gets every line while open
+# What llama.cpp said while its backends looked for devices (kept: every model load clears the log).
+# It is where a CUDA build on a machine without a usable GPU says why.
+_backend_init_log: list[str] = []
 
 
 def _on_log(level: int, text: bytes, _user_data: Any) -> None:
@@ -250,6 +253,7 @@ def lib() -> Any:
         with deferred_interrupts():
             lib_mod.llama_log_set(_log_callback, ctypes.c_void_p(0))
             lib_mod.llama_backend_init()
+        _backend_init_log[:] = [text for _level, text in _log_lines]
         _module = lib_mod
     return _module
 
@@ -293,6 +297,9 @@ def _ggml_lib() -> Any:
     for name in ("ggml_backend_dev_name", "ggml_backend_dev_description"):
         getattr(reg, name).argtypes, getattr(reg, name).restype = [ctypes.c_void_p], ctypes.c_char_p
     reg.ggml_backend_dev_type.argtypes, reg.ggml_backend_dev_type.restype = [ctypes.c_void_p], ctypes.c_int
+    reg.ggml_backend_reg_count.argtypes, reg.ggml_backend_reg_count.restype = [], ctypes.c_size_t
+    reg.ggml_backend_reg_get.argtypes, reg.ggml_backend_reg_get.restype = [ctypes.c_size_t], ctypes.c_void_p
+    reg.ggml_backend_reg_name.argtypes, reg.ggml_backend_reg_name.restype = [ctypes.c_void_p], ctypes.c_char_p
     reg.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t),
                                             ctypes.POINTER(ctypes.c_size_t)]
     reg.ggml_backend_dev_memory.restype = None
@@ -314,6 +321,28 @@ def gpu_devices() -> list[GpuDevice]:
         out.append(GpuDevice(reg.ggml_backend_dev_name(dev).decode(), reg.ggml_backend_dev_description(dev).decode(),
                              int(free.value), int(total.value)))
     return out
+
+
+# registered backends that never hold a local GPU
+_NOT_GPU_BACKENDS = {"CPU", "RPC", "BLAS"}
+
+
+def gpu_backends() -> list[str]:
+    """The GPU backends compiled into this llama.cpp (CUDA, Metal, ...), whether or not they found a device."""
+    reg, _ = _ggml_lib()
+    names = (reg.ggml_backend_reg_name(reg.ggml_backend_reg_get(i)) for i in range(reg.ggml_backend_reg_count()))
+    return [n.decode() for n in names if n and n.decode() not in _NOT_GPU_BACKENDS]
+
+
+def no_gpu_reason() -> str:
+    """Why llama.cpp has no GPU to offload to, as one clause."""
+    backends = gpu_backends()
+    if not backends:
+        return "this llama.cpp build has no GPU backend (`python native/build.py --cuda` or `--metal` builds one)"
+    # e.g. "ggml_cuda_init: failed to initialize CUDA: CUDA driver version is insufficient for CUDA runtime version"
+    said = [text for text in _backend_init_log if any(b.lower() in text.lower() for b in backends)]
+    reason = said[-1].split(": ", 1)[-1] if said else "no device found"
+    return f"this llama.cpp build has {'/'.join(backends)} but no GPU to use ({reason})"
 
 
 def cpu_buffer_type() -> int:

@@ -163,6 +163,7 @@ class LoadReport:
     total_layers: int | None = None
     buffers: list[tuple[str, str, float]] = field(default_factory=list)  # (buffer, kind, MiB)
     overridden: list[tuple[str, str]] = field(default_factory=list)  # (tensor, buffer type)
+    no_gpu_reason: str = ""  # with offloaded_layers None: why (native.no_gpu_reason())
 
     @classmethod
     def from_log(cls, lines: Iterable[str]) -> "LoadReport":
@@ -192,4 +193,5 @@ class LoadReport:
     def to_json(self) -> dict:
         return dict(offloaded_layers=self.offloaded_layers, total_layers=self.total_layers,
                     buffers=[dict(buffer=b, kind=k, mib=m) for b, k, m in self.buffers],
-                    overridden=[dict(tensor=t, buffer_type=b) for t, b in self.overridden])
+                    overridden=[dict(tensor=t, buffer_type=b) for t, b in self.overridden],
+                    **({"no_gpu_reason": self.no_gpu_reason} if self.no_gpu_reason else {}))
