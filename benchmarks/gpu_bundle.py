@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_bundle.py [--wheel PATH] [--limit-mib 60]
 
-- the CUDA build of our llama.cpp (`native/build.py --cuda --no-install`: built, or found in the
+- the sm_90 CUDA build of our llama.cpp (`native/build.py --cuda --cuda-arch 90 --no-install`: built, or found in the
   cache), its shared libraries stripped of symbols and the wheel re-zipped at the highest
   compression, so that it travels within the limit;
 - dg's Python dependencies that machine lacks, as wheels for CPython 3.12 on x86-64 Linux: gguf,
@@ -40,11 +40,16 @@ PLATFORM_ARGS = ["--only-binary=:all:", "--python-version", "3.12", "--implement
                    for a in ("--platform", p)]]
 
 
-def built_cuda_wheel() -> Path:
-    out = subprocess.run([sys.executable, str(ROOT / "native" / "build.py"), "--cuda", "--no-install"],
-                         stdout=subprocess.PIPE, text=True)
+# The check's machine is an H200: sm_90 machine code is all it runs, and one architecture is a third
+# of the default three-architecture build's time and size.
+GPU_CHECK_CUDA_ARCH = "90"
+
+
+def built_cuda_wheel(cuda_arch: str) -> Path:
+    out = subprocess.run([sys.executable, str(ROOT / "native" / "build.py"), "--cuda", "--cuda-arch", cuda_arch,
+                          "--no-install"], stdout=subprocess.PIPE, text=True)
     if out.returncode != 0:
-        raise SystemExit(f"native/build.py --cuda failed (exit {out.returncode})")
+        raise SystemExit(f"native/build.py --cuda --cuda-arch {cuda_arch} failed (exit {out.returncode})")
     return Path(out.stdout.strip().splitlines()[-1])
 
 
@@ -100,11 +105,13 @@ def slim_wheel(wheel: Path, dest: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--wheel", type=Path, default=None, help="the llama_cpp wheel to carry (default: the CUDA build)")
+    parser.add_argument("--cuda-arch", default=GPU_CHECK_CUDA_ARCH,
+                        help=f"CUDA architectures of the build to carry (default {GPU_CHECK_CUDA_ARCH!r}: the H200)")
     parser.add_argument("--limit-mib", type=float, default=60.0,
                         help="fail above this many MiB for .whl/ (the device carries 64 MiB with the repo)")
     args = parser.parse_args(argv)
 
-    wheel = args.wheel or built_cuda_wheel()
+    wheel = args.wheel or built_cuda_wheel(args.cuda_arch)
     if BUNDLE.exists():
         shutil.rmtree(BUNDLE)
     BUNDLE.mkdir()
