@@ -193,3 +193,21 @@ def test_second_ctrl_c_and_sigterm_exit_at_once_and_remove_temporaries(signals, 
         proc.send_signal(s)
     assert proc.wait(10) == code
     assert list(tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_while_the_cli_is_still_importing_exits_130_without_a_traceback(tmp_path):
+    """The CLI's imports take a few tenths of a second; a Ctrl-C then is not a Python traceback."""
+    # A stand-in for a slow import (typer is among the first modules the CLI imports): it says when it
+    # has started, then waits for the Ctrl-C.
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    (slow / "typer.py").write_text("import sys, time\nsys.stderr.write('importing\\n'); sys.stderr.flush()\n"
+                                   "time.sleep(30)\n")
+    script = Path(sys.executable).with_name("dg")  # the installed console script, as a user runs it
+    cmd = [str(script)] if script.exists() else [sys.executable, "-c", "from dgcli.cli import main; main()"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(slow), str(Path(__file__).resolve().parents[1])]))
+    proc = subprocess.Popen([*cmd, "--version"], stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stderr.readline() == "importing\n"
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert (proc.returncode, err) == (130, ""), err  # _signals.quiet_startup: the exit status says it all
