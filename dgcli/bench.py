@@ -214,12 +214,16 @@ class BenchReport:
     speed_model: Optional[SpeedModel]
     notes: list[str] = field(default_factory=list)
     interrupted: bool = False  # Ctrl-C ended it early: the runs finished before it
+    # where llama.cpp put each loaded model's weights (engine.offload.LoadReport.to_json()), by role:
+    # the figures are the devices' these say, not the ones --gpu-layers asked for
+    placement: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         out = {
             "schema": BENCH_SCHEMA,
             "interrupted": self.interrupted,
             "config": self.config,
+            "placement": self.placement,
             "runs": [asdict(r) | {"mean_steps_per_canvas": r.mean_steps_per_canvas} for r in self.runs],
             "summaries": [asdict(s) for s in self.summaries],
             "speed_model": asdict(self.speed_model) if self.speed_model else None,
@@ -410,6 +414,16 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], *,
     notes: list[str] = []
     speed: Optional[SpeedModel] = None
     interrupted = False
+    placement: dict[str, Any] = {}
+
+    def record_placement(role: str, model: Any) -> None:
+        report = getattr(model, "load_report", None)
+        if report is None:
+            return
+        placement[role] = report.to_json()
+        if config.n_gpu_layers != 0 and report.offloaded_layers is None:
+            notes.append(f"--gpu-layers {config.n_gpu_layers}: the {role} model ran on the CPU: "
+                         f"{report.no_gpu_reason or 'no GPU offload'}")
 
     def generation_runs(engine: Any, mode: str) -> None:
         for p in prompts:
@@ -426,6 +440,7 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], *,
 
     try:
         engine = open_diffusion(config.diffusion_path)
+        record_placement("diffusion", getattr(engine, "model", None))
         try:
             generation_runs(engine, "diffusion")
             if config.speed_model and open_speed_model is None:
@@ -438,6 +453,7 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], *,
         if config.speed_model and open_speed_model is not None:
             on_progress("speed model: canvas forward vs one-token decode")
             model = open_speed_model(config.diffusion_path, max(config.batch_sizes))
+            record_placement("speed", model)
             try:
                 speed, speed_notes = measure_speed_model(model, batch_sizes=config.batch_sizes,
                                                          repeat=config.speed_model_repeat, seed=config.seed)
@@ -447,6 +463,7 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], *,
                     model.close()
 
         ar = open_ar(config.ar_path)
+        record_placement("autoregressive", getattr(ar, "model", None))
         try:
             generation_runs(ar, "autoregressive")
         finally:
@@ -463,7 +480,7 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], *,
     cfg["batch_sizes"] = list(config.batch_sizes)
     cfg["prompts"] = [asdict(p) for p in prompts]
     return BenchReport(config=cfg, runs=runs, summaries=summarize(runs), speed_model=speed, notes=notes,
-                       interrupted=interrupted)
+                       interrupted=interrupted, placement=placement)
 
 
 def report_tables(report: BenchReport):

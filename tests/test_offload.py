@@ -4,6 +4,7 @@ memory fits with an injected GPU (no GPU here)."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections import namedtuple
 
@@ -325,3 +326,32 @@ def test_cuda_libraries_come_from_nvidia_pip_wheels(tmp_path, monkeypatch):
     (llama / "libggml-cuda.so.0").write_bytes(b"")
     native._preload_cuda_libraries(str(llama))
     assert opened == [str(wheels / n) for n in ("libcudart.so.13", "libcublasLt.so.13", "libcublas.so.13")]
+
+
+@requires_native
+@pytest.mark.parametrize("gpu_layers", [0, -1])
+def test_bench_json_says_where_each_model_ran(tmp_path, gpu_layers):
+    from dgcli.engine import native
+
+    native.lib()
+    if native.gpu_devices():
+        pytest.skip("a GPU is visible: --gpu-layers offloads here")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("rev\treverse: AB\n")
+    result = CliRunner().invoke(app, ["bench", "--json", "--repeat", "1", "--max-new-tokens", "8", "--prompts",
+                                      str(prompts), "--batch-sizes", "1", "--gpu-layers", str(gpu_layers)])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert set(doc["placement"]) == {"diffusion", "speed", "autoregressive"}
+    for role, placed in doc["placement"].items():
+        assert any(b["kind"] == "model" and b["buffer"].startswith("CPU") for b in placed["buffers"])
+        if gpu_layers == 0:  # nothing asked for: llama.cpp says "offloaded 0/N layers"
+            assert placed["offloaded_layers"] in (0, None) and "no_gpu_reason" not in placed
+        else:  # asked for, and there is no GPU here
+            assert placed["offloaded_layers"] is None and placed["no_gpu_reason"] == native.no_gpu_reason()
+    gpu_notes = [n for n in doc["notes"] if n.startswith("--gpu-layers")]
+    if gpu_layers == 0:  # nothing was asked of a GPU: nothing to say
+        assert gpu_notes == []
+    else:
+        assert gpu_notes == [f"--gpu-layers -1: the {role} model ran on the CPU: {native.no_gpu_reason()}"
+                             for role in ("diffusion", "speed", "autoregressive")]
