@@ -68,13 +68,16 @@ def timed(fn) -> tuple[float, float]:
 NAMED_GROUPS = {
     ("MUL_MAT_ID", "ffn_moe_gate_up"): "MoE gate+up (MUL_MAT_ID)",
     ("MUL_MAT_ID", "ffn_moe_down"): "MoE down (MUL_MAT_ID)",
-    ("MUL_MAT", "ffn_gate"): "dense FFN gate (MUL_MAT)",
-    ("MUL_MAT", "ffn_up"): "dense FFN up (MUL_MAT)",
-    ("MUL_MAT", "ffn_down"): "dense FFN down (MUL_MAT)",
     ("CUSTOM", "lm_head"): "LM head (repacked int8 GEMM)",
-    ("CUSTOM", "lm_head_act"): "LM head activations (quantize)",
+    ("CUSTOM", "repacked_act"): "activations quantized for the repacked GEMMs",
     ("CUSTOM", "dg_step"): "step: softcap, softmax, entropy, sample, top-k",
 }
+# the dense projections, by node name: through our repacked GEMM (CUSTOM) or ggml's (MUL_MAT)
+DENSE_GROUPS = {"Qcur": "attention projections", "Kcur": "attention projections", "Vcur": "attention projections",
+                "attn_output": "attention projections", "ffn_gate": "dense FFN gate", "ffn_up": "dense FFN up",
+                "ffn_down": "dense FFN down", "sc_ffn_gate": "self-conditioning MLP", "sc_ffn_up": "self-conditioning MLP",
+                "sc_ffn_down": "self-conditioning MLP", "sc_signal": "self-conditioning MLP"}
+REPACKED_GEMMS = {"lm_head", *DENSE_GROUPS}
 
 
 def group_of(node, n_vocab: int) -> str:
@@ -84,44 +87,46 @@ def group_of(node, n_vocab: int) -> str:
         return "LM head (ggml MUL_MAT)"
     if (node.op, base) in NAMED_GROUPS:
         return NAMED_GROUPS[(node.op, base)]
-    if node.op == "MUL_MAT" and base.startswith("sc_"):
-        return "self-conditioning MLP (MUL_MAT)"
+    if node.op in ("MUL_MAT", "CUSTOM") and base in DENSE_GROUPS:
+        return DENSE_GROUPS[base] + (" (repacked int8 GEMM)" if node.op == "CUSTOM" else " (MUL_MAT)")
     if node.op == "FLASH_ATTN_EXT":
         return "attention (FLASH_ATTN_EXT)"
     if not base or base.startswith(("node_", "leaf_")) or " (" in base:
-        return f"{node.op} (unnamed: attention projections, ...)" if node.op == "MUL_MAT" else node.op
+        return f"{node.op} (unnamed)"
     return f"{node.op} {base}"
 
 
 def multiply_adds(node, n_embd: int) -> int:
-    # our LM head GEMM is a custom op: n_embd multiply-adds per logit
-    if node.op == "CUSTOM" and node.name == "lm_head":
-        return n_embd * node.shapes[0][0] * node.shapes[0][1]
+    # our repacked GEMMs are custom ops: K multiply-adds per output, K from the quantized activations'
+    # row (K/32 blocks of 32 quants and a 4-byte scale)
+    if node.op == "CUSTOM" and re.sub(r"-\d+$", "", node.name) in REPACKED_GEMMS:
+        k = node.shapes[1][0] // 36 * 32
+        return k * node.shapes[0][0] * node.shapes[0][1]
     return node.multiply_adds()
 
 
 def floor_peak(node, peaks: dict) -> float:
     """The single-thread peak an op's multiply-adds could run at: int8 for quantized weights."""
-    quantized = node.src0_type.startswith(("q", "iq", "tq")) or node.name == "lm_head"
+    quantized = node.src0_type.startswith(("q", "iq", "tq")) or (
+        node.op == "CUSTOM" and re.sub(r"-\d+$", "", node.name) in REPACKED_GEMMS)
     return peaks["int8"][0] if quantized else peaks["bf16"][0]
 
 
-def open_model(path: Path, threads: int, lm_head: str | None = None, eval_callback=None):
-    """A DiffusionModel; lm_head="ggml" keeps ggml's matmul for its LM head (DG_LM_HEAD is read
-    when the model's first graph is built, here)."""
+def open_model(path: Path, threads: int, ggml: tuple[str, ...] = (), eval_callback=None):
+    """A DiffusionModel whose `ggml` GEMMs ("lm_head", "dense") keep ggml's matmul instead of our
+    repacked one (DG_LM_HEAD / DG_DENSE_GEMM are read when the model's first graph is built, here)."""
     from dgcli.engine.model import DiffusionModel
 
-    saved = os.environ.get("DG_LM_HEAD")
-    if lm_head is not None:
-        os.environ["DG_LM_HEAD"] = lm_head
+    env = {"DG_LM_HEAD": "ggml" if "lm_head" in ggml else None, "DG_DENSE_GEMM": "ggml" if "dense" in ggml else None}
+    saved = {k: os.environ.get(k) for k in env}
+    for k, v in env.items():
+        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     try:
         m = DiffusionModel(path, n_threads=threads, n_ctx=2048, eval_callback=eval_callback)
         m.decode_canvas(np.zeros(m.canvas_length, np.int32))
     finally:
-        if saved is None:
-            os.environ.pop("DG_LM_HEAD", None)
-        else:
-            os.environ["DG_LM_HEAD"] = saved
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     return m
 
 
@@ -131,13 +136,14 @@ def measure_dg(path: Path, threads: int, reps: int, sc_top_k: int, peaks: dict) 
 
     profiler = NodeProfiler()
     new = open_model(path, threads, eval_callback=profiler.eval_callback)
-    old = open_model(path, threads, lm_head="ggml")
+    ggml_dense = open_model(path, threads, ggml=("dense",))
+    old = open_model(path, threads, ggml=("lm_head", "dense"))
     try:
         rng = np.random.default_rng(0)
         C, V, n_embd = new.canvas_length, new.vocab_size, new.n_embd
         prompt = [int(t) for t in rng.integers(200, 400, PROMPT_TOKENS)]
-        new.prefill(prompt)
-        old.prefill(prompt)
+        for m in (new, ggml_dense, old):
+            m.prefill(prompt)
         canvas = rng.integers(0, V, (1, C))
         temperature = np.float32(0.6)
         # a first step (no self-conditioning) gives the top-k the next ones are conditioned on
@@ -152,8 +158,9 @@ def measure_dg(path: Path, threads: int, reps: int, sc_top_k: int, peaks: dict) 
             logits = old.decode_canvas(canvas[0], sc_topk=(sc[0][0], sc[1][0]))
             host.process_logits(logits, temperature, rng.random(C), top_k=sc_top_k)
 
-        variants = {"graph step": graph_step(new), "graph step, ggml LM head": graph_step(old),
-                    "previous: forward + host sampler, ggml LM head": host_step}
+        variants = {"graph step": graph_step(new), "graph step, ggml dense matmuls": graph_step(ggml_dense),
+                    "graph step, ggml LM head and dense matmuls": graph_step(old),
+                    "previous: forward + host sampler, ggml matmuls": host_step}
         times: dict[str, list] = {name: [] for name in variants}
         for _ in range(reps):  # interleaved: the box's load hits every variant alike
             for name, fn in variants.items():
@@ -169,8 +176,8 @@ def measure_dg(path: Path, threads: int, reps: int, sc_top_k: int, peaks: dict) 
 
         lm_head_path = native.lib()._lib.dg_lm_head_path(new._model).decode()
     finally:
-        new.close()
-        old.close()
+        for m in (new, ggml_dense, old):
+            m.close()
         profiler.close()
 
     # per group: the repetition with the least CPU time (the box's load only adds)

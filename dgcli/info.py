@@ -8,6 +8,8 @@ machine's memory. All of them share one parse of the header (dgcli/engine/header
 from __future__ import annotations
 
 import os
+import platform
+import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -194,8 +196,42 @@ def memory_plan(get, tensors: list[tuple[str, int]], vocab: int, file_size: int,
 
 def header_plan(header: GgufHeader, n_gpu_layers: int, n_cpu_moe: int, gpus: list[GpuMemory]):
     """memory_plan from the header: what `dg info` and the pre-load check use."""
-    return memory_plan(header.get, tensor_sizes(header), header.n_vocab or 0, header.file_size, n_gpu_layers,
-                       n_cpu_moe, gpus)
+    plan, ram_need, gpu_need = memory_plan(header.get, tensor_sizes(header), header.n_vocab or 0, header.file_size,
+                                           n_gpu_layers, n_cpu_moe, gpus)
+    return plan, ram_need + repacked_bytes(header, plan), gpu_need
+
+
+# The weights dg's int8 GEMMs copy into their own layout when they run on this CPU (x86-64 with AVX2;
+# native/patch/src/diffusion-gemma-lm-head.h): the Q8_0 LM head and the decoder's dense Q8_0
+# projections. 36 bytes per 32 weights (Q8_0: 34), in memory beside the mapped file.
+_REPACKED_WEIGHTS = re.compile(r"output\.weight|self_cond_(gate|up|down)\.weight|"
+                               r"blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight")
+
+
+def _cpu_runs_repacked_gemms() -> bool:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and "avx2" in line.split() for line in f)
+    except OSError:
+        return False
+
+
+def repacked_bytes(header: GgufHeader, plan: PlacementPlan) -> int:
+    """Bytes of the repacked copies a diffusion-gemma model makes of its CPU-resident Q8_0 weights."""
+    if header.architecture != "diffusion-gemma" or not _cpu_runs_repacked_gemms():
+        return 0
+    on_gpu = {t.name for t in plan.tensors if t.on_gpu}
+    tensors = {t.name: t for t in header.tensors}
+    if "output.weight" not in tensors and "token_embd.weight" in tensors:  # the LM head tied to the embedding
+        tied = tensors["token_embd.weight"]
+        tensors["output.weight"] = tied
+        if any(t.on_gpu for t in plan.tensors if t.name.startswith("output.weight")):
+            on_gpu.add("output.weight")
+    return sum(t.n_bytes * 36 // 34 for name, t in tensors.items()
+               if _REPACKED_WEIGHTS.fullmatch(name) and name not in on_gpu and t.type_name == "Q8_0"
+               and len(t.shape) == 2 and t.shape[0] % 32 == 0)
 
 
 def tensor_sizes(header: GgufHeader) -> list[tuple[str, int]]:

@@ -131,3 +131,39 @@ def test_memory_fit(tiny_models, monkeypatch):
     gpu = [info.GpuMemory("test GPU", 64 * 1024**3, 64 * 1024**3)]
     with pytest.raises(info.TooBigForMemory, match="offload more to the GPU"):
         info.check_fits_memory(diff, n_gpu_layers=-1, gpus=gpu)
+
+
+def test_ram_need_counts_the_repacked_copies_of_cpu_q8_0_weights(tmp_path, monkeypatch):
+    """The LM head (here tied to the token embedding) and the dense projections dg's int8 GEMMs copy
+    when they run on the CPU: 36 bytes per 32 weights; nothing for other types, other CPUs, or
+    weights on a GPU."""
+    import re
+
+    import gguf
+
+    from dgcli.engine.header import read_header
+    from dgcli.info import GpuMemory
+
+    path = write_tiny_random_gguf(tmp_path / "q8.gguf", seed=6, outtype="q8_0")
+    header = read_header(path)
+    dense = re.compile(r"blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight|"
+                       r"self_cond_(gate|up|down)\.weight|token_embd\.weight")  # no output.weight: tied
+    tensors = gguf.GGUFReader(path).tensors
+    assert not any(t.name == "output.weight" for t in tensors)
+    expected = sum(int(t.n_bytes) * 36 // 34 for t in tensors if dense.fullmatch(t.name))
+    assert expected > 0
+
+    monkeypatch.setattr(info, "_cpu_runs_repacked_gemms", lambda: True)
+    plan, ram, _ = info.header_plan(header, 0, 0, [])
+    assert info.repacked_bytes(header, plan) == expected
+    monkeypatch.setattr(info, "_cpu_runs_repacked_gemms", lambda: False)
+    _, ram_without, _ = info.header_plan(header, 0, 0, [])
+    assert ram - ram_without == expected
+
+    # every layer and the output on a GPU: nothing is repacked
+    monkeypatch.setattr(info, "_cpu_runs_repacked_gemms", lambda: True)
+    gpu_plan, _, _ = info.header_plan(header, -1, 0, [GpuMemory("GPU", 2**34, 2**34)])
+    assert info.repacked_bytes(header, gpu_plan) == 0
+    # an F32 model: nothing to repack
+    f32 = read_header(write_tiny_random_gguf(tmp_path / "f32.gguf", seed=6))
+    assert info.repacked_bytes(f32, info.header_plan(f32, 0, 0, [])[0]) == 0

@@ -380,3 +380,107 @@ def test_lm_head_path_stays_ggml_for_other_types(tiny_gguf, monkeypatch):
     """F32 output weights (the tiny test model): ggml's matmul, whatever DG_LM_HEAD says."""
     used, _, _ = _logits_with_lm_head(tiny_gguf, "emulated", monkeypatch)
     assert used == "ggml"
+
+
+# ---- the decoder's other dense Q8_0 weights on the same GEMM ---------------------------------------
+
+
+class _NodeCapture:
+    """llama.cpp's per-node eval callback keeping the F32 values of the named graph nodes (last evaluation)."""
+
+    def __init__(self, names: set[str]):
+        import ctypes
+
+        from dgcli.engine import native
+
+        folder = os.path.dirname(native.lib()._lib._name)
+        base = ctypes.CDLL(os.path.join(folder, "libggml-base.so")
+                           if os.path.exists(os.path.join(folder, "libggml-base.so")) else "libggml-base.so.0")
+        for fn, restype in (("ggml_get_name", ctypes.c_char_p), ("ggml_get_data", ctypes.c_void_p),
+                            ("ggml_nbytes", ctypes.c_size_t)):
+            getattr(base, fn).restype, getattr(base, fn).argtypes = restype, [ctypes.c_void_p]
+        self.values: dict[str, np.ndarray] = {}
+
+        def on_node(tensor, ask, _user_data):
+            name = base.ggml_get_name(tensor).decode()
+            if ask:
+                return name in names
+            data = ctypes.string_at(base.ggml_get_data(tensor), base.ggml_nbytes(tensor))
+            self.values[name] = np.frombuffer(data, dtype=np.float32).copy()
+            return True
+
+        self.callback = (ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_bool, ctypes.c_void_p)(on_node), None)
+
+
+# layer 0's projections and the self-conditioning MLP's: their inputs are the same on both paths
+_PROJECTIONS = {"Qcur-0", "Kcur-0", "Vcur-0", "attn_output-0", "ffn_up-0", "ffn_gate-0", "ffn_down-0",
+                "sc_ffn_up", "sc_ffn_gate", "sc_signal"}  # sc_signal: the MLP's down projection
+
+
+def _run_with_dense_gemm(path, dense: str, monkeypatch):
+    """A model loaded with DG_DENSE_GEMM=dense (read when its first graph is built): the number of dense
+    weights repacked, the prefill's and a plain decode's logits, a graph step, and the projections of a
+    self-conditioned decode."""
+    from dgcli.engine import native
+    from dgcli.engine.model import DiffusionModel
+
+    monkeypatch.setenv("DG_DENSE_GEMM", dense)
+    capture = _NodeCapture(_PROJECTIONS)
+    with DiffusionModel(path, n_threads=2, n_ctx=128, eval_callback=capture.callback) as m:
+        repacked = native.lib()._lib.dg_dense_repacked_count(m._model)
+        prefill = m.prefill(PROMPT, return_logits=True)
+        canvas = _canvas(20, m.vocab_size)
+        logits = m.decode_canvas(canvas)
+        [step] = m.denoise_step(canvas[None], 0.6, np.full((1, 16), 0.5), top_k=4, return_values=True)
+        sc_ids = np.stack([np.random.default_rng(i).choice(m.vocab_size, 4, replace=False) for i in range(len(canvas))])
+        capture.values.clear()
+        m.decode_canvas(canvas, sc_topk=(sc_ids.astype(np.int32), np.full((len(canvas), 4), 0.25, dtype=np.float32)))
+    return repacked, prefill, logits, step, dict(capture.values)
+
+
+def _dense_q8_0_weights(path) -> int:
+    """The dense Q8_0 matrices `dg info`'s memory estimate counts as repacked (all but the LM head):
+    what the native side repacks must be what the estimate counts."""
+    import gguf
+
+    from dgcli.info import _REPACKED_WEIGHTS
+
+    return sum(1 for t in gguf.GGUFReader(path).tensors
+               if t.name != "output.weight" and _REPACKED_WEIGHTS.fullmatch(t.name)
+               and t.tensor_type == gguf.GGMLQuantizationType.Q8_0)
+
+
+def test_repacked_dense_weights_give_ggml_matmul_results(tmp_path, monkeypatch):
+    """A Q8_0 model's attention, dense FFN and self-conditioning MLP on our GEMM (this CPU's kernel, and
+    the VNNI layout emulated) against ggml's matmul: the same quantized products, float summation order
+    aside. Each projection of a self-conditioned decode is compared where its input is the same on
+    both paths (layer 0, the self-conditioning MLP): this random model's global attention turns a
+    last-bit difference in Q (2e-7) into 6e-3 one layer later and 0.2 at the last, so its final
+    self-conditioned logits are no test of the GEMM. The prefill's and a plain decode's logits are."""
+    from dgcli.tiny import write_tiny_random_gguf
+
+    path = write_tiny_random_gguf(tmp_path / "q8.gguf", seed=6, outtype="q8_0")
+    n_ref, ref_prefill, ref_logits, _, ref_nodes = _run_with_dense_gemm(path, "ggml", monkeypatch)
+    assert n_ref == 0 and set(ref_nodes) == _PROJECTIONS
+    assert float(np.std(ref_logits)) > 1.0  # real logits, not a degenerate output
+    for dense in ("auto", "emulated"):
+        n, prefill, logits, step, nodes = _run_with_dense_gemm(path, dense, monkeypatch)
+        if dense == "auto" and n == 0:
+            continue  # no kernel for this CPU: nothing else to compare
+        assert n == _dense_q8_0_weights(path)
+        assert float(np.max(np.abs(prefill - ref_prefill))) < 1e-3
+        assert float(np.max(np.abs(logits - ref_logits))) < 1e-3
+        assert step.argmax.tolist() == np.argmax(logits, axis=1).tolist()
+        for name in sorted(_PROJECTIONS):
+            scale = float(np.max(np.abs(ref_nodes[name])))
+            assert scale > 0 and float(np.max(np.abs(nodes[name] - ref_nodes[name]))) <= 1e-5 * scale, name
+
+
+def test_dense_weights_of_other_types_stay_on_ggml(tiny_gguf, monkeypatch):
+    """F32 weights (the tiny test model): ggml's matmul, whatever DG_DENSE_GEMM says."""
+    from dgcli.engine import native
+    from dgcli.engine.model import DiffusionModel
+
+    monkeypatch.setenv("DG_DENSE_GEMM", "emulated")
+    with DiffusionModel(tiny_gguf, n_threads=2, n_ctx=128) as m:
+        assert native.lib()._lib.dg_dense_repacked_count(m._model) == 0

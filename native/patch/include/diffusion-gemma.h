@@ -78,6 +78,11 @@ LLAMA_API int32_t dg_denoise_step(struct llama_context * ctx, const llama_token 
 // CPU, DG_LM_HEAD=ggml, or output weights that are not Q8_0 in host memory).
 LLAMA_API const char * dg_lm_head_path(const struct llama_model * model);
 
+// How many of the decoder's other dense weights (attention, dense FFN, self-conditioning MLP) run on
+// the same repacked int8 GEMM (0: all on ggml's matmul: not Q8_0, not in host memory, no kernel for
+// this CPU, or DG_DENSE_GEMM=ggml). Repacks them if no graph has yet.
+LLAMA_API int32_t dg_dense_repacked_count(const struct llama_model * model);
+
 // A kernel of that GEMM (1 avx2, 2 avx512-vnni, 3 emulated) on random Q8_0 weights against a
 // double-precision sum of the same operands: *max_rel_error relative to each output's magnitude.
 // Returns 0, 1 if this CPU lacks the kernel, -1 for bad arguments.

@@ -78,6 +78,15 @@ const char * dg_lm_head_path(const llama_model * model) {
     return dg_lm_head::qualifies(dg->output) ? dg_lm_head::kernel_name(kernel) : "ggml";
 }
 
+int32_t dg_dense_repacked_count(const llama_model * model) {
+    const auto * dg = dg_model_of(model);
+    if (!dg) {
+        return 0;
+    }
+    dg->dense(nullptr); // repacks on first use
+    return (int32_t) dg->dense_repacked.size();
+}
+
 int32_t dg_encode(llama_context * ctx, const llama_token * tokens, int32_t n_tokens, llama_seq_id seq_id, bool exact,
                   float * last_logits_out) {
     if (!ctx || !tokens || n_tokens <= 0 || seq_id < 0 || seq_id >= (llama_seq_id) llama_n_seq_max(ctx) ||

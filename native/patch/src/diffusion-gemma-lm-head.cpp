@@ -175,8 +175,8 @@ bool kernel_runs_here(dg_lm_head_kernel kernel) {
 
 }  // namespace
 
-dg_lm_head_kernel dg_lm_head::kernel_for_cpu() {
-    const char * env = std::getenv("DG_LM_HEAD");
+dg_lm_head_kernel dg_lm_head::kernel_for_cpu(const char * env_name) {
+    const char * env = env_name ? std::getenv(env_name) : nullptr;
     if (env && *env && std::strcmp(env, "auto") != 0) {
         if (!std::strcmp(env, "avx2") && kernel_runs_here(dg_lm_head_kernel::avx2)) {
             return dg_lm_head_kernel::avx2;
@@ -251,6 +251,10 @@ std::unique_ptr<dg_lm_head> dg_lm_head::repack(const void * q8_0_rows, int64_t n
         }
     }
     return h;
+}
+
+int64_t dg_lm_head::bytes() const {
+    return n_groups() * n_blocks_ * dg_lm_head_group_block_bytes(group_);
 }
 
 int64_t dg_lm_head::act_bytes() const {

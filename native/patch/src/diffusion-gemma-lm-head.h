@@ -15,7 +15,8 @@
 //   avx2         8-row groups, vpmaddubsw on |quant| x sign-adjusted activation, vpmaddwd
 //   emulated     the avx512-vnni layout and arithmetic in portable code (tests, any CPU)
 // Other CPUs, other types (Q6_K of Q4_K_M files, F16, ...), and LM heads not in plain host memory
-// keep ggml's matmul.
+// keep ggml's matmul. Nothing here is specific to the vocabulary: the decoder's other dense Q8_0
+// projections (attention, dense FFN, self-conditioning MLP) run through the same class.
 
 #include <cstdint>
 #include <memory>
@@ -32,8 +33,9 @@ enum class dg_lm_head_kernel : int32_t {
 
 class dg_lm_head {
 public:
-    // The kernel this CPU (and DG_LM_HEAD) asks for.
-    static dg_lm_head_kernel kernel_for_cpu();
+    // The kernel this CPU asks for, unless the environment variable `env` (DG_LM_HEAD for the LM
+    // head, DG_DENSE_GEMM for the decoder's other projections) names one: ggml | avx2 | emulated.
+    static dg_lm_head_kernel kernel_for_cpu(const char * env = "DG_LM_HEAD");
     static const char *      kernel_name(dg_lm_head_kernel kernel);
 
     // Whether `w` can be repacked: Q8_0 [n_embd, n_vocab] in plain host memory (not on a GPU, not
@@ -63,6 +65,7 @@ public:
     void gemm(const uint8_t * act, int64_t n_cols, float * out, int64_t ld_out, int64_t g0, int64_t g1) const;
 
     int64_t group_rows() const { return group_; }
+    int64_t bytes() const;  // of the repacked matrix
     int64_t n_groups() const { return (n_vocab_ + group_ - 1) / group_; }
 
 private:

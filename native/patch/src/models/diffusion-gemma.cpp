@@ -244,6 +244,44 @@ const dg_lm_head * llama_model_diffusion_gemma::lm_head() const {
     return lm_head_repacked.get();
 }
 
+// The decoder's other dense Q8_0 weights through the LM head's int8 GEMM: ggml's Q8_0 matmul runs
+// them at about half the core's int8 rate (benchmarks/step_profile.py), the repack at ~80%. Made
+// once, on the first graph; MoE experts (MUL_MAT_ID) and the router stay with ggml.
+// DG_DENSE_GEMM=ggml keeps ggml's matmul for them (A/B runs).
+const dg_lm_head * llama_model_diffusion_gemma::dense(const ggml_tensor * w) const {
+    std::call_once(dense_once, [this] {
+        const dg_lm_head_kernel kernel = dg_lm_head::kernel_for_cpu("DG_DENSE_GEMM");
+        if (kernel == dg_lm_head_kernel::none) {
+            return;
+        }
+        int64_t bytes = 0;
+        auto    add   = [&](const ggml_tensor * t) {
+            if (t == nullptr || dense_repacked.count(t) || !dg_lm_head::qualifies(t)) {
+                return;
+            }
+            std::shared_ptr<const dg_lm_head> packed = dg_lm_head::repack(t, kernel);
+            if (packed) {
+                bytes += packed->bytes();
+                dense_repacked.emplace(t, std::move(packed));
+            }
+        };
+        for (const auto & layer : layers) {
+            for (const ggml_tensor * t : { layer.wq, layer.wk, layer.wv, layer.wo, layer.ffn_gate, layer.ffn_up, layer.ffn_down }) {
+                add(t);
+            }
+        }
+        for (const ggml_tensor * t : { self_cond_gate, self_cond_up, self_cond_down }) {
+            add(t);
+        }
+        if (!dense_repacked.empty()) {
+            LLAMA_LOG_INFO("%s: %zu dense weights repacked for the %s kernel (%.1f MiB)\n", __func__,
+                           dense_repacked.size(), dg_lm_head::kernel_name(kernel), bytes / 1048576.0);
+        }
+    });
+    const auto it = dense_repacked.find(w);
+    return it == dense_repacked.end() ? nullptr : it->second.get();
+}
+
 // gelu_tanh from F32 ops: ggml's CPU gelu/geglu read an F16 lookup table (~1e-3 relative error)
 static ggml_tensor * dg_gelu_tanh_f32(ggml_context * ctx, ggml_tensor * x) {
     x = ggml_cont(ctx, x);
@@ -537,19 +575,28 @@ ggml_tensor * llama_model_diffusion_gemma::graph::build_step_ops(ggml_tensor * l
 }
 
 // logits = output weights x hidden states: our repacked int8 GEMM where the CPU has a kernel for
-// it (two ops: quantize the activations once, then the GEMM, so that every thread of the second
-// sees all of them), else ggml's matmul
+// it, else ggml's matmul
 ggml_tensor * llama_model_diffusion_gemma::graph::build_lm_head(const llama_model_diffusion_gemma & model, ggml_tensor * cur) {
     const dg_lm_head * head = (loras == nullptr || loras->empty()) ? model.lm_head() : nullptr;
-    if (!head) {
-        return build_lora_mm(model.output, cur);
-    }
-    void * userdata = const_cast<dg_lm_head *>(head); // the ops only read it
+    return head ? build_repacked_mm(head, cur) : build_lora_mm(model.output, cur);
+}
+
+// w x cur for the decoder's dense weights: the repacked GEMM where `w` has one, else ggml's matmul
+ggml_tensor * llama_model_diffusion_gemma::graph::build_mm(const llama_model_diffusion_gemma & model, ggml_tensor * w,
+                                                           ggml_tensor * cur) {
+    const dg_lm_head * packed = (loras == nullptr || loras->empty()) ? model.dense(w) : nullptr;
+    return packed ? build_repacked_mm(packed, cur) : build_lora_mm(w, cur);
+}
+
+// two ops: quantize the activations once, then the GEMM, so that every thread of the second sees
+// all of them
+ggml_tensor * llama_model_diffusion_gemma::graph::build_repacked_mm(const dg_lm_head * packed, ggml_tensor * cur) {
+    void * userdata = const_cast<dg_lm_head *>(packed); // the ops only read it
     cur = ggml_cont(ctx0, cur);
-    ggml_tensor * act = ggml_custom_4d(ctx0, GGML_TYPE_I8, head->act_bytes(), cur->ne[1], 1, 1, &cur, 1,
+    ggml_tensor * act = ggml_custom_4d(ctx0, GGML_TYPE_I8, packed->act_bytes(), cur->ne[1], 1, 1, &cur, 1,
                                        dg_lm_head_quantize_op, GGML_N_TASKS_MAX, userdata);
-    cb(act, "lm_head_act", -1);
-    return ggml_custom_4d(ctx0, GGML_TYPE_F32, head->n_vocab(), cur->ne[1], 1, 1, &act, 1, dg_lm_head_gemm_op,
+    cb(act, "repacked_act", -1);
+    return ggml_custom_4d(ctx0, GGML_TYPE_F32, packed->n_vocab(), cur->ne[1], 1, 1, &act, 1, dg_lm_head_gemm_op,
                           GGML_N_TASKS_MAX, userdata);
 }
 
@@ -584,21 +631,26 @@ ggml_tensor * llama_model_diffusion_gemma::graph::build_self_cond_input(const ll
     cb(soft, "sc_soft_embd", -1);
 
     ggml_tensor * cur = build_norm(soft, model.self_cond_pre_norm, nullptr, LLM_NORM_RMS, -1);
-    cur = build_gelu_ffn(cur, model.self_cond_up, model.self_cond_gate, model.self_cond_down, exact, -1);
+    cur = build_gelu_ffn(model, cur, model.self_cond_up, model.self_cond_gate, model.self_cond_down, exact, -1);
     cb(cur, "sc_signal", -1);
 
     return ggml_add(ctx0, inp_embd, cur);
 }
 
-ggml_tensor * llama_model_diffusion_gemma::graph::build_gelu_ffn(ggml_tensor * cur, ggml_tensor * up, ggml_tensor * gate,
-                                                                   ggml_tensor * down, bool exact, int il) {
-    if (!exact) {
-        return build_ffn(cur, up, nullptr, nullptr, gate, nullptr, nullptr, down, nullptr, nullptr, nullptr,
-                         LLM_FFN_GELU, LLM_FFN_PAR, il);
-    }
-    ggml_tensor * g = build_lora_mm(gate, cur);
-    ggml_tensor * u = build_lora_mm(up,   cur);
-    return build_lora_mm(down, ggml_mul(ctx0, dg_gelu_tanh_f32(ctx0, g), u));
+// build_ffn's GELU with a parallel gate, with the projections through build_mm; exact: an F32 GELU
+ggml_tensor * llama_model_diffusion_gemma::graph::build_gelu_ffn(const llama_model_diffusion_gemma & model, ggml_tensor * cur,
+                                                                   ggml_tensor * up, ggml_tensor * gate, ggml_tensor * down,
+                                                                   bool exact, int il) {
+    const bool    sc = il < 0; // the self-conditioning MLP: its own names in a profile
+    ggml_tensor * u  = build_mm(model, up, cur);
+    cb(u, sc ? "sc_ffn_up" : "ffn_up", il);
+    ggml_tensor * g = build_mm(model, gate, cur);
+    cb(g, sc ? "sc_ffn_gate" : "ffn_gate", il);
+    cur = exact ? ggml_mul(ctx0, dg_gelu_tanh_f32(ctx0, g), u) : ggml_geglu_split(ctx0, g, u);
+    cb(cur, sc ? "sc_ffn_geglu" : "ffn_geglu", il);
+    cur = build_mm(model, down, cur);
+    cb(cur, sc ? "sc_ffn_down" : "ffn_down", il);
+    return cur;
 }
 
 // The routed experts with an F32 GELU; otherwise the same computation as build_moe_ffn for
@@ -684,9 +736,15 @@ llama_model_diffusion_gemma::graph::graph(const llama_model & model_base, const 
         cur = build_norm(inpL, layer.attn_norm, nullptr, LLM_NORM_RMS, il);
         cb(cur, "attn_norm", il);
 
-        ggml_tensor * Qcur = build_lora_mm(layer.wq, cur);
-        ggml_tensor * Kcur = build_lora_mm(layer.wk, cur);
-        ggml_tensor * Vcur = layer.wv ? build_lora_mm(layer.wv, cur) : Kcur;
+        ggml_tensor * Qcur = build_mm(model, layer.wq, cur);
+        cb(Qcur, "Qcur", il);
+        ggml_tensor * Kcur = build_mm(model, layer.wk, cur);
+        cb(Kcur, "Kcur", il);
+        ggml_tensor * Vcur = Kcur; // full-attention layers have no V projection: V = K
+        if (layer.wv) {
+            Vcur = build_mm(model, layer.wv, cur);
+            cb(Vcur, "Vcur", il);
+        }
 
         Qcur = ggml_reshape_3d(ctx0, Qcur, n_embd_head, n_head,    n_tokens);
         Kcur = ggml_reshape_3d(ctx0, Kcur, n_embd_head, n_head_kv, n_tokens);
@@ -704,8 +762,11 @@ llama_model_diffusion_gemma::graph::graph(const llama_model & model_base, const 
         cb(Kcur, "Kcur_pos", il);
         cb(Vcur, "Vcur_normed", il);
 
-        cur = build_attn(inp_attn, layer.wo, nullptr, nullptr, Qcur, Kcur, Vcur, nullptr, nullptr, nullptr,
+        // the output projection is ours (build_mm), so build_attn stops at the heads' output
+        cur = build_attn(inp_attn, nullptr, nullptr, nullptr, Qcur, Kcur, Vcur, nullptr, nullptr, nullptr,
                          hparams.f_attention_scale, il);
+        cur = build_mm(model, layer.wo, cur);
+        cb(cur, "attn_output", il);
 
         if (il == n_layer - 1 && inp_out_ids) {
             cur  = ggml_get_rows(ctx0,  cur, inp_out_ids);
@@ -718,7 +779,7 @@ llama_model_diffusion_gemma::graph::graph(const llama_model & model_base, const 
 
         // shared dense FFN
         ggml_tensor * cur_mlp = build_norm(attn_out, layer.ffn_norm, nullptr, LLM_NORM_RMS, il);
-        cur_mlp = build_gelu_ffn(cur_mlp, layer.ffn_up, layer.ffn_gate, layer.ffn_down, exact, il);
+        cur_mlp = build_gelu_ffn(model, cur_mlp, layer.ffn_up, layer.ffn_gate, layer.ffn_down, exact, il);
         cur_mlp = build_norm(cur_mlp, layer.ffn_post_norm_1, nullptr, LLM_NORM_RMS, il);
         cb(cur_mlp, "ffn_mlp", il);
 
