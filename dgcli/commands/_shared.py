@@ -185,13 +185,19 @@ def report_placement(what: str, model) -> None:
             stderr.print(line, markup=False)
 
 
+def notice(text: str, style: Optional[str] = None) -> None:
+    """A line on stderr: word-wrapped at a terminal's width (a terminal cuts words), one line when piped
+    (for logs and grep)."""
+    stderr.print(text, style=style, markup=False, highlight=False, soft_wrap=not stderr.is_terminal)
+
+
 def warn_if_not_offloaded(what: str, model, gpu_layers: int) -> None:
     """--gpu-layers asked for a GPU and llama.cpp put every weight in system memory: say so and why,
     since the speed shown is then the CPU's."""
     report = getattr(model, "load_report", None)
     if gpu_layers != 0 and report is not None and report.offloaded_layers is None:
-        stderr.print(f"warning: --gpu-layers {gpu_layers}: {report.no_gpu_reason or 'no GPU offload'}; "
-                     f"the {what} runs on the CPU", markup=False)
+        notice(f"warning: --gpu-layers {gpu_layers}: {report.no_gpu_reason or 'no GPU offload'}; "
+               f"the {what} runs on the CPU")
 
 
 # ---------------------------------------------------------------- engines (seams for tests)
@@ -521,7 +527,7 @@ class DiffusionDisplay:
                 refresh(self.live_obj)
         elif self.stream_plain:
             if isinstance(ev, StepEvent):
-                typer.echo(render.step_status(ev), err=True)
+                notice(render.step_status(ev))
             elif isinstance(ev, CanvasEvent) and self.thinking == "show":
                 # Plain mode streams each committed canvas's text as soon as it is final.
                 text = self.view.committed_text

@@ -106,4 +106,4 @@ def _turn(session, text: str, *, live: bool, thinking: str, pace: float, title: 
         return
     shared.stdout.print(render.answer_renderable(result.text, thinking))
     cached = f"  prompt {result.n_prompt_tokens} tokens, {result.n_cached_prompt_tokens} from the cache"
-    shared.stderr.print(render.result_summary(result) + cached, style="dim cyan", soft_wrap=True)
+    shared.notice(render.result_summary(result) + cached, style="dim cyan")

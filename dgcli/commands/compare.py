@@ -116,8 +116,8 @@ def compare(
                 shared.stdout.print(side.whole())
             else:
                 typer.echo(render.answer_plain(d.text, thinking))
-                typer.echo(render.result_summary(d), err=True)
-            typer.echo("interrupted: the diffusion output above is what was produced; the AR side did not run", err=True)
+                shared.notice(render.result_summary(d))
+            shared.notice("interrupted: the diffusion output above is what was produced; the AR side did not run")
             raise typer.Exit(shared.EXIT_INTERRUPTED)
         if a.interrupted:
             ar_view.note = "(interrupted)"
@@ -134,7 +134,7 @@ def compare(
             shared.stdout.print(render.compare_table(d, a, diff_rss.peak, ar_rss.peak, diff_res.display_name,
                                                      ar_res.display_name))
         if a.interrupted:
-            typer.echo("interrupted: the AR output above is what was produced", err=True)
+            shared.notice("interrupted: the AR output above is what was produced")
             raise typer.Exit(shared.EXIT_INTERRUPTED)
 
 

@@ -95,16 +95,16 @@ def generate(
             typer.echo(json.dumps(doc, indent=2))
         elif live:
             shared.stdout.print(render.answer_renderable(result.text, thinking))
-            shared.stderr.print(render.result_summary(result), style="cyan", soft_wrap=True)
+            shared.notice(render.result_summary(result), style="cyan")
         else:
             streamed = getattr(result, "_streamed_chars", 0)
             if thinking == "show":
                 typer.echo(result.text[streamed:] if streamed <= len(result.text) else "")
             else:
                 typer.echo(answer.strip())
-            typer.echo(render.result_summary(result), err=True)
+            shared.notice(render.result_summary(result))
         if result.stop_reason == "context_full" and not json_out:
-            typer.echo("note: the context is full; the answer stops here", err=True)
+            shared.notice("note: the context is full; the answer stops here")
         if result.interrupted:
-            typer.echo("interrupted: the output above is what was produced so far", err=True)
+            shared.notice("interrupted: the output above is what was produced so far")
             raise typer.Exit(shared.EXIT_INTERRUPTED)

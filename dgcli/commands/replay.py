@@ -47,7 +47,7 @@ def replay(
             typer.echo(answer[display.streamed_chars:] if thinking == "show" else render.answer_plain(answer, "hide"))
         result = _recorded_result(trace.result)
         if result is not None:
-            shared.stderr.print("recorded: " + render.result_summary(result), style="cyan", soft_wrap=True)
+            shared.notice("recorded: " + render.result_summary(result), style="cyan")
         else:
             shared.stderr.print("the trace has no result line (its run stopped early)", style="yellow")
 
