@@ -355,3 +355,23 @@ def test_bench_json_says_where_each_model_ran(tmp_path, gpu_layers):
     else:
         assert gpu_notes == [f"--gpu-layers -1: the {role} model ran on the CPU: {native.no_gpu_reason()}"
                              for role in ("diffusion", "speed", "autoregressive")]
+
+
+@requires_native
+def test_generate_and_compare_json_say_where_the_models_ran():
+    from dgcli.engine import native
+
+    native.lib()
+    if native.gpu_devices():
+        pytest.skip("a GPU is visible: --gpu-layers offloads here")
+    common = ["reverse: AB", "-n", "4", "--seed", "0", "--json", "--gpu-layers", "-1"]
+    generated = CliRunner().invoke(app, ["generate", *common])
+    assert generated.exit_code == 0, generated.output
+    compared = CliRunner().invoke(app, ["compare", *common])
+    assert compared.exit_code == 0, compared.output
+    compare_doc = json.loads(compared.stdout)
+    placements = [json.loads(generated.stdout)["placement"], compare_doc["diffusion"]["placement"],
+                  compare_doc["autoregressive"]["placement"]]
+    for placed in placements:
+        assert placed["offloaded_layers"] is None and placed["no_gpu_reason"] == native.no_gpu_reason()
+        assert any(b["kind"] == "model" and b["buffer"].startswith("CPU") for b in placed["buffers"])

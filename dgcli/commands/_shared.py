@@ -191,6 +191,13 @@ def notice(text: str, style: Optional[str] = None) -> None:
     stderr.print(text, style=style, markup=False, highlight=False, soft_wrap=not stderr.is_terminal)
 
 
+def placement_of(model) -> Optional[dict]:
+    """Where llama.cpp put a loaded model's weights (engine.offload.LoadReport.to_json()), for --json:
+    the figures beside it are that device's."""
+    report = getattr(model, "load_report", None)
+    return report.to_json() if report is not None else None
+
+
 def warn_if_not_offloaded(what: str, model, gpu_layers: int) -> None:
     """--gpu-layers asked for a GPU and llama.cpp put every weight in system memory: say so and why,
     since the speed shown is then the CPU's."""

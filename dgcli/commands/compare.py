@@ -71,6 +71,7 @@ def compare(
                 engine = shared.open_diffusion_engine(diff_path, threads=threads, gpu_layers=gpu_layers,
                                                       **shared.rpc_option(rpc_servers),
                                                       n_cpu_moe=n_cpu_moe, ctx_size=ctx_size, verbose=verbose)
+                diff_placement = shared.placement_of(engine.model)
                 try:
                     ids = shared.prompt_ids(engine.model, text, system=system, raw=raw, parse_special=parse_special)
                     shared.check_prompt_fits(engine, len(ids))
@@ -83,11 +84,11 @@ def compare(
                                              live=live, thinking=thinking, live_obj=lv, view=view, pace=pace)
                 finally:
                     engine.close()
-            a = ar_rss = None
+            a = ar_rss = ar_placement = None
             if not d.interrupted:
                 try:
                     with PeakRss() as ar_rss:
-                        a = _run_ar_side(ar_path, text, ar_view, lv, system=system, raw=raw,
+                        a, ar_placement = _run_ar_side(ar_path, text, ar_view, lv, system=system, raw=raw,
                                          parse_special=parse_special,
                                          engine_options=dict(threads=threads, gpu_layers=gpu_layers,
                                                              n_cpu_moe=n_cpu_moe, **shared.rpc_option(rpc_servers),
@@ -100,9 +101,11 @@ def compare(
             return json.dumps(dict(
                 schema=COMPARE_SCHEMA, prompt=text, system=system, raw=raw, params=params.__dict__,
                 max_new_tokens=max_new_tokens, seed=run_seed,
-                diffusion=dict(model=diff_res.display_name, path=str(diff_path), peak_rss=diff_rss.peak, result=d.to_json()),
+                diffusion=dict(model=diff_res.display_name, path=str(diff_path), peak_rss=diff_rss.peak,
+                               placement=diff_placement, result=d.to_json()),
                 autoregressive=None if a is None else dict(model=ar_res.display_name, path=str(ar_path),
-                                                           peak_rss=ar_rss.peak, result=a.to_json()),
+                                                           peak_rss=ar_rss.peak, placement=ar_placement,
+                                                           result=a.to_json()),
                 speedup=None if a is None else render.speedup(d, a),
             ), indent=2)
 
@@ -141,7 +144,8 @@ def compare(
 def _run_ar_side(path: Path, text: str, view: render.AutoregressiveLiveView, live_obj, *, system: Optional[str],
                  raw: bool, parse_special: bool, engine_options: dict, max_new_tokens: int, seed: int,
                  temperature: float):
-    """The autoregressive pair on the same prompt (its own tokenizer and template), drawn in `view`."""
+    """The autoregressive pair on the same prompt (its own tokenizer and template), drawn in `view`; with
+    where its weights went (shared.placement_of)."""
     engine = shared.open_ar_engine(path, **engine_options)
     try:
         ids = shared.prompt_ids(engine.model, text, system=system, raw=raw, parse_special=parse_special)
@@ -152,6 +156,8 @@ def _run_ar_side(path: Path, text: str, view: render.AutoregressiveLiveView, liv
             if live_obj is not None and throttle.ready():
                 shared.refresh(live_obj)
 
-        return engine.generate(ids, max_new_tokens=max_new_tokens, seed=seed, on_event=on_token, temperature=temperature)
+        result = engine.generate(ids, max_new_tokens=max_new_tokens, seed=seed, on_event=on_token,
+                                 temperature=temperature)
+        return result, shared.placement_of(engine.model)
     finally:
         engine.close()

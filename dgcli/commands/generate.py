@@ -68,6 +68,7 @@ def generate(
             engine = shared.open_diffusion_engine(path, threads=threads, gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe,
                                                   **shared.rpc_option(rpc_servers),
                                                   ctx_size=ctx_size, verbose=verbose)
+            placement = shared.placement_of(engine.model)
             try:
                 ids = shared.prompt_ids(engine.model, text, system=system, raw=raw, parse_special=parse_special)
                 shared.check_prompt_fits(engine, len(ids))
@@ -91,7 +92,7 @@ def generate(
         if json_out:
             doc = dict(schema=GENERATE_SCHEMA, **header, answer=answer.strip(),
                        thinking=thought.strip() if thought is not None else None,
-                       result=result.to_json(), trace=events)
+                       result=result.to_json(), placement=placement, trace=events)
             typer.echo(json.dumps(doc, indent=2))
         elif live:
             shared.stdout.print(render.answer_renderable(result.text, thinking))
