@@ -421,9 +421,9 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], *,
         if report is None:
             return
         placement[role] = report.to_json()
-        if config.n_gpu_layers != 0 and report.offloaded_layers is None:
-            notes.append(f"--gpu-layers {config.n_gpu_layers}: the {role} model ran on the CPU: "
-                         f"{report.no_gpu_reason or 'no GPU offload'}")
+        missed = report.offload_missed(config.n_gpu_layers)
+        if missed:
+            notes.append(f"--gpu-layers {config.n_gpu_layers}: the {role} model ran on the CPU: {missed}")
 
     def generation_runs(engine: Any, mode: str) -> None:
         for p in prompts:

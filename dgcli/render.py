@@ -328,8 +328,7 @@ def placement_lines(what: str, report) -> list[str]:
     from dgcli.engine.offload import layer_ranges
 
     if report.offloaded_layers is None:
-        reason = report.no_gpu_reason or "this llama.cpp build has no GPU offload"
-        lines = [f"{what}: every weight is in system memory: {reason}"]
+        lines = [f"{what}: every weight is in system memory: {report.why_cpu_only()}"]
     else:
         lines = [f"{what}: {report.offloaded_layers}/{report.total_layers} layers offloaded to the GPU"]
     if report.buffers:

@@ -202,9 +202,9 @@ def warn_if_not_offloaded(what: str, model, gpu_layers: int) -> None:
     """--gpu-layers asked for a GPU and llama.cpp put every weight in system memory: say so and why,
     since the speed shown is then the CPU's."""
     report = getattr(model, "load_report", None)
-    if gpu_layers != 0 and report is not None and report.offloaded_layers is None:
-        notice(f"warning: --gpu-layers {gpu_layers}: {report.no_gpu_reason or 'no GPU offload'}; "
-               f"the {what} runs on the CPU")
+    missed = report.offload_missed(gpu_layers) if report is not None else None
+    if missed:
+        notice(f"warning: --gpu-layers {gpu_layers}: {missed}; the {what} runs on the CPU")
 
 
 # ---------------------------------------------------------------- engines (seams for tests)

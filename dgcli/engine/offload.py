@@ -182,6 +182,14 @@ class LoadReport:
             report.offloaded_layers = None
         return report
 
+    def why_cpu_only(self) -> str:
+        """With offloaded_layers None: why llama.cpp kept every weight in system memory."""
+        return self.no_gpu_reason or "this llama.cpp build has no GPU offload"
+
+    def offload_missed(self, n_gpu_layers: int) -> str | None:
+        """Why nothing was offloaded though `n_gpu_layers` asked for it; None when it was, or was not asked."""
+        return self.why_cpu_only() if n_gpu_layers != 0 and self.offloaded_layers is None else None
+
     def mib_by_device(self) -> dict[str, float]:
         """Buffer MiB per device name (CUDA0, CPU; a `_Mapped`/`_REPACK` suffix is the same memory)."""
         out: dict[str, float] = {}
