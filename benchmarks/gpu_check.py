@@ -245,6 +245,13 @@ def placement_note(report) -> str:
     return f"{layers}; {devices}"
 
 
+def partial_settings(spec: str, n_layer: int) -> list[int]:
+    """The --n-cpu-moe values to time; one past the model's layers (the small --cpu-dry-run model has
+    two) becomes half of them."""
+    values = [int(v) for v in spec.split(",") if v.strip()]
+    return [n if n < 0 or n <= n_layer else max(1, n_layer // 2) for n in values]
+
+
 def measure_partial(check: Check, path: Path, n_cpu_moe: int, reps: int) -> None:
     from dgcli.engine.model import DiffusionModel
 
@@ -362,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
                 check.add("diffusion", "step backends not in this build", ", ".join(missing),
                           "the one-graph step (issue 10) adds 'graph'")
             check.step("diffusion", lambda: measure_diffusion(check, paths["diffusion"], backends, args.reps), need_s=40)
-            for n in (int(v) for v in args.n_cpu_moe.split(",") if v.strip()):
+            for n in partial_settings(args.n_cpu_moe, args.n_layer):
                 check.step("offload", lambda n=n: measure_partial(check, paths["diffusion"], n, max(2, args.reps // 2)),
                            need_s=40)
         if "ar" in paths:
