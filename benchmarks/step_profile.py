@@ -10,15 +10,17 @@ vocab 262144, hidden 2816, --layers layers of --experts experts, written once an
 thread count:
 
 1. the step end to end, self-conditioned on the previous step's top-k (what `dg generate` runs on
-   this vocabulary): the one-graph step (`DiffusionModel.denoise_step`) against the forward with
-   the logits copied out and sampled on the host (`decode_canvas` + the native sampler, dg's
-   previous path), interleaved, minimum and median of --reps;
+   this vocabulary): the one-graph step (`DiffusionModel.denoise_step`) with our repacked int8
+   GEMMs, the same with ggml's matmul for the dense projections (DG_DENSE_GEMM=ggml) and for the
+   LM head too (DG_LM_HEAD=ggml), and the forward with the logits copied out and sampled on the
+   host (`decode_canvas` + the native sampler, dg's previous path), interleaved, minimum and
+   median of --reps;
 2. where the graph step's time goes: every node timed through llama.cpp's per-node eval callback
    (dgcli.engine.profile), grouped by op and node name: seconds, share of the step, multiply-adds,
    achieved G MAC/s per thread against this CPU's single-thread int8 and bf16 peaks (measured here
    with register-resident instruction chains, `dg_peak_gmacs`), and the op's floor (its
    multiply-adds at the peak: int8 for quantized weights, bf16 otherwise);
-3. with torch installed, the Transformers reference (DiffusionGemmaForBlockDiffusion in bf16 with
+3. with torch installed, the Transformers reference (DiffusionGemmaForBlockDiffusion in bf16 or fp32 with
    the GGUF's shapes and random weights) timed through its own `_denoising_step`: with the dense
    self-conditioning it always uses after a canvas's first step, and without (the first step).
 
