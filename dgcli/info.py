@@ -8,13 +8,13 @@ machine's memory. All of them share one parse of the header (dgcli/engine/header
 from __future__ import annotations
 
 import os
-import platform
 import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dgcli.engine.cpu import cpu_flags, is_x86_64
 from dgcli.engine.header import GgufHeader, read_header
 from dgcli.engine.hparams import DIFFUSION_ARCH, check_model_header, sampler_defaults
 from dgcli.engine.offload import PlacementPlan, plan_placement
@@ -209,13 +209,7 @@ _REPACKED_WEIGHTS = re.compile(r"output\.weight|self_cond_(gate|up|down)\.weight
 
 
 def _cpu_runs_repacked_gemms() -> bool:
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and "avx2" in line.split() for line in f)
-    except OSError:
-        return False
+    return is_x86_64() and "avx2" in cpu_flags()
 
 
 def repacked_bytes(header: GgufHeader, plan: PlacementPlan) -> int:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from dgcli.engine import native
+from dgcli.engine.cpu import cpu_flags
 from dgcli.engine.header import END_TOKEN_TEXTS, VISIBLE_CONTROL_TEXTS, read_header
 from dgcli.engine.hparams import AR_ARCH, DIFFUSION_ARCH, check_model_header, sampler_defaults
 from dgcli.engine.offload import LoadReport, check_offload, expert_override_pattern
@@ -93,11 +94,7 @@ def default_threads(path: str | os.PathLike) -> int:
 
 
 def _cpu_has_amx() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and "amx_int8" in line.split() for line in f)
-    except OSError:
-        return False
+    return "amx_int8" in cpu_flags()
 
 
 # -- models ---------------------------------------------------------------------------------------
