@@ -78,7 +78,7 @@ def median_time(fn, reps: int, setup=None) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=1)
-    parser.add_argument("--quant", default="q8_0", choices=["q8_0", "f16"])
+    parser.add_argument("--quant", default="q8_0", choices=["q8_0", "q4_k_m", "f16"])
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)

@@ -68,8 +68,6 @@ def timed(fn) -> tuple[float, float]:
 
 
 NAMED_GROUPS = {
-    ("MUL_MAT_ID", "ffn_moe_gate_up"): "MoE gate+up (MUL_MAT_ID)",
-    ("MUL_MAT_ID", "ffn_moe_down"): "MoE down (MUL_MAT_ID)",
     ("CUSTOM", "lm_head"): "LM head (repacked int8 GEMM)",
     ("CUSTOM", "repacked_act"): "activations quantized for the repacked GEMMs",
     ("CUSTOM", "dg_step"): "step: softcap, softmax, entropy, sample, top-k",
@@ -82,11 +80,13 @@ DENSE_GROUPS = {"Qcur": "attention projections", "Kcur": "attention projections"
 REPACKED_GEMMS = {"lm_head", *DENSE_GROUPS}
 
 
-def group_of(node, n_vocab: int) -> str:
+def group_of(node, n_vocab: int, n_embd: int) -> str:
     """A readable group for a graph node: its op and its name without the layer suffix."""
     base = re.sub(r"-\d+$", "", node.name)
     if node.op == "MUL_MAT" and node.shapes[1][1] == n_vocab:
         return "LM head (ggml MUL_MAT)"
+    if node.op == "MUL_MAT_ID":  # by shape: the down product's name sits on its per-expert scale's MUL
+        return "MoE gate+up (MUL_MAT_ID)" if node.shapes[1][0] == n_embd else "MoE down (MUL_MAT_ID)"
     if (node.op, base) in NAMED_GROUPS:
         return NAMED_GROUPS[(node.op, base)]
     if node.op in ("MUL_MAT", "CUSTOM") and base in DENSE_GROUPS:
@@ -187,7 +187,7 @@ def measure_dg(path: Path, threads: int, reps: int, sc_top_k: int, peaks: dict) 
     for nodes in profiled:
         sums: dict[str, list] = defaultdict(lambda: [0.0, 0.0, 0, 0.0])
         for node in nodes:
-            g = sums[group_of(node, V)]
+            g = sums[group_of(node, V, n_embd)]
             macs = multiply_adds(node, n_embd)
             g[0] += node.cpu_seconds
             g[1] += node.seconds
@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gguf", type=Path, default=None, help="a diffusion-gemma GGUF (default: synthetic)")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--quant", default="q8_0", choices=["q8_0", "f16"])
+    parser.add_argument("--quant", default="q8_0", choices=["q8_0", "q4_k_m", "f16"])
     parser.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--sc-top-k", type=int, default=64)

@@ -384,7 +384,7 @@ def storage_type(spec: TensorSpec, outtype: str):
 
 
 def encode_as(data: np.ndarray, qtype) -> np.ndarray:
-    """float32 data -> the bytes/array written for `qtype` (F32, F16, BF16 or Q8_0)."""
+    """float32 data -> the bytes/array written for `qtype` (F32, F16, BF16, Q8_0; Q5_0 for test models)."""
     gguf = _gguf()
     T = gguf.GGMLQuantizationType
     data = np.ascontiguousarray(data, dtype=np.float32)
@@ -392,7 +392,7 @@ def encode_as(data: np.ndarray, qtype) -> np.ndarray:
         return data
     if qtype == T.F16:
         return data.astype(np.float16)
-    if qtype in (T.BF16, T.Q8_0):
+    if qtype in (T.BF16, T.Q8_0, T.Q5_0):
         try:
             return gguf.quants.quantize(data, qtype)
         except Exception as exc:  # gguf raises NotImplementedError/ValueError for unsupported types

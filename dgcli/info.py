@@ -202,10 +202,11 @@ def header_plan(header: GgufHeader, n_gpu_layers: int, n_cpu_moe: int, gpus: lis
 
 
 # The weights dg's int8 GEMMs copy into their own layout when they run on this CPU (x86-64 with AVX2;
-# native/patch/src/diffusion-gemma-lm-head.h): the Q8_0 LM head and the decoder's dense Q8_0
-# projections. 36 bytes per 32 weights (Q8_0: 34), in memory beside the mapped file.
+# native/patch/src/diffusion-gemma-lm-head.h): the Q8_0 or Q5_0 LM head and the decoder's dense Q8_0
+# and Q5_0 projections. 36 bytes per 32 weights (Q8_0: 34, Q5_0: 22), in memory beside the mapped file.
 _REPACKED_WEIGHTS = re.compile(r"output\.weight|self_cond_(gate|up|down)\.weight|"
                                r"blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight")
+REPACKED_TYPES = {"Q8_0": 34, "Q5_0": 22}  # the types repacked, and their bytes per 32 weights
 
 
 def _cpu_runs_repacked_gemms() -> bool:
@@ -213,7 +214,7 @@ def _cpu_runs_repacked_gemms() -> bool:
 
 
 def repacked_bytes(header: GgufHeader, plan: PlacementPlan) -> int:
-    """Bytes of the repacked copies a diffusion-gemma model makes of its CPU-resident Q8_0 weights."""
+    """Bytes of the repacked copies a diffusion-gemma model makes of its CPU-resident Q8_0 and Q5_0 weights."""
     if header.architecture != "diffusion-gemma" or not _cpu_runs_repacked_gemms():
         return 0
     on_gpu = {t.name for t in plan.tensors if t.on_gpu}
@@ -223,8 +224,8 @@ def repacked_bytes(header: GgufHeader, plan: PlacementPlan) -> int:
         tensors["output.weight"] = tied
         if any(t.on_gpu for t in plan.tensors if t.name.startswith("output.weight")):
             on_gpu.add("output.weight")
-    return sum(t.n_bytes * 36 // 34 for name, t in tensors.items()
-               if _REPACKED_WEIGHTS.fullmatch(name) and name not in on_gpu and t.type_name == "Q8_0"
+    return sum(t.n_bytes * 36 // REPACKED_TYPES[t.type_name] for name, t in tensors.items()
+               if _REPACKED_WEIGHTS.fullmatch(name) and name not in on_gpu and t.type_name in REPACKED_TYPES
                and len(t.shape) == 2 and t.shape[0] % 32 == 0)
 
 

@@ -18,7 +18,7 @@ import heapq
 import json
 import re
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -390,7 +390,7 @@ def _untrained_tensor(spec, params, seed: int) -> np.ndarray:
 
 def write_tiny_random_gguf(path: str | Path, seed: int = 0, arch: str = "diffusion-gemma", outtype: str = "f32",
                            init: str = "random", chat_template: str | None = CHAT_TEMPLATE,
-                           **config_overrides: Any) -> Path:
+                           storage: Callable[[Any], Any] | None = None, **config_overrides: Any) -> Path:
     """A tiny random model in the published layout (or its AR gemma4 twin), dg-tiny tokenizer, no torch.
 
     `init="random"` randomizes every tensor at a scale that gives peaked logits (norms and scalars
@@ -398,6 +398,7 @@ def write_tiny_random_gguf(path: str | Path, seed: int = 0, arch: str = "diffusi
     (near-uniform logits: the seed's EXP A). `config_overrides` take text-config names as in
     config.json (hidden_size, num_hidden_layers, layer_types, num_experts, global_head_dim,
     sliding_window, ...) or canvas_length. chat_template: the tokenizer.chat_template (None: none).
+    `storage(spec)` chooses each tensor's ggml type instead of `outtype` (e.g. `q5_0_type`).
     """
     from dgcli.convert import write_layout_gguf
 
@@ -406,7 +407,19 @@ def write_tiny_random_gguf(path: str | Path, seed: int = 0, arch: str = "diffusi
         raise DgError(f"unknown init {init!r}: use 'random' or 'untrained'")
     params = tiny_layout_params(**config_overrides)
     return write_layout_gguf(path, params, arch, lambda writer: tiny_vocab().add_to_gguf(writer, chat_template),
-                             lambda spec: [tensor_for(spec, params, seed)], outtype)
+                             lambda spec: [tensor_for(spec, params, seed)], outtype, storage=storage)
+
+
+def q5_0_type(spec):
+    """Q5_0 for every matrix whose rows are whole 32-wide blocks, as Q4_K_M files store their down
+    projections; the token embedding Q8_0 (a Q5_0 LM head would be another test); vectors and the
+    router F32."""
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    if len(spec.shape) == 1 or spec.role in ("ffn_gate_inp", "rope_freqs") or spec.shape[-1] % 32:
+        return T.F32
+    return T.Q8_0 if spec.role == "token_embd" else T.Q5_0
 
 
 # ---------------------------------------------------------------------------------------------

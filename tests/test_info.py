@@ -133,24 +133,30 @@ def test_memory_fit(tiny_models, monkeypatch):
         info.check_fits_memory(diff, n_gpu_layers=-1, gpus=gpu)
 
 
-def test_ram_need_counts_the_repacked_copies_of_cpu_q8_0_weights(tmp_path, monkeypatch):
+@pytest.mark.parametrize("weights", ["q8_0", "q5_0"])
+def test_ram_need_counts_the_repacked_copies_of_cpu_q8_0_and_q5_0_weights(tmp_path, monkeypatch, weights):
     """The LM head (here tied to the token embedding) and the dense projections dg's int8 GEMMs copy
-    when they run on the CPU: 36 bytes per 32 weights; nothing for other types, other CPUs, or
-    weights on a GPU."""
+    when they run on the CPU: 36 bytes per 32 weights (Q8_0: 34, Q5_0: 22); nothing for other types
+    (the Q5_0 model's experts), other CPUs, or weights on a GPU."""
     import re
 
     import gguf
 
     from dgcli.engine.header import read_header
     from dgcli.info import GpuMemory
+    from dgcli.tiny import q5_0_type
 
-    path = write_tiny_random_gguf(tmp_path / "q8.gguf", seed=6, outtype="q8_0")
+    storage = {"q8_0": {"outtype": "q8_0"}, "q5_0": {"storage": q5_0_type}}[weights]
+    path = write_tiny_random_gguf(tmp_path / f"{weights}.gguf", seed=6, **storage)
     header = read_header(path)
     dense = re.compile(r"blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight|"
                        r"self_cond_(gate|up|down)\.weight|token_embd\.weight")  # no output.weight: tied
     tensors = gguf.GGUFReader(path).tensors
     assert not any(t.name == "output.weight" for t in tensors)
-    expected = sum(int(t.n_bytes) * 36 // 34 for t in tensors if dense.fullmatch(t.name))
+    T = gguf.GGMLQuantizationType
+    assert {t.tensor_type for t in tensors if dense.fullmatch(t.name)} == {T.Q8_0 if weights == "q8_0" else T.Q5_0,
+                                                                           T.Q8_0}
+    expected = sum(int(t.n_elements) // 32 * 36 for t in tensors if dense.fullmatch(t.name))
     assert expected > 0
 
     monkeypatch.setattr(info, "_cpu_runs_repacked_gemms", lambda: True)

@@ -305,13 +305,20 @@ def _logits_in_subprocess(path, threads: int, out, moe_gemm: bool) -> np.ndarray
     return np.load(out)
 
 
-def test_moe_expert_gemm_matches_the_per_row_path(tmp_path):
-    """Q8_0 experts: the per-expert GEMM (gathered rows, one llamafile_sgemm each, scattered back)
-    computes the same products as ggml's per-row vec_dot path (DG_MOE_GEMM=0), whatever the
-    thread split; only float summation order may differ."""
-    from dgcli.tiny import write_tiny_random_gguf
+def _tiny_quantized(tmp_path, weights: str, seed: int):
+    """The tiny random model with its matrices in Q8_0, or in Q5_0 (Q4_K_M files' down projections)."""
+    from dgcli.tiny import q5_0_type, write_tiny_random_gguf
 
-    path = write_tiny_random_gguf(tmp_path / "q8.gguf", seed=4, outtype="q8_0")
+    storage = {"q8_0": {"outtype": "q8_0"}, "q5_0": {"storage": q5_0_type}}[weights]
+    return write_tiny_random_gguf(tmp_path / f"{weights}.gguf", seed=seed, **storage)
+
+
+@pytest.mark.parametrize("weights", ["q8_0", "q5_0"])
+def test_moe_expert_gemm_matches_the_per_row_path(tmp_path, weights):
+    """Q8_0 and Q5_0 experts: the per-expert GEMM (gathered rows, one llamafile_sgemm each, scattered
+    back) computes the same products as ggml's per-row vec_dot path (DG_MOE_GEMM=0), whatever the
+    thread split; only float summation order may differ."""
+    path = _tiny_quantized(tmp_path, weights, seed=4)
     per_row = _logits_in_subprocess(path, 2, tmp_path / "rows.npy", moe_gemm=False)
     for threads in (1, 2):
         gemm = _logits_in_subprocess(path, threads, tmp_path / f"gemm{threads}.npy", moe_gemm=True)
@@ -325,17 +332,23 @@ def test_moe_expert_gemm_matches_the_per_row_path(tmp_path):
 KERNELS = {"avx2": 1, "avx512-vnni": 2, "emulated": 3}
 
 
+WEIGHT_TYPES = {"q8_0": 8, "q5_0": 6}  # ggml_type
+
+
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
+@pytest.mark.parametrize("weight_type", sorted(WEIGHT_TYPES))
 @pytest.mark.parametrize("n_embd, n_vocab, n_cols", [(64, 500, 16), (128, 37, 9), (2816, 1000, 70)])
-def test_lm_head_kernel_agrees_with_a_double_precision_sum(kernel, n_embd, n_vocab, n_cols):
-    """Each kernel on random Q8_0 weights (a partial last row group, a partial column tile) against a
-    float64 sum of the same quantized operands: float32 rounding only."""
+def test_lm_head_kernel_agrees_with_a_double_precision_sum(kernel, weight_type, n_embd, n_vocab, n_cols):
+    """Each kernel on random Q8_0 or Q5_0 weights (a partial last row group, a partial column tile)
+    against a float64 sum of the same quantized activations and the weights as ggml's dequantizer
+    decodes them: float32 rounding only, so the Q5_0 -> int8 repack loses nothing."""
     import ctypes
 
     from dgcli.engine import native
 
     err = ctypes.c_double()
-    rc = native.lib()._lib.dg_lm_head_selftest(KERNELS[kernel], n_embd, n_vocab, n_cols, 11, ctypes.byref(err))
+    rc = native.lib()._lib.dg_lm_head_selftest(KERNELS[kernel], WEIGHT_TYPES[weight_type], n_embd, n_vocab, n_cols,
+                                               11, ctypes.byref(err))
     if rc == 1:
         pytest.skip(f"this CPU lacks the {kernel} kernel's instructions")
     assert rc == 0
@@ -382,7 +395,7 @@ def test_lm_head_path_stays_ggml_for_other_types(tiny_gguf, monkeypatch):
     assert used == "ggml"
 
 
-# ---- the decoder's other dense Q8_0 weights on the same GEMM ---------------------------------------
+# ---- the decoder's other dense Q8_0 and Q5_0 weights on the same GEMM ----------------------------
 
 
 class _NodeCapture:
@@ -438,28 +451,27 @@ def _run_with_dense_gemm(path, dense: str, monkeypatch):
     return repacked, prefill, logits, step, dict(capture.values)
 
 
-def _dense_q8_0_weights(path) -> int:
-    """The dense Q8_0 matrices `dg info`'s memory estimate counts as repacked (all but the LM head):
-    what the native side repacks must be what the estimate counts."""
+def _dense_repackable_weights(path) -> int:
+    """The dense matrices `dg info`'s memory estimate counts as repacked (all but the LM head): what the
+    native side repacks must be what the estimate counts."""
     import gguf
 
-    from dgcli.info import _REPACKED_WEIGHTS
+    from dgcli.info import _REPACKED_WEIGHTS, REPACKED_TYPES
 
     return sum(1 for t in gguf.GGUFReader(path).tensors
                if t.name != "output.weight" and _REPACKED_WEIGHTS.fullmatch(t.name)
-               and t.tensor_type == gguf.GGMLQuantizationType.Q8_0)
+               and t.tensor_type.name in REPACKED_TYPES)
 
 
-def test_repacked_dense_weights_give_ggml_matmul_results(tmp_path, monkeypatch):
-    """A Q8_0 model's attention, dense FFN and self-conditioning MLP on our GEMM (this CPU's kernel, and
-    the VNNI layout emulated) against ggml's matmul: the same quantized products, float summation order
-    aside. Each projection of a self-conditioned decode is compared where its input is the same on
+@pytest.mark.parametrize("weights", ["q8_0", "q5_0"])
+def test_repacked_dense_weights_give_ggml_matmul_results(tmp_path, monkeypatch, weights):
+    """A Q8_0 or Q5_0 model's attention, dense FFN and self-conditioning MLP on our GEMM (this CPU's
+    kernel, and the VNNI layout emulated) against ggml's matmul: the same quantized products, float
+    summation order aside (Q5_0's quants minus 16 are the int8 quants, so its repack is lossless too). Each projection of a self-conditioned decode is compared where its input is the same on
     both paths (layer 0, the self-conditioning MLP): this random model's global attention turns a
     last-bit difference in Q (2e-7) into 6e-3 one layer later and 0.2 at the last, so its final
     self-conditioned logits are no test of the GEMM. The prefill's and a plain decode's logits are."""
-    from dgcli.tiny import write_tiny_random_gguf
-
-    path = write_tiny_random_gguf(tmp_path / "q8.gguf", seed=6, outtype="q8_0")
+    path = _tiny_quantized(tmp_path, weights, seed=6)
     n_ref, ref_prefill, ref_logits, _, ref_nodes = _run_with_dense_gemm(path, "ggml", monkeypatch)
     assert n_ref == 0 and set(ref_nodes) == _PROJECTIONS
     assert float(np.std(ref_logits)) > 1.0  # real logits, not a degenerate output
@@ -467,7 +479,7 @@ def test_repacked_dense_weights_give_ggml_matmul_results(tmp_path, monkeypatch):
         n, prefill, logits, step, nodes = _run_with_dense_gemm(path, dense, monkeypatch)
         if dense == "auto" and n == 0:
             continue  # no kernel for this CPU: nothing else to compare
-        assert n == _dense_q8_0_weights(path)
+        assert n == _dense_repackable_weights(path) > 0
         assert float(np.max(np.abs(prefill - ref_prefill))) < 1e-3
         assert float(np.max(np.abs(logits - ref_logits))) < 1e-3
         assert step.argmax.tolist() == np.argmax(logits, axis=1).tolist()

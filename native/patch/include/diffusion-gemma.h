@@ -75,19 +75,20 @@ LLAMA_API int32_t dg_denoise_step(struct llama_context * ctx, const llama_token 
 
 // Which kernel runs this model's LM head on the CPU: "avx512-vnni", "avx2" or "emulated" (our
 // repacked int8 GEMM, src/diffusion-gemma-lm-head.h) or "ggml" (ggml's matmul: no kernel for this
-// CPU, DG_LM_HEAD=ggml, or output weights that are not Q8_0 in host memory).
+// CPU, DG_LM_HEAD=ggml, or output weights that are not Q8_0 or Q5_0 in host memory).
 LLAMA_API const char * dg_lm_head_path(const struct llama_model * model);
 
 // How many of the decoder's other dense weights (attention, dense FFN, self-conditioning MLP) run on
-// the same repacked int8 GEMM (0: all on ggml's matmul: not Q8_0, not in host memory, no kernel for
+// the same repacked int8 GEMM (0: all on ggml's matmul: not Q8_0 or Q5_0, not in host memory, no kernel for
 // this CPU, or DG_DENSE_GEMM=ggml). Repacks them if no graph has yet.
 LLAMA_API int32_t dg_dense_repacked_count(const struct llama_model * model);
 
-// A kernel of that GEMM (1 avx2, 2 avx512-vnni, 3 emulated) on random Q8_0 weights against a
-// double-precision sum of the same operands: *max_rel_error relative to each output's magnitude.
+// A kernel of that GEMM (1 avx2, 2 avx512-vnni, 3 emulated) on random weights of `weight_type`
+// (GGML_TYPE_Q8_0 or GGML_TYPE_Q5_0) against a double-precision sum of the same operands, the weights
+// decoded by ggml's dequantizer: *max_rel_error relative to each output's magnitude.
 // Returns 0, 1 if this CPU lacks the kernel, -1 for bad arguments.
-LLAMA_API int32_t dg_lm_head_selftest(int32_t kernel, int64_t n_embd, int64_t n_vocab, int64_t n_cols, uint32_t seed,
-                                      double * max_rel_error);
+LLAMA_API int32_t dg_lm_head_selftest(int32_t kernel, int32_t weight_type, int64_t n_embd, int64_t n_vocab,
+                                      int64_t n_cols, uint32_t seed, double * max_rel_error);
 
 // This CPU's single-thread multiply-add peak in G MAC/s for `kind`, from register-resident
 // instruction chains run for about `seconds` of the thread's CPU time, the fastest of five rounds

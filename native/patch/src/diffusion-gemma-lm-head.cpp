@@ -33,6 +33,36 @@ struct q8_0_block {
 };
 static_assert(sizeof(q8_0_block) == 34, "Q8_0 block layout");
 
+// Q5_0 (what llama.cpp's K-quants fall back to for rows that are not whole 256-wide super-blocks,
+// e.g. the dense FFN's and the experts' down projections of Q4_K_M files): value = d * (q - 16) with
+// q in 0..31, so (q - 16) is an int8 quant under the same fp16 scale: a lossless Q8_0 block.
+struct q5_0_block {
+    uint16_t d;
+    uint8_t  qh[4]; // bit j: the fifth bit of quant j
+    uint8_t  qs[QK / 2]; // quant j in the low nibble of byte j, quant j + 16 in the high one
+};
+static_assert(sizeof(q5_0_block) == 22, "Q5_0 block layout");
+
+q8_0_block q8_0_of(const q5_0_block & blk) {
+    uint32_t high;
+    std::memcpy(&high, blk.qh, sizeof(high));
+    q8_0_block out;
+    out.d = blk.d;
+    for (int64_t j = 0; j < QK / 2; ++j) {
+        out.qs[j]          = (int8_t) (((blk.qs[j] & 0x0F) | (((high >> j) & 1) << 4)) - 16);
+        out.qs[j + QK / 2] = (int8_t) (((blk.qs[j] >> 4) | (((high >> (j + QK / 2)) & 1) << 4)) - 16);
+    }
+    return out;
+}
+
+// block b of row r as Q8_0, from rows of `type` (Q8_0 or Q5_0)
+q8_0_block q8_0_block_at(const void * rows, ggml_type type, int64_t n_blocks, int64_t r, int64_t b) {
+    if (type == GGML_TYPE_Q5_0) {
+        return q8_0_of(((const q5_0_block *) rows)[r * n_blocks + b]);
+    }
+    return ((const q8_0_block *) rows)[r * n_blocks + b];
+}
+
 typedef float    v16f __attribute__((vector_size(64)));
 typedef int32_t  v16i __attribute__((vector_size(64)));
 typedef int16_t  v16s __attribute__((vector_size(32)));
@@ -211,17 +241,17 @@ dg_lm_head::dg_lm_head(dg_lm_head_kernel kernel, int64_t n_embd, int64_t n_vocab
 
 bool dg_lm_head::qualifies(const ggml_tensor * w) {
     // tensor->extra is set by the CPU extra buffer types (repack, AMX): their own layout, not Q8_0
-    return w && w->type == GGML_TYPE_Q8_0 && w->extra == nullptr && w->buffer && ggml_backend_buffer_is_host(w->buffer) &&
+    return w && (w->type == GGML_TYPE_Q8_0 || w->type == GGML_TYPE_Q5_0) && w->extra == nullptr && w->buffer && ggml_backend_buffer_is_host(w->buffer) &&
            ggml_is_contiguous(w) && ggml_n_dims(w) == 2 && w->ne[0] % QK == 0;
 }
 
 std::unique_ptr<dg_lm_head> dg_lm_head::repack(const ggml_tensor * w, dg_lm_head_kernel kernel) {
-    return qualifies(w) ? repack(w->data, w->ne[0], w->ne[1], kernel) : nullptr;
+    return qualifies(w) ? repack(w->data, w->type, w->ne[0], w->ne[1], kernel) : nullptr;
 }
 
-std::unique_ptr<dg_lm_head> dg_lm_head::repack(const void * q8_0_rows, int64_t n_embd, int64_t n_vocab,
+std::unique_ptr<dg_lm_head> dg_lm_head::repack(const void * rows, ggml_type type, int64_t n_embd, int64_t n_vocab,
                                                dg_lm_head_kernel kernel) {
-    if (!q8_0_rows || n_embd <= 0 || n_embd % QK != 0 || n_vocab <= 0 || !kernel_runs_here(kernel)) {
+    if (!rows || (type != GGML_TYPE_Q8_0 && type != GGML_TYPE_Q5_0) || n_embd <= 0 || n_embd % QK != 0 || n_vocab <= 0 || !kernel_runs_here(kernel)) {
         return nullptr;
     }
     std::unique_ptr<dg_lm_head> h(new dg_lm_head(kernel, n_embd, n_vocab));
@@ -231,13 +261,12 @@ std::unique_ptr<dg_lm_head> dg_lm_head::repack(const void * q8_0_rows, int64_t n
     h->data_.assign((size_t) (h->n_groups() * nb * GBB + 64), 0);
     h->base_ = (uint8_t *) (((uintptr_t) h->data_.data() + 63) & ~(uintptr_t) 63);
 
-    const auto * rows = (const q8_0_block *) q8_0_rows;
     for (int64_t g = 0; g < h->n_groups(); ++g) {
         for (int64_t b = 0; b < nb; ++b) {
             uint8_t * out = h->base_ + (g * nb + b) * GBB;
             // rows past the vocabulary stay zero (scale 0): the last group is padded
             for (int64_t r = 0; r < G && g * G + r < n_vocab; ++r) {
-                const q8_0_block & blk = rows[(g * G + r) * nb + b];
+                const q8_0_block blk = q8_0_block_at(rows, type, nb, g * G + r, b);
                 int16_t sum = 0;
                 for (int64_t k = 0; k < QK; ++k) {
                     sum = (int16_t) (sum + blk.qs[k]);
@@ -337,11 +366,14 @@ void dg_lm_head_gemm_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
 }
 
 // Checks a kernel against a double-precision sum over the same quantized operands, on random
-// Q8_0 weights: the largest error relative to the row's magnitude. 0: done, 1: the CPU lacks the
-// kernel, -1: bad arguments.
-int32_t dg_lm_head_selftest(int32_t kernel, int64_t n_embd, int64_t n_vocab, int64_t n_cols, uint32_t seed,
-                            double * max_rel_error) {
-    if (n_embd <= 0 || n_embd % QK || n_vocab <= 0 || n_cols <= 0 || !max_rel_error || kernel < 1 || kernel > 3) {
+// weights of `weight_type` (GGML_TYPE_Q8_0 or GGML_TYPE_Q5_0) decoded by ggml's own dequantizer:
+// the largest error relative to the row's magnitude. 0: done, 1: the CPU lacks the kernel, -1: bad
+// arguments.
+int32_t dg_lm_head_selftest(int32_t kernel, int32_t weight_type, int64_t n_embd, int64_t n_vocab, int64_t n_cols,
+                            uint32_t seed, double * max_rel_error) {
+    const auto type = (ggml_type) weight_type;
+    if (n_embd <= 0 || n_embd % QK || n_vocab <= 0 || n_cols <= 0 || !max_rel_error || kernel < 1 || kernel > 3 ||
+        (type != GGML_TYPE_Q8_0 && type != GGML_TYPE_Q5_0)) {
         return -1;
     }
     const auto k = (dg_lm_head_kernel) kernel;
@@ -350,21 +382,27 @@ int32_t dg_lm_head_selftest(int32_t kernel, int64_t n_embd, int64_t n_vocab, int
     }
     const int64_t nb = n_embd / QK;
     std::mt19937 rng(seed);
-    std::uniform_int_distribution<int> quant(-127, 127);
+    std::uniform_int_distribution<int> byte(0, 255), q8(-127, 127);
     std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
-    std::vector<q8_0_block> w((size_t) (n_vocab * nb));
-    for (auto & blk : w) {
+    // random blocks: a positive fp16 scale, then random quant bytes (Q8_0: -127..127, as ggml's
+    // quantizer writes them)
+    const size_t block_bytes = ggml_type_size(type);
+    std::vector<uint8_t> w((size_t) (n_vocab * nb) * block_bytes);
+    for (size_t off = 0; off < w.size(); off += block_bytes) {
         const ggml_fp16_t d = ggml_fp32_to_fp16(0.001f + 0.01f * std::fabs(unit(rng)));
-        std::memcpy(&blk.d, &d, 2);
-        for (auto & q : blk.qs) {
-            q = (int8_t) quant(rng);
+        std::memcpy(&w[off], &d, 2);
+        for (size_t i = 2; i < block_bytes; ++i) {
+            w[off + i] = type == GGML_TYPE_Q8_0 ? (uint8_t) (int8_t) q8(rng) : (uint8_t) byte(rng);
         }
     }
+    std::vector<float> decoded((size_t) (n_vocab * n_embd));
+    ggml_get_type_traits(type)->to_float(w.data(), decoded.data(), n_vocab * n_embd);
+
     std::vector<float> x((size_t) (n_embd * n_cols));
     for (auto & v : x) {
         v = unit(rng) * 3.0f;
     }
-    auto head = dg_lm_head::repack(w.data(), n_embd, n_vocab, k);
+    auto head = dg_lm_head::repack(w.data(), type, n_embd, n_vocab, k);
     if (!head) {
         return -1;
     }
@@ -379,16 +417,14 @@ int32_t dg_lm_head_selftest(int32_t kernel, int64_t n_embd, int64_t n_vocab, int
         const uint8_t * quants = act.data() + c * head->act_bytes();
         const float *   scales = (const float *) (quants + nb * QK);
         for (int64_t v = 0; v < n_vocab; ++v) {
+            const float * row = decoded.data() + v * n_embd;
             double sum = 0.0, magnitude = 0.0;
             for (int64_t b = 0; b < nb; ++b) {
-                const q8_0_block & blk = w[(size_t) (v * nb + b)];
-                ggml_fp16_t d;
-                std::memcpy(&d, &blk.d, 2);
-                int64_t dot = 0;
+                double dot = 0.0;
                 for (int64_t i = 0; i < QK; ++i) {
-                    dot += (int64_t) blk.qs[i] * (int8_t) (quants[b * QK + i] ^ offset);
+                    dot += (double) row[b * QK + i] * (int8_t) (quants[b * QK + i] ^ offset);
                 }
-                const double term = (double) ggml_fp16_to_fp32(d) * scales[b] * (double) dot;
+                const double term = scales[b] * dot;
                 sum += term;
                 magnitude += std::fabs(term);
             }

@@ -16,13 +16,15 @@
 //   emulated     the avx512-vnni layout and arithmetic in portable code (tests, any CPU)
 // Other CPUs, other types (Q6_K of Q4_K_M files, F16, ...), and LM heads not in plain host memory
 // keep ggml's matmul. Nothing here is specific to the vocabulary: the decoder's other dense Q8_0
-// projections (attention, dense FFN, self-conditioning MLP) run through the same class.
+// projections (attention, dense FFN, self-conditioning MLP) run through the same class, and so do
+// its Q5_0 ones (Q4_K_M files store the down projections, whose rows are not whole 256-wide
+// super-blocks, as Q5_0; ggml's Q5_0 matmul runs at about 40% of the int8 rate here).
+
+#include "ggml.h"
 
 #include <cstdint>
 #include <memory>
 #include <vector>
-
-struct ggml_tensor;
 
 enum class dg_lm_head_kernel : int32_t {
     none        = 0, // ggml's matmul
@@ -38,14 +40,15 @@ public:
     static dg_lm_head_kernel kernel_for_cpu(const char * env = "DG_LM_HEAD");
     static const char *      kernel_name(dg_lm_head_kernel kernel);
 
-    // Whether `w` can be repacked: Q8_0 [n_embd, n_vocab] in plain host memory (not on a GPU, not
-    // already repacked by a CPU extra buffer type).
+    // Whether `w` can be repacked: Q8_0 or Q5_0 [n_embd, n_vocab] in plain host memory (not on a
+    // GPU, not already repacked by a CPU extra buffer type). Q5_0's quants minus 16 are int8 quants
+    // under the same scale, so its repack is as lossless as Q8_0's (and 64% larger than the Q5_0).
     static bool qualifies(const ggml_tensor * w);
 
     // A repack of `w` for `kernel`; null if the tensor does not qualify or the CPU lacks the kernel.
     static std::unique_ptr<dg_lm_head> repack(const ggml_tensor * w, dg_lm_head_kernel kernel);
-    // The same from raw Q8_0 rows (tests).
-    static std::unique_ptr<dg_lm_head> repack(const void * q8_0_rows, int64_t n_embd, int64_t n_vocab,
+    // The same from raw rows of `type`, Q8_0 or Q5_0 (tests).
+    static std::unique_ptr<dg_lm_head> repack(const void * rows, ggml_type type, int64_t n_embd, int64_t n_vocab,
                                               dg_lm_head_kernel kernel);
 
     dg_lm_head_kernel kernel() const { return kernel_; }

@@ -226,7 +226,7 @@ std::unique_ptr<llm_graph_context> llama_model_diffusion_gemma::build_arch_graph
 
 // The LM head repacked for this CPU's int8 kernels (diffusion-gemma-lm-head.h), made once, on the
 // first graph that needs it; null where ggml's matmul stays (no kernel, or the output weights are
-// not Q8_0 in host memory).
+// not Q8_0 or Q5_0 in host memory).
 const dg_lm_head * llama_model_diffusion_gemma::lm_head() const {
     std::call_once(lm_head_once, [this] {
         const dg_lm_head_kernel kernel = dg_lm_head::kernel_for_cpu();
@@ -244,8 +244,9 @@ const dg_lm_head * llama_model_diffusion_gemma::lm_head() const {
     return lm_head_repacked.get();
 }
 
-// The decoder's other dense Q8_0 weights through the LM head's int8 GEMM: ggml's Q8_0 matmul runs
-// them at about half the core's int8 rate (benchmarks/step_profile.py), the repack at ~80%. Made
+// The decoder's other dense Q8_0 and Q5_0 weights through the LM head's int8 GEMM: ggml's matmul
+// runs them at about half (Q8_0) and 40% (Q5_0, the down projections of Q4_K_M files) of the
+// core's int8 rate (benchmarks/step_profile.py), the repack at ~80%. Made
 // once, on the first graph; MoE experts (MUL_MAT_ID) and the router stay with ggml.
 // DG_DENSE_GEMM=ggml keeps ggml's matmul for them (A/B runs).
 const dg_lm_head * llama_model_diffusion_gemma::dense(const ggml_tensor * w) const {

@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""One denoising step under two environments, each in fresh processes, interleaved A/B.
+
+    .venv/bin/python benchmarks/step_ab.py --b DG_MOE_GEMM=0,DG_DENSE_GEMM=ggml
+                                           [--a ''] [--gguf PATH | --layers 2 --experts 8 --quant q4_k_m]
+                                           [--threads 1] [--reps 3] [--steps 2]
+
+For the switches a process reads once (DG_MOE_GEMM is read by ggml-cpu on the first MUL_MAT_ID), so
+`step_profile.py`'s in-process variants cannot compare them. Each rep runs A, then B, in its own
+process: the model loaded, a 64-token prompt prefilled, a first step (no self-conditioning, also the
+warm-up), then --steps self-conditioned steps on the real vocabulary, timed. Reports per variant the
+CPU seconds and wall seconds of one step (min / median over reps x steps) and B / A.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# the child: prints one JSON line, the (wall, CPU) seconds of each timed step
+_CHILD = r"""
+import json, sys, time
+import numpy as np
+from dgcli.engine.model import DiffusionModel
+
+path, threads, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+rng = np.random.default_rng(0)
+with DiffusionModel(path, n_threads=threads, n_ctx=1024) as m:
+    m.prefill([int(t) for t in rng.integers(200, 400, 64)])
+    canvas = rng.integers(0, m.vocab_size, (1, m.canvas_length))
+    [first] = m.denoise_step(canvas, np.float32(0.6), rng.random((1, m.canvas_length)), top_k=64)
+    sc = (first.topk_ids[None], first.topk_probs[None])
+    times = []
+    for _ in range(steps):
+        wall, cpu = time.perf_counter(), time.process_time()
+        m.denoise_step(canvas, np.float32(0.6), rng.random((1, m.canvas_length)), sc_topk=sc, top_k=64)
+        times.append((time.perf_counter() - wall, time.process_time() - cpu))
+print(json.dumps(times))
+"""
+
+
+def parse_env(text: str) -> dict[str, str]:
+    """'K=V,K2=V2' -> {K: V, K2: V2} ('' -> {})."""
+    env = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"step_ab: {item!r} is not NAME=VALUE")
+        env[key] = value
+    return env
+
+
+def run_variant(path: Path, env: dict[str, str], threads: int, steps: int) -> list[tuple[float, float]]:
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("DG_")} | env
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(path), str(threads), str(steps)], env=child_env,
+                         cwd=ROOT, check=True, capture_output=True, text=True)
+    return [tuple(t) for t in json.loads(out.stdout.strip().splitlines()[-1])]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--a", default="", help="variant A's environment, NAME=VALUE,... (default: none)")
+    parser.add_argument("--b", required=True, help="variant B's environment, NAME=VALUE,...")
+    parser.add_argument("--gguf", type=Path, help="a diffusion-gemma GGUF (default: synthetic)")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--quant", default="q4_k_m", choices=["q8_0", "q4_k_m", "f16"])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    variants = {"A": parse_env(args.a), "B": parse_env(args.b)}
+    if args.gguf:
+        path = args.gguf
+    else:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        from native_costs import synthetic_pair
+
+        path = synthetic_pair(args.layers, args.quant, args.experts)[0]
+    times: dict[str, list] = {name: [] for name in variants}
+    for rep in range(args.reps):  # interleaved: the box's load hits both alike
+        for name, env in variants.items():
+            times[name] += run_variant(path, env, args.threads, args.steps)
+            print(f"rep {rep + 1}/{args.reps} {name}: CPU s {[round(c, 2) for _, c in times[name][-args.steps:]]}",
+                  file=sys.stderr)
+    report = {"model": path.name, "threads": args.threads, "reps": args.reps, "steps": args.steps,
+              "variants": {name: {"env": variants[name], "wall_s": [w for w, _ in t], "cpu_s": [c for _, c in t]}
+                           for name, t in times.items()}}
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    print(f"{path.name}: one self-conditioned step, {args.threads} thread(s), {args.reps} processes x "
+          f"{args.steps} steps per variant, interleaved")
+    rows = {}
+    for name, v in report["variants"].items():
+        cpu, wall = v["cpu_s"], v["wall_s"]
+        rows[name] = (min(cpu), statistics.median(cpu), min(wall), statistics.median(wall))
+        env = ",".join(f"{k}={x}" for k, x in v["env"].items()) or "(defaults)"
+        print(f"  {name} {env:40s} CPU s {rows[name][0]:7.2f} / {rows[name][1]:7.2f}   "
+              f"wall s {rows[name][2]:7.2f} / {rows[name][3]:7.2f}   (min / median)")
+    a, b = rows["A"], rows["B"]
+    print(f"  B / A: CPU {b[0] / a[0]:.2f}x (min) {b[1] / a[1]:.2f}x (median), "
+          f"wall {b[2] / a[2]:.2f}x (min) {b[3] / a[3]:.2f}x (median)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
