@@ -9,7 +9,9 @@ For the switches a process reads once (DG_MOE_GEMM is read by ggml-cpu on the fi
 `step_profile.py`'s in-process variants cannot compare them. Each rep runs A, then B, in its own
 process: the model loaded, a 64-token prompt prefilled, a first step (no self-conditioning, also the
 warm-up), then --steps self-conditioned steps on the real vocabulary, timed. Reports per variant the
-CPU seconds and wall seconds of one step (min / median over reps x steps) and B / A.
+CPU seconds and wall seconds of one step (min / median over reps x steps) and B / A; then, from one
+more step per process timed node by node (llama.cpp's eval callback), each matmul group's CPU seconds
+by weight type, so that a kernel's change shows where the whole step's noise would hide it.
 """
 
 from __future__ import annotations
@@ -31,8 +33,13 @@ import numpy as np
 from dgcli.engine.model import DiffusionModel
 
 path, threads, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+sys.path.insert(0, "benchmarks")
+from step_profile import group_of, multiply_adds
+from dgcli.engine.profile import NodeProfiler
+
 rng = np.random.default_rng(0)
-with DiffusionModel(path, n_threads=threads, n_ctx=1024) as m:
+profiler = NodeProfiler()
+with DiffusionModel(path, n_threads=threads, n_ctx=1024, eval_callback=profiler.eval_callback) as m:
     m.prefill([int(t) for t in rng.integers(200, 400, 64)])
     canvas = rng.integers(0, m.vocab_size, (1, m.canvas_length))
     [first] = m.denoise_step(canvas, np.float32(0.6), rng.random((1, m.canvas_length)), top_k=64)
@@ -42,7 +49,18 @@ with DiffusionModel(path, n_threads=threads, n_ctx=1024) as m:
         wall, cpu = time.perf_counter(), time.process_time()
         m.denoise_step(canvas, np.float32(0.6), rng.random((1, m.canvas_length)), sc_topk=sc, top_k=64)
         times.append((time.perf_counter() - wall, time.process_time() - cpu))
-print(json.dumps(times))
+    # one more step timed node by node: CPU seconds and multiply-adds per matmul group
+    profiler.enabled = True
+    m.denoise_step(canvas, np.float32(0.6), rng.random((1, m.canvas_length)), sc_topk=sc, top_k=64)
+    profiler.enabled = False
+    groups = {}
+    for node in profiler.take():
+        macs = multiply_adds(node, m.n_embd)
+        if macs:
+            g = groups.setdefault(group_of(node, m.vocab_size, m.n_embd) + f" [{node.src0_type}]", [0.0, 0])
+            g[0] += node.cpu_seconds
+            g[1] += macs
+print(json.dumps({"steps": times, "groups": groups}))
 """
 
 
@@ -57,11 +75,12 @@ def parse_env(text: str) -> dict[str, str]:
     return env
 
 
-def run_variant(path: Path, env: dict[str, str], threads: int, steps: int) -> list[tuple[float, float]]:
+def run_variant(path: Path, env: dict[str, str], threads: int, steps: int) -> dict:
+    """{"steps": [(wall s, CPU s), ...], "groups": {matmul group [weight type]: [CPU s, multiply-adds]}}"""
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("DG_")} | env
     out = subprocess.run([sys.executable, "-c", _CHILD, str(path), str(threads), str(steps)], env=child_env,
                          cwd=ROOT, check=True, capture_output=True, text=True)
-    return [tuple(t) for t in json.loads(out.stdout.strip().splitlines()[-1])]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,13 +105,18 @@ def main(argv: list[str] | None = None) -> int:
 
         path = synthetic_pair(args.layers, args.quant, args.experts)[0]
     times: dict[str, list] = {name: [] for name in variants}
+    groups: dict[str, dict] = {name: {} for name in variants}  # group -> [CPU s of each rep], multiply-adds
     for rep in range(args.reps):  # interleaved: the box's load hits both alike
         for name, env in variants.items():
-            times[name] += run_variant(path, env, args.threads, args.steps)
+            run = run_variant(path, env, args.threads, args.steps)
+            times[name] += [tuple(t) for t in run["steps"]]
+            for group, (cpu, macs) in run["groups"].items():
+                groups[name].setdefault(group, {"cpu_s": [], "multiply_adds": macs})["cpu_s"].append(cpu)
             print(f"rep {rep + 1}/{args.reps} {name}: CPU s {[round(c, 2) for _, c in times[name][-args.steps:]]}",
                   file=sys.stderr)
     report = {"model": path.name, "threads": args.threads, "reps": args.reps, "steps": args.steps,
-              "variants": {name: {"env": variants[name], "wall_s": [w for w, _ in t], "cpu_s": [c for _, c in t]}
+              "variants": {name: {"env": variants[name], "wall_s": [w for w, _ in t], "cpu_s": [c for _, c in t],
+                                  "matmuls": groups[name]}
                            for name, t in times.items()}}
     if args.json:
         print(json.dumps(report, indent=1))
@@ -109,6 +133,19 @@ def main(argv: list[str] | None = None) -> int:
     a, b = rows["A"], rows["B"]
     print(f"  B / A: CPU {b[0] / a[0]:.2f}x (min) {b[1] / a[1]:.2f}x (median), "
           f"wall {b[2] / a[2]:.2f}x (min) {b[3] / a[3]:.2f}x (median)")
+    print("matmuls of one profiled step per process, by group and weight type: CPU s min / median, G MAC/s at the min")
+    names = sorted(set(groups["A"]) | set(groups["B"]),
+                   key=lambda g: -max(min(groups[v][g]["cpu_s"]) if g in groups[v] else 0 for v in variants))
+    for group in names:
+        cells = []
+        for name in variants:
+            g = groups[name].get(group)
+            if g is None:
+                cells.append(f"{name}: {'-':>22s}")
+                continue
+            best = min(g["cpu_s"])
+            cells.append(f"{name}: {best:6.3f} / {statistics.median(g['cpu_s']):6.3f} {g['multiply_adds'] / best / 1e9:5.1f}")
+        print(f"  {group:60s} {'   '.join(cells)}")
     return 0
 
 
