@@ -160,8 +160,8 @@ def run_logged(cmd: list[str], log: Path, step: str, env: dict | None = None, cw
         out.flush()
         # Its own process group, so that stopping the build stops ninja and every compiler under it:
         # a compiler left running would write into the build folder after the lock is released.
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                cwd=cwd, bufsize=1, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=env, cwd=cwd, bufsize=1, **own_process_group())
         tail: deque[str] = deque(maxlen=25)
         assert proc.stdout is not None
         try:
@@ -176,6 +176,15 @@ def run_logged(cmd: list[str], log: Path, step: str, env: dict | None = None, cw
     if code != 0:
         last = next((t for t in reversed(tail) if "error" in t.lower()), tail[-1] if tail else "")
         raise BuildError(step, f"`{cmd[0]} {cmd[1] if len(cmd) > 1 else ''}` exited {code}: {last.strip()[:200]}", log)
+
+
+def own_process_group() -> dict:
+    """Popen arguments for a new process group in this session. A new session (the only way before
+    Python 3.11) would also be a new scheduler autogroup on Linux, where `nice` on the build no longer
+    leaves the CPU to the user's other work."""
+    if sys.version_info >= (3, 11):
+        return {"process_group": 0}
+    return {"start_new_session": True}
 
 
 def stop_process_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:

@@ -150,6 +150,19 @@ def test_interrupted_step_stops_its_compilers(tmp_path):
     assert _wait_gone(seen[0]), "the compile's child kept running after the build was interrupted"
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="Popen(process_group=) needs Python 3.11; before, a new session")
+def test_compile_step_runs_in_its_own_group_in_this_session(tmp_path):
+    """Its own process group (so that it can be stopped whole), but this session: a new session is a new
+    scheduler autogroup on Linux, and `nice native/build.py` would then no longer yield the CPU."""
+    ids: list[str] = []
+    probe = "import os; print('ids', os.getsid(0), os.getpgid(0), os.getpid(), flush=True)"
+    build.run_logged([sys.executable, "-c", probe], tmp_path / "log", "compile", on_line=ids.append)
+    [line] = [i for i in ids if i.startswith("ids ")]
+    sid, pgid, pid = (int(x) for x in line.split()[1:])
+    assert sid == os.getsid(0)
+    assert pgid == pid != os.getpgid(0)
+
+
 @pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGHUP, 129)])
 def test_terminated_build_stops_its_compilers_and_exits_128_plus_signal(tmp_path, signum, code):
     script = tmp_path / "run.py"
