@@ -486,9 +486,11 @@ def add_layout_keys(writer, p: LayoutParams, arch: str) -> None:
 def write_layout_gguf(out_path: str | Path | OutputFile, p: LayoutParams, arch: str,
                       add_vocab: Callable[[Any], None], source: TensorSource | None = None, outtype: str = "f32",
                       raw_source: RawTensorSource | None = None,
-                      storage: Callable[[TensorSpec], Any] | None = None) -> Path:
+                      storage: Callable[[TensorSpec], Any] | None = None, file_type: int | None = None) -> Path:
     """Write a GGUF in the published layout; tensors are pulled from `source` one at a time.
     `storage(spec)` chooses each tensor's type instead of `outtype` (synthetic quant mixes).
+    `file_type` (a gguf.LlamaFileType) is declared as `general.file_type`, as llama.cpp's quantizer
+    does in the published quants; None writes no such key, as the published converter does.
 
     A path is replaced if it exists (pass an OutputFile to refuse that or to protect inputs); the file
     appears only once complete."""
@@ -502,6 +504,8 @@ def write_layout_gguf(out_path: str | Path | OutputFile, p: LayoutParams, arch: 
         writer = gguf.GGUFWriter(str(out.write_path), arch)
         try:
             add_layout_keys(writer, p, arch)
+            if file_type is not None:
+                writer.add_file_type(int(file_type))
             add_vocab(writer)
             types = [storage(spec) if storage else storage_type(spec, outtype) for spec in plan]
             for spec, qtype in zip(plan, types):

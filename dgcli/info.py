@@ -90,7 +90,7 @@ class GgufInfo:
     parameter_count: int
     tensor_count: int
     tensor_types: list[TensorTypeCount]
-    file_type: str | None  # the dominant weight type, e.g. Q4_K
+    file_type: str | None  # general.file_type's quant (e.g. Q4_K_M), else the dominant weight type (e.g. Q4_K)
     context_length: int | None
     block_count: int | None
     embedding_length: int | None
@@ -253,6 +253,23 @@ def _scalar(header: GgufHeader, key: str, kind: type):
     return value
 
 
+def declared_file_type(header: GgufHeader) -> str | None:
+    """The quant the file says it is (`general.file_type`, written by llama.cpp's quantizer and the
+    converters: 15 -> "Q4_K_M"), or None when the key is absent, not a uint32 or not a known type."""
+    value = header.get("general.file_type")
+    if header.type_of("general.file_type") != "uint32" or not isinstance(value, int):
+        return None
+    import gguf
+
+    try:
+        ftype = gguf.LlamaFileType(value)
+    except ValueError:
+        return None
+    if ftype == gguf.LlamaFileType.GUESSED:
+        return None
+    return ftype.name.removeprefix("MOSTLY_").removeprefix("ALL_")
+
+
 def read_info(path: Path | str, *, n_gpu_layers: int = 0, n_cpu_moe: int = 0,
               gpus: list[GpuMemory] | None = None) -> GgufInfo:
     """What the file holds, and where its weights would go with this offload (gpus: detected when None).
@@ -306,7 +323,7 @@ def read_info(path: Path | str, *, n_gpu_layers: int = 0, n_cpu_moe: int = 0,
         parameter_count=sum(t.n_elements for t in header.tensors),
         tensor_count=len(header.tensors),
         tensor_types=types,
-        file_type=weight_types.most_common(1)[0][0] if weight_types else None,
+        file_type=declared_file_type(header) or (weight_types.most_common(1)[0][0] if weight_types else None),
         context_length=_scalar(header, f"{arch}.context_length", int),
         block_count=_scalar(header, f"{arch}.block_count", int),
         embedding_length=_scalar(header, f"{arch}.embedding_length", int),

@@ -529,8 +529,10 @@ def write_synthetic_gguf(path: str | Path, n_layer: int = 1, vocab_size: int = 2
     params = params_from_hf_config({"model_type": "diffusion_gemma", "canvas_length": canvas_length,
                                     "text_config": text})
     vocab = TinyVocab(extra_tokens=vocab_size - base)
-    storage = None
+    storage, file_type = None, None
     if outtype == "q4_k_m":
-        outtype, storage = "f32", lambda spec: q4_k_m_type(spec, n_layer)
+        # declared as llama.cpp's quantizer declares it in the published Q4_K_M files: MOSTLY_Q4_K_M
+        outtype, storage, file_type = "f32", lambda spec: q4_k_m_type(spec, n_layer), 15
     return write_layout_gguf(path, params, arch, vocab.add_to_gguf, outtype=outtype, storage=storage,
-                             raw_source=lambda spec, qtype: _synthetic_chunks(spec, qtype, params, seed))
+                             raw_source=lambda spec, qtype: _synthetic_chunks(spec, qtype, params, seed),
+                             file_type=file_type)

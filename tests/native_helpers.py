@@ -61,7 +61,8 @@ def rewrite_gguf(src: Path, dst: Path, *, drop_keys: tuple[str, ...] = (), set_k
             data = tensor_edit(t.name, data)
             writer.add_tensor(t.name, data)
         else:
-            writer.add_tensor(t.name, data, raw_shape=list(reversed([int(x) for x in t.shape])), raw_dtype=qtype)
+            # the reader's array shape: elements for float types, bytes per row for quantized ones
+            writer.add_tensor(t.name, data, raw_shape=list(data.shape), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

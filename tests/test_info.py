@@ -93,6 +93,26 @@ def test_quant_histogram_names_the_weight_type(tiny_models):
     assert sum(t.tensors for t in meta.tensor_types) == meta.tensor_count
 
 
+def test_quant_is_the_declared_file_type_when_the_file_has_a_valid_one(tmp_path, tiny_models):
+    """general.file_type names the quant as llama.cpp's quantizer wrote it (a Q4_K_M file is mostly Q4_K
+    with Q6_K and Q5_0 besides); absent (the converters write none), of another value type, or
+    unknown: the dominant weight type."""
+    import gguf
+
+    from native_helpers import rewrite_gguf
+
+    _, _, q8 = tiny_models
+    V = gguf.GGUFValueType
+    assert info.read_header(q8).get("general.file_type") is None
+    for value, expected in [((15, V.UINT32), "Q4_K_M"), ((32, V.UINT32), "BF16"), ((0, V.UINT32), "F32"),
+                            ((15, V.INT32), "Q8_0"), ((9999, V.UINT32), "Q8_0"), ((1024, V.UINT32), "Q8_0"),
+                            (("Q4_K_M", V.STRING), "Q8_0")]:
+        path = rewrite_gguf(q8, tmp_path / "declared.gguf", set_keys={"general.file_type": value})
+        assert info.read_info(path).file_type == expected, value
+    undeclared = rewrite_gguf(q8, tmp_path / "undeclared.gguf", drop_keys=("general.file_type",))
+    assert info.read_info(undeclared).file_type == "Q8_0"
+
+
 def test_missing_not_gguf_and_truncated_files(tmp_path, tiny_models):
     with pytest.raises(ModelLoadError, match="model file not found"):
         info.read_info(tmp_path / "nope.gguf")

@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+from dgcli import info
 from dgcli.convert import PUBLISHED_TOKEN_SCORE, TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL
 from dgcli.engine.types import DgError
 from dgcli.tiny import (
@@ -335,6 +336,9 @@ def test_synthetic_q4_k_m_types_and_spread(tmp_path):
     assert types["blk.0.ffn_down_exps.weight"] == T.Q8_0  # 96-wide rows: Q6_K falls back
     assert types["blk.1.ffn_down_exps.weight"] == T.Q5_0  # Q4_K falls back
     assert types["blk.0.ffn_gate_inp.weight"] == T.F32 and types["blk.0.attn_norm.weight"] == T.F32
+    # declared as llama.cpp's quantizer declares it, so `dg info` says Q4_K_M, not the dominant Q6_K
+    assert GGUFReader(path).fields["general.file_type"].contents() == 15
+    assert info.read_info(path).file_type == "Q4_K_M"
     for t in GGUFReader(path).tensors:
         if T(t.tensor_type) in (T.Q4_K, T.Q6_K, T.Q5_0, T.Q8_0):
             values = dequantize(np.array(t.data), T(t.tensor_type))
