@@ -187,3 +187,24 @@ def test_sigterm_under_a_live_view_gives_the_terminal_back():
     assert b"\x1b[?25h" in term.raw[-200:]  # the cursor shown again
     term.child.close()
     assert term.child.signalstatus is None and term.child.exitstatus == 143
+
+
+@pytest.mark.parametrize("columns", WIDTHS)
+def test_serve_start_up_lines_wrap_between_words_and_ctrl_c_stops_it(columns):
+    """On a terminal the banner (stdout) and the notices (stderr) wrap between words: at 80 columns the
+    banner used to be one raw line cut mid-word ("toke" / "ns"). Scripts read it from a pipe, one line
+    (tests/test_serve.py)."""
+    term = pty_screen.Terminal(columns, 24).spawn("serve", "--port", "0", "--host", "0.0.0.0")
+    term.read_until("Ctrl-C stops")
+    lines = [line for line in term.screen_lines() if line]
+    words = " ".join(" ".join(lines).split())
+    assert re.search(r"dg serve: http://0\.0\.0\.0:\d+/v1 model demo \(canvas \d+\) 4 slots of \d+ tokens queue 64 "
+                     r"warning: listening on 0\.0\.0\.0 without --api-key: anyone who reaches this port can use "
+                     r"the model dg serve: Ctrl-C stops", words), lines
+    # every line break falls between words: rejoining with spaces reads the same as the text had
+    for line in lines:
+        assert len(line) <= columns
+    assert all(re.fullmatch(r"\S+( +\S+)*", line) for line in lines), lines
+    assert max(len(line) for line in lines) > columns - 20  # filled, not one word per line
+    term.sendintr()
+    assert term.wait() == 130

@@ -116,14 +116,18 @@ def _run(uvicorn, listener: socket.socket, name: str, path, *, parallel: int, qu
                             log=log)
         host, port = listener.getsockname()[:2]
         url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
-        typer.echo(f"dg serve: {url}/v1  model {name} (canvas {model.canvas_length})  {parallel} slots of "
-                   f"{model.n_ctx_seq} tokens  queue {queue_size}", err=False)
+        banner = (f"dg serve: {url}/v1  model {name} (canvas {model.canvas_length})  {parallel} slots of "
+                  f"{model.n_ctx_seq} tokens  queue {queue_size}")
+        if shared.stdout.is_terminal:  # wrapped between words; scripts reading stdout get one raw line
+            shared.stdout.print(banner, markup=False, highlight=False)
+        else:
+            typer.echo(banner)
         if rpc_servers:
-            typer.echo(f"dg serve: layers on RPC workers {', '.join(rpc_servers)}", err=True)
+            shared.notice(f"dg serve: layers on RPC workers {', '.join(rpc_servers)}")
         if not shared.is_loopback(host) and api_key is None:
-            typer.echo(f"warning: listening on {host} without --api-key: anyone who reaches this port can use "
-                       "the model", err=True)
-        typer.echo("dg serve: Ctrl-C stops", err=True)
+            shared.notice(f"warning: listening on {host} without --api-key: anyone who reaches this port can use "
+                          "the model")
+        shared.notice("dg serve: Ctrl-C stops")
 
         class Server(uvicorn.Server):
             def handle_exit(self, sig, frame):
