@@ -241,8 +241,8 @@ dg_lm_head::dg_lm_head(dg_lm_head_kernel kernel, int64_t n_embd, int64_t n_vocab
 
 bool dg_lm_head::qualifies(const ggml_tensor * w) {
     // tensor->extra is set by the CPU extra buffer types (repack, AMX): their own layout, not Q8_0
-    return w && (w->type == GGML_TYPE_Q8_0 || w->type == GGML_TYPE_Q5_0) && w->extra == nullptr && w->buffer && ggml_backend_buffer_is_host(w->buffer) &&
-           ggml_is_contiguous(w) && ggml_n_dims(w) == 2 && w->ne[0] % QK == 0;
+    return w && (w->type == GGML_TYPE_Q8_0 || w->type == GGML_TYPE_Q5_0) && w->extra == nullptr && w->buffer &&
+           ggml_backend_buffer_is_host(w->buffer) && ggml_is_contiguous(w) && ggml_n_dims(w) == 2 && w->ne[0] % QK == 0;
 }
 
 std::unique_ptr<dg_lm_head> dg_lm_head::repack(const ggml_tensor * w, dg_lm_head_kernel kernel) {
@@ -251,7 +251,8 @@ std::unique_ptr<dg_lm_head> dg_lm_head::repack(const ggml_tensor * w, dg_lm_head
 
 std::unique_ptr<dg_lm_head> dg_lm_head::repack(const void * rows, ggml_type type, int64_t n_embd, int64_t n_vocab,
                                                dg_lm_head_kernel kernel) {
-    if (!rows || (type != GGML_TYPE_Q8_0 && type != GGML_TYPE_Q5_0) || n_embd <= 0 || n_embd % QK != 0 || n_vocab <= 0 || !kernel_runs_here(kernel)) {
+    if (!rows || (type != GGML_TYPE_Q8_0 && type != GGML_TYPE_Q5_0) || n_embd <= 0 || n_embd % QK != 0 ||
+        n_vocab <= 0 || !kernel_runs_here(kernel)) {
         return nullptr;
     }
     std::unique_ptr<dg_lm_head> h(new dg_lm_head(kernel, n_embd, n_vocab));
