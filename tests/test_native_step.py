@@ -306,11 +306,19 @@ def _logits_in_subprocess(path, threads: int, out, moe_gemm: bool) -> np.ndarray
 
 
 def _tiny_quantized(tmp_path, weights: str, seed: int):
-    """The tiny random model with its matrices in Q8_0, or in Q5_0 (Q4_K_M files' down projections)."""
+    """The tiny random model with its matrices in Q8_0, or in Q5_0 (Q4_K_M files' down projections):
+    "q5_0" keeps the embedding (so the LM head) Q8_0, "q5_0 lm head" makes it Q5_0 too."""
+    import gguf
+
     from dgcli.tiny import q5_0_type, write_tiny_random_gguf
 
-    storage = {"q8_0": {"outtype": "q8_0"}, "q5_0": {"storage": q5_0_type}}[weights]
-    return write_tiny_random_gguf(tmp_path / f"{weights}.gguf", seed=seed, **storage)
+    def all_q5_0(spec):
+        qtype = q5_0_type(spec)
+        return gguf.GGMLQuantizationType.Q5_0 if qtype == gguf.GGMLQuantizationType.Q8_0 else qtype
+
+    storage = {"q8_0": {"outtype": "q8_0"}, "q5_0": {"storage": q5_0_type},
+               "q5_0 lm head": {"storage": all_q5_0}}[weights]
+    return write_tiny_random_gguf(tmp_path / f"{weights.replace(' ', '-')}.gguf", seed=seed, **storage)
 
 
 @pytest.mark.parametrize("weights", ["q8_0", "q5_0"])
@@ -371,12 +379,11 @@ def _logits_with_lm_head(path, lm_head: str, monkeypatch):
     return path_used, logits, step
 
 
-def test_repacked_lm_head_gives_ggml_matmul_logits(tmp_path, monkeypatch):
-    """A Q8_0 model's LM head on our GEMM (this CPU's kernel, and the VNNI layout emulated) against
+@pytest.mark.parametrize("weights", ["q8_0", "q5_0 lm head"])
+def test_repacked_lm_head_gives_ggml_matmul_logits(tmp_path, monkeypatch, weights):
+    """A Q8_0 or Q5_0 LM head on our GEMM (this CPU's kernel, and the VNNI layout emulated) against
     ggml's matmul: the same quantized products, float summation order aside."""
-    from dgcli.tiny import write_tiny_random_gguf
-
-    path = write_tiny_random_gguf(tmp_path / "q8.gguf", seed=5, outtype="q8_0")
+    path = _tiny_quantized(tmp_path, weights, seed=5)
     used, reference, _ = _logits_with_lm_head(path, "ggml", monkeypatch)
     assert used == "ggml"
     for lm_head in ("auto", "emulated"):
