@@ -208,3 +208,54 @@ def test_serve_start_up_lines_wrap_between_words_and_ctrl_c_stops_it(columns):
     assert max(len(line) for line in lines) > columns - 20  # filled, not one word per line
     term.sendintr()
     assert term.wait() == 130
+
+
+@pytest.mark.parametrize("columns", [40, 30])
+def test_info_tables_wrap_on_a_narrow_terminal_and_never_cut_a_value(columns, tiny_gguf):
+    """At 40 columns the sampler and tensor-type tables used to cut names and parameter counts to "…"
+    ("max_denoisi…", "6,258,6…"): a figure the reader cannot see whole. Now they fold."""
+    rc, term = pty_screen.run("info", str(tiny_gguf), "--gpu-layers", "-1", "--gpu-memory", "8GB", columns=columns,
+                              rows=200)
+    assert rc == 0
+    text = term.all_text()
+    assert "…" not in text, text
+    # every figure is there whole once the folds are undone: each column's pieces, top to bottom
+    columns_text: dict[int, str] = {}
+    for line in text.splitlines():
+        if line.startswith("│"):
+            for i, cell in enumerate(line.strip("│").split("│")):
+                columns_text[i] = columns_text.get(i, "") + cell.strip()
+    assert "max_denoising_steps" in columns_text[0] and "confidence_threshold" in columns_text[0]
+    from dgcli import info
+
+    for t in info.read_info(tiny_gguf).tensor_types:
+        assert f"{t.parameters:,}" in columns_text[2], t
+
+
+@pytest.mark.parametrize("columns", WIDTHS)
+def test_list_shows_every_model_whole_at_any_width(columns):
+    """At 40 columns the table once squeezed role, pair, size and "on disk" to nothing (the names do not
+    wrap), and at 80 it cut a pair name to "diffusiong…". Narrower than the table can fold to, dg list
+    prints one wrapped line per model."""
+    import json
+    import subprocess
+    import sys
+
+    listed = subprocess.run([sys.executable, "-m", "dgcli.cli", "list", "--json"], capture_output=True, text=True,
+                            check=True, cwd=pty_screen.REPO)
+    rc, term = pty_screen.run("list", columns=columns, rows=100)
+    assert rc == 0
+    text = term.all_text()
+    assert "…" not in text, text
+    words = " ".join(text.split())
+    from dgcli import hub
+
+    for row in json.loads(listed.stdout)["models"]:
+        size = hub.format_bytes(row["size"])
+        assert size in words, (row, text)
+        if columns == 40:  # the one-line-per-model form, whole
+            name = row["name"] + (f":{row['quant']}" if row["quant"] else "") + (" *" if row["default"] and row["quant"]
+                                                                                 else "")
+            size = size if row["on_disk"] else "~" + size
+            line = f"{name} {row['role']}, pair {row['pair'] or '-'} {size} {'on disk' if row['on_disk'] else 'not on disk'}"
+            assert line in words, (line, text)

@@ -6,6 +6,7 @@ import json
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from dgcli import hub
 from dgcli.commands import _shared as shared
@@ -39,7 +40,7 @@ def list_cmd(json_out: bool = typer.Option(False, "--json", help=f"Machine-reada
         table.add_column("name", no_wrap=True)
         table.add_column("quant", no_wrap=True)
         for col, kw in (("role", {}), ("pair", {}), ("size", {"justify": "right"}), ("on disk", {})):
-            table.add_column(col, **kw)
+            table.add_column(col, overflow="fold", **kw)  # folded when squeezed, never cut to "…"
         for r in rows:
             quant = (r["quant"] or "-") + (" *" if r["default"] and r["quant"] else "")
             size = hub.format_bytes(r["size"]) if r["size"] else "-"
@@ -47,6 +48,20 @@ def list_cmd(json_out: bool = typer.Option(False, "--json", help=f"Machine-reada
                 size = "~" + size
             table.add_row(r["name"], quant, r["role"], r["pair"] or "-", size, "yes" if r["on_disk"] else "no")
         sources = [f"{e.name}: {e.repo or 'shipped with dg'}" for e in registry.entries.values()]
-        table.caption = ("* default quant.  " + "; ".join(sources) +
-                         ".  `dg pull NAME[:QUANT]` downloads; --model takes NAME, NAME:QUANT or a .gguf path.")
-        shared.stdout.print(table)
+        caption = ("* default quant.  " + "; ".join(sources) +
+                   ".  `dg pull NAME[:QUANT]` downloads; --model takes NAME, NAME:QUANT or a .gguf path.")
+        out = shared.stdout
+        if out.measure(table, options=out.options.update_width(10_000)).minimum <= out.width:
+            table.caption = caption
+            out.print(table)
+            return
+        # narrower than the table can fold to: one wrapped line per model (columns squeezed to nothing
+        # would hide the sizes and whether each is on disk)
+        out.print(Text("dg models", style="italic"))
+        for r in rows:
+            name = r["name"] + (f":{r['quant']}" if r["quant"] else "") + (" *" if r["default"] and r["quant"] else "")
+            size = hub.format_bytes(r["size"]) if r["size"] else "-"
+            size = "~" + size if not r["on_disk"] and r["size"] else size
+            out.print(Text(f"{name}  {r['role']}, pair {r['pair'] or '-'}  {size}  "
+                           + ("on disk" if r["on_disk"] else "not on disk")))
+        out.print(Text(caption))
