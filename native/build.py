@@ -442,11 +442,15 @@ def build_wheel(source: Path, cmake_args: list[str], key: str, log: Path, jobs: 
     toolchain = cublas_cmake_args(log) if "-DGGML_CUDA=on" in cmake_args else []
     env["CMAKE_ARGS"] = shlex.join(cmake_args + toolchain)
     env["CMAKE_BUILD_PARALLEL_LEVEL"] = str(jobs)
-    run_logged([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_dir),
-                "-C", f"build-dir={build_dir}", "-v", str(source)], log, "compile", env=env, on_line=on_line)
-    wheels = sorted(tmp_dir.glob("*.whl"))
-    if not wheels:
-        raise BuildError("compile", "pip wheel produced no wheel", log)
+    try:
+        run_logged([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_dir),
+                    "-C", f"build-dir={build_dir}", "-v", str(source)], log, "compile", env=env, on_line=on_line)
+        wheels = sorted(tmp_dir.glob("*.whl"))
+        if not wheels:
+            raise BuildError("compile", "pip wheel produced no wheel", log)
+    except BaseException:  # failed, interrupted or stopped: no empty .partial folder left in the cache
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
     # Only a finished wheel gets the key's name, so an interrupted build is never reused.
     shutil.rmtree(wheel_dir, ignore_errors=True)
     tmp_dir.replace(wheel_dir)

@@ -186,3 +186,26 @@ except b.StopRequested as stop:
     proc.send_signal(signum)
     assert proc.wait(timeout=30) == code
     assert _wait_gone(child), "the compile's child kept running after the build was stopped"
+
+
+@pytest.mark.parametrize("failure", [KeyboardInterrupt, build.StopRequested])
+def test_an_unfinished_wheel_build_leaves_no_partial_folder(tmp_path, monkeypatch, failure):
+    """Interrupted, stopped or failed, the compile step leaves no `.KEY.partial` folder behind: they were
+    piling up in the wheel cache, one per interrupted key."""
+    monkeypatch.setenv("DG_CACHE_DIR", str(tmp_path / "cache"))
+
+    def compile_step(cmd, log, step, **kwargs):
+        out_dir = Path(cmd[cmd.index("-w") + 1])
+        assert out_dir.is_dir() and out_dir.name.endswith(".partial")
+        raise failure(signal.SIGTERM) if failure is build.StopRequested else failure()
+
+    monkeypatch.setattr(build, "run_logged", compile_step)
+    with pytest.raises(failure):
+        build.build_wheel(tmp_path / "src", ["-DGGML_NATIVE=on"], "k" * 20, tmp_path / "log", 1)
+    wheels = build.cache_root() / "wheels"
+    assert wheels.is_dir() and not list(wheels.iterdir())
+    # no wheel made: a build error, and nothing left either
+    monkeypatch.setattr(build, "run_logged", lambda *a, **k: None)
+    with pytest.raises(build.BuildError, match="produced no wheel"):
+        build.build_wheel(tmp_path / "src", ["-DGGML_NATIVE=on"], "k" * 20, tmp_path / "log", 1)
+    assert not list(wheels.iterdir())
