@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -88,6 +89,29 @@ class Check:
             return False
         finally:
             self.data.setdefault("step_seconds", {})[name] = round(time.monotonic() - t0, 1)
+            self.save()  # device time is scarce: what is measured so far survives a kill mid-check
+
+    def save(self) -> None:
+        """The table so far, as $OUT/gpu-check.md and .json."""
+        lines = ["| step | quantity | value | note |", "|---|---|---|---|"]
+        lines += [f"| {r.section} | {r.quantity} | {r.value} | {r.note} |" for r in self.rows]
+        (self.out / "gpu-check.md").write_text("\n".join(lines) + "\n")
+        doc = dict(rows=[r.__dict__ for r in self.rows], failed=self.failed, seconds=time.monotonic() - self.started,
+                   **self.data)
+        (self.out / "gpu-check.json").write_text(json.dumps(doc, indent=1, default=str))
+
+
+class Stopped(BaseException):
+    """SIGTERM or SIGHUP (a device tool's time limit): unwind, so that the writers are killed, their
+    files removed and the table written."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def raise_stopped(signum: int, _frame) -> None:
+    raise Stopped(signum)
 
 
 def ms(seconds: float) -> str:
@@ -317,12 +341,7 @@ def write_outputs(check: Check) -> None:
     for r in check.rows:
         table.add_row(r.section, r.quantity, r.value, r.note)
     Console(width=160).print(table)
-    lines = ["| step | quantity | value | note |", "|---|---|---|---|"]
-    lines += [f"| {r.section} | {r.quantity} | {r.value} | {r.note} |" for r in check.rows]
-    (check.out / "gpu-check.md").write_text("\n".join(lines) + "\n")
-    doc = dict(rows=[r.__dict__ for r in check.rows], failed=check.failed, seconds=time.monotonic() - check.started,
-               **check.data)
-    (check.out / "gpu-check.json").write_text(json.dumps(doc, indent=1, default=str))
+    check.save()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -343,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--n-layer must be at least 2 (the layout needs a sliding and a full-attention layer)")
     args.out.mkdir(parents=True, exist_ok=True)
     check = Check(out=args.out, budget_s=args.budget)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, raise_stopped)
 
     try:
         check_gpu(check)
@@ -374,18 +395,30 @@ def main(argv: list[str] | None = None) -> int:
                            need_s=40)
         if "ar" in paths:
             check.step("ar", lambda: measure_ar(check, paths["ar"], args.reps), need_s=20)
+    except Stopped as stop:
+        check.failed.append("stopped")
+        check.add("stopped", f"by signal {signal.Signals(stop.signum).name}", "-", "the steps after it did not run")
+        stopped_code = 128 + stop.signum
+    else:
+        stopped_code = None
     finally:
+        for sig in (signal.SIGTERM, signal.SIGHUP):  # a second signal must not cut the clean-up short
+            signal.signal(sig, signal.SIG_IGN)
         for _, proc in writers.values():
             if proc.poll() is None:
                 proc.kill()
+                proc.wait()
         if args.workdir is None:
             for path in workdir.glob("*"):
                 path.unlink()
             workdir.rmdir()
         check.add("total", "wall time", f"{time.monotonic() - check.started:.0f} s", f"budget {args.budget:.0f} s")
         write_outputs(check)
-    return 1 if check.failed else 0
+    return stopped_code or (1 if check.failed else 0)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except Stopped as stopped:  # before the steps began: nothing to clean up
+        sys.exit(128 + stopped.signum)

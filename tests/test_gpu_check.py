@@ -20,3 +20,47 @@ def test_partial_offload_settings_fit_the_model():
     # the dry run's two layers: 15 would be refused by the loader's check, half the layers is timed
     assert gpu_check.partial_settings("15,-1", 2) == [1, -1]
     assert gpu_check.partial_settings("", 2) == []
+
+
+def test_each_step_saves_the_table_so_far(tmp_path):
+    """A device run killed mid-check still leaves what it measured in $OUT."""
+    import json
+
+    check = gpu_check.Check(out=tmp_path, budget_s=60)
+    check.step("one", lambda: check.add("one", "quantity", 1.5, "note"))
+    doc = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert [r["value"] for r in doc["rows"]] == ["1.5"]
+    assert "| one | quantity | 1.5 | note |" in (tmp_path / "gpu-check.md").read_text()
+
+    def failing():
+        raise RuntimeError("no such device")
+
+    assert check.step("two", failing) is False
+    doc = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert doc["failed"] == ["two"] and doc["rows"][-1]["value"] == "RuntimeError"
+
+
+def test_sigterm_mid_check_writes_the_table_and_stops_the_writers(tmp_path):
+    """The device tool's time limit arrives as SIGTERM: the check unwinds, kills its GGUF writers,
+    removes their files and writes the table with a 'stopped' row, exit 143."""
+    import json
+    import os
+    import signal
+    import subprocess
+
+    workdirs_before = set(Path("/tmp").glob("dg-gpu-check-*"))
+    proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--cpu-dry-run", "--skip-tests",
+                             "--n-layer", "2", "--reps", "1", "--out", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    for line in proc.stdout:
+        if "] write ..." in line:  # the first step has begun: the writers are running
+            break
+    proc.send_signal(signal.SIGTERM)
+    proc.stdout.read()
+    assert proc.wait(timeout=60) == 143
+    doc = json.loads((tmp_path / "gpu-check.json").read_text())
+    sections = [r["section"] for r in doc["rows"]]
+    assert "stopped" in sections and sections[-1] == "total"
+    assert "stopped" in doc["failed"]
+    assert set(Path("/tmp").glob("dg-gpu-check-*")) <= workdirs_before  # its temp dir is gone
