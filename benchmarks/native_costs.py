@@ -16,7 +16,10 @@ medians of `--reps`:
                     --threads 2 on the shared 2-core box; graph memory rules it out here now.)
   sampler + top-k   the native sampler pass over the [256, 262144] logits, top-k included
   encoder commit    256 tokens appended to the cache (logits of the last token only)
-  AR token decode   one token on the gemma4 twin
+  graph step        what `dg generate` runs per step: the self-conditioned forward with softcap,
+                    sampling and top-k in the graph (only per-position results leave it)
+  one-token decode  one token through the encoder with its logits: an AR step on the same weights
+  AR token decode   one token on the gemma4 twin (--no-ar: none, the ratios are to the line above)
 and, with --batch, n canvases as n sequences in one decoder forward.
 
 With few layers the vocabulary-sized matrices dominate (the LM head over 256 positions and the
@@ -46,22 +49,24 @@ def cache_dir() -> Path:
     return (Path(base) if base else Path.home() / ".cache" / "dg") / "bench"
 
 
-def synthetic_pair(layers: int, quant: str, experts: int) -> tuple[Path, Path]:
+def synthetic_model(layers: int, quant: str, experts: int, arch: str = "diffusion-gemma") -> Path:
+    """The cached synthetic GGUF of `arch` (written once; the gemma4 twin holds the same weights)."""
     from dgcli.tiny import write_synthetic_gguf
 
     d = cache_dir()
     d.mkdir(parents=True, exist_ok=True)
-    stem = f"synthetic-v262144-h2816-l{layers}-e{experts}-{quant}"
-    paths = []
-    for arch in ("diffusion-gemma", "gemma4"):
-        path = d / f"{stem}-{arch}.gguf"
-        if not path.exists():
-            tmp = path.with_suffix(".partial")
-            write_synthetic_gguf(tmp, n_layer=layers, outtype=quant, arch=arch, num_experts=experts,
-                                 top_k_experts=min(8, experts))
-            tmp.replace(path)
-        paths.append(path)
-    return paths[0], paths[1]
+    path = d / f"synthetic-v262144-h2816-l{layers}-e{experts}-{quant}-{arch}.gguf"
+    if not path.exists():
+        tmp = path.with_suffix(".partial")
+        write_synthetic_gguf(tmp, n_layer=layers, outtype=quant, arch=arch, num_experts=experts,
+                             top_k_experts=min(8, experts))
+        tmp.replace(path)
+    return path
+
+
+def synthetic_pair(layers: int, quant: str, experts: int) -> tuple[Path, Path]:
+    return (synthetic_model(layers, quant, experts, "diffusion-gemma"),
+            synthetic_model(layers, quant, experts, "gemma4"))
 
 
 def median_time(fn, reps: int, setup=None) -> float:
@@ -85,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", default="", help="comma-separated canvases per forward, e.g. 1,2,4")
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens before the canvas")
     parser.add_argument("--sc-top-k", type=int, default=64, help="self-conditioning top-k width")
+    parser.add_argument("--no-ar", action="store_true",
+                        help="no gemma4 twin (at real size a second 16 GB file): ratios to the one-token decode")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
@@ -94,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         batches = [int(b) for b in args.batch.split(",") if b.strip()]
         t0 = time.perf_counter()
-        diff_path, ar_path = synthetic_pair(args.layers, args.quant, args.experts)
+        diff_path = synthetic_model(args.layers, args.quant, args.experts)
+        ar_path = None if args.no_ar else synthetic_model(args.layers, args.quant, args.experts, "gemma4")
         write_s = time.perf_counter() - t0
         rng = np.random.default_rng(0)
         n_seq = max([1, *batches])
@@ -123,22 +131,37 @@ def main(argv: list[str] | None = None) -> int:
                 lambda: step_sampler.process_logits(prev.copy(), np.float32(0.8), rng.random(C), top_k=args.sc_top_k),
                 args.reps)
             results["encoder commit (256 tokens)"] = median_time(lambda: m.commit(canvas), args.reps, setup=fresh)
+            fresh()
+            # the graph step generate runs: the forward, then softcap, sampling and top-k in the graph
+            uniforms = rng.random((1, C))
+            results[f"graph step + self-cond (top-{args.sc_top_k})"] = median_time(
+                lambda: m.denoise_step(np.array([canvas]), np.float32(0.8), uniforms,
+                                       sc_topk=(sc_topk[0][None], sc_topk[1][None]), top_k=args.sc_top_k), args.reps)
+            # one token through the encoder with its logits: an AR decode step on the same weights
+            fresh()
+            token = iter(rng.integers(200, 400, 10_000).tolist())
+            m.prefill([next(token)], return_logits=True)
+            results["one-token decode (same weights)"] = median_time(
+                lambda: m.prefill([next(token)], return_logits=True), max(args.reps, 5))
             for n in batches:
                 fresh()
                 canvases = np.array([[int(t) for t in rng.integers(0, V, C)] for _ in range(n)])
                 results[f"decoder batch of {n} canvases"] = median_time(lambda: m.decode_canvases(canvases), args.reps)
-        with ArModel(ar_path, n_threads=args.threads, n_ctx=2048) as ar:
-            ar.prefill(prompt)
-            token = iter(rng.integers(200, 400, 10_000).tolist())
-            ar.decode_token(next(token))
-            results["AR token decode"] = median_time(lambda: ar.decode_token(next(token)), max(args.reps, 5))
+        if ar_path is not None:
+            with ArModel(ar_path, n_threads=args.threads, n_ctx=2048) as ar:
+                ar.prefill(prompt)
+                token = iter(rng.integers(200, 400, 10_000).tolist())
+                ar.decode_token(next(token))
+                results["AR token decode"] = median_time(lambda: ar.decode_token(next(token)), max(args.reps, 5))
     except DgError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
 
-    ar_s = results["AR token decode"]
+    base = "one-token decode (same weights)" if ar_path is None else "AR token decode"
+    ar_s = results[base]
     meta = dict(layers=args.layers, quant=args.quant, experts=args.experts, vocab=262144, hidden=2816, canvas=256,
-                prompt=args.prompt, threads=args.threads or os.cpu_count(), reps=args.reps, file_write_s=round(write_s, 1))
+                prompt=args.prompt, threads=args.threads or os.cpu_count(), reps=args.reps, file_write_s=round(write_s, 1),
+                ratio_base=base)
     if args.json:
         print(json.dumps({"config": meta, "seconds": results,
                           "ratio_to_ar_decode": {k: v / ar_s for k, v in results.items()}}, indent=2))
@@ -150,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"vocab 262144, hidden 2816 (median of {args.reps})")
     table.add_column("forward")
     table.add_column("seconds", justify="right")
-    table.add_column("x AR token", justify="right")
+    table.add_column("x AR token" if ar_path is not None else "x one-token decode", justify="right")
     for name, secs in results.items():
         table.add_row(name, f"{secs:.3f}", f"{secs / ar_s:.1f}")
     Console().print(table)

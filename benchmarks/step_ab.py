@@ -101,9 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         path = args.gguf
     else:
         sys.path.insert(0, str(ROOT / "benchmarks"))
-        from native_costs import synthetic_pair
+        from native_costs import synthetic_model
 
-        path = synthetic_pair(args.layers, args.quant, args.experts)[0]
+        path = synthetic_model(args.layers, args.quant, args.experts)
     times: dict[str, list] = {name: [] for name in variants}
     groups: dict[str, dict] = {name: {} for name in variants}  # group -> [CPU s of each rep], multiply-adds
     for rep in range(args.reps):  # interleaved: the box's load hits both alike
