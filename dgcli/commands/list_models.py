@@ -57,11 +57,12 @@ def list_cmd(json_out: bool = typer.Option(False, "--json", help=f"Machine-reada
             return
         # narrower than the table can fold to: one wrapped line per model (columns squeezed to nothing
         # would hide the sizes and whether each is on disk)
+        piped = not out.is_terminal  # then each model stays one line, for grep
         out.print(Text("dg models", style="italic"))
         for r in rows:
             name = r["name"] + (f":{r['quant']}" if r["quant"] else "") + (" *" if r["default"] and r["quant"] else "")
             size = hub.format_bytes(r["size"]) if r["size"] else "-"
             size = "~" + size if not r["on_disk"] and r["size"] else size
             out.print(Text(f"{name}  {r['role']}, pair {r['pair'] or '-'}  {size}  "
-                           + ("on disk" if r["on_disk"] else "not on disk")))
-        out.print(Text(caption))
+                           + ("on disk" if r["on_disk"] else "not on disk")), soft_wrap=piped)
+        out.print(Text(caption), soft_wrap=piped)
