@@ -254,8 +254,8 @@ def _scalar(header: GgufHeader, key: str, kind: type):
 
 
 def declared_file_type(header: GgufHeader) -> str | None:
-    """The quant the file says it is (`general.file_type`, written by llama.cpp's quantizer and the
-    converters: 15 -> "Q4_K_M"), or None when the key is absent, not a uint32 or not a known type."""
+    """The quant the file says it is (`general.file_type`, as llama.cpp's quantizer writes it: 15 ->
+    "Q4_K_M"), or None when the key is absent, not a uint32 or not a known type."""
     value = header.get("general.file_type")
     if header.type_of("general.file_type") != "uint32" or not isinstance(value, int):
         return None

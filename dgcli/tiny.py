@@ -412,8 +412,8 @@ def write_tiny_random_gguf(path: str | Path, seed: int = 0, arch: str = "diffusi
 
 def q5_0_type(spec):
     """Q5_0 for every matrix whose rows are whole 32-wide blocks, as Q4_K_M files store their down
-    projections; the token embedding Q8_0 (a Q5_0 LM head would be another test); vectors and the
-    router F32."""
+    projections; the token embedding (so the LM head) Q8_0, as a Q4_K_M file keeps it wider than the
+    rest; vectors and the router F32."""
     import gguf
 
     T = gguf.GGMLQuantizationType

@@ -160,8 +160,8 @@ def _declare(lib_mod: Any) -> None:
         "dg_lm_head_path": ([lib_mod.llama_model_p_ctypes], ctypes.c_char_p),
         "dg_dense_repacked_count": ([lib_mod.llama_model_p_ctypes], ctypes.c_int32),
         # (kernel, weight ggml type, n_embd, n_vocab, n_cols, seed, max_rel_error out)
-        "dg_lm_head_selftest": ([ctypes.c_int32, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint32,
-                                 ctypes.POINTER(ctypes.c_double)], ctypes.c_int32),
+        "dg_lm_head_selftest": ([ctypes.c_int32, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                 ctypes.c_uint32, ctypes.POINTER(ctypes.c_double)], ctypes.c_int32),
         "dg_peak_gmacs": ([ctypes.c_int32, ctypes.c_double, ctypes.c_char_p, ctypes.c_int32], ctypes.c_double),
         "dg_profile_new": ([], ctypes.c_void_p),
         "dg_profile_free": ([ctypes.c_void_p], None),
