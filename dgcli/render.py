@@ -7,6 +7,7 @@ testable with hand-made StepEvents and never drives a model itself.
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Callable, Iterable, Sequence
 
 from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
@@ -27,6 +28,8 @@ NOISY_STYLE = "dim"
 END_STYLE = "dim italic"
 THINKING_STYLE = "dim italic"
 MAX_PIECE_CHARS = 16
+# a forward this long with nothing on screen moving looks hung: the live view then counts the seconds
+SLOW_FORWARD_S = 2.0
 
 
 # Control characters in model output (a random model emits them; any model can) would move the
@@ -172,6 +175,9 @@ class DiffusionLiveView:
         self.forwards = 0
         self.note = ""  # shown after the status (e.g. "interrupted")
         self.fit = True  # live: no taller than the terminal; False: the whole text (a final print)
+        # since when the engine has been computing with no event (a step of the real model takes tens
+        # of seconds on a CPU): a live view says so, or the screen looks hung. None: not computing.
+        self.busy_since: float | None = None
 
     def on_event(self, ev) -> None:
         if isinstance(ev, StepEvent):
@@ -189,10 +195,19 @@ class DiffusionLiveView:
         if self.last_step is None:
             done = (f"{plural(len(self.committed_ids), 'token')}, "
                     f"{plural(len(self.steps_per_canvas), 'canvas', 'canvases')}")
-            status = done if self.steps_per_canvas else "prefilling prompt…"
+            # no event comes between the prompt's forward and the first step's
+            status = done if self.steps_per_canvas else "prefilling prompt, then step 1…"
         else:
             status = step_status(self.last_step)
-        return status + (f"  {self.note}" if self.note else "")
+        return status + self.busy_note() + (f"  {self.note}" if self.note else "")
+
+    def busy_note(self, now: float | None = None) -> str:
+        """"  working 12 s": how long the engine has been on the next forward, once that is long enough
+        to look like a hang (the first forward counts from the start: the prompt, then step 1)."""
+        if self.busy_since is None:
+            return ""
+        waited = (time.monotonic() if now is None else now) - self.busy_since
+        return f"  working {waited:.0f} s" if waited >= SLOW_FORWARD_S else ""
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         committed = answer_text(self.committed_text, self.thinking) if self.committed_text else None

@@ -72,6 +72,57 @@ def test_live_view_shows_committed_text_canvas_and_status():
     assert view.steps_per_canvas == [5] and view.forwards == 1
 
 
+def test_live_view_counts_the_seconds_of_a_slow_forward():
+    """A step of the real model takes tens of seconds on a CPU: past render.SLOW_FORWARD_S the status
+    says how long the engine has been working, so the screen does not look hung; a fast forward adds
+    nothing."""
+    view = render.DiffusionLiveView(piece, detok, end_token_ids=[1])
+    view.busy_since = 100.0
+    assert view.busy_note(now=101.0) == ""
+    assert view.busy_note(now=112.4) == "  working 12 s"
+    view.on_event(step([5, 6, 9, 9], [True, False, False, False], step=1))
+    view.busy_since = None
+    assert view.busy_note(now=1000.0) == "" and "working" not in view.status()
+
+
+class _RecordingLive:
+    """A stand-in for Rich's Live: which threads asked for a redraw, and what the status said then."""
+
+    def __init__(self, view):
+        import threading
+
+        self.view, self.lock, self.redraws = view, threading.Lock(), []
+
+    def refresh(self):
+        import threading
+
+        with self.lock:
+            self.redraws.append((threading.current_thread().name, self.view.status()))
+
+
+def test_display_redraws_a_slow_forward_every_second_and_a_fast_one_never():
+    import time
+
+    view = render.DiffusionLiveView(piece, detok, end_token_ids=[1])
+    live = _RecordingLive(view)
+    # slow: the engine computes 3.3 s before its first event
+    with shared.DiffusionDisplay(None, live=True, thinking="show", live_obj=live, view=view) as display:
+        time.sleep(3.3)
+        ticks = [status for thread, status in live.redraws if thread == "dg-busy-ticker"]
+        display.on_event(step([5, 6, 9, 9], [True, False, False, False], step=1))
+    assert ticks and ticks[-1].startswith("prefilling prompt, then step 1…  working 3 s"), ticks
+    assert not display.ticker._thread.is_alive()  # stopped with the display
+    # fast: events every 0.1 s for 1.5 s, the ticker never redraws
+    view, live.redraws = render.DiffusionLiveView(piece, detok, end_token_ids=[1]), []
+    live.view = view
+    with shared.DiffusionDisplay(None, live=True, thinking="show", live_obj=live, view=view) as display:
+        for i in range(15):
+            time.sleep(0.1)
+            display.on_event(step([5, 6, 9, 9], [True, False, False, False], step=i + 1))
+    assert live.redraws and all(thread != "dg-busy-ticker" for thread, _ in live.redraws)
+    assert "working" not in view.status()
+
+
 def test_split_thinking():
     t = "<|channel>thought\nadd 3 and 5<channel|>The answer is 8."
     assert render.split_thinking(t) == ("add 3 and 5", "The answer is 8.")

@@ -512,20 +512,28 @@ class DiffusionDisplay:
         self.thinking, self.stream_plain, self.recorder = thinking, stream_plain, recorder
         self.throttle, self.pacer, self.pace = Throttle(), Pacer(pace), pace
         self.streamed_chars = 0
+        self.ticker: Optional[BusyTicker] = None
 
     def __enter__(self) -> "DiffusionDisplay":
         if self.live and self.live_obj is None:
             self._own = live_view(self.view)
             self.live_obj = self._own.__enter__()
+        if self.live_obj is not None:
+            self.view.busy_since = time.monotonic()
+            self.ticker = BusyTicker(self.live_obj, self.view)
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self.view.busy_since = None
+        if self.ticker is not None:
+            self.ticker.stop()
         if self._own is not None:
             self._own.__exit__(*exc)
         elif self.live_obj is not None:
             refresh(self.live_obj)
 
     def on_event(self, ev) -> None:
+        self.view.busy_since = None  # the engine is in this callback, not computing
         self.view.on_event(ev)
         if self.recorder is not None:
             self.recorder.on_event(ev)
@@ -542,6 +550,32 @@ class DiffusionDisplay:
                 self.streamed_chars = len(text)
         if isinstance(ev, StepEvent):
             self.pacer.wait()
+        if self.ticker is not None:
+            self.view.busy_since = time.monotonic()  # back to the engine: the next forward starts
+
+
+class BusyTicker:
+    """Redraws a live view about once a second while its engine computes a forward slower than
+    render.SLOW_FORWARD_S, so that the view's "working N s" counts up instead of a frozen screen (a
+    step of the real model takes tens of seconds on a CPU). A fast model never triggers it. Rich's
+    Live serializes redraws from several threads."""
+
+    def __init__(self, live: Live, view: render.DiffusionLiveView, interval: float = 1.0):
+        import threading
+
+        self.live, self.view, self.interval = live, view, interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dg-busy-ticker", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            if self.view.busy_note():
+                self.live.refresh()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def run_diffusion(engine, prompt, *, params: DiffusionParams, max_new_tokens: int, seed: Optional[int],
