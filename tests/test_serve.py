@@ -234,8 +234,11 @@ def test_ctrl_c_stops_the_server_with_streams_in_flight(tiny_gguf):
     with ServeProcess("-m", tiny_gguf, "--parallel", "2") as server:
         host, port = server.root.removeprefix("http://").split(":")
         conn = http.client.HTTPConnection(host, int(port), timeout=TIMEOUT_S)
+        # seed 3 runs this tiny model to max_tokens (60 canvases of 48 steps); unseeded, a draw that
+        # ends after one canvas could finish the stream before the Ctrl-C (seen in a full run)
         conn.request("POST", "/v1/completions", json.dumps({"prompt": "x", "stream": True, "max_tokens": 16 * 60,
-                                                            "steps": 48}), {"Content-Type": "application/json"})
+                                                            "steps": 48, "seed": 3}),
+                     {"Content-Type": "application/json"})
         resp = conn.getresponse()
         assert resp.status == 200
         resp.readline()
