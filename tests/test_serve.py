@@ -247,7 +247,22 @@ def test_ctrl_c_stops_the_server_with_streams_in_flight(tiny_gguf):
         conn.close()
     assert rc == 130
     assert "shutting down" in rest or rest == "" or "error" in rest
-    assert server.stderr_lines[-1] == "interrupted" and not any("Traceback" in line for line in server.stderr_lines)
+    assert server.stderr_lines[-2:] == ["dg serve: stopped", "interrupted"], server.stderr_lines
+    assert not any("Traceback" in line for line in server.stderr_lines)
+
+
+def test_sigterm_stops_the_server_with_a_log_line_and_dies_of_the_signal(tiny_gguf):
+    """What a service manager sends: the same graceful shutdown, then "dg serve: stopped" in the log
+    (it never printed: uvicorn raises the signal again after shutting down) and death by SIGTERM, which
+    service managers count as a clean stop (an exit status of 143 they do not)."""
+    import signal
+
+    with ServeProcess("-m", tiny_gguf) as server:
+        assert fetch_json("GET", server.root + "/health")[0] == 200
+        rc = server.stop(signal.SIGTERM)
+    assert rc == -signal.SIGTERM
+    assert server.stderr_lines[-1] == "dg serve: stopped", server.stderr_lines
+    assert not any("Traceback" in line for line in server.stderr_lines)
 
 
 def test_serve_usage_errors_are_one_line():

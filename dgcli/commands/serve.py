@@ -3,6 +3,8 @@ denoised together (dgcli/server/)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 from typing import Optional
 
@@ -138,9 +140,22 @@ def _run(uvicorn, listener: socket.socket, name: str, path, *, parallel: int, qu
         config = uvicorn.Config(create_app(service), log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=5)
         _signals.hand_over()  # uvicorn's own handlers: SIGTERM shuts down gracefully, a second Ctrl-C forces it
-        Server(config).run(sockets=[listener])
-        typer.echo("dg serve: stopped", err=True)
+        # After its graceful shutdown uvicorn raises the signal again with the handler it found: Ctrl-C
+        # then unwinds to here (exit 130), SIGTERM ends the process as a service manager expects.
+        signal.signal(signal.SIGTERM, _stopped_by_sigterm)
+        try:
+            Server(config).run(sockets=[listener])
+        finally:
+            shared.notice("dg serve: stopped")
     finally:
         if scheduler is not None:
             scheduler.close()
         model.close()
+
+
+def _stopped_by_sigterm(signum: int, _frame) -> None:
+    """SIGTERM after uvicorn's graceful shutdown: say so, then die of the signal (not exit 143), which
+    service managers count as a clean stop."""
+    shared.notice("dg serve: stopped")
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
