@@ -158,7 +158,8 @@ class DiffusionLiveView:
     """The live diffusion panel: committed text so far + the canvas being denoised + a status line.
 
     Everything it shows is computed when an event arrives, never while drawing: the view can be
-    redrawn after its model is closed (compare redraws it while the AR side runs)."""
+    redrawn after its model is closed (compare redraws it while the AR side runs). The one exception,
+    `busy_note`, reads only the clock."""
 
     def __init__(self, piece_of: Callable[[int], str], detokenize: Callable[[list[int]], str],
                  end_token_ids: Iterable[int] = (), title: str = "diffusion", thinking: str = "show",

@@ -13,6 +13,8 @@ import typer
 from dgcli.commands import _shared as shared, _signals
 from dgcli.engine.types import DgError, InvalidParameter
 
+STOPPED = "dg serve: stopped"  # the log's last line, whichever signal stopped it
+
 MAX_PARALLEL = 64
 
 
@@ -146,7 +148,7 @@ def _run(uvicorn, listener: socket.socket, name: str, path, *, parallel: int, qu
         try:
             Server(config).run(sockets=[listener])
         finally:
-            shared.notice("dg serve: stopped")
+            shared.notice(STOPPED)
     finally:
         if scheduler is not None:
             scheduler.close()
@@ -156,6 +158,6 @@ def _run(uvicorn, listener: socket.socket, name: str, path, *, parallel: int, qu
 def _stopped_by_sigterm(signum: int, _frame) -> None:
     """SIGTERM after uvicorn's graceful shutdown: say so, then die of the signal (not exit 143), which
     service managers count as a clean stop."""
-    shared.notice("dg serve: stopped")
+    shared.notice(STOPPED)
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
