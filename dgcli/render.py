@@ -179,6 +179,7 @@ class DiffusionLiveView:
         # since when the engine has been computing with no event (a step of the real model takes tens
         # of seconds on a CPU): a live view says so, or the screen looks hung. None: not computing.
         self.busy_since: float | None = None
+        self.stopping = False  # a Ctrl-C came during that forward: the work stops when it returns
 
     def on_event(self, ev) -> None:
         if isinstance(ev, StepEvent):
@@ -208,7 +209,10 @@ class DiffusionLiveView:
         if self.busy_since is None:
             return ""
         waited = (time.monotonic() if now is None else now) - self.busy_since
-        return f"  working {waited:.0f} s" if waited >= SLOW_FORWARD_S else ""
+        if waited < SLOW_FORWARD_S:
+            return ""
+        return f"  working {waited:.0f} s" + (", stopping after this forward (Ctrl-C again: now)"
+                                              if self.stopping else "")
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         committed = answer_text(self.committed_text, self.thinking) if self.committed_text else None

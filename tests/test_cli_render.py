@@ -80,6 +80,9 @@ def test_live_view_counts_the_seconds_of_a_slow_forward():
     view.busy_since = 100.0
     assert view.busy_note(now=101.0) == ""
     assert view.busy_note(now=112.4) == "  working 12 s"
+    view.stopping = True  # a Ctrl-C the main thread acts on when the forward returns
+    assert view.busy_note(now=112.4) == "  working 12 s, stopping after this forward (Ctrl-C again: now)"
+    view.stopping = False
     view.on_event(step([5, 6, 9, 9], [True, False, False, False], step=1))
     view.busy_since = None
     assert view.busy_note(now=1000.0) == "" and "working" not in view.status()
@@ -111,6 +114,7 @@ def test_display_redraws_a_slow_forward_every_second_and_a_fast_one_never():
         ticks = [status for thread, status in live.redraws if thread == "dg-busy-ticker"]
         display.on_event(step([5, 6, 9, 9], [True, False, False, False], step=1))
     assert ticks and ticks[-1].startswith("prefilling prompt, then step 1…  working 3 s"), ticks
+    assert "stopping" not in ticks[-1]
     assert not display.ticker._thread.is_alive()  # stopped with the display
     # fast: events every 0.1 s for 1.5 s, the ticker never redraws
     view, live.redraws = render.DiffusionLiveView(piece, detok, end_token_ids=[1]), []
@@ -121,6 +125,22 @@ def test_display_redraws_a_slow_forward_every_second_and_a_fast_one_never():
             display.on_event(step([5, 6, 9, 9], [True, False, False, False], step=i + 1))
     assert live.redraws and all(thread != "dg-busy-ticker" for thread, _ in live.redraws)
     assert "working" not in view.status()
+
+
+def test_display_says_a_ctrl_c_waits_for_the_forward(monkeypatch):
+    """The signal watcher counts a Ctrl-C at once; the main thread acts on it only when the native
+    forward returns (tens of seconds on a CPU), so the ticker says the work stops after it."""
+    import time
+
+    from dgcli.commands import _signals
+
+    view = render.DiffusionLiveView(piece, detok, end_token_ids=[1])
+    live = _RecordingLive(view)
+    monkeypatch.setattr(_signals, "interrupt_pending", lambda: True)
+    with shared.DiffusionDisplay(None, live=True, thinking="show", live_obj=live, view=view):
+        time.sleep(2.3)
+    ticks = [status for thread, status in live.redraws if thread == "dg-busy-ticker"]
+    assert ticks and ticks[-1].endswith("working 2 s, stopping after this forward (Ctrl-C again: now)"), ticks
 
 
 def test_split_thinking():

@@ -557,7 +557,8 @@ class DiffusionDisplay:
 class BusyTicker:
     """Redraws a live view about once a second while its engine computes a forward slower than
     render.SLOW_FORWARD_S, so that the view's "working N s" counts up instead of a frozen screen (a
-    step of the real model takes tens of seconds on a CPU). A fast model never triggers it. Rich's
+    step of the real model takes tens of seconds on a CPU), and says when a Ctrl-C has arrived that
+    the main thread can only act on once the forward returns. A fast model never triggers it. Rich's
     Live serializes redraws from several threads."""
 
     def __init__(self, live: Live, view: render.DiffusionLiveView, interval: float = 1.0):
@@ -570,6 +571,7 @@ class BusyTicker:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
+            self.view.stopping = _signals.interrupt_pending()
             if self.view.busy_note():
                 self.live.refresh()
 

@@ -105,6 +105,12 @@ def hand_over() -> None:
         signal.signal(s, handler)
 
 
+def interrupt_pending() -> bool:
+    """A Ctrl-C has arrived that the main thread has not acted on yet (it may be inside a long
+    forward): a live view can say the work stops after it."""
+    return _interrupts[0] > 0
+
+
 def interrupt_handled() -> None:
     """The main thread has acted on the Ctrl-C so far (`dg chat` stopped one answer and goes on):
     the next Ctrl-C is a first one again, not a second."""
