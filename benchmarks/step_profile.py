@@ -77,7 +77,10 @@ DENSE_GROUPS = {"Qcur": "attention projections", "Kcur": "attention projections"
                 "attn_output": "attention projections", "ffn_gate": "dense FFN gate", "ffn_up": "dense FFN up",
                 "ffn_down": "dense FFN down", "sc_ffn_gate": "self-conditioning MLP", "sc_ffn_up": "self-conditioning MLP",
                 "sc_ffn_down": "self-conditioning MLP", "sc_signal": "self-conditioning MLP"}
-REPACKED_GEMMS = {"lm_head", *DENSE_GROUPS}
+# the experts on our tiles: the GEMM's own name, or the gate+up product's (which it is)
+EXPERT_GEMMS = {"experts_gemm", "ffn_moe_gate_up"}
+NAMED_GROUPS[("CUSTOM", "experts_act")] = "activations quantized for the experts' GEMMs"
+REPACKED_GEMMS = {"lm_head", *DENSE_GROUPS, *EXPERT_GEMMS}
 
 
 def group_of(node, n_vocab: int, n_embd: int) -> str:
@@ -87,6 +90,9 @@ def group_of(node, n_vocab: int, n_embd: int) -> str:
         return "LM head (ggml MUL_MAT)"
     if node.op == "MUL_MAT_ID":  # by shape: the down product's name sits on its per-expert scale's MUL
         return "MoE gate+up (MUL_MAT_ID)" if node.shapes[1][0] == n_embd else "MoE down (MUL_MAT_ID)"
+    if node.op == "CUSTOM" and base in EXPERT_GEMMS:  # by its input's width, as MUL_MAT_ID
+        gate_up = node.shapes[1][0] // 36 * 32 == n_embd
+        return ("MoE gate+up" if gate_up else "MoE down") + " (experts on our tiles)"
     if (node.op, base) in NAMED_GROUPS:
         return NAMED_GROUPS[(node.op, base)]
     if node.op in ("MUL_MAT", "CUSTOM") and base in DENSE_GROUPS:
@@ -103,7 +109,7 @@ def multiply_adds(node, n_embd: int) -> int:
     # row (K/32 blocks of 32 quants and a 4-byte scale)
     if node.op == "CUSTOM" and re.sub(r"-\d+$", "", node.name) in REPACKED_GEMMS:
         k = node.shapes[1][0] // 36 * 32
-        return k * node.shapes[0][0] * node.shapes[0][1]
+        return k * node.shapes[0][0] * node.shapes[0][1] * node.shapes[0][2]  # experts: [n_out, n_used, tokens]
     return node.multiply_adds()
 
 
@@ -115,11 +121,13 @@ def floor_peak(node, peaks: dict) -> float:
 
 
 def open_model(path: Path, threads: int, ggml: tuple[str, ...] = (), eval_callback=None):
-    """A DiffusionModel whose `ggml` GEMMs ("lm_head", "dense") keep ggml's matmul instead of our
-    repacked one (DG_LM_HEAD / DG_DENSE_GEMM are read when the model's first graph is built, here)."""
+    """A DiffusionModel whose `ggml` GEMMs ("lm_head", "dense", "experts") keep ggml's matmul instead of
+    ours (DG_LM_HEAD / DG_DENSE_GEMM / DG_EXPERT_GEMM are read when the model's first graph is built,
+    here)."""
     from dgcli.engine.model import DiffusionModel
 
-    env = {"DG_LM_HEAD": "ggml" if "lm_head" in ggml else None, "DG_DENSE_GEMM": "ggml" if "dense" in ggml else None}
+    env = {"DG_LM_HEAD": "ggml" if "lm_head" in ggml else None, "DG_DENSE_GEMM": "ggml" if "dense" in ggml else None,
+           "DG_EXPERT_GEMM": "ggml" if "experts" in ggml else None}
     saved = {k: os.environ.get(k) for k in env}
     for k, v in env.items():
         os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
@@ -138,8 +146,8 @@ def measure_dg(path: Path, threads: int, reps: int, sc_top_k: int, peaks: dict) 
 
     profiler = NodeProfiler()
     new = open_model(path, threads, eval_callback=profiler.eval_callback)
-    ggml_dense = open_model(path, threads, ggml=("dense",))
-    old = open_model(path, threads, ggml=("lm_head", "dense"))
+    ggml_dense = open_model(path, threads, ggml=("dense", "experts"))
+    old = open_model(path, threads, ggml=("lm_head", "dense", "experts"))
     try:
         rng = np.random.default_rng(0)
         C, V, n_embd = new.canvas_length, new.vocab_size, new.n_embd
@@ -160,8 +168,8 @@ def measure_dg(path: Path, threads: int, reps: int, sc_top_k: int, peaks: dict) 
             logits = old.decode_canvas(canvas[0], sc_topk=(sc[0][0], sc[1][0]))
             host.process_logits(logits, temperature, rng.random(C), top_k=sc_top_k)
 
-        variants = {"graph step": graph_step(new), "graph step, ggml dense matmuls": graph_step(ggml_dense),
-                    "graph step, ggml LM head and dense matmuls": graph_step(old),
+        variants = {"graph step": graph_step(new), "graph step, ggml dense and expert matmuls": graph_step(ggml_dense),
+                    "graph step, ggml LM head, dense and expert matmuls": graph_step(old),
                     "previous: forward + host sampler, ggml matmuls": host_step}
         times: dict[str, list] = {name: [] for name in variants}
         for _ in range(reps):  # interleaved: the box's load hits every variant alike

@@ -298,7 +298,8 @@ with DiffusionModel(path, n_threads=threads, exact=True, n_ctx=256, n_seq_max=2)
 
 
 def _logits_in_subprocess(path, threads: int, out, moe_gemm: bool) -> np.ndarray:
-    env = dict(os.environ, DG_MOE_GEMM="1" if moe_gemm else "0", DG_CPU_REPACK="0")
+    # ggml's MUL_MAT_ID in both (DG_EXPERT_GEMM=ggml): this compares its two paths, not our tiles
+    env = dict(os.environ, DG_MOE_GEMM="1" if moe_gemm else "0", DG_CPU_REPACK="0", DG_EXPERT_GEMM="ggml")
     script = _LOGITS_SCRIPT.format(prompt=PROMPT)
     subprocess.run([sys.executable, "-c", script, str(path), str(threads), str(out)], env=env, check=True,
                    cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -433,6 +434,92 @@ class _NodeCapture:
 
 
 # layer 0's projections and the self-conditioning MLP's: their inputs are the same on both paths
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+@pytest.mark.parametrize("weight_type", sorted(WEIGHT_TYPES))
+@pytest.mark.parametrize("n_in, n_out, n_expert, n_used, n_tokens, per_slot, nth", [
+    (704, 2816, 16, 8, 48, True, 2),    # the real down projection's widths, fewer experts
+    (2816, 1408, 16, 8, 24, False, 3),  # the real gate+up's
+    (64, 37, 5, 2, 9, True, 1),         # a partial last row group
+    (96, 100, 6, 3, 7, False, 4),       # more threads than some experts have groups
+    (64, 16, 32, 8, 3, True, 5),        # most experts unused
+])
+def test_expert_gemm_kernel_agrees_with_a_double_precision_sum(kernel, weight_type, n_in, n_out, n_expert, n_used,
+                                                               n_tokens, per_slot, nth):
+    """The experts' GEMM (each row group packed on the fly, vectorized on AVX2) against a float64 sum of
+    the same quantized activations and the experts as ggml's dequantizer decodes them, on random routing
+    with uneven shares, the work split as `nth` threads split it: an output left unwritten by the split
+    is NaN and fails; float32 rounding is all that may differ."""
+    import ctypes
+
+    from dgcli.engine import native
+
+    err = ctypes.c_double()
+    rc = native.lib()._lib.dg_experts_selftest(KERNELS[kernel], WEIGHT_TYPES[weight_type], n_in, n_out, n_expert,
+                                               n_used, n_tokens, per_slot, nth, 13, ctypes.byref(err))
+    if rc == 1:
+        pytest.skip(f"this CPU lacks the {kernel} kernel's instructions")
+    assert rc == 0
+    assert err.value < 1e-5
+
+
+_EXPERT_NODES = {"ffn_moe_gate_up-0", "ffn_moe_down_scaled-0"}
+
+
+def _run_with_expert_gemm(path, experts: str, threads: int, exact: bool, monkeypatch):
+    """A model loaded with DG_EXPERT_GEMM=experts: how many expert tensors run on our tiles, the
+    prefill's and a decode's logits, a graph step, and layer 0's expert products of that decode."""
+    from dgcli.engine import native
+    from dgcli.engine.model import DiffusionModel
+
+    monkeypatch.setenv("DG_EXPERT_GEMM", experts)
+    capture = _NodeCapture(_EXPERT_NODES)
+    with DiffusionModel(path, n_threads=threads, n_ctx=128, exact=exact, eval_callback=capture.callback) as m:
+        count = native.lib()._lib.dg_expert_gemm_count(m._model)
+        prefill = m.prefill(PROMPT, return_logits=True)
+        canvas = _canvas(20, m.vocab_size)
+        [step] = m.denoise_step(canvas[None], 0.6, np.full((1, 16), 0.5), top_k=4, return_values=True)
+        capture.values.clear()
+        logits = m.decode_canvas(canvas)
+        return count, m.header.get("diffusion-gemma.block_count"), prefill, logits, step, dict(capture.values)
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "fast"])
+@pytest.mark.parametrize("weights", ["q8_0", "q5_0"])
+def test_experts_on_our_tiles_give_ggml_results(tmp_path, monkeypatch, weights, exact):
+    """A Q8_0 or Q5_0 model's MoE experts (gate+up and down of every layer) on our tiles, with 1 and 2
+    threads and the VNNI layout emulated, against ggml's MUL_MAT_ID (exact mode: the same graph
+    otherwise; fast mode: build_moe_ffn's): layer 0's expert products (same inputs on both paths)
+    within float rounding; the logits within 1e-3 in exact mode. Not in fast mode: there the dense
+    FFN's GELU reads an F16 table, so a last-bit difference can step a value by 1e-3 (here: 1e-7 into
+    layer 4's dense FFN, 1e-3 out), which later layers amplify; the prefill's last row is compared."""
+    path = _tiny_quantized(tmp_path, weights, seed=8)
+    n_ref, n_layer, ref_prefill, ref_logits, _, ref_nodes = _run_with_expert_gemm(path, "ggml", 2, exact, monkeypatch)
+    assert n_ref == 0 and set(ref_nodes) == _EXPERT_NODES
+    assert float(np.std(ref_logits)) > 1.0  # real logits, not a degenerate output
+    for experts, threads in (("auto", 1), ("auto", 2), ("emulated", 2)):
+        count, _, prefill, logits, step, nodes = _run_with_expert_gemm(path, experts, threads, exact, monkeypatch)
+        if experts == "auto" and count == 0:
+            continue  # no kernel for this CPU: nothing else to compare
+        assert count == 2 * n_layer
+        for name in sorted(_EXPERT_NODES):
+            scale = float(np.max(np.abs(ref_nodes[name])))
+            assert scale > 0 and float(np.max(np.abs(nodes[name] - ref_nodes[name]))) <= 1e-5 * scale, name
+        assert float(np.max(np.abs(prefill - ref_prefill))) < 1e-3
+        if exact:
+            assert float(np.max(np.abs(logits - ref_logits))) < 1e-3
+        assert step.argmax.tolist() == np.argmax(logits, axis=1).tolist()
+
+
+def test_experts_of_other_types_stay_on_ggml(tiny_gguf, monkeypatch):
+    """F32 experts (the tiny test model): ggml's MUL_MAT_ID, whatever DG_EXPERT_GEMM says."""
+    from dgcli.engine import native
+    from dgcli.engine.model import DiffusionModel
+
+    monkeypatch.setenv("DG_EXPERT_GEMM", "emulated")
+    with DiffusionModel(tiny_gguf, n_threads=2, n_ctx=128) as m:
+        assert native.lib()._lib.dg_expert_gemm_count(m._model) == 0
+
+
 _PROJECTIONS = {"Qcur-0", "Kcur-0", "Vcur-0", "attn_output-0", "ffn_up-0", "ffn_gate-0", "ffn_down-0",
                 "sc_ffn_up", "sc_ffn_gate", "sc_signal"}  # sc_signal: the MLP's down projection
 

@@ -162,6 +162,12 @@ def _declare(lib_mod: Any) -> None:
         # (kernel, weight ggml type, n_embd, n_vocab, n_cols, seed, max_rel_error out)
         "dg_lm_head_selftest": ([ctypes.c_int32, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                  ctypes.c_uint32, ctypes.POINTER(ctypes.c_double)], ctypes.c_int32),
+        "dg_expert_gemm_count": ([lib_mod.llama_model_p_ctypes], ctypes.c_int32),
+        # (kernel, weight ggml type, n_in, n_out, n_expert, n_used, n_tokens, input_per_slot, nth, seed,
+        #  max_rel_error out)
+        "dg_experts_selftest": ([ctypes.c_int32, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                 ctypes.c_int64, ctypes.c_int64, ctypes.c_bool, ctypes.c_int32, ctypes.c_uint32,
+                                 ctypes.POINTER(ctypes.c_double)], ctypes.c_int32),
         "dg_peak_gmacs": ([ctypes.c_int32, ctypes.c_double, ctypes.c_char_p, ctypes.c_int32], ctypes.c_double),
         "dg_profile_new": ([], ctypes.c_void_p),
         "dg_profile_free": ([ctypes.c_void_p], None),

@@ -90,6 +90,19 @@ LLAMA_API int32_t dg_dense_repacked_count(const struct llama_model * model);
 LLAMA_API int32_t dg_lm_head_selftest(int32_t kernel, int32_t weight_type, int64_t n_embd, int64_t n_vocab,
                                       int64_t n_cols, uint32_t seed, double * max_rel_error);
 
+// How many of the decoder's MoE expert tensors (gate+up, down; per layer) run on that GEMM's tiles,
+// packed on the fly (0: all on ggml's MUL_MAT_ID: not Q8_0 or Q5_0, not in host memory, a GPU in
+// use, no kernel for this CPU, or DG_EXPERT_GEMM=ggml). Decides it if no graph has yet.
+LLAMA_API int32_t dg_expert_gemm_count(const struct llama_model * model);
+
+// The experts' GEMM of a kernel (as dg_lm_head_selftest) on random experts [n_in, n_out, n_expert]
+// and random routing of n_tokens tokens to n_used experts each, one input row per token
+// (input_per_slot false: gate and up) or per (token, expert) (down), the work split as nth threads
+// split it, against a double-precision sum: *max_rel_error, infinite if an output was not written.
+LLAMA_API int32_t dg_experts_selftest(int32_t kernel, int32_t weight_type, int64_t n_in, int64_t n_out,
+                                      int64_t n_expert, int64_t n_used, int64_t n_tokens, bool input_per_slot,
+                                      int32_t nth, uint32_t seed, double * max_rel_error);
+
 // This CPU's single-thread multiply-add peak in G MAC/s for `kind`, from register-resident
 // instruction chains run for about `seconds` of the thread's CPU time, the fastest of five rounds
 // (CPU time, so that other processes on a shared machine do not lower it). DG_PEAK_INT8: the widest int8 dot-product instruction the CPU has (AVX-512 VNNI,

@@ -87,6 +87,15 @@ int32_t dg_dense_repacked_count(const llama_model * model) {
     return (int32_t) dg->dense_repacked.size();
 }
 
+int32_t dg_expert_gemm_count(const llama_model * model) {
+    const auto * dg = dg_model_of(model);
+    if (!dg) {
+        return 0;
+    }
+    dg->experts(nullptr); // decides on first use
+    return (int32_t) dg->experts_gemm.size();
+}
+
 int32_t dg_encode(llama_context * ctx, const llama_token * tokens, int32_t n_tokens, llama_seq_id seq_id, bool exact,
                   float * last_logits_out) {
     if (!ctx || !tokens || n_tokens <= 0 || seq_id < 0 || seq_id >= (llama_seq_id) llama_n_seq_max(ctx) ||

@@ -63,6 +63,30 @@ q8_0_block q8_0_block_at(const void * rows, ggml_type type, int64_t n_blocks, in
     return ((const q8_0_block *) rows)[r * n_blocks + b];
 }
 
+// rows [0, n_rows) of a group of G (row r at rows + r * row_bytes, `type` Q8_0 or Q5_0) in the tiles'
+// layout: per block, G fp16 scales, G int16 quant sums, then 8 x (G x 4) quants; rows past n_rows
+// are zero (scale 0), so a partial last group computes zeros
+void pack_group(const uint8_t * rows, size_t row_bytes, ggml_type type, int64_t n_blocks, int64_t n_rows, int64_t G,
+                uint8_t * out) {
+    const int64_t GBB = 36 * G;
+    for (int64_t b = 0; b < n_blocks; ++b) {
+        uint8_t * o = out + b * GBB;
+        std::memset(o, 0, (size_t) GBB);
+        for (int64_t r = 0; r < n_rows; ++r) {
+            const q8_0_block blk = q8_0_block_at(rows + r * row_bytes, type, n_blocks, 0, b);
+            int16_t sum = 0;
+            for (int64_t k = 0; k < QK; ++k) {
+                sum = (int16_t) (sum + blk.qs[k]);
+            }
+            std::memcpy(o + 2 * r, &blk.d, 2);
+            std::memcpy(o + 2 * G + 2 * r, &sum, 2);
+            for (int64_t q = 0; q < QK / 4; ++q) {
+                std::memcpy(o + 4 * G + q * 4 * G + 4 * r, blk.qs + 4 * q, 4);
+            }
+        }
+    }
+}
+
 typedef float    v16f __attribute__((vector_size(64)));
 typedef int32_t  v16i __attribute__((vector_size(64)));
 typedef int16_t  v16s __attribute__((vector_size(32)));
@@ -162,6 +186,58 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const uint8_t * group, c
         _mm256_storeu_ps(out + j * ld_out, acc[j]);
     }
 }
+
+// The 32 int8 quants of a Q8_0 or Q5_0 block (Q5_0: the nibbles, the fifth bits spread to bytes, minus 16).
+__attribute__((target("avx2"))) inline __m256i quants_avx2(const uint8_t * block, ggml_type type) {
+    if (type == GGML_TYPE_Q8_0) {
+        return _mm256_loadu_si256((const __m256i *) (block + 2));
+    }
+    const __m128i packed = _mm_loadu_si128((const __m128i *) (block + 6));
+    const __m256i nibbles =
+        _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0x0F));
+    uint32_t high;
+    std::memcpy(&high, block + 2, sizeof(high));
+    // byte j of the vector: byte j / 8 of `high`, then all ones where bit j % 8 of it is set
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int) high),
+                                               _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                                 0x0101010101010101, 0x0000000000000000));
+    const __m256i bits = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
+                                           _mm256_set1_epi64x(-1));
+    return _mm256_sub_epi8(_mm256_or_si256(nibbles, _mm256_and_si256(bits, _mm256_set1_epi8(0x10))),
+                           _mm256_set1_epi8(16));
+}
+
+// pack_group for a whole 8-row group of the AVX2 layout, vectorized: an 8 x 8 transpose of 4-quant
+// words per block. The quant sums are left out: the AVX2 tile does not read them.
+__attribute__((target("avx2"))) void pack_group_avx2(const uint8_t * rows, size_t row_bytes, ggml_type type,
+                                                      int64_t n_blocks, uint8_t * out) {
+    constexpr int64_t G   = 8;
+    const size_t      blk = ggml_type_size(type);
+    for (int64_t b = 0; b < n_blocks; ++b) {
+        uint8_t * o = out + b * 36 * G;
+        __m256i   r[G];
+        for (int64_t i = 0; i < G; ++i) {
+            const uint8_t * block = rows + i * row_bytes + b * blk;
+            std::memcpy(o + 2 * i, block, 2); // the fp16 scale
+            r[i] = quants_avx2(block, type);
+        }
+        const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
+        const __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
+        const __m256i t4 = _mm256_unpacklo_epi32(r[4], r[5]), t5 = _mm256_unpackhi_epi32(r[4], r[5]);
+        const __m256i t6 = _mm256_unpacklo_epi32(r[6], r[7]), t7 = _mm256_unpackhi_epi32(r[6], r[7]);
+        const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
+        const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
+        const __m256i u4 = _mm256_unpacklo_epi64(t4, t6), u5 = _mm256_unpackhi_epi64(t4, t6);
+        const __m256i u6 = _mm256_unpacklo_epi64(t5, t7), u7 = _mm256_unpackhi_epi64(t5, t7);
+        // word q of every row: quants 4q..4q+3 (q < 4 from the low lanes, q >= 4 from the high ones)
+        __m256i * words = (__m256i *) (o + 4 * G);
+        const __m256i lo[4] = { u0, u1, u2, u3 }, hi[4] = { u4, u5, u6, u7 };
+        for (int q = 0; q < 4; ++q) {
+            _mm256_storeu_si256(words + q, _mm256_permute2x128_si256(lo[q], hi[q], 0x20));
+            _mm256_storeu_si256(words + q + 4, _mm256_permute2x128_si256(lo[q], hi[q], 0x31));
+        }
+    }
+}
 #endif
 
 typedef void (*tile_fn)(const uint8_t *, const uint8_t *, int64_t, int64_t, float *, int64_t);
@@ -201,6 +277,47 @@ bool kernel_runs_here(dg_lm_head_kernel kernel) {
         case dg_lm_head_kernel::none:        return false;
     }
     return false;
+}
+
+void quantize_columns(dg_lm_head_kernel kernel, int64_t n_blocks, const float * x, int64_t ld_x, int64_t c0, int64_t c1,
+                      uint8_t * act) {
+    // the VNNI layout's operand is unsigned: the activation + 128
+    const int8_t  offset    = kernel == dg_lm_head_kernel::avx2 ? 0 : -128;
+    const int64_t act_bytes = n_blocks * (QK + 4);
+    for (int64_t c = c0; c < c1; ++c) {
+        const float * col    = x + c * ld_x;
+        uint8_t *     quants = act + c * act_bytes;
+        uint8_t *     scales = quants + n_blocks * QK;
+        for (int64_t b = 0; b < n_blocks; ++b) {
+            float amax = 0.0f;
+            for (int64_t k = 0; k < QK; ++k) {
+                amax = std::max(amax, std::fabs(col[b * QK + k]));
+            }
+            // as ggml-cpu's quantize_row_q8_0: the scale rounded to fp16, quants round-to-even of x * 127 / amax
+            const float id    = amax != 0.0f ? 127.0f / amax : 0.0f;
+            const float scale = ggml_fp16_to_fp32(ggml_fp32_to_fp16(amax / 127.0f));
+            for (int64_t k = 0; k < QK; ++k) {
+                const int8_t q = (int8_t) std::nearbyint(col[b * QK + k] * id);
+                quants[b * QK + k] = (uint8_t) (q ^ offset);
+            }
+            std::memcpy(scales + b * 4, &scale, sizeof(scale));
+        }
+    }
+}
+
+
+// this kernel's tiles by column count, and the widest
+const tile_fn * tiles_for(dg_lm_head_kernel kernel, int64_t * n_wide) {
+    *n_wide = kernel == dg_lm_head_kernel::avx2 ? 4 : 8;
+#ifdef DG_LMH_X86
+    if (kernel == dg_lm_head_kernel::avx512_vnni) {
+        return tile_vnni_by_columns;
+    }
+    if (kernel == dg_lm_head_kernel::avx2) {
+        return tile_avx2_by_columns;
+    }
+#endif
+    return tile_emulated_by_columns;
 }
 
 }  // namespace
@@ -262,23 +379,11 @@ std::unique_ptr<dg_lm_head> dg_lm_head::repack(const void * rows, ggml_type type
     h->data_.assign((size_t) (h->n_groups() * nb * GBB + 64), 0);
     h->base_ = (uint8_t *) (((uintptr_t) h->data_.data() + 63) & ~(uintptr_t) 63);
 
+    const size_t row_bytes = (size_t) nb * ggml_type_size(type);
     for (int64_t g = 0; g < h->n_groups(); ++g) {
-        for (int64_t b = 0; b < nb; ++b) {
-            uint8_t * out = h->base_ + (g * nb + b) * GBB;
-            // rows past the vocabulary stay zero (scale 0): the last group is padded
-            for (int64_t r = 0; r < G && g * G + r < n_vocab; ++r) {
-                const q8_0_block blk = q8_0_block_at(rows, type, nb, g * G + r, b);
-                int16_t sum = 0;
-                for (int64_t k = 0; k < QK; ++k) {
-                    sum = (int16_t) (sum + blk.qs[k]);
-                }
-                std::memcpy(out + 2 * r, &blk.d, 2);
-                std::memcpy(out + 2 * G + 2 * r, &sum, 2);
-                for (int64_t q = 0; q < QK / 4; ++q) {
-                    std::memcpy(out + 4 * G + q * 4 * G + 4 * r, blk.qs + 4 * q, 4);
-                }
-            }
-        }
+        // the last group is padded with zero rows past the vocabulary
+        pack_group((const uint8_t *) rows + g * G * row_bytes, row_bytes, type, nb, std::min(G, n_vocab - g * G), G,
+                   h->base_ + g * nb * GBB);
     }
     return h;
 }
@@ -292,43 +397,16 @@ int64_t dg_lm_head::act_bytes() const {
 }
 
 void dg_lm_head::quantize(const float * x, int64_t ld_x, int64_t c0, int64_t c1, uint8_t * act) const {
-    // the VNNI layout's operand is unsigned: the activation + 128
-    const int8_t offset = kernel_ == dg_lm_head_kernel::avx2 ? 0 : -128;
-    for (int64_t c = c0; c < c1; ++c) {
-        const float * col    = x + c * ld_x;
-        uint8_t *     quants = act + c * act_bytes();
-        uint8_t *     scales = quants + n_blocks_ * QK;
-        for (int64_t b = 0; b < n_blocks_; ++b) {
-            float amax = 0.0f;
-            for (int64_t k = 0; k < QK; ++k) {
-                amax = std::max(amax, std::fabs(col[b * QK + k]));
-            }
-            // as ggml-cpu's quantize_row_q8_0: the scale rounded to fp16, quants round-to-even of x * 127 / amax
-            const float id    = amax != 0.0f ? 127.0f / amax : 0.0f;
-            const float scale = ggml_fp16_to_fp32(ggml_fp32_to_fp16(amax / 127.0f));
-            for (int64_t k = 0; k < QK; ++k) {
-                const int8_t q = (int8_t) std::nearbyint(col[b * QK + k] * id);
-                quants[b * QK + k] = (uint8_t) (q ^ offset);
-            }
-            std::memcpy(scales + b * 4, &scale, sizeof(scale));
-        }
-    }
+    quantize_columns(kernel_, n_blocks_, x, ld_x, c0, c1, act);
 }
+
 
 void dg_lm_head::gemm(const uint8_t * act, int64_t n_cols, float * out, int64_t ld_out, int64_t g0, int64_t g1) const {
     const int64_t G      = group_;
     const int64_t GBB    = dg_lm_head_group_block_bytes(G);
     const int64_t ab     = act_bytes();
-    const int64_t n_wide = kernel_ == dg_lm_head_kernel::avx2 ? 4 : 8; // columns per tile
-
-    const tile_fn * tiles = tile_emulated_by_columns;
-#ifdef DG_LMH_X86
-    if (kernel_ == dg_lm_head_kernel::avx512_vnni) {
-        tiles = tile_vnni_by_columns;
-    } else if (kernel_ == dg_lm_head_kernel::avx2) {
-        tiles = tile_avx2_by_columns;
-    }
-#endif
+    int64_t         n_wide; // columns per tile
+    const tile_fn * tiles = tiles_for(kernel_, &n_wide);
     float partial[16 * 8]; // the last group's tile, when the vocabulary does not fill it
     for (int64_t p0 = 0; p0 < n_cols; p0 += PANEL) {
         const int64_t p1 = std::min(p0 + PANEL, n_cols);
@@ -364,6 +442,150 @@ void dg_lm_head_gemm_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const int64_t       ng   = head.n_groups();
     head.gemm((const uint8_t *) act->data, act->ne[1], (float *) dst->data, dst->nb[1] / sizeof(float),
               ith * ng / nth, (ith + 1) * ng / nth);
+}
+
+// ---- MoE experts --------------------------------------------------------------------------------
+
+bool dg_experts::qualifies(const ggml_tensor * w) {
+    return w && (w->type == GGML_TYPE_Q8_0 || w->type == GGML_TYPE_Q5_0) && w->extra == nullptr && w->buffer &&
+           ggml_backend_buffer_is_host(w->buffer) && ggml_is_contiguous(w) && ggml_n_dims(w) == 3 &&
+           w->ne[0] % QK == 0;
+}
+
+std::unique_ptr<dg_experts> dg_experts::make(const ggml_tensor * w, dg_lm_head_kernel kernel) {
+    return qualifies(w) ? make(w->data, w->type, w->ne[0], w->ne[1], w->ne[2], kernel) : nullptr;
+}
+
+std::unique_ptr<dg_experts> dg_experts::make(const void * data, ggml_type type, int64_t n_in, int64_t n_out,
+                                             int64_t n_expert, dg_lm_head_kernel kernel) {
+    if (!data || (type != GGML_TYPE_Q8_0 && type != GGML_TYPE_Q5_0) || n_in <= 0 || n_in % QK != 0 || n_out <= 0 ||
+        n_expert <= 0 || !kernel_runs_here(kernel)) {
+        return nullptr;
+    }
+    return std::unique_ptr<dg_experts>(new dg_experts(kernel, data, type, n_in, n_out, n_expert));
+}
+
+dg_experts::dg_experts(dg_lm_head_kernel kernel, const void * data, ggml_type type, int64_t n_in, int64_t n_out,
+                       int64_t n_expert) :
+    kernel_(kernel), data_((const uint8_t *) data), type_(type), n_in_(n_in), n_out_(n_out), n_expert_(n_expert),
+    n_blocks_(n_in / QK), group_(kernel == dg_lm_head_kernel::avx2 ? 8 : 16),
+    row_bytes_((size_t) (n_in / QK) * ggml_type_size(type)) {}
+
+int64_t dg_experts::act_bytes() const {
+    return n_blocks_ * (QK + 4);
+}
+
+void dg_experts::quantize(const float * x, int64_t ld_x, int64_t r0, int64_t r1, uint8_t * act) const {
+    quantize_columns(kernel_, n_blocks_, x, ld_x, r0, r1, act);
+}
+
+void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * ids, int64_t ld_ids, int64_t n_used,
+                      int64_t n_tokens, char * out, size_t nb_slot, size_t nb_token, int ith, int nth) const {
+    const int64_t G        = group_;
+    const int64_t n_groups = (n_out_ + G - 1) / G;
+    const int64_t ab       = act_bytes();
+    int64_t         n_wide;
+    const tile_fn * tiles  = tiles_for(kernel_, &n_wide);
+
+    // the (slot, token) pairs routed to each expert, in token order; every thread builds the same lists
+    thread_local std::vector<int64_t> first, routed;
+    first.assign((size_t) n_expert_ + 1, 0);
+    for (int64_t t = 0; t < n_tokens; ++t) {
+        for (int64_t u = 0; u < n_used; ++u) {
+            const int32_t e = ids[u + t * ld_ids];
+            GGML_ASSERT(e >= 0 && e < n_expert_);
+            ++first[(size_t) e + 1];
+        }
+    }
+    for (int64_t e = 0; e < n_expert_; ++e) {
+        first[(size_t) e + 1] += first[(size_t) e];
+    }
+    routed.resize((size_t) (n_used * n_tokens));
+    {
+        thread_local std::vector<int64_t> next;
+        next.assign(first.begin(), first.end() - 1);
+        for (int64_t t = 0; t < n_tokens; ++t) {
+            for (int64_t u = 0; u < n_used; ++u) {
+                routed[(size_t) next[(size_t) ids[u + t * ld_ids]]++] = u + t * n_used;
+            }
+        }
+    }
+
+    // This thread's share of the (expert, group) pairs, by cost: a group's packing costs about as
+    // much as running it against three columns.
+    constexpr int64_t PACK_COST = 3;
+    int64_t           total     = 0;
+    for (int64_t e = 0; e < n_expert_; ++e) {
+        const int64_t n = first[(size_t) e + 1] - first[(size_t) e];
+        total += n ? n_groups * (n + PACK_COST) : 0;
+    }
+    const int64_t lo = total * ith / nth, hi = total * (ith + 1) / nth;
+
+    thread_local std::vector<uint8_t> packed, gathered;
+    packed.resize((size_t) (n_blocks_ * dg_lm_head_group_block_bytes(G) + 64));
+    uint8_t * group = (uint8_t *) (((uintptr_t) packed.data() + 63) & ~(uintptr_t) 63);
+    float     tile_out[16 * 8];
+
+    for (int64_t e = 0, start = 0; e < n_expert_ && start < hi; ++e) {
+        const int64_t n = first[(size_t) e + 1] - first[(size_t) e];
+        if (n == 0) {
+            continue;
+        }
+        const int64_t cost = n + PACK_COST; // per group
+        // groups g with start + g * cost in [lo, hi)
+        const int64_t g0 = std::max<int64_t>(0, (lo - start + cost - 1) / cost);
+        const int64_t g1 = std::min<int64_t>(n_groups, std::max<int64_t>(0, (hi - start + cost - 1) / cost));
+        start += n_groups * cost;
+        if (g0 >= g1) {
+            continue;
+        }
+        const int64_t * pairs = routed.data() + first[(size_t) e];
+        // the expert's activation rows, contiguous for the tiles
+        gathered.resize((size_t) (n * ab));
+        for (int64_t j = 0; j < n; ++j) {
+            const int64_t u = pairs[j] % n_used, t = pairs[j] / n_used;
+            std::memcpy(gathered.data() + j * ab, act + ((u % n_act_slots) + t * n_act_slots) * ab, (size_t) ab);
+        }
+        const uint8_t * expert = data_ + e * n_out_ * row_bytes_;
+        for (int64_t g = g0; g < g1; ++g) {
+            const int64_t rows = std::min(G, n_out_ - g * G);
+            const uint8_t * first_row = expert + g * G * row_bytes_;
+#ifdef DG_LMH_X86
+            if (kernel_ == dg_lm_head_kernel::avx2 && rows == G) {
+                pack_group_avx2(first_row, row_bytes_, type_, n_blocks_, group);
+            } else
+#endif
+            {
+                pack_group(first_row, row_bytes_, type_, n_blocks_, rows, G, group);
+            }
+            for (int64_t c = 0; c < n; c += n_wide) {
+                const int64_t nc = std::min(n_wide, n - c);
+                tiles[nc](group, gathered.data() + c * ab, ab, n_blocks_, tile_out, G);
+                for (int64_t j = 0; j < nc; ++j) {
+                    const int64_t u = pairs[c + j] % n_used, t = pairs[c + j] / n_used;
+                    std::memcpy(out + u * nb_slot + t * nb_token + g * G * sizeof(float), tile_out + j * G,
+                                (size_t) rows * sizeof(float));
+                }
+            }
+        }
+    }
+}
+
+void dg_experts_quantize_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const auto &        experts = *(const dg_experts *) userdata;
+    const ggml_tensor * x       = dst->src[0]; // F32 [n_in, rows], contiguous rows
+    const int64_t       n       = x->ne[1];
+    experts.quantize((const float *) x->data, x->nb[1] / sizeof(float), ith * n / nth, (ith + 1) * n / nth,
+                     (uint8_t *) dst->data);
+}
+
+void dg_experts_gemm_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const auto &        experts = *(const dg_experts *) userdata;
+    const ggml_tensor * act     = dst->src[0]; // I8 [act_bytes, n_act_slots * n_tokens]
+    const ggml_tensor * ids     = dst->src[1]; // I32 [n_used, n_tokens]
+    const int64_t       n_used = ids->ne[0], n_tokens = ids->ne[1];
+    experts.gemm((const uint8_t *) act->data, act->ne[1] / n_tokens, (const int32_t *) ids->data,
+                 ids->nb[1] / sizeof(int32_t), n_used, n_tokens, (char *) dst->data, dst->nb[1], dst->nb[2], ith, nth);
 }
 
 // Checks a kernel against a double-precision sum over the same quantized operands, on random
@@ -431,6 +653,95 @@ int32_t dg_lm_head_selftest(int32_t kernel, int32_t weight_type, int64_t n_embd,
             }
             const double err = std::fabs(sum - out[(size_t) (c * n_vocab + v)]) / (magnitude + 1e-30);
             worst = std::isfinite(err) ? std::max(worst, err) : INFINITY;
+        }
+    }
+    *max_rel_error = worst;
+    return 0;
+}
+
+// The experts' GEMM of a kernel on random experts of `weight_type` and random routing, its work split
+// as `nth` threads split it (each share run in turn), against a double-precision sum of the same
+// quantized operands with ggml's dequantizer: *max_rel_error relative to each output's magnitude
+// (infinite if any output was left unwritten). 0: done, 1: the CPU lacks the kernel, -1: bad arguments.
+int32_t dg_experts_selftest(int32_t kernel, int32_t weight_type, int64_t n_in, int64_t n_out, int64_t n_expert,
+                            int64_t n_used, int64_t n_tokens, bool input_per_slot, int32_t nth, uint32_t seed,
+                            double * max_rel_error) {
+    const auto type = (ggml_type) weight_type;
+    if (n_in <= 0 || n_in % QK || n_out <= 0 || n_expert <= 0 || n_used <= 0 || n_used > n_expert || n_tokens <= 0 ||
+        nth <= 0 || !max_rel_error || kernel < 1 || kernel > 3 || (type != GGML_TYPE_Q8_0 && type != GGML_TYPE_Q5_0)) {
+        return -1;
+    }
+    const auto k = (dg_lm_head_kernel) kernel;
+    if (!kernel_runs_here(k)) {
+        return 1;
+    }
+    const int64_t nb = n_in / QK;
+    std::mt19937 rng(seed);
+    std::uniform_int_distribution<int> byte(0, 255), q8(-127, 127);
+    std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+    const size_t block_bytes = ggml_type_size(type);
+    std::vector<uint8_t> w((size_t) (n_expert * n_out * nb) * block_bytes);
+    for (size_t off = 0; off < w.size(); off += block_bytes) {
+        const ggml_fp16_t d = ggml_fp32_to_fp16(0.001f + 0.01f * std::fabs(unit(rng)));
+        std::memcpy(&w[off], &d, 2);
+        for (size_t i = 2; i < block_bytes; ++i) {
+            w[off + i] = type == GGML_TYPE_Q8_0 ? (uint8_t) (int8_t) q8(rng) : (uint8_t) byte(rng);
+        }
+    }
+    std::vector<float> decoded((size_t) (n_expert * n_out * n_in));
+    ggml_get_type_traits(type)->to_float(w.data(), decoded.data(), n_expert * n_out * n_in);
+
+    // each token's n_used distinct experts, drawn from the first half of them so that some stay unused
+    // and others get many tokens (uneven shares); all of them when n_used is more than half
+    std::vector<int32_t> ids((size_t) (n_used * n_tokens));
+    std::vector<int32_t> pool((size_t) n_expert);
+    for (int64_t t = 0; t < n_tokens; ++t) {
+        for (int64_t e = 0; e < n_expert; ++e) {
+            pool[(size_t) e] = (int32_t) e;
+        }
+        const int64_t span = std::max(n_used, n_expert / 2);
+        std::shuffle(pool.begin(), pool.begin() + span, rng);
+        std::copy(pool.begin(), pool.begin() + n_used, ids.begin() + t * n_used);
+    }
+    const int64_t n_act_slots = input_per_slot ? n_used : 1;
+    std::vector<float> x((size_t) (n_in * n_act_slots * n_tokens));
+    for (auto & v : x) {
+        v = unit(rng) * 3.0f;
+    }
+    auto experts = dg_experts::make(w.data(), type, n_in, n_out, n_expert, k);
+    if (!experts) {
+        return -1;
+    }
+    const int64_t n_rows = n_act_slots * n_tokens;
+    std::vector<uint8_t> act((size_t) (experts->act_bytes() * n_rows));
+    experts->quantize(x.data(), n_in, 0, n_rows, act.data());
+    std::vector<float> out((size_t) (n_out * n_used * n_tokens), NAN);
+    for (int32_t ith = 0; ith < nth; ++ith) {
+        experts->gemm(act.data(), n_act_slots, ids.data(), n_used, n_used, n_tokens, (char *) out.data(),
+                      n_out * sizeof(float), n_out * n_used * sizeof(float), ith, nth);
+    }
+
+    const int8_t offset = k == dg_lm_head_kernel::avx2 ? 0 : -128;
+    double worst = 0.0;
+    for (int64_t t = 0; t < n_tokens; ++t) {
+        for (int64_t u = 0; u < n_used; ++u) {
+            const uint8_t * quants = act.data() + ((u % n_act_slots) + t * n_act_slots) * experts->act_bytes();
+            const float *   scales = (const float *) (quants + nb * QK);
+            const int64_t   e      = ids[(size_t) (u + t * n_used)];
+            for (int64_t r = 0; r < n_out; ++r) {
+                const float * row = decoded.data() + (e * n_out + r) * n_in;
+                double sum = 0.0, magnitude = 0.0;
+                for (int64_t b = 0; b < nb; ++b) {
+                    double dot = 0.0;
+                    for (int64_t i = 0; i < QK; ++i) {
+                        dot += (double) row[b * QK + i] * (int8_t) (quants[b * QK + i] ^ offset);
+                    }
+                    sum += scales[b] * dot;
+                    magnitude += std::fabs(scales[b] * dot);
+                }
+                const double err = std::fabs(sum - out[(size_t) ((t * n_used + u) * n_out + r)]) / (magnitude + 1e-30);
+                worst = std::isfinite(err) ? std::max(worst, err) : INFINITY;
+            }
         }
     }
     *max_rel_error = worst;

@@ -91,6 +91,62 @@ private:
 void dg_lm_head_quantize_op(ggml_tensor * dst, int ith, int nth, void * userdata);
 void dg_lm_head_gemm_op(ggml_tensor * dst, int ith, int nth, void * userdata);
 
+// MUL_MAT_ID of Q8_0 or Q5_0 experts [n_in, n_out, n_expert] (every expert of a Q8_0 file, the down
+// projections of a Q4_K_M one) on the same tiles, without a copy of the experts: a thread packs one
+// row group of one expert at a time into the tiles' layout (n_in / 32 x 288 bytes on AVX2: 6 KiB for
+// the real down projection, in L1) and runs it against every token routed to that expert (about 16
+// of a 256-token canvas on the real model: 8 of 128 experts per token). ggml's per-expert sgemm
+// decodes each weight block once per few columns and runs at 44% (Q5_0) to 50% (Q8_0) of the int8
+// rate here. The values are the same quantized products as ggml's (its activation quantization, the
+// file's quants and scales); only the float summation order differs.
+class dg_experts {
+public:
+    // Q8_0 or Q5_0, [n_in, n_out, n_expert] in plain host memory, n_in a multiple of 32
+    static bool qualifies(const ggml_tensor * w);
+    // null if `w` does not qualify or the CPU lacks the kernel; keeps a pointer to w's data
+    static std::unique_ptr<dg_experts> make(const ggml_tensor * w, dg_lm_head_kernel kernel);
+    // the same over raw experts: row r of expert e at data + (e * n_out + r) * row bytes (tests)
+    static std::unique_ptr<dg_experts> make(const void * data, ggml_type type, int64_t n_in, int64_t n_out,
+                                            int64_t n_expert, dg_lm_head_kernel kernel);
+
+    dg_lm_head_kernel kernel() const { return kernel_; }
+    int64_t           n_in() const { return n_in_; }
+    int64_t           n_out() const { return n_out_; }
+    int64_t           n_expert() const { return n_expert_; }
+    int64_t           act_bytes() const; // of one quantized activation row, as dg_lm_head's
+
+    // rows [r0, r1) of x (F32, row r at x + r * ld_x) quantized as dg_lm_head::quantize does
+    void quantize(const float * x, int64_t ld_x, int64_t r0, int64_t r1, uint8_t * act) const;
+
+    // out(slot, token) = expert ids[slot + token * ld_ids] x activation row (slot % n_act_slots) +
+    // token * n_act_slots of act, for every slot < n_used and token < n_tokens; out(slot, token) is
+    // the n_out floats at out + slot * nb_slot + token * nb_token (bytes). n_act_slots: 1 when every
+    // expert of a token reads the same input (gate and up), n_used when each has its own (down).
+    // Thread ith of nth computes its share of the (expert, row group) pairs.
+    void gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * ids, int64_t ld_ids, int64_t n_used,
+              int64_t n_tokens, char * out, size_t nb_slot, size_t nb_token, int ith, int nth) const;
+
+private:
+    dg_experts(dg_lm_head_kernel kernel, const void * data, ggml_type type, int64_t n_in, int64_t n_out,
+               int64_t n_expert);
+
+    dg_lm_head_kernel kernel_;
+    const uint8_t *   data_;
+    ggml_type         type_;
+    int64_t           n_in_;
+    int64_t           n_out_;
+    int64_t           n_expert_;
+    int64_t           n_blocks_; // n_in / 32
+    int64_t           group_;    // 16 for the VNNI layout, 8 for AVX2
+    size_t            row_bytes_;
+};
+
+// ggml custom ops over a dg_experts (userdata): activations [n_in, rows] F32 -> quantized rows
+// (I8 [act_bytes, rows]); those (src[0]) and the selected experts (src[1], I32 [n_used, n_tokens]) ->
+// F32 [n_out, n_used, n_tokens].
+void dg_experts_quantize_op(ggml_tensor * dst, int ith, int nth, void * userdata);
+void dg_experts_gemm_op(ggml_tensor * dst, int ith, int nth, void * userdata);
+
 // Bytes of one (group, block) of the repack.
 inline int64_t dg_lm_head_group_block_bytes(int64_t group) {
     return 2 * group + 2 * group + 32 * group;

@@ -283,6 +283,34 @@ const dg_lm_head * llama_model_diffusion_gemma::dense(const ggml_tensor * w) con
     return it == dense_repacked.end() ? nullptr : it->second.get();
 }
 
+// The MoE experts of Q8_0 and Q5_0 type (all of a Q8_0 file's, the down projections of a Q4_K_M
+// one) through the same tiles, packed on the fly (dg_experts): ggml's MUL_MAT_ID runs them at 44-50%
+// of the core's int8 rate here. Not where a GPU is in use: ggml offloads a large batch's MUL_MAT_ID
+// on host weights to the GPU, which a custom op would keep on the CPU. Decided once, on the first
+// graph; DG_EXPERT_GEMM=ggml keeps ggml's MUL_MAT_ID (A/B runs).
+const dg_experts * llama_model_diffusion_gemma::experts(const ggml_tensor * w) const {
+    std::call_once(experts_once, [this] {
+        const dg_lm_head_kernel kernel = dg_lm_head::kernel_for_cpu("DG_EXPERT_GEMM");
+        if (kernel == dg_lm_head_kernel::none || !devices.empty()) {
+            return;
+        }
+        for (const auto & layer : layers) {
+            for (const ggml_tensor * t : { layer.ffn_gate_up_exps, layer.ffn_down_exps }) {
+                std::shared_ptr<const dg_experts> gemm = dg_experts::make(t, kernel);
+                if (gemm) {
+                    experts_gemm.emplace(t, std::move(gemm));
+                }
+            }
+        }
+        if (!experts_gemm.empty()) {
+            LLAMA_LOG_INFO("%s: %zu expert tensors on the %s kernel\n", __func__, experts_gemm.size(),
+                           dg_lm_head::kernel_name(kernel));
+        }
+    });
+    const auto it = experts_gemm.find(w);
+    return it == experts_gemm.end() ? nullptr : it->second.get();
+}
+
 // gelu_tanh from F32 ops: ggml's CPU gelu/geglu read an F16 lookup table (~1e-3 relative error)
 static ggml_tensor * dg_gelu_tanh_f32(ggml_context * ctx, ggml_tensor * x) {
     x = ggml_cont(ctx, x);
@@ -654,16 +682,54 @@ ggml_tensor * llama_model_diffusion_gemma::graph::build_gelu_ffn(const llama_mod
     return cur;
 }
 
-// The routed experts with an F32 GELU; otherwise the same computation as build_moe_ffn for
-// Gemma 4 (softmax router, top-k, renormalised weights, per-expert scale on the output).
-ggml_tensor * llama_model_diffusion_gemma::graph::build_moe_exact(ggml_tensor * cur, ggml_tensor * router_logits,
-                                                                    const llama_layer & layer, int il) {
+// w x cur for the experts `ids` of each token (MUL_MAT_ID): our tiles where `w` has them, else
+// ggml's; then w_s, the per-expert output scale, as build_lora_mm_id applies it
+ggml_tensor * llama_model_diffusion_gemma::graph::build_mm_id(const llama_model_diffusion_gemma & model, ggml_tensor * w,
+                                                              ggml_tensor * cur, ggml_tensor * ids, ggml_tensor * w_s) {
+    const dg_experts * gemm = (loras == nullptr || loras->empty()) ? model.experts(w) : nullptr;
+    if (gemm == nullptr) {
+        return build_lora_mm_id(w, cur, ids, w_s);
+    }
+    void * userdata = const_cast<dg_experts *>(gemm); // the ops only read it
+    // cur [n_in, 1 or n_used, n_tokens]: quantized once, every thread of the GEMM then reads all rows
+    ggml_tensor * rows = ggml_reshape_2d(ctx0, ggml_is_contiguous(cur) ? cur : ggml_cont(ctx0, cur), cur->ne[0],
+                                         cur->ne[1] * cur->ne[2]);
+    ggml_tensor * act  = ggml_custom_4d(ctx0, GGML_TYPE_I8, gemm->act_bytes(), rows->ne[1], 1, 1, &rows, 1,
+                                        dg_experts_quantize_op, GGML_N_TASKS_MAX, userdata);
+    cb(act, "experts_act", -1);
+    ggml_tensor * args[] = { act, ids };
+    ggml_tensor * res = ggml_custom_4d(ctx0, GGML_TYPE_F32, gemm->n_out(), ids->ne[0], ids->ne[1], 1, args, 2,
+                                       dg_experts_gemm_op, GGML_N_TASKS_MAX, userdata);
+    cb(res, "experts_gemm", -1);
+    if (w_s) {
+        ggml_tensor * s = ggml_reshape_3d(ctx0, w_s, 1, w_s->ne[0], 1);
+        s = ggml_repeat_4d(ctx0, s, 1, w_s->ne[0], ids->ne[1], 1);
+        res = ggml_mul(ctx0, res, ggml_get_rows(ctx0, s, ids));
+    }
+    return res;
+}
+
+// The routed experts (softmax router, top-k, renormalised weights, per-expert scale on the output):
+// build_moe_ffn's computation for Gemma 4, built here where it must differ: an F32 GELU (exact), or
+// experts on our tiles (build_mm_id). Otherwise build_moe_ffn itself, which a GPU backend fuses.
+ggml_tensor * llama_model_diffusion_gemma::graph::build_moe(const llama_model_diffusion_gemma & model, ggml_tensor * cur,
+                                                            ggml_tensor * router_logits, const llama_layer & layer,
+                                                            bool exact, int il) {
     const int64_t n_expert      = hparams.n_expert;
     const int64_t n_expert_used = hparams.n_expert_used(il);
     const int64_t n_tokens      = cur->ne[1]; // the last layer keeps only the output rows
 
+    const bool ours = (loras == nullptr || loras->empty()) &&
+                      (model.experts(layer.ffn_gate_up_exps) || model.experts(layer.ffn_down_exps));
+    if (!exact && !ours) {
+        return build_moe_ffn(cur, nullptr, nullptr, nullptr, layer.ffn_down_exps, nullptr,
+                             n_expert, n_expert_used, LLM_FFN_GELU, true, 1.0f, LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX,
+                             il, router_logits, layer.ffn_gate_up_exps, nullptr, nullptr, layer.ffn_down_exps_s);
+    }
+
     ggml_tensor * probs    = ggml_soft_max(ctx0, router_logits);                // [n_expert, n_tokens]
     ggml_tensor * selected = ggml_argsort_top_k(ctx0, probs, n_expert_used);    // [n_expert_used, n_tokens]
+    cb(selected, "ffn_moe_topk", il);
     ggml_tensor * weights  = ggml_get_rows(ctx0, ggml_reshape_3d(ctx0, probs, 1, n_expert, n_tokens), selected);
     weights = ggml_reshape_2d(ctx0, weights, n_expert_used, n_tokens);
     weights = ggml_div(ctx0, weights, ggml_sum_rows(ctx0, weights));
@@ -671,13 +737,16 @@ ggml_tensor * llama_model_diffusion_gemma::graph::build_moe_exact(ggml_tensor * 
     cb(weights, "ffn_moe_weights_norm", il);
 
     cur = ggml_reshape_3d(ctx0, cur, n_embd, 1, n_tokens);
-    ggml_tensor * gate_up = build_lora_mm_id(layer.ffn_gate_up_exps, cur, selected, nullptr); // [2*n_ff, n_expert_used, n_tokens]
+    ggml_tensor * gate_up = build_mm_id(model, layer.ffn_gate_up_exps, cur, selected, nullptr); // [2*n_ff, n_expert_used, n_tokens]
+    cb(gate_up, "ffn_moe_gate_up", il);
     const int64_t n_ff = gate_up->ne[0] / 2;
     ggml_tensor * gate = ggml_view_3d(ctx0, gate_up, n_ff, gate_up->ne[1], gate_up->ne[2], gate_up->nb[1], gate_up->nb[2], 0);
     ggml_tensor * up   = ggml_view_3d(ctx0, gate_up, n_ff, gate_up->ne[1], gate_up->ne[2], gate_up->nb[1], gate_up->nb[2], n_ff * gate_up->nb[0]);
 
-    ggml_tensor * act = ggml_mul(ctx0, dg_gelu_tanh_f32(ctx0, gate), ggml_cont(ctx0, up));
-    ggml_tensor * experts = build_lora_mm_id(layer.ffn_down_exps, act, selected, layer.ffn_down_exps_s); // [n_embd, n_expert_used, n_tokens]
+    ggml_tensor * act = exact ? ggml_mul(ctx0, dg_gelu_tanh_f32(ctx0, gate), ggml_cont(ctx0, up)) : ggml_geglu_split(ctx0, gate, up);
+    cb(act, "ffn_moe_geglu", il);
+    ggml_tensor * experts = build_mm_id(model, layer.ffn_down_exps, act, selected, layer.ffn_down_exps_s); // [n_embd, n_expert_used, n_tokens]
+    cb(experts, layer.ffn_down_exps_s ? "ffn_moe_down_scaled" : "ffn_moe_down", il); // build_moe_ffn's names
     experts = ggml_mul(ctx0, experts, weights);
 
     ggml_tensor * moe_out = nullptr;
@@ -792,13 +861,7 @@ llama_model_diffusion_gemma::graph::graph(const llama_model & model_base, const 
         ggml_tensor * router_logits = build_lora_mm(layer.ffn_gate_inp, router); // [n_expert, n_tokens]
         cb(router_logits, "ffn_moe_logits", il);
 
-        if (exact) {
-            cur_moe = build_moe_exact(cur_moe, router_logits, layer, il);
-        } else {
-            cur_moe = build_moe_ffn(cur_moe, nullptr, nullptr, nullptr, layer.ffn_down_exps, nullptr,
-                    n_expert, n_expert_used, LLM_FFN_GELU, true, 1.0f, LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX,
-                    il, router_logits, layer.ffn_gate_up_exps, nullptr, nullptr, layer.ffn_down_exps_s);
-        }
+        cur_moe = build_moe(model, cur_moe, router_logits, layer, exact, il);
         cur_moe = build_norm(cur_moe, layer.ffn_post_norm_2, nullptr, LLM_NORM_RMS, il);
         cb(cur_moe, "ffn_moe", il);
 
