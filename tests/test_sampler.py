@@ -184,6 +184,11 @@ def test_valid_tokens_exclude_generated_pad_ids_like_the_reference():
     ("entropy_bound", -1.0, "entropy_bound=-1.0"),
     ("stability_threshold", -1, "stability_threshold=-1"),
     ("t_max", 0.3, "t_max=0.3: must be at least t_min"),
+    # finite doubles that float32, the sampler's type, turns into a temperature of 0 or inf
+    ("t_max", 1e-320, "t_max=1e-320: must be a number between 1e-30 and 1e+30"),
+    ("t_max", 1e308, "t_max=1e+308: must be a number between 1e-30 and 1e+30"),
+    ("entropy_bound", 1e300, "entropy_bound=1e+300: must be a number > 0 and at most 1e+30"),
+    ("confidence_threshold", 1e300, "confidence_threshold=1e+300"),
 ])
 def test_bad_parameters_name_themselves_and_their_range(field, value, fragment):
     with pytest.raises(InvalidParameter) as info:

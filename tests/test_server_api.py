@@ -63,6 +63,8 @@ def test_message_forms():
     (chat(steps=2.5), "steps", "an integer"),
     (chat(steps=10, max_denoising_steps=11), "max_denoising_steps", "contradicts"),
     (chat(t_min=0.9, t_max=0.5), "t_max", "at least t_min"),
+    (chat(t_min=1e308, t_max=1e308), "t_min", "at most 1e+30"),  # inf in float32: was a 500
+    (chat(t_min=1e-320, t_max=1e-320), "t_max", "between 1e-30 and 1e+30"),  # 0 in float32: was a 500
     (chat(entropy_bound=float("nan")), "entropy_bound", "a number"),
     (chat(confidence_threshold=0), "confidence_threshold", "> 0"),
     (chat(tools=[{"type": "function"}]), "tools", "tool calls"),

@@ -47,6 +47,11 @@ DEFAULT_CONFIDENCE_THRESHOLD = 0.005
 # reference's 48; a stability threshold within the steps (beyond them the stop can never fire).
 MAX_CANVAS_LENGTH = 1024
 MAX_STEPS_PER_CANVAS_POSITION = 4
+# The sampler computes in float32 (as the reference): a temperature outside [1e-30, 1e30] becomes 0 or
+# inf there (1e-320 and 1e308 are finite doubles), and a bound beyond 1e30 overflows its cast.
+# t_max >= 1e-30 keeps the schedule's smallest temperature, t_max / max_steps at t_min = 0, > 0.
+MIN_T_MAX = 1e-30
+MAX_SAMPLER_FLOAT = 1e30
 
 
 def max_denoising_steps_for(canvas_length: int | None) -> int:
@@ -98,21 +103,23 @@ class DiffusionParams:
             where = f"a {canvas_length}-token canvas" if canvas_length else "any canvas"
             raise InvalidParameter("max_denoising_steps", self.max_denoising_steps,
                                    f"an integer between 1 and {max_steps} (the most that is meaningful for {where})")
-        if not _is_real(self.t_min) or self.t_min < 0:
-            raise InvalidParameter("t_min", self.t_min, "a number >= 0")
-        if not _is_real(self.t_max) or self.t_max <= 0:
-            raise InvalidParameter("t_max", self.t_max, "a number > 0")
+        if not _is_real(self.t_min) or not 0 <= self.t_min <= MAX_SAMPLER_FLOAT:
+            raise InvalidParameter("t_min", self.t_min, f"a number >= 0 and at most {MAX_SAMPLER_FLOAT:g}")
+        if not _is_real(self.t_max) or not MIN_T_MAX <= self.t_max <= MAX_SAMPLER_FLOAT:
+            raise InvalidParameter("t_max", self.t_max,
+                                   f"a number between {MIN_T_MAX:g} and {MAX_SAMPLER_FLOAT:g}")
         # equal ends are a constant temperature (--temp); the reference refuses them, for no reason
         # its schedule needs (t_min + (t_max - t_min) * n / N is then t_min at every step)
         if self.t_max < self.t_min:
             raise InvalidParameter("t_max", self.t_max, f"at least t_min ({self.t_min})")
-        if not _is_real(self.entropy_bound) or self.entropy_bound <= 0:
-            raise InvalidParameter("entropy_bound", self.entropy_bound, "a number > 0")
+        if not _is_real(self.entropy_bound) or not 0 < self.entropy_bound <= MAX_SAMPLER_FLOAT:
+            raise InvalidParameter("entropy_bound", self.entropy_bound, f"a number > 0 and at most {MAX_SAMPLER_FLOAT:g}")
         if not _is_int(self.stability_threshold) or not 0 <= self.stability_threshold <= self.max_denoising_steps:
             raise InvalidParameter("stability_threshold", self.stability_threshold,
                                    f"an integer between 0 and max_denoising_steps ({self.max_denoising_steps})")
-        if not _is_real(self.confidence_threshold) or self.confidence_threshold <= 0:
-            raise InvalidParameter("confidence_threshold", self.confidence_threshold, "a number > 0")
+        if not _is_real(self.confidence_threshold) or not 0 < self.confidence_threshold <= MAX_SAMPLER_FLOAT:
+            raise InvalidParameter("confidence_threshold", self.confidence_threshold,
+                                   f"a number > 0 and at most {MAX_SAMPLER_FLOAT:g}")
         return self
 
     def replace(self, **overrides: Any) -> "DiffusionParams":
