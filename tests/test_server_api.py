@@ -79,6 +79,19 @@ def test_bad_fields_are_400_naming_the_field(body, param, fragment):
     assert err.body()["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("body,kind,param", [
+    ({"messages": [{"role": "user", "content": "a\ud800b"}]}, "chat", "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]}, "chat", "messages[0].content"),
+    ({"prompt": "x\udc80"}, "completion", "prompt"),
+    ({"prompt": ["x\udc80"]}, "completion", "prompt"),
+])
+def test_a_lone_surrogate_is_a_400_not_a_500(body, kind, param):
+    # JSON's "\ud800" escape decodes to a str the tokenizer cannot encode: it was a 500 (UnicodeEncodeError)
+    with pytest.raises(ApiError) as info:
+        parse(body, kind)
+    assert info.value.status == 400 and info.value.param == param and "lone surrogate" in info.value.message
+
+
 def test_completion_prompts():
     assert parse({"prompt": "abc"}, "completion").prompt == "abc"
     assert parse({"prompt": ["abc"]}, "completion").prompt == "abc"

@@ -171,9 +171,19 @@ def parse_messages(messages: Any) -> list[dict[str, str]]:
     return out
 
 
+def _unicode(text: str, param: str) -> str:
+    """JSON's \\uXXXX escapes can spell a lone surrogate, which no UTF-8 encoder (the tokenizer's) takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise _bad(f"'{param}' is not valid Unicode: a lone surrogate {text[err.start]!r} at character {err.start}",
+                   param=param) from None
+    return text
+
+
 def _message_text(content: Any, where: str) -> str:
     if isinstance(content, str):
-        return content
+        return _unicode(content, f"{where}.content")
     if content is None:
         return ""
     if isinstance(content, list):
@@ -182,7 +192,7 @@ def _message_text(content: Any, where: str) -> str:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise _bad(f"'{where}.content[{j}]' is not a text part: dg serve takes text only",
                            param=f"{where}.content")
-            texts.append(part["text"])
+            texts.append(_unicode(part["text"], f"{where}.content"))
         return "".join(texts)
     raise _bad(f"'{where}.content' must be a string or an array of text parts", param=f"{where}.content")
 
@@ -193,7 +203,7 @@ def parse_prompt(prompt: Any) -> str | list[int]:
     if isinstance(prompt, str):
         if not prompt.strip():
             raise _bad("'prompt' is empty", param="prompt")
-        return prompt
+        return _unicode(prompt, "prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return list(prompt)
     if isinstance(prompt, list) and len(prompt) > 1:
