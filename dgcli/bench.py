@@ -42,6 +42,9 @@ BUILTIN_PROMPTS: list[BenchPrompt] = [
 BENCH_SCHEMA = "dg-bench/2"
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16)
 SPEEDUP_STEPS = (1, 2, 4, 8, 12, 16, 24, 32, 48)
+# the speed model loads one context with a sequence per canvas of the largest batch: llama.cpp refuses
+# more than LLAMA_MAX_SEQ (256) sequences, which it said only after every generation run had finished
+MAX_BATCH_SIZE = 256
 
 
 MAX_PROMPT_FILE_BYTES = 16 << 20
@@ -75,6 +78,9 @@ def parse_batch_sizes(spec: str) -> list[int]:
         raise DgError(f"invalid --batch-sizes {spec!r}: expected comma-separated integers like 1,2,4") from None
     if not sizes or sizes[0] < 1:
         raise DgError(f"invalid --batch-sizes {spec!r}: sizes must be integers >= 1")
+    if sizes[-1] > MAX_BATCH_SIZE:
+        raise DgError(f"invalid --batch-sizes {spec!r}: sizes must be at most {MAX_BATCH_SIZE} (llama.cpp's limit "
+                      "of sequences in one context)")
     return sizes
 
 

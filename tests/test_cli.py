@@ -497,6 +497,8 @@ def test_bench_batch_sweep_uses_multi_sequence_forward(tiny_gguf, tiny_ar_gguf, 
     (["--repeat", "0"], "invalid repeat=0"),
     (["--batch-sizes", "1,x"], "invalid --batch-sizes"),
     (["--batch-sizes", "0"], "sizes must be integers >= 1"),
+    # llama.cpp's limit: refused up front, not by the speed model's load after every generation run
+    (["--batch-sizes", "1,300"], "sizes must be at most 256"),
     (["--prompts", "/nonexistent/prompts.txt"], "prompt file not found"),
 ])
 def test_bench_bad_input(flags, fragment, tiny_gguf, tiny_ar_gguf, scripted):
