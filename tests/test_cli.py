@@ -442,6 +442,21 @@ def test_bench_json_and_tables(tiny_gguf, tiny_ar_gguf, scripted, tmp_path, monk
     assert "…" not in table.stdout
 
 
+@pytest.mark.parametrize("json_flag", [["--json"], []])
+def test_bench_report_to_stdout_is_the_only_thing_there(json_flag, tiny_gguf, tiny_ar_gguf, scripted, tmp_path):
+    # `-o -` with --json printed the report twice, without it the tables followed it: stdout was not JSON
+    scripted()
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("math\twhat is 3+5\n")
+    r = run("bench", "-m", tiny_gguf, "--ar-model", tiny_ar_gguf, "--prompts", prompts, "--repeat", "1",
+            "--no-speed-model", "-o", "-", *json_flag)
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["schema"] == "dg-bench/2" and len(doc["runs"]) == 2
+    if not json_flag:
+        assert "steps/canvas" in r.stderr  # the tables are still shown, on stderr
+
+
 def test_bench_speed_model_over_batch_sizes(tiny_gguf, tiny_ar_gguf, scripted):
     scripted()
     r = run("bench", "-m", tiny_gguf, "--ar-model", tiny_ar_gguf, "--repeat", "1", "--batch-sizes", "1,2,4",

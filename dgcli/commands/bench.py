@@ -83,12 +83,17 @@ def bench(
             doc = report.to_json()
             if out is not None:
                 out.write_all(doc)
+        # `-o -` already put the report on stdout: --json must not print it twice, nor the tables follow
+        # it there (either made `dg bench -o - > r.json` invalid JSON); the tables go to stderr then
+        report_on_stdout = report_file is not None and str(report_file.path) == outputs.STREAM
         if json_out:
-            typer.echo(json.dumps(doc, indent=2))
+            if not report_on_stdout:
+                typer.echo(json.dumps(doc, indent=2))
         else:
+            console = shared.stderr if report_on_stdout else shared.stdout
             for table in benchlib.report_tables(report):
-                shared.stdout.print(table)
+                console.print(table)
             for note in report.notes:
-                shared.stdout.print(f"note: {note}", style="yellow")
+                console.print(f"note: {note}", style="yellow")
         if report.interrupted:
             raise typer.Exit(shared.EXIT_INTERRUPTED)
