@@ -114,6 +114,19 @@ class OutputFile:
         if not folder.is_dir():
             raise self._fail(f"folder {folder} does not exist")
 
+    @property
+    def is_stdout(self) -> bool:
+        """`-`, or a stream that is this process's stdout (`/dev/stdout`, the file stdout is piped to)."""
+        if str(self.path) == STREAM:
+            return True
+        if not self.stream:
+            return False
+        try:
+            a, b = os.stat(self.path), os.fstat(sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):  # no real stdout (a test runner's buffer)
+            return False
+        return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
     # -- writing
 
     @property

@@ -245,3 +245,17 @@ def test_convert_never_writes_over_its_checkpoint_or_one_output_over_the_other(r
     assert r.exit_code == 0, r.stderr
     assert out.read_bytes() != first and (tmp_path / "ar.gguf").exists()
     assert leftovers(tmp_path) == []
+
+
+def test_is_stdout_names_the_process_stdout_however_spelled(tmp_path):
+    # bench -o PATH with --json prints the report once when PATH is stdout (`-`, /dev/stdout, or the file
+    # stdout is piped to)
+    import subprocess
+    import sys
+
+    code = ("import sys; from dgcli.outputs import OutputFile; "
+            "print([OutputFile(p, force=True).is_stdout for p in sys.argv[1:]])")
+    other = tmp_path / "other.txt"
+    result = subprocess.run([sys.executable, "-c", code, "-", "/dev/stdout", str(other), "/dev/null"],
+                            stdout=subprocess.PIPE, text=True, check=True)  # stdout a pipe: /dev/stdout a FIFO
+    assert result.stdout.strip() == "[True, True, False, False]"
