@@ -395,12 +395,30 @@ def _transfer(remote: RemoteFile, partial: Path, have: int, on_progress: Progres
     partial.parent.mkdir(parents=True, exist_ok=True)
     try:
         with open(partial, "ab") as out:
-            http_get(remote.url, out, resume_size=have, headers=build_hf_headers(), expected_size=remote.size,
-                     displayed_filename=remote.filename, tqdm_class=tqdm_class)
-    except KeyboardInterrupt:
-        raise  # the partial file stays; the next `dg pull` continues it
+            http_get(remote.url, _CappedFile(out, remote), resume_size=have, headers=build_hf_headers(),
+                     expected_size=remote.size, displayed_filename=remote.filename, tqdm_class=tqdm_class)
+    except (KeyboardInterrupt, HubError):
+        raise  # the partial file stays; the next `dg pull` continues it (or drops it, if too long)
     except Exception as err:  # noqa: BLE001
         raise _network_or(err, remote.repo, remote.filename) from None
+
+
+class _CappedFile:
+    """The partial file as http_get writes it, never past the metadata API's size: http_get only
+    compares sizes once the server stops sending, so a server that sends more (or never stops)
+    would fill the disk first."""
+
+    def __init__(self, file, remote: RemoteFile):
+        self._file, self._remote = file, remote
+
+    def write(self, data) -> int:
+        if self._file.tell() + len(data) > self._remote.size:
+            raise HubError(f"the Hub sent more than the {self._remote.size} bytes its metadata API gives for "
+                           f"{self._remote.repo}/{self._remote.filename}; stopped (run `dg pull` again to retry)")
+        return self._file.write(data)
+
+    def __getattr__(self, name: str):
+        return getattr(self._file, name)
 
 
 def _mismatch(path: Path, remote: RemoteFile, on_progress: ProgressCallback | None) -> str | None:

@@ -86,6 +86,17 @@ def test_small_non_lfs_file_is_checked_against_its_git_blob_id(served):
     assert path.read_bytes() == PAYLOAD
 
 
+def test_a_server_that_sends_more_than_the_size_is_stopped_at_the_size(served):
+    # http_get compares sizes only once the server stops: one sending without end filled the disk
+    served.served = PAYLOAD * 8
+    served.seconds_per_chunk = 0.001
+    with pytest.raises(DgError, match="sent more than the 1048576 bytes its metadata API gives"):
+        hub.download(REPO, NAME)
+    assert all(p.stat().st_size <= len(PAYLOAD) for p in hub.partial_files(REPO))
+    served.served = None
+    assert hub.download(REPO, NAME).read_bytes() == PAYLOAD  # the next pull still works
+
+
 def test_cache_folder_that_links_outside_the_cache_is_not_written_through(served, tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
