@@ -175,16 +175,22 @@ def kv_cache_bytes(get, arch: str, n_layer: int, n_ctx: int = KV_CONTEXT) -> lis
 
 
 def memory_plan(get, tensors: list[tuple[str, int]], vocab: int, file_size: int, n_gpu_layers: int, n_cpu_moe: int,
-                gpus: list[GpuMemory]) -> tuple[PlacementPlan, int, int]:
+                gpus: list[GpuMemory], context: tuple[int, int] | None = None) -> tuple[PlacementPlan, int, int]:
     """(placement, RAM need, GPU need) for this offload, from a GGUF's keys (`get`) and (name, bytes)
-    tensor list. Without a GPU everything is in RAM: llama.cpp ignores --gpu-layers then."""
+    tensor list. Without a GPU everything is in RAM: llama.cpp ignores --gpu-layers then.
+    `context` = (cells per sequence, sequences): the KV cache of a context asked for, counted wherever
+    it goes (RAM too); without it, a default context's on the GPU only."""
     arch = get("general.architecture")
     n_layer = get(f"{arch}.block_count")
     n_layer = n_layer if isinstance(n_layer, int) and 0 < n_layer <= 4096 else 0
     plan = plan_placement(tensors, n_layer, n_gpu_layers, n_cpu_moe, gpu=bool(gpus) and n_gpu_layers != 0)
+    if context is not None:
+        n_ctx, n_seq = context
+        kv = [n_seq * b for b in kv_cache_bytes(get, arch, n_layer, n_ctx)]
+    else:
+        kv = kv_cache_bytes(get, arch, n_layer)
     if plan.gpu_weight_bytes == 0:
-        return plan, memory_needed(file_size), 0
-    kv = kv_cache_bytes(get, arch, n_layer)
+        return plan, memory_needed(file_size) + (sum(kv) if context is not None else 0), 0
     start = n_layer + 1 - plan.gpu_layer_count
     kv_gpu = sum(kv[il] for il in range(max(start, 0), n_layer))
     canvas = get("diffusion.canvas_length")
@@ -194,10 +200,11 @@ def memory_plan(get, tensors: list[tuple[str, int]], vocab: int, file_size: int,
     return plan, ram_need, gpu_need
 
 
-def header_plan(header: GgufHeader, n_gpu_layers: int, n_cpu_moe: int, gpus: list[GpuMemory]):
+def header_plan(header: GgufHeader, n_gpu_layers: int, n_cpu_moe: int, gpus: list[GpuMemory],
+                context: tuple[int, int] | None = None):
     """memory_plan from the header: what `dg info` and the pre-load check use."""
     plan, ram_need, gpu_need = memory_plan(header.get, tensor_sizes(header), header.n_vocab or 0, header.file_size,
-                                           n_gpu_layers, n_cpu_moe, gpus)
+                                           n_gpu_layers, n_cpu_moe, gpus, context)
     return plan, ram_need + repacked_bytes(header, plan), gpu_need
 
 
@@ -370,11 +377,14 @@ def check_architecture(path: Path | str, *, diffusion: bool, command: str) -> st
 
 
 def check_fits_memory(path: Path | str, *, n_gpu_layers: int = 0, n_cpu_moe: int = 0,
-                      gpus: list[GpuMemory] | None = None) -> None:
+                      gpus: list[GpuMemory] | None = None, n_ctx: int | None = None, n_seq: int = 1) -> None:
     """Refuse a model whose share does not fit in this machine's RAM, or in its GPU memory.
 
     RAM is compared against the total, not what is available: llama.cpp mmaps the file, so page cache
     is reusable. The GPU is compared against its free memory (another process's allocations stay).
+    `n_ctx` (cells per sequence; 0: the training context) and `n_seq`: the KV cache of the context
+    the load will ask for is counted too (llama.cpp clears it at once, so an oversized one is taken
+    from RAM whole; `dg serve --ctx-size 10000000 --parallel 64` was killed by the OOM killer).
     DG_SKIP_MEMORY_CHECK=1 skips it (e.g. for swap-backed experiments).
     """
     import psutil
@@ -385,8 +395,20 @@ def check_fits_memory(path: Path | str, *, n_gpu_layers: int = 0, n_cpu_moe: int
 
     if gpus is None:
         gpus = detect_gpus() if n_gpu_layers != 0 else []
-    _, ram_need, gpu_need = header_plan(read_header(path), n_gpu_layers, n_cpu_moe, gpus)
+    header = read_header(path)
+    context = None
+    if n_ctx is not None:
+        trained = header.arch("context_length")
+        cells = n_ctx or (trained if isinstance(trained, int) and trained > 0 else KV_CONTEXT)
+        context = (cells, max(n_seq, 1))
+    _, ram_need, gpu_need = header_plan(header, n_gpu_layers, n_cpu_moe, gpus, context)
     name, total = Path(path).name, psutil.virtual_memory().total
+    if context is not None and ram_need > total and header_plan(header, n_gpu_layers, n_cpu_moe, gpus)[1] <= total:
+        cells, n_seq = context
+        asked = f"{n_seq} sequences of {cells} tokens" if n_seq > 1 else f"a context of {cells} tokens"
+        raise TooBigForMemory(f"{name} with {asked} needs about {format_bytes(ram_need)} of RAM (most of it the KV "
+                              f"cache) but this machine has {format_bytes(total)}; use a smaller --ctx-size"
+                              + (" or --parallel" if n_seq > 1 else ""))
     if ram_need > total:
         hint = ("offload more to the GPU (--gpu-layers, or a smaller --n-cpu-moe)" if gpu_need
                 else "use a smaller quant, or offload layers to a GPU with --gpu-layers")

@@ -153,6 +153,22 @@ def test_memory_fit(tiny_models, monkeypatch):
         info.check_fits_memory(diff, n_gpu_layers=-1, gpus=gpu)
 
 
+def test_memory_fit_counts_the_kv_cache_of_the_context_asked_for(tiny_models, monkeypatch):
+    # `dg generate -c N` / `dg serve --ctx-size N --parallel P`: the KV cache is cleared at load, so an
+    # oversized one is taken from RAM whole (the OOM killer ended `dg serve -c 10000000 -np 64`)
+    diff = tiny_models[0]
+    VM = namedtuple("VM", "total available")
+    monkeypatch.setattr("psutil.virtual_memory", lambda: VM(8 * 1000**3, 4 * 1000**3))
+    info.check_fits_memory(diff)
+    info.check_fits_memory(diff, n_ctx=0)  # the training context
+    info.check_fits_memory(diff, n_ctx=100_000, n_seq=4)
+    with pytest.raises(info.TooBigForMemory, match=r"with a context of 1000000000 tokens needs about .* of RAM "
+                                                   r"\(most of it the KV cache\).* use a smaller --ctx-size$"):
+        info.check_fits_memory(diff, n_ctx=10**9)
+    with pytest.raises(info.TooBigForMemory, match=r"with 64 sequences of 10000000 tokens .* or --parallel$"):
+        info.check_fits_memory(diff, n_ctx=10**7, n_seq=64)
+
+
 @pytest.mark.parametrize("weights", ["q8_0", "q5_0"])
 def test_ram_need_counts_the_repacked_copies_of_cpu_q8_0_and_q5_0_weights(tmp_path, monkeypatch, weights):
     """The LM head (here tied to the token embedding) and the dense projections dg's int8 GEMMs copy

@@ -284,6 +284,32 @@ def test_serve_usage_errors_are_one_line():
     assert r.exit_code == 1 and "invalid parallel=0" in r.stderr
 
 
+def test_a_context_the_machine_cannot_hold_is_refused_before_loading(monkeypatch):
+    # --ctx-size 10000000 --parallel 64 asked the demo for 164 GB of KV cache: llama.cpp cleared it page
+    # by page until the OOM killer ended the process; and a context past int32 named n_ctx, not --ctx-size
+    from collections import namedtuple
+
+    from typer.testing import CliRunner
+
+    from dgcli import cli
+    from dgcli.engine import model as model_module
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(model_module, "DiffusionModel", no_load)
+    VM = namedtuple("VM", "total available")
+    monkeypatch.setattr("psutil.virtual_memory", lambda: VM(16 * 1000**3, 8 * 1000**3))
+    monkeypatch.delenv("DG_SKIP_MEMORY_CHECK", raising=False)
+    runner = CliRunner()
+    r = runner.invoke(cli.app, ["serve", "--port", "0", "--ctx-size", "10000000", "--parallel", "64"])
+    assert r.exit_code == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "64 sequences of 10000000 tokens needs about 164.2 GB of RAM" in r.stderr
+    assert "use a smaller --ctx-size or --parallel" in r.stderr
+    r = runner.invoke(cli.app, ["serve", "--port", "0", "--ctx-size", "999999999999"])
+    assert r.exit_code == 1 and "invalid ctx_size=999999999999: must be an integer from 1 to 536870911" in r.stderr
+
+
 # ---- the thinking channel, through a scripted model in-process ---------------------------------------------
 
 PIECES = ["<pad>", "<eos>", "<bos>", "<|channel>", "thought", "\n", "I", " think", "<channel|>", "The", " answer",

@@ -133,9 +133,12 @@ def resolve_pair(diff: ResolvedModel, ar_spec: Optional[str], *, yes: bool) -> t
     return pair, ensure_local(pair, yes=yes)
 
 
-def preflight(path: Path, *, diffusion: bool, command: str, gpu_layers: int, n_cpu_moe: int = 0) -> None:
+def preflight(path: Path, *, diffusion: bool, command: str, gpu_layers: int, n_cpu_moe: int = 0,
+              ctx_size: Optional[int] = None, n_seq: int = 1) -> None:
+    """The file's architecture and header, then whether its weights and the KV cache of the context
+    asked for (-c/--ctx-size: n_seq sequences of ctx_size cells; None: the default, small) fit."""
     ginfo.check_architecture(path, diffusion=diffusion, command=command)
-    ginfo.check_fits_memory(path, n_gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe)
+    ginfo.check_fits_memory(path, n_gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe, n_ctx=ctx_size, n_seq=n_seq)
 
 
 def resolve_offload(gpu_layers: int, n_cpu_moe: Optional[int], cpu_moe: bool) -> tuple[int, int]:

@@ -43,7 +43,8 @@ def chat(
         gpu_layers, n_cpu_moe = shared.resolve_offload(gpu_layers, n_cpu_moe, cpu_moe)
         shared.check_prompt_options(system, False)
         resolved, path = shared.resolve_model(model, yes=yes, want="diffusion")
-        shared.preflight(path, diffusion=True, command="chat", gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe)
+        shared.preflight(path, diffusion=True, command="chat", gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe,
+                         ctx_size=ctx_size)
         params = shared.diffusion_params(path, temp, **shared.sampler_flags(
             steps, t_min, t_max, entropy_bound, stability_threshold, confidence_threshold))
         interactive = sys.stdin.isatty()

@@ -57,8 +57,10 @@ def compare(
         text = shared.read_prompt(prompt, prompt_opt, file)
         diff_res, diff_path = shared.resolve_model(model, yes=yes, want="diffusion")
         ar_res, ar_path = shared.resolve_pair(diff_res, ar_model, yes=yes)
-        shared.preflight(diff_path, diffusion=True, command="compare", gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe)
-        shared.preflight(ar_path, diffusion=False, command="compare", gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe)
+        shared.preflight(diff_path, diffusion=True, command="compare", gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe,
+                         ctx_size=ctx_size)
+        shared.preflight(ar_path, diffusion=False, command="compare", gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe,
+                         ctx_size=ctx_size)
         params = shared.diffusion_params(diff_path, temp, **shared.sampler_flags(
             steps, t_min, t_max, entropy_bound, stability_threshold, confidence_threshold))
         live = shared.use_live(no_live, json_out)

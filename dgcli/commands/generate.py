@@ -57,7 +57,8 @@ def generate(
         run_seed = shared.seed_of(seed)
         text = shared.read_prompt(prompt, prompt_opt, file)
         resolved, path = shared.resolve_model(model, yes=yes, want="diffusion")
-        shared.preflight(path, diffusion=True, command="generate", gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe)
+        shared.preflight(path, diffusion=True, command="generate", gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe,
+                         ctx_size=ctx_size)
         params = shared.diffusion_params(path, temp, **shared.sampler_flags(
             steps, t_min, t_max, entropy_bound, stability_threshold, confidence_threshold))
         live = shared.use_live(no_live, json_out)

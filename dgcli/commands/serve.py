@@ -16,6 +16,7 @@ from dgcli.engine.types import DgError, InvalidParameter
 STOPPED = "dg serve: stopped"  # the log's last line, whichever signal stopped it
 
 MAX_PARALLEL = 64
+INT32_MAX = 2**31 - 1  # llama.cpp's n_ctx (every slot's cells together)
 
 
 def serve(
@@ -50,9 +51,15 @@ def serve(
             raise InvalidParameter("port", port, "an integer in [0, 65535]")
         if self_cond_top_k is not None and self_cond_top_k < 0:
             raise InvalidParameter("self_cond_top_k", self_cond_top_k, "an integer >= 0 (0 = all tokens)")
+        if ctx_size is not None and not 1 <= ctx_size <= INT32_MAX // parallel:
+            raise InvalidParameter("ctx_size", ctx_size, f"an integer from 1 to {INT32_MAX // parallel} "
+                                                         f"({parallel} slots share llama.cpp's context of at most "
+                                                         f"{INT32_MAX} tokens)")
         uvicorn = _serve_dependencies()
         resolved, path = shared.resolve_model(model, yes=yes, want="diffusion")
-        shared.preflight(path, diffusion=True, command="serve", gpu_layers=gpu_layers)
+        ctx_size = ctx_size or default_ctx_size(path)
+        shared.preflight(path, diffusion=True, command="serve", gpu_layers=gpu_layers, ctx_size=ctx_size,
+                         n_seq=parallel)
         listener = _listen(host, port)
         try:
             _run(uvicorn, listener, resolved.display_name, path, parallel=parallel, queue_size=queue_size,
@@ -89,21 +96,14 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _run(uvicorn, listener: socket.socket, name: str, path, *, parallel: int, queue_size: int, ctx_size: Optional[int],
+def _run(uvicorn, listener: socket.socket, name: str, path, *, parallel: int, queue_size: int, ctx_size: int,
          max_tokens: int, api_key: Optional[str], self_cond_top_k: Optional[int], threads: Optional[int],
          gpu_layers: int, rpc_servers: Optional[list[str]]) -> None:
     from dgcli.engine.diffusion import DiffusionEngine
-    from dgcli.engine.header import read_header
-    from dgcli.engine.model import DEFAULT_N_CTX, DiffusionModel
+    from dgcli.engine.model import DiffusionModel
     from dgcli.server.app import DgService, ServeConfig, create_app
     from dgcli.server.scheduler import BatchScheduler
 
-    if ctx_size is None:
-        n_ctx_train = read_header(path).arch("context_length")
-        n_ctx_train = n_ctx_train if isinstance(n_ctx_train, int) and n_ctx_train > 0 else DEFAULT_N_CTX
-        ctx_size = min(n_ctx_train, DEFAULT_N_CTX)
-    elif ctx_size < 1:
-        raise InvalidParameter("ctx_size", ctx_size, "an integer >= 1")
     with shared.stderr.status(f"loading {name} ({parallel} slots of {ctx_size} tokens)"):
         # a KV-cache stream per request: each is laid out as if alone, so answers equal `dg generate`'s
         model = DiffusionModel(str(path), n_threads=threads, n_gpu_layers=gpu_layers, n_ctx=ctx_size * parallel,
@@ -153,6 +153,16 @@ def _run(uvicorn, listener: socket.socket, name: str, path, *, parallel: int, qu
         if scheduler is not None:
             scheduler.close()
         model.close()
+
+
+def default_ctx_size(path) -> int:
+    """Each request's context without --ctx-size: min(training context, 4096)."""
+    from dgcli.engine.header import read_header
+    from dgcli.engine.model import DEFAULT_N_CTX
+
+    n_ctx_train = read_header(path).arch("context_length")
+    n_ctx_train = n_ctx_train if isinstance(n_ctx_train, int) and n_ctx_train > 0 else DEFAULT_N_CTX
+    return min(n_ctx_train, DEFAULT_N_CTX)
 
 
 def _stopped_by_sigterm(signum: int, _frame) -> None:

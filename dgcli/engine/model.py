@@ -187,7 +187,7 @@ class _LlamaModel:
 
         n_ctx = self._default_n_ctx() if n_ctx is None else n_ctx
         if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or not 0 <= n_ctx <= INT32_MAX:
-            raise InvalidParameter("n_ctx", n_ctx, "an integer >= 1 (0: the model's training context)")
+            raise InvalidParameter("n_ctx", n_ctx, f"an integer from 0 to {INT32_MAX} (0: the model's training context)")
         cparams = L.llama_context_default_params()
         cparams.n_ctx = n_ctx
         cparams.n_batch = cparams.n_ubatch = n_ubatch
