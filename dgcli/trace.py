@@ -83,18 +83,68 @@ def read_trace(path: Path) -> Trace:
         if not isinstance(doc, dict):
             raise DgError(f"{where}: expected a JSON object per line")
         if trace is None:
-            if doc.get("kind") != "header" or doc.get("schema") != TRACE_SCHEMA:
+            schema = doc.get("schema")
+            if doc.get("kind") == "header" and isinstance(schema, str) and schema.startswith("dg-trace/") \
+                    and schema != TRACE_SCHEMA:
+                raise DgError(f"{path} is a {' '.join(schema.split())[:40]} trace, which this dg cannot read "
+                              f"(it reads {TRACE_SCHEMA}; a newer dg wrote it?)")
+            if doc.get("kind") != "header" or schema != TRACE_SCHEMA:
                 raise DgError(f"{path} is not a {TRACE_SCHEMA} trace (its first line is not a {TRACE_SCHEMA} header; "
                               "write one with `dg generate --trace FILE`)")
+            problem = _header_problem(doc)
+            if problem:
+                raise DgError(f"{where}: malformed header line ({problem})")
             trace = Trace(header=doc)
             continue
         try:
             _add_line(trace, doc)
-        except (KeyError, TypeError, ValueError) as err:
+        except (KeyError, TypeError, ValueError, OverflowError) as err:
             raise DgError(f"{where}: malformed {doc.get('kind', '?')} line ({err})") from None
     if trace is None:
         raise DgError(f"{path} is empty")
     return trace
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(_is_int(v) for v in value)
+
+
+def _header_problem(doc: dict) -> str | None:
+    """What is wrong with the header's fields that `dg replay` uses (None: nothing)."""
+    model = doc.get("model")
+    if model is not None and not (isinstance(model, dict) and isinstance(model.get("name", ""), str)):
+        return "model must be an object with a name"
+    if doc.get("end_token_ids") is not None and not _is_int_list(doc["end_token_ids"]):
+        return "end_token_ids must be a list of token ids"
+    if doc.get("pad_token_id") is not None and not _is_int(doc["pad_token_id"]):
+        return "pad_token_id must be a token id"
+    return None
+
+
+# The result line's fields and what each must be (GenerationResult.to_json()).
+_RESULT_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    **{name: (lambda v: isinstance(v, str), "a string") for name in ("mode", "text", "stop_reason")},
+    **{name: (_is_int_list, "a list of integers") for name in ("token_ids", "steps_per_canvas")},
+    **{name: (_is_int, "an integer") for name in ("n_prompt_tokens", "decoder_forwards", "n_cached_prompt_tokens")},
+    **{name: (_is_number, "a number") for name in ("tokens_per_forward", "prefill_s", "total_s", "forward_s",
+                                                   "sampling_s", "display_s")},
+    "interrupted": (lambda v: isinstance(v, bool), "true or false"),
+    "seed": (lambda v: v is None or _is_int(v), "an integer or null"),
+}
+
+
+def _check_result(doc: dict) -> None:
+    for name, (ok, what) in _RESULT_FIELDS.items():
+        if name in doc and not ok(doc[name]):
+            raise ValueError(f"{name} must be {what}")
 
 
 def _lines(path: Path) -> Iterator[tuple[int, str]]:
@@ -117,7 +167,10 @@ def _add_line(trace: Trace, doc: dict) -> None:
         accepted = np.asarray(doc["accepted"], dtype=bool)
         if canvas.ndim != 1 or canvas.shape != accepted.shape:
             raise ValueError("argmax_canvas and accepted must be lists of one length")
-        for key, piece in doc.get("pieces", {}).items():
+        pieces = doc.get("pieces", {})
+        if not isinstance(pieces, dict):
+            raise ValueError("pieces must be an object of token id: text")
+        for key, piece in pieces.items():
             trace.pieces[int(key)] = str(piece)
         trace.events.append(StepEvent(
             canvas_index=int(doc["canvas"]), step=int(doc["step"]), max_steps=int(doc["max_steps"]),
@@ -130,6 +183,7 @@ def _add_line(trace: Trace, doc: dict) -> None:
                                         steps=int(doc["steps"]), commit_s=float(doc["commit_s"])))
         trace.canvas_texts.append(str(doc.get("text", "")))
     elif kind == "result":
+        _check_result(doc)
         trace.result = doc
     else:
         raise ValueError(f"unknown kind {kind!r}")
