@@ -39,6 +39,12 @@ def test_prompt_that_is_not_utf8(tiny_gguf, no_engine):
     assert "the prompt from stdin is not UTF-8 text (byte 2)" in error_line("generate", "-m", tiny_gguf, input=b"hi\xfe")
 
 
+def test_system_text_that_is_not_utf8(tiny_gguf, tiny_ar_gguf, no_engine):
+    for command in (["generate", "hi"], ["compare", "hi", "--ar-model", tiny_ar_gguf], ["chat"]):
+        assert "the --system text is not UTF-8 text (byte 3)" in error_line(
+            *command, "-m", tiny_gguf, "--system", "be \udcff", input=b"")
+
+
 @pytest.mark.parametrize("seed", ["-2", str(2**32)])  # -1: a random seed, as llama-cli's -s -1
 def test_seed_outside_its_range(seed, tiny_gguf, tiny_ar_gguf, no_engine):
     for command in (["generate", "hi"], ["compare", "hi", "--ar-model", tiny_ar_gguf], ["bench", "--ar-model", tiny_ar_gguf]):

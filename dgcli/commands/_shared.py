@@ -259,10 +259,7 @@ def read_prompt(argument: Optional[str], option: Optional[str] = None, file: Opt
         raise DgError("the prompt was given twice: pass it as an argument, with -p/--prompt, or with -f/--file")
     text = argument if argument is not None else option
     if text is not None and text != "-":
-        try:  # bytes of the command line that are not UTF-8 arrive as lone surrogates
-            text.encode("utf-8")
-        except UnicodeEncodeError as err:
-            raise DgError(f"the prompt from the command line is not UTF-8 text (byte {err.start})") from None
+        check_utf8(text, "the prompt from the command line")
     if file is not None and str(file) != "-":
         text = read_text_file(file, "prompt file").rstrip("\r\n")
     elif text is None or text == "-" or file is not None:
@@ -272,6 +269,15 @@ def read_prompt(argument: Optional[str], option: Optional[str] = None, file: Opt
     if not text.strip():
         raise DgError("empty prompt")
     return text
+
+
+def check_utf8(text: str, what: str) -> None:
+    """Bytes of the command line (or of a line typed at a prompt) that are not UTF-8 arrive as lone
+    surrogates, which no tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise DgError(f"{what} is not UTF-8 text (byte {err.start})") from None
 
 
 def decode_prompt(data: bytes, source: str) -> str:
@@ -298,6 +304,8 @@ def check_prompt_options(system: Optional[str], raw: bool) -> None:
         raise DgError("--system needs the chat template; with --raw, write the system text into the prompt")
     if system is not None and not system.strip():
         raise DgError("empty --system text")
+    if system is not None:
+        check_utf8(system, "the --system text")
 
 
 def prompt_ids(model, text: str, *, system: Optional[str], raw: bool, parse_special: bool) -> list[int]:
