@@ -123,3 +123,25 @@ def test_a_rollback_past_the_sliding_window_clears_the_cache(engines):
     model.prefill(long)
     assert model.keep_cached_prefix(long[:40] + [5]) == 0
     assert model.n_past == 0 and model.cache_tokens == []
+
+
+def test_text_that_is_not_utf8_is_refused_and_the_session_goes_on():
+    # bytes that are not UTF-8 arrive as lone surrogates; the tokenizer raised UnicodeEncodeError
+    session = ChatSession(RecordingEngine(), system="Be brief.", seed=0)
+    with pytest.raises(DgError, match="the message is not UTF-8 text"):
+        session.ask("hi \udcff")
+    assert "not UTF-8" in session.command("/system a\udcffb").message
+    assert session.system == "Be brief."
+    assert session.ask("hi").text == "answer 1"
+
+
+@needs_native
+def test_a_piped_line_that_is_not_utf8_is_that_turns_error_not_a_traceback():
+    from typer.testing import CliRunner
+
+    from dgcli import cli
+
+    r = CliRunner().invoke(cli.app, ["chat", "--seed", "1"], input=b"reverse: HELLO\n\xff\xfe\nreverse: AB\n")
+    assert r.exit_code == 0 and r.exception is None, (r.stderr, r.exception)
+    assert r.stdout.split()[0] == "OLLEH" and len(r.stdout.splitlines()) == 2  # both turns answered
+    assert "error: the message is not UTF-8 text" in r.stderr

@@ -72,7 +72,9 @@ def _messages(interactive: bool):
     """The user's messages: typed at a `>>> ` prompt (Ctrl-C clears the line, Ctrl-D leaves) or read
     one per line from a pipe."""
     if not interactive:
-        for line in sys.stdin:
+        # bytes, so that a line that is not UTF-8 is that turn's error whatever the locale's error handler
+        for raw in getattr(sys.stdin, "buffer", sys.stdin):
+            line = raw.decode("utf-8", "surrogateescape") if isinstance(raw, bytes) else raw
             if line.strip():
                 yield line.rstrip("\r\n")
         return
@@ -88,6 +90,9 @@ def _messages(interactive: bool):
         except EOFError:
             shared.stderr.print()
             return
+        except UnicodeDecodeError:  # typed or pasted bytes that are not UTF-8, in a strict locale
+            shared.stderr.print("error: the message is not UTF-8 text", style="red")
+            continue
         if line.strip():
             yield line
 
