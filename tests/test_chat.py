@@ -145,3 +145,22 @@ def test_a_piped_line_that_is_not_utf8_is_that_turns_error_not_a_traceback():
     assert r.exit_code == 0 and r.exception is None, (r.stderr, r.exception)
     assert r.stdout.split()[0] == "OLLEH" and len(r.stdout.splitlines()) == 2  # both turns answered
     assert "error: the message is not UTF-8 text" in r.stderr
+
+
+@needs_native
+def test_a_piped_answer_is_printed_as_it_is_and_an_error_stays_one_line(tiny_gguf):
+    # Rich wrapped a piped answer at 120 columns (newlines inside the answer) and an error at 80
+    from typer.testing import CliRunner
+
+    from dgcli import cli
+
+    runner = CliRunner()
+    args = ["-m", str(tiny_gguf), "--seed", "1", "-n", "200", "--thinking", "hide"]
+    alone = runner.invoke(cli.app, ["generate", "hi there", *args])
+    assert alone.exit_code == 0, alone.stderr
+    assert len(alone.stdout) > 130  # a random model's answer, long enough to have been wrapped
+    r = runner.invoke(cli.app, ["chat", *args, "-c", "256"], input="hi there\n" + "a b c d e f g h " * 40 + "\n")
+    assert r.exit_code == 0, (r.stderr, r.exception)
+    assert r.stdout == alone.stdout  # the first turn answers as generate does; the second does not fit
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].endswith("restart with a larger -c/--ctx-size"), r.stderr

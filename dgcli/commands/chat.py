@@ -105,11 +105,14 @@ def _turn(session, text: str, *, live: bool, thinking: str, pace: float, title: 
         with shared.DiffusionDisplay(model, live=live, thinking=thinking, title=title, pace=pace) as display:
             result = session.ask(text, on_event=display.on_event)
     except DgError as err:
-        shared.stderr.print(f"error: {' '.join(str(err).split())}", style="red")
+        shared.notice(f"error: {' '.join(str(err).split())}", style="red")
         return
     except KeyboardInterrupt:
         shared.stderr.print("(stopped)", style="dim")
         return
-    shared.stdout.print(render.answer_renderable(result.text, thinking))
+    if shared.stdout.is_terminal:
+        shared.stdout.print(render.answer_renderable(result.text, thinking))
+    else:  # piped: the answer as it is (Rich would wrap it at its width), as generate and compare print it
+        typer.echo(render.answer_plain(result.text, thinking))
     cached = f"  prompt {result.n_prompt_tokens} tokens, {result.n_cached_prompt_tokens} from the cache"
     shared.notice(render.result_summary(result) + cached, style="dim cyan")
