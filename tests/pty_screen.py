@@ -48,7 +48,8 @@ class Terminal:
     def spawn(self, *args: str, env: dict | None = None, timeout: float = 120) -> "Terminal":
         exe, argv = dg_command(*args)
         full_env = dict(os.environ, TERM="xterm-256color", COLUMNS=str(self.columns), LINES=str(self.rows),
-                        PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {}))
+                        PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        full_env.update(env or {})  # may replace TERM
         self.child = pexpect.spawn(exe, argv, env=full_env, dimensions=(self.rows, self.columns), timeout=timeout,
                                    cwd=REPO, preexec_fn=_default_signals)
         return self

@@ -48,6 +48,16 @@ def test_generate_live(columns):
     assert "╭" not in term.screen_text()  # the live panel is gone, the answer stays
 
 
+def test_a_dumb_terminal_shows_the_progress_as_status_lines():
+    # TERM=dumb: Rich's Live draws nothing until it stops, so the whole run showed nothing but the answer
+    rc, term = pty_screen.run("generate", "nato: QWERTY", "--seed", "1", env={"TERM": "dumb"})
+    assert rc == 0
+    assert_clean(term)
+    text = term.all_text()
+    assert "canvas 1  step 1/48" in text and "[stop]" in text
+    assert "YANKEE" in text and "stop=end_token" in text.replace("\n", "")
+
+
 @pytest.mark.parametrize("columns", WIDTHS)
 def test_compare_live(columns):
     # issue 8: this ended with `error: model demo-diffusion.gguf is closed` on every terminal

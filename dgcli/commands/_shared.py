@@ -484,7 +484,9 @@ def refresh(live: Live) -> None:
 
 
 def use_live(no_live: bool, json_out: bool) -> bool:
-    return not (no_live or json_out) and stdout.is_terminal
+    """A live view when stdout is a terminal that can redraw: on TERM=dumb (or unknown) Rich's Live
+    draws nothing until it stops, so the plain status lines show the progress instead."""
+    return not (no_live or json_out) and stdout.is_terminal and not stdout.is_dumb_terminal
 
 
 def piece_of(model):
