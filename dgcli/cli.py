@@ -5,6 +5,30 @@ from __future__ import annotations
 
 from dgcli.commands import _signals
 
+
+def _reopen_closed_standard_streams() -> None:
+    """A standard stream the caller closed (`<&-`, `>&-`, `2>&-`) is /dev/null for dg. Python leaves
+    sys.stdin/stdout/stderr None then (a traceback at the first use), and the next file dg opened would
+    take the free descriptor: llama.cpp's log or the status lines written into a model or --trace file."""
+    import os
+    import sys
+
+    for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
+        try:
+            os.fstat(fd)
+            continue
+        except OSError:
+            pass
+        null = os.open(os.devnull, os.O_RDWR)
+        if null != fd:
+            os.dup2(null, fd)
+            os.close(null)
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(fd, mode, closefd=False, encoding="utf-8", errors="surrogateescape"))
+
+
+_reopen_closed_standard_streams()
+
 with _signals.quiet_startup():
     import sys
     from typing import Any

@@ -125,3 +125,19 @@ def test_registry_with_wrong_types(text, tmp_path):
 
 def test_registry_that_is_a_folder(tmp_path):
     assert "cannot read the model registry" in error_line("list", env={"DG_REGISTRY": str(tmp_path)})
+
+
+@pytest.mark.parametrize("closed, args, code, stderr", [
+    (0, ["generate"], 1, "error: empty prompt\n"),  # `dg generate <&-`: stdin was None, a traceback
+    (1, ["list"], 0, ""),  # `dg list >&-`: stdout was None, a traceback while importing
+])
+def test_a_closed_standard_stream_reads_as_dev_null(closed, args, code, stderr):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "dgcli.cli", *args], capture_output=True,
+                       preexec_fn=lambda: os.close(closed),
+                       env=dict(os.environ, PYTHONPATH=str(repo)), cwd=repo, timeout=120, text=True)
+    assert (r.returncode, r.stderr) == (code, stderr)
