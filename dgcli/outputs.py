@@ -116,16 +116,19 @@ class OutputFile:
 
     @property
     def is_stdout(self) -> bool:
-        """`-`, or a stream that is this process's stdout (`/dev/stdout`, the file stdout is piped to)."""
+        """This output is dg's stdout (`-`, or a stream that is the file stdout writes to, /dev/null aside):
+        nothing else may be printed there."""
         if str(self.path) == STREAM:
             return True
         if not self.stream:
             return False
         try:
-            a, b = os.stat(self.path), os.fstat(sys.stdout.fileno())
+            mine, out = os.stat(self.path), os.fstat(sys.stdout.fileno())
+            null = os.stat(os.devnull)
         except (OSError, ValueError, AttributeError):  # no real stdout (a test runner's buffer)
             return False
-        return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+        same = (mine.st_dev, mine.st_ino) == (out.st_dev, out.st_ino)
+        return same and (mine.st_dev, mine.st_ino) != (null.st_dev, null.st_ino)
 
     # -- writing
 

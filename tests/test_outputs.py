@@ -204,6 +204,21 @@ def test_generate_trace_refuses_existing_file_and_model_and_streams_to_dev_null(
 
 
 @requires_native
+def test_a_trace_on_stdout_has_it_to_itself(tiny_gguf, tmp_path):
+    # `--trace - > run.jsonl`: the answer was streamed into the trace's lines, which dg replay then refused
+    r = run("generate", "reverse: HELLO", "--seed", "1", "--trace", "-")  # the demo model
+    assert r.exit_code == 0, r.stderr
+    lines = [json.loads(line) for line in r.stdout.splitlines()]  # every line is one JSON object
+    assert lines[0]["kind"] == "header" and lines[-1]["kind"] == "result" and lines[-1]["text"] == "OLLEH"
+    assert "\nOLLEH\n" in r.stderr  # the answer is shown, on stderr
+    saved = tmp_path / "run.jsonl"
+    saved.write_text(r.stdout)
+    replayed = run("replay", saved, "--pace", "0")
+    assert replayed.exit_code == 0, replayed.stderr
+    one_line_error(run("generate", "hi", "-m", tiny_gguf, "--json", "--trace", "-"), "--json and --trace to stdout")
+
+
+@requires_native
 def test_generate_trace_into_an_unwritable_folder_is_one_line(tiny_gguf):
     one_line_error(run("generate", "hi", "-m", tiny_gguf, "-n", "4", "--steps", "2", "--trace", "/proc/self/t.jsonl"),
                    "cannot write --trace /proc/self/t.jsonl")

@@ -519,10 +519,11 @@ class DiffusionDisplay:
 
     def __init__(self, model, *, live: bool, thinking: str, title: str = "diffusion", stream_plain: bool = False,
                  recorder=None, live_obj: Optional[Live] = None, view: Optional[render.DiffusionLiveView] = None,
-                 pace: float = 0.0):
+                 pace: float = 0.0, text_to_stderr: bool = False):
         self.view = view or diffusion_view(model, title=title, thinking=thinking)
         self.live, self.live_obj, self._own = live, live_obj, None
         self.thinking, self.stream_plain, self.recorder = thinking, stream_plain, recorder
+        self.text_to_stderr = text_to_stderr  # stdout holds something else (generate --trace -)
         self.throttle, self.pacer, self.pace = Throttle(), Pacer(pace), pace
         self.streamed_chars = 0
         self.ticker: Optional[BusyTicker] = None
@@ -559,7 +560,7 @@ class DiffusionDisplay:
             elif isinstance(ev, CanvasEvent) and self.thinking == "show":
                 # Plain mode streams each committed canvas's text as soon as it is final.
                 text = self.view.committed_text
-                typer.echo(text[self.streamed_chars:], nl=False)
+                typer.echo(text[self.streamed_chars:], nl=False, err=self.text_to_stderr)
                 self.streamed_chars = len(text)
         if isinstance(ev, StepEvent):
             self.pacer.wait()
@@ -596,12 +597,14 @@ class BusyTicker:
 def run_diffusion(engine, prompt, *, params: DiffusionParams, max_new_tokens: int, seed: Optional[int],
                   live: bool, thinking: str, recorder=None, stream_plain: bool = False, title: str = "diffusion",
                   live_obj: Optional[Live] = None, view: Optional[render.DiffusionLiveView] = None,
-                  self_cond_top_k: Optional[int] = None, pace: float = 0.0) -> GenerationResult:
+                  self_cond_top_k: Optional[int] = None, pace: float = 0.0,
+                  text_to_stderr: bool = False) -> GenerationResult:
     """One diffusion generation shown by a DiffusionDisplay; returns the engine's result."""
     # Only an explicit choice reaches the engine; otherwise it picks (dense for small vocabularies).
     options = {} if self_cond_top_k is None else {"self_cond_top_k": self_cond_top_k}
     with DiffusionDisplay(engine.model, live=live, thinking=thinking, title=title, stream_plain=stream_plain,
-                          recorder=recorder, live_obj=live_obj, view=view, pace=pace) as display:
+                          recorder=recorder, live_obj=live_obj, view=view, pace=pace,
+                          text_to_stderr=text_to_stderr) as display:
         result = engine.generate(prompt, params=params, max_new_tokens=max_new_tokens, seed=seed,
                                  on_event=display.on_event, **options)
     result._streamed_chars = display.streamed_chars  # type: ignore[attr-defined]

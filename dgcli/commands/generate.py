@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from dgcli import outputs, render
-from dgcli.engine.types import InvalidParameter
+from dgcli.engine.types import DgError, InvalidParameter
 from dgcli.commands import _shared as shared
 
 GENERATE_SCHEMA = "dg-generate/1"
@@ -65,6 +65,12 @@ def generate(
         header = dict(model=dict(name=resolved.display_name, path=str(path)), prompt=text, system=system, raw=raw,
                       params=params.__dict__, max_new_tokens=max_new_tokens, seed=run_seed)
         trace_file = shared.output_file(trace, force=force, inputs=[path, file], what="--trace")
+        # a trace on stdout has it to itself: the answer goes to stderr, no live view draws over it
+        trace_on_stdout = trace_file is not None and trace_file.is_stdout
+        if trace_on_stdout and json_out:
+            raise DgError("--json and --trace to stdout would mix two documents there; write the trace to a "
+                          "file (--json holds it too, as \"trace\")")
+        live = live and not trace_on_stdout
         with outputs.writing(trace_file) as (trace_out,):
             engine = shared.open_diffusion_engine(path, threads=threads, gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe,
                                                   **shared.rpc_option(rpc_servers),
@@ -84,7 +90,7 @@ def generate(
                                               live=live, thinking=thinking, recorder=recorder,
                                               title=f"diffusion: {resolved.display_name}",
                                               stream_plain=not live and not json_out, self_cond_top_k=self_cond_top_k,
-                                              pace=pace)
+                                              pace=pace, text_to_stderr=trace_on_stdout)
                 if recorder is not None:
                     recorder.result(result.to_json())
             finally:
@@ -101,9 +107,9 @@ def generate(
         else:
             streamed = getattr(result, "_streamed_chars", 0)
             if thinking == "show":
-                typer.echo(result.text[streamed:] if streamed <= len(result.text) else "")
+                typer.echo(result.text[streamed:] if streamed <= len(result.text) else "", err=trace_on_stdout)
             else:
-                typer.echo(answer.strip())
+                typer.echo(answer.strip(), err=trace_on_stdout)
             shared.notice(render.result_summary(result))
         if result.stop_reason == "context_full" and not json_out:
             shared.notice("note: the context is full; the answer stops here")
