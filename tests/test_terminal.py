@@ -182,6 +182,20 @@ def test_replay_of_a_saved_trace(columns, tmp_path):
     assert "EQRTWY" in screen and "recorded:" in screen
 
 
+def test_ctrl_c_in_replay_shows_the_text_it_had_reached(tmp_path):
+    # the transient live view vanished and only "interrupted" was left on the screen
+    trace = tmp_path / "run.jsonl"
+    rc, _ = pty_screen.run("generate", "nato: QWERTY", "--seed", "1", "--trace", str(trace))
+    assert rc == 0
+    term = pty_screen.Terminal(80, 24).spawn("replay", str(trace), "--pace", "0.3")
+    term.read_until("canvas 2  step 1/48")
+    term.sendintr()
+    assert term.wait() == 130
+    screen = term.screen_text()
+    assert "╭" not in screen, screen
+    assert "QUEBEC WHISKEY ECHO ROMEO TANGO" in screen and "interrupted: the replay stopped here" in screen
+
+
 def test_sigterm_under_a_live_view_gives_the_terminal_back():
     import pexpect
     import signal

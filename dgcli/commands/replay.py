@@ -34,17 +34,25 @@ def replay(
             title=f"replay: {model.get('name', trace_file.name)}", thinking=thinking)
         live = shared.use_live(no_live, False)
         canvases = iter(trace.canvas_texts)
-        with shared.DiffusionDisplay(None, live=live, thinking=thinking, stream_plain=not live, view=view,
-                                     pace=pace) as display:
-            for event in trace.events:
-                if isinstance(event, CanvasEvent):
-                    texts.append(next(canvases))
-                display.on_event(event)
+        interrupted, display = False, None
+        try:
+            with shared.DiffusionDisplay(None, live=live, thinking=thinking, stream_plain=not live, view=view,
+                                         pace=pace) as display:
+                for event in trace.events:
+                    if isinstance(event, CanvasEvent):
+                        texts.append(next(canvases))
+                    display.on_event(event)
+        except KeyboardInterrupt:  # the live view is gone: show the text it had reached, as generate does
+            interrupted = True
         answer = "".join(texts)
         if live:
             shared.stdout.print(render.answer_renderable(answer, thinking))
         else:
-            typer.echo(answer[display.streamed_chars:] if thinking == "show" else render.answer_plain(answer, "hide"))
+            streamed = display.streamed_chars if display is not None else 0
+            typer.echo(answer[streamed:] if thinking == "show" else render.answer_plain(answer, "hide"))
+        if interrupted:
+            shared.notice("interrupted: the replay stopped here")
+            raise typer.Exit(shared.EXIT_INTERRUPTED)
         result = _recorded_result(trace.result)
         if result is not None:
             shared.notice("recorded: " + render.result_summary(result), style="cyan")
