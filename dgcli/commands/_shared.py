@@ -20,7 +20,7 @@ from dgcli import hub, info as ginfo, render, textfile
 from dgcli.commands import _signals
 from dgcli.engine.header import read_header
 from dgcli.engine.hparams import sampler_defaults
-from dgcli.engine.types import CanvasEvent, DgError, DiffusionParams, GenerationResult, StepEvent
+from dgcli.engine.types import CanvasEvent, DgError, DiffusionParams, GenerationResult, StepEvent, check_utf8
 from dgcli.outputs import OutputFile
 from dgcli.registry import DEFAULT_MODEL, Registry, ResolvedModel, missing_shipped_message
 
@@ -269,15 +269,6 @@ def read_prompt(argument: Optional[str], option: Optional[str] = None, file: Opt
     if not text.strip():
         raise DgError("empty prompt")
     return text
-
-
-def check_utf8(text: str, what: str) -> None:
-    """Bytes of the command line (or of a line typed at a prompt) that are not UTF-8 arrive as lone
-    surrogates, which no tokenizer takes."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as err:
-        raise DgError(f"{what} is not UTF-8 text (byte {err.start})") from None
 
 
 def decode_prompt(data: bytes, source: str) -> str:

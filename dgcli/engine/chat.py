@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from dgcli.engine.diffusion import prompt_token_ids
 from dgcli.engine.rng import SEED_LIMIT, resolve_seed
-from dgcli.engine.types import DgError, DiffusionParams, GenerationResult
+from dgcli.engine.types import DgError, DiffusionParams, GenerationResult, check_utf8
 
 COMMANDS = {
     "/exit": "leave the chat (also /quit, /bye, Ctrl-D)",
@@ -66,7 +66,7 @@ class ChatSession:
         """One turn. The answer (even a partial one, after Ctrl-C) joins the conversation."""
         if not text.strip():
             raise DgError("empty message")
-        _check_utf8(text, "the message")
+        check_utf8(text, "the message")
         ids = self.prompt_ids(text)
         self._check_room(len(ids))
         options = {} if self.self_cond_top_k is None else {"self_cond_top_k": self.self_cond_top_k}
@@ -96,7 +96,7 @@ class ChatSession:
             if not arg:
                 return CommandOutcome(f"system prompt: {self.system}" if self.system else "no system prompt")
             try:
-                _check_utf8(arg, "the system prompt")
+                check_utf8(arg, "the system prompt")
             except DgError as err:
                 return CommandOutcome(f"{err}; the system prompt is unchanged")
             self.system = None if arg == "-" else arg
@@ -104,14 +104,6 @@ class ChatSession:
         if name == "/help":
             return CommandOutcome("\n".join(f"{cmd:<14} {what}" for cmd, what in COMMANDS.items()))
         return CommandOutcome(f"unknown command {name}; /help lists them")
-
-
-def _check_utf8(text: str, what: str) -> None:
-    """Bytes that are not UTF-8 (typed, pasted or piped) arrive as lone surrogates, which no tokenizer takes."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as err:
-        raise DgError(f"{what} is not UTF-8 text (character {err.start + 1})") from None
 
 
 def is_command(line: str) -> bool:

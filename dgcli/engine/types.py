@@ -33,6 +33,17 @@ class ContextFull(DgError):
     """The KV cache has no room for what a forward would add (the engines stop with "context_full")."""
 
 
+def check_utf8(text: str, what: str) -> None:
+    """Text no tokenizer takes: bytes that are not UTF-8 (command-line arguments, lines typed or piped)
+    arrive as lone surrogates, and JSON's \\uXXXX escapes can spell one. The error names the byte
+    where the UTF-8 text stops."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        offset = len(text[:err.start].encode("utf-8"))
+        raise DgError(f"{what} is not UTF-8 text (byte {offset})") from None
+
+
 # The reference's defaults (DiffusionGemmaGenerationConfig._get_default_generation_params).
 DEFAULT_MAX_DENOISING_STEPS = 48
 DEFAULT_T_MIN = 0.4
@@ -113,7 +124,8 @@ class DiffusionParams:
         if self.t_max < self.t_min:
             raise InvalidParameter("t_max", self.t_max, f"at least t_min ({self.t_min})")
         if not _is_real(self.entropy_bound) or not 0 < self.entropy_bound <= MAX_SAMPLER_FLOAT:
-            raise InvalidParameter("entropy_bound", self.entropy_bound, f"a number > 0 and at most {MAX_SAMPLER_FLOAT:g}")
+            raise InvalidParameter("entropy_bound", self.entropy_bound,
+                                   f"a number > 0 and at most {MAX_SAMPLER_FLOAT:g}")
         if not _is_int(self.stability_threshold) or not 0 <= self.stability_threshold <= self.max_denoising_steps:
             raise InvalidParameter("stability_threshold", self.stability_threshold,
                                    f"an integer between 0 and max_denoising_steps ({self.max_denoising_steps})")

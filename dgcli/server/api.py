@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from dgcli.engine.types import DiffusionParams, GenerationResult, InvalidParameter, StepEvent
+from dgcli.engine.types import DgError, DiffusionParams, GenerationResult, InvalidParameter, StepEvent, check_utf8
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
@@ -172,12 +172,10 @@ def parse_messages(messages: Any) -> list[dict[str, str]]:
 
 
 def _unicode(text: str, param: str) -> str:
-    """JSON's \\uXXXX escapes can spell a lone surrogate, which no UTF-8 encoder (the tokenizer's) takes."""
     try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as err:
-        raise _bad(f"'{param}' is not valid Unicode: a lone surrogate {text[err.start]!r} at character {err.start}",
-                   param=param) from None
+        check_utf8(text, f"'{param}'")
+    except DgError as err:
+        raise _bad(str(err), param=param) from None
     return text
 
 
