@@ -283,3 +283,34 @@ def test_list_shows_every_model_whole_at_any_width(columns):
             size = size if row["on_disk"] else "~" + size
             line = f"{name} {row['role']}, pair {row['pair'] or '-'} {size} {'on disk' if row['on_disk'] else 'not on disk'}"
             assert line in words, (line, text)
+
+
+def test_model_text_printed_on_a_terminal_cannot_drive_it(tmp_path):
+    """Answer text printed plainly (--no-live, and replay's plain stream) on a terminal shows its control
+    characters as U+FFFD, as the live view does: a trace (a file anyone may hand over) or a model's
+    answer with escape sequences must not retitle the window, clear the screen or move the cursor.
+    Piped, the text stays byte for byte."""
+    import json
+    import subprocess
+    import sys
+
+    trace = tmp_path / "run.jsonl"
+    rc, _ = pty_screen.run("generate", "nato: QWERTY", "--seed", "1", "--trace", str(trace))
+    assert rc == 0
+    injected = "\x1b]0;pwned\x07\x1b[2J\x1b[H"
+    lines = []
+    for line in trace.read_text().splitlines():
+        doc = json.loads(line)
+        if doc.get("kind") == "canvas":
+            doc["text"] = injected + doc["text"]
+        lines.append(json.dumps(doc))
+    trace.write_text("\n".join(lines) + "\n")
+    for args in (("--no-live",), ()):
+        term = pty_screen.Terminal(80, 24).spawn("replay", str(trace), *args)
+        assert term.wait() == 0
+        assert b"\x1b]0;pwned" not in term.raw and b"\x1b[2J" not in term.raw, args
+        screen = term.screen_text()
+        assert "QUEBEC" in screen and "\ufffd]0;pwned" in screen, (args, screen)
+    exe, argv = pty_screen.dg_command("replay", str(trace))
+    piped = subprocess.run([exe, *argv], capture_output=True, cwd=pty_screen.REPO)
+    assert piped.returncode == 0 and injected.encode() in piped.stdout

@@ -290,6 +290,17 @@ def prompt_messages(text: str, system: Optional[str]) -> list[dict]:
     return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
 
 
+def echo_text(text: str, *, nl: bool = True, err: bool = False) -> None:
+    """Model text (an answer, a replayed trace's) on stdout or stderr: as it is into a pipe or a file,
+    which may want every byte (color=True: click would strip what looks like a color code from it); on
+    a terminal with its control characters shown as U+FFFD, as the live view shows them, so that the
+    text cannot move the cursor, clear the screen or retitle the window."""
+    stream = sys.stderr if err else sys.stdout
+    if stream is not None and stream.isatty():
+        text = render.printable(text)
+    typer.echo(text, nl=nl, err=err, color=True)
+
+
 def check_prompt_options(system: Optional[str], raw: bool) -> None:
     if raw and system:
         raise DgError("--system needs the chat template; with --raw, write the system text into the prompt")
@@ -551,7 +562,7 @@ class DiffusionDisplay:
             elif isinstance(ev, CanvasEvent) and self.thinking == "show":
                 # Plain mode streams each committed canvas's text as soon as it is final.
                 text = self.view.committed_text
-                typer.echo(text[self.streamed_chars:], nl=False, err=self.text_to_stderr)
+                echo_text(text[self.streamed_chars:], nl=False, err=self.text_to_stderr)
                 self.streamed_chars = len(text)
         if isinstance(ev, StepEvent):
             self.pacer.wait()

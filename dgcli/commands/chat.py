@@ -113,6 +113,6 @@ def _turn(session, text: str, *, live: bool, thinking: str, pace: float, title: 
     if shared.stdout.is_terminal:
         shared.stdout.print(render.answer_renderable(result.text, thinking))
     else:  # piped: the answer as it is (Rich would wrap it at its width), as generate and compare print it
-        typer.echo(render.answer_plain(result.text, thinking))
+        shared.echo_text(render.answer_plain(result.text, thinking))
     cached = f"  prompt {result.n_prompt_tokens} tokens, {result.n_cached_prompt_tokens} from the cache"
     shared.notice(render.result_summary(result) + cached, style="dim cyan")

@@ -120,7 +120,7 @@ def compare(
             elif side is not None:
                 shared.stdout.print(side.whole())
             else:
-                typer.echo(render.answer_plain(d.text, thinking))
+                shared.echo_text(render.answer_plain(d.text, thinking))
                 shared.notice(render.result_summary(d))
             shared.notice("interrupted: the diffusion output above is what was produced; the AR side did not run")
             raise typer.Exit(shared.EXIT_INTERRUPTED)
@@ -133,9 +133,9 @@ def compare(
         else:
             if not live:
                 typer.echo("--- diffusion ---")
-                typer.echo(render.answer_plain(d.text, thinking))
+                shared.echo_text(render.answer_plain(d.text, thinking))
                 typer.echo("--- autoregressive ---")
-                typer.echo(render.answer_plain(a.text, thinking))
+                shared.echo_text(render.answer_plain(a.text, thinking))
             shared.stdout.print(render.compare_table(d, a, diff_rss.peak, ar_rss.peak, diff_res.display_name,
                                                      ar_res.display_name))
         if a.interrupted:

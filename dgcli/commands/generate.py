@@ -107,9 +107,9 @@ def generate(
         else:
             streamed = getattr(result, "_streamed_chars", 0)
             if thinking == "show":
-                typer.echo(result.text[streamed:] if streamed <= len(result.text) else "", err=trace_on_stdout)
+                shared.echo_text(result.text[streamed:] if streamed <= len(result.text) else "", err=trace_on_stdout)
             else:
-                typer.echo(answer.strip(), err=trace_on_stdout)
+                shared.echo_text(answer.strip(), err=trace_on_stdout)
             shared.notice(render.result_summary(result))
         if result.stop_reason == "context_full" and not json_out:
             shared.notice("note: the context is full; the answer stops here")

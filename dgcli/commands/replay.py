@@ -49,7 +49,7 @@ def replay(
             shared.stdout.print(render.answer_renderable(answer, thinking))
         else:
             streamed = display.streamed_chars if display is not None else 0
-            typer.echo(answer[streamed:] if thinking == "show" else render.answer_plain(answer, "hide"))
+            shared.echo_text(answer[streamed:] if thinking == "show" else render.answer_plain(answer, "hide"))
         if interrupted:
             shared.notice("interrupted: the replay stopped here")
             raise typer.Exit(shared.EXIT_INTERRUPTED)
