@@ -142,9 +142,11 @@ def test_a_piped_line_that_is_not_utf8_is_that_turns_error_not_a_traceback():
     from dgcli import cli
 
     r = CliRunner().invoke(cli.app, ["chat", "--seed", "1"], input=b"reverse: HELLO\n\xff\xfe\nreverse: AB\n")
-    assert r.exit_code == 0 and r.exception is None, (r.stderr, r.exception)
-    assert r.stdout.split()[0] == "OLLEH" and len(r.stdout.splitlines()) == 2  # both turns answered
+    assert r.stdout.split()[0] == "OLLEH" and len(r.stdout.splitlines()) == 2  # both other turns answered
     assert "error: the message is not UTF-8 text" in r.stderr
+    # piped messages are a script: one left unanswered fails the run, saying so last
+    assert r.exit_code == 1, (r.stderr, r.exception)
+    assert r.stderr.splitlines()[-1] == "error: 1 message of 3 got no answer (see the errors above)"
 
 
 @needs_native
@@ -160,7 +162,8 @@ def test_a_piped_answer_is_printed_as_it_is_and_an_error_stays_one_line(tiny_ggu
     assert alone.exit_code == 0, alone.stderr
     assert len(alone.stdout) > 130  # a random model's answer, long enough to have been wrapped
     r = runner.invoke(cli.app, ["chat", *args, "-c", "256"], input="hi there\n" + "a b c d e f g h " * 40 + "\n")
-    assert r.exit_code == 0, (r.stderr, r.exception)
+    assert r.exit_code == 1, (r.stderr, r.exception)  # a message got no answer
     assert r.stdout == alone.stdout  # the first turn answers as generate does; the second does not fit
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and errors[0].endswith("restart with a larger -c/--ctx-size"), r.stderr
+    assert len(errors) == 2 and errors[0].endswith("restart with a larger -c/--ctx-size"), r.stderr
+    assert errors[1] == "error: 1 message of 2 got no answer (see the errors above)"

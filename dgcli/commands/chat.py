@@ -56,6 +56,7 @@ def chat(
                                   seed=None if seed == -1 else seed, parse_special=parse_special)
             if interactive:
                 shared.stderr.print(BANNER.format(name=resolved.display_name), style="dim")
+            turns = failed = 0
             for line in _messages(interactive):
                 if is_command(line):
                     outcome = session.command(line)
@@ -63,9 +64,15 @@ def chat(
                     if outcome.exit:
                         break
                     continue
-                _turn(session, line, live=live, thinking=thinking, pace=pace, title=resolved.display_name)
+                turns += 1
+                failed += not _turn(session, line, live=live, thinking=thinking, pace=pace,
+                                    title=resolved.display_name)
         finally:
             engine.close()
+        # piped messages are a script: one that got no answer makes the run a failure (at a terminal
+        # the person saw the error and went on)
+        if failed and not interactive:
+            raise DgError(f"{render.plural(failed, 'message')} of {turns} got no answer (see the errors above)")
 
 
 def _messages(interactive: bool):
@@ -97,8 +104,9 @@ def _messages(interactive: bool):
             yield line
 
 
-def _turn(session, text: str, *, live: bool, thinking: str, pace: float, title: str) -> None:
-    """One answer, shown live; errors and Ctrl-C end the answer, not the session."""
+def _turn(session, text: str, *, live: bool, thinking: str, pace: float, title: str) -> bool:
+    """One answer, shown live; errors and Ctrl-C end the answer, not the session. False: an error
+    left the message without an answer."""
     _signals.interrupt_handled()
     model = session.engine.model
     try:
@@ -106,13 +114,14 @@ def _turn(session, text: str, *, live: bool, thinking: str, pace: float, title: 
             result = session.ask(text, on_event=display.on_event)
     except DgError as err:
         shared.notice(f"error: {' '.join(str(err).split())}", style="red")
-        return
+        return False
     except KeyboardInterrupt:
         shared.stderr.print("(stopped)", style="dim")
-        return
+        return True
     if shared.stdout.is_terminal:
         shared.stdout.print(render.answer_renderable(result.text, thinking))
     else:  # piped: the answer as it is (Rich would wrap it at its width), as generate and compare print it
         shared.echo_text(render.answer_plain(result.text, thinking))
     cached = f"  prompt {result.n_prompt_tokens} tokens, {result.n_cached_prompt_tokens} from the cache"
     shared.notice(render.result_summary(result) + cached, style="dim cyan")
+    return True
