@@ -13,9 +13,10 @@ A trace carries the text of every token it shows, so `dg replay` needs no model 
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, BinaryIO, Callable, Iterator
 
 import numpy as np
 
@@ -66,15 +67,23 @@ class Trace:
     result: dict | None = None
 
 
-def read_trace(path: Path) -> Trace:
-    """Read and check a dg-trace/1 file; DgError naming the line for anything else."""
+def read_trace(path: Path | str) -> Trace:
+    """Read and check a dg-trace/1 file ('-': stdin; a pipe, e.g. `<(...)`, too); DgError naming the
+    line for anything else."""
+    if str(path) == "-":
+        return _read_trace(sys.stdin.buffer, "stdin")
     path = Path(path)
     if not path.exists():
         raise DgError(f"trace file not found: {path}")
-    if not path.is_file():
+    if not (path.is_file() or path.is_fifo()):
         raise DgError(f"not a regular file: {path}")
+    with open(path, "rb") as f:
+        return _read_trace(f, str(path))
+
+
+def _read_trace(f: BinaryIO, path: str) -> Trace:
     trace: Trace | None = None
-    for number, line in _lines(path):
+    for number, line in _lines(f, path):
         where = f"{path}:{number}"
         try:
             doc = json.loads(line)
@@ -147,17 +156,16 @@ def _check_result(doc: dict) -> None:
             raise ValueError(f"{name} must be {what}")
 
 
-def _lines(path: Path) -> Iterator[tuple[int, str]]:
-    with open(path, "rb") as f:
-        for number, raw in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), start=1):
-            if len(raw) > MAX_LINE_BYTES:
-                raise DgError(f"{path}:{number}: line longer than {MAX_LINE_BYTES >> 20} MB")
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise DgError(f"{path}:{number}: not UTF-8") from None
-            if text.strip():
-                yield number, text
+def _lines(f: BinaryIO, path: str) -> Iterator[tuple[int, str]]:
+    for number, raw in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), start=1):
+        if len(raw) > MAX_LINE_BYTES:
+            raise DgError(f"{path}:{number}: line longer than {MAX_LINE_BYTES >> 20} MB")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise DgError(f"{path}:{number}: not UTF-8") from None
+        if text.strip():
+            yield number, text
 
 
 def _add_line(trace: Trace, doc: dict) -> None:

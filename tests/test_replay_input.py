@@ -66,3 +66,26 @@ def test_a_trace_of_a_newer_schema_says_so(tmp_path):
     assert r.exit_code == 1
     assert r.stderr.strip() == ("error: " + str(tmp_path / "run.jsonl") + " is a dg-trace/2 trace, which this dg "
                                 "cannot read (it reads dg-trace/1; a newer dg wrote it?)")
+
+
+def test_a_trace_from_stdin_or_a_pipe(tmp_path):
+    """`dg replay -` reads the trace from stdin (`dg generate --trace - | dg replay -`), and a pipe's
+    path (`<(...)`) is read as a file is; an empty stdin is one error line."""
+    import os
+    import threading
+
+    text = write(tmp_path).read_text()
+    r = runner.invoke(cli.app, ["replay", "-", "--pace", "0", "--no-live"], input=text)
+    assert r.exit_code == 0, (r.stderr, r.exception)
+    assert r.stdout.strip() == "BA" and "recorded: 2 new tokens" in r.stderr
+
+    fifo = tmp_path / "trace.fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=fifo.write_text, args=(text,))
+    writer.start()
+    r = runner.invoke(cli.app, ["replay", str(fifo), "--pace", "0", "--no-live"])
+    writer.join()
+    assert r.exit_code == 0 and r.stdout.strip() == "BA", (r.stderr, r.exception)
+
+    r = runner.invoke(cli.app, ["replay", "-", "--no-live"], input="")
+    assert r.exit_code == 1 and r.stderr.strip() == "error: stdin is empty"

@@ -13,7 +13,7 @@ from dgcli.engine.types import CanvasEvent, GenerationResult
 
 
 def replay(
-    trace_file: Path = typer.Argument(..., metavar="TRACE", help="A trace written by `dg generate --trace FILE` (dg-trace/1)."),
+    trace_file: Path = typer.Argument(..., metavar="TRACE", help="A trace written by `dg generate --trace FILE` (dg-trace/1); '-' reads stdin."),
     pace: float = typer.Option(0.3, "--pace", help="Seconds each denoising step stays on screen."),
     thinking: str = shared.ThinkingOpt,
     no_live: bool = shared.NoLiveOpt,
@@ -31,7 +31,8 @@ def replay(
         view = render.DiffusionLiveView(
             lambda token: trace.pieces.get(token, f"<{token}>"), lambda ids: "".join(texts),
             end_token_ids=header.get("end_token_ids") or (), pad_token_id=header.get("pad_token_id"),
-            title=f"replay: {model.get('name', trace_file.name)}", thinking=thinking)
+            title=f"replay: {model.get('name', 'stdin' if str(trace_file) == '-' else trace_file.name)}",
+            thinking=thinking)
         live = shared.use_live(no_live, False)
         canvases = iter(trace.canvas_texts)
         interrupted, display = False, None
