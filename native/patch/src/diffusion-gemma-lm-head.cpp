@@ -588,6 +588,44 @@ void dg_experts_gemm_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
                  ids->nb[1] / sizeof(int32_t), n_used, n_tokens, (char *) dst->data, dst->nb[1], dst->nb[2], ith, nth);
 }
 
+namespace {
+
+// random blocks of `type` for the self-tests: a positive fp16 scale, then random quant bytes (Q8_0:
+// -127..127, as ggml's quantizer writes them)
+std::vector<uint8_t> random_blocks(ggml_type type, int64_t n_blocks, std::mt19937 & rng) {
+    std::uniform_int_distribution<int>    byte(0, 255), q8(-127, 127);
+    std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+    const size_t                          block_bytes = ggml_type_size(type);
+    std::vector<uint8_t>                  w((size_t) n_blocks * block_bytes);
+    for (size_t off = 0; off < w.size(); off += block_bytes) {
+        const ggml_fp16_t d = ggml_fp32_to_fp16(0.001f + 0.01f * std::fabs(unit(rng)));
+        std::memcpy(&w[off], &d, 2);
+        for (size_t i = 2; i < block_bytes; ++i) {
+            w[off + i] = type == GGML_TYPE_Q8_0 ? (uint8_t) (int8_t) q8(rng) : (uint8_t) byte(rng);
+        }
+    }
+    return w;
+}
+
+// |got - the double-precision product of a decoded weight row and a quantized activation column|,
+// relative to the sum of its blocks' magnitudes (infinite if got is not finite)
+double relative_error(const float * row, const uint8_t * column, int64_t n_blocks, int8_t offset, float got) {
+    const float * scales = (const float *) (column + n_blocks * QK);
+    double        sum = 0.0, magnitude = 0.0;
+    for (int64_t b = 0; b < n_blocks; ++b) {
+        double dot = 0.0;
+        for (int64_t i = 0; i < QK; ++i) {
+            dot += (double) row[b * QK + i] * (int8_t) (column[b * QK + i] ^ offset);
+        }
+        sum += scales[b] * dot;
+        magnitude += std::fabs(scales[b] * dot);
+    }
+    const double err = std::fabs(sum - got) / (magnitude + 1e-30);
+    return std::isfinite(err) ? err : INFINITY;
+}
+
+}  // namespace
+
 // Checks a kernel against a double-precision sum over the same quantized operands, on random
 // weights of `weight_type` (GGML_TYPE_Q8_0 or GGML_TYPE_Q5_0) decoded by ggml's own dequantizer:
 // the largest error relative to the row's magnitude. 0: done, 1: the CPU lacks the kernel, -1: bad
@@ -605,19 +643,8 @@ int32_t dg_lm_head_selftest(int32_t kernel, int32_t weight_type, int64_t n_embd,
     }
     const int64_t nb = n_embd / QK;
     std::mt19937 rng(seed);
-    std::uniform_int_distribution<int> byte(0, 255), q8(-127, 127);
     std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
-    // random blocks: a positive fp16 scale, then random quant bytes (Q8_0: -127..127, as ggml's
-    // quantizer writes them)
-    const size_t block_bytes = ggml_type_size(type);
-    std::vector<uint8_t> w((size_t) (n_vocab * nb) * block_bytes);
-    for (size_t off = 0; off < w.size(); off += block_bytes) {
-        const ggml_fp16_t d = ggml_fp32_to_fp16(0.001f + 0.01f * std::fabs(unit(rng)));
-        std::memcpy(&w[off], &d, 2);
-        for (size_t i = 2; i < block_bytes; ++i) {
-            w[off + i] = type == GGML_TYPE_Q8_0 ? (uint8_t) (int8_t) q8(rng) : (uint8_t) byte(rng);
-        }
-    }
+    const std::vector<uint8_t> w = random_blocks(type, n_vocab * nb, rng);
     std::vector<float> decoded((size_t) (n_vocab * n_embd));
     ggml_get_type_traits(type)->to_float(w.data(), decoded.data(), n_vocab * n_embd);
 
@@ -637,22 +664,9 @@ int32_t dg_lm_head_selftest(int32_t kernel, int32_t weight_type, int64_t n_embd,
     const int8_t offset = k == dg_lm_head_kernel::avx2 ? 0 : -128;
     double worst = 0.0;
     for (int64_t c = 0; c < n_cols; ++c) {
-        const uint8_t * quants = act.data() + c * head->act_bytes();
-        const float *   scales = (const float *) (quants + nb * QK);
         for (int64_t v = 0; v < n_vocab; ++v) {
-            const float * row = decoded.data() + v * n_embd;
-            double sum = 0.0, magnitude = 0.0;
-            for (int64_t b = 0; b < nb; ++b) {
-                double dot = 0.0;
-                for (int64_t i = 0; i < QK; ++i) {
-                    dot += (double) row[b * QK + i] * (int8_t) (quants[b * QK + i] ^ offset);
-                }
-                const double term = scales[b] * dot;
-                sum += term;
-                magnitude += std::fabs(term);
-            }
-            const double err = std::fabs(sum - out[(size_t) (c * n_vocab + v)]) / (magnitude + 1e-30);
-            worst = std::isfinite(err) ? std::max(worst, err) : INFINITY;
+            worst = std::max(worst, relative_error(decoded.data() + v * n_embd, act.data() + c * head->act_bytes(), nb,
+                                                   offset, out[(size_t) (c * n_vocab + v)]));
         }
     }
     *max_rel_error = worst;
@@ -677,17 +691,8 @@ int32_t dg_experts_selftest(int32_t kernel, int32_t weight_type, int64_t n_in, i
     }
     const int64_t nb = n_in / QK;
     std::mt19937 rng(seed);
-    std::uniform_int_distribution<int> byte(0, 255), q8(-127, 127);
     std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
-    const size_t block_bytes = ggml_type_size(type);
-    std::vector<uint8_t> w((size_t) (n_expert * n_out * nb) * block_bytes);
-    for (size_t off = 0; off < w.size(); off += block_bytes) {
-        const ggml_fp16_t d = ggml_fp32_to_fp16(0.001f + 0.01f * std::fabs(unit(rng)));
-        std::memcpy(&w[off], &d, 2);
-        for (size_t i = 2; i < block_bytes; ++i) {
-            w[off + i] = type == GGML_TYPE_Q8_0 ? (uint8_t) (int8_t) q8(rng) : (uint8_t) byte(rng);
-        }
-    }
+    const std::vector<uint8_t> w = random_blocks(type, n_expert * n_out * nb, rng);
     std::vector<float> decoded((size_t) (n_expert * n_out * n_in));
     ggml_get_type_traits(type)->to_float(w.data(), decoded.data(), n_expert * n_out * n_in);
 
@@ -725,22 +730,11 @@ int32_t dg_experts_selftest(int32_t kernel, int32_t weight_type, int64_t n_in, i
     double worst = 0.0;
     for (int64_t t = 0; t < n_tokens; ++t) {
         for (int64_t u = 0; u < n_used; ++u) {
-            const uint8_t * quants = act.data() + ((u % n_act_slots) + t * n_act_slots) * experts->act_bytes();
-            const float *   scales = (const float *) (quants + nb * QK);
+            const uint8_t * column = act.data() + ((u % n_act_slots) + t * n_act_slots) * experts->act_bytes();
             const int64_t   e      = ids[(size_t) (u + t * n_used)];
             for (int64_t r = 0; r < n_out; ++r) {
-                const float * row = decoded.data() + (e * n_out + r) * n_in;
-                double sum = 0.0, magnitude = 0.0;
-                for (int64_t b = 0; b < nb; ++b) {
-                    double dot = 0.0;
-                    for (int64_t i = 0; i < QK; ++i) {
-                        dot += (double) row[b * QK + i] * (int8_t) (quants[b * QK + i] ^ offset);
-                    }
-                    sum += scales[b] * dot;
-                    magnitude += std::fabs(scales[b] * dot);
-                }
-                const double err = std::fabs(sum - out[(size_t) ((t * n_used + u) * n_out + r)]) / (magnitude + 1e-30);
-                worst = std::isfinite(err) ? std::max(worst, err) : INFINITY;
+                worst = std::max(worst, relative_error(decoded.data() + (e * n_out + r) * n_in, column, nb, offset,
+                                                       out[(size_t) ((t * n_used + u) * n_out + r)]));
             }
         }
     }
