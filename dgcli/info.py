@@ -221,8 +221,11 @@ def _cpu_runs_repacked_gemms() -> bool:
 
 
 def repacked_bytes(header: GgufHeader, plan: PlacementPlan) -> int:
-    """Bytes of the repacked copies a diffusion-gemma model makes of its CPU-resident Q8_0 and Q5_0 weights."""
-    if header.architecture != "diffusion-gemma" or not _cpu_runs_repacked_gemms():
+    """Bytes of the repacked copies a diffusion-gemma model makes of its CPU-resident Q8_0 and Q5_0 weights:
+    none where a GPU is in use (llama.cpp then runs a canvas's matmuls on host weights on the GPU, and dg's
+    CPU GEMMs stand aside). With --gpu-layers 0 on a machine with a GPU they stand aside too, but the plan
+    has no GPU then: the estimate stays on the safe side."""
+    if header.architecture != "diffusion-gemma" or plan.gpu or not _cpu_runs_repacked_gemms():
         return 0
     on_gpu = {t.name for t in plan.tensors if t.on_gpu}
     tensors = {t.name: t for t in header.tensors}

@@ -43,7 +43,8 @@ pytestmark = [requires_native, pytest.mark.skipif(RPC_REASON is not None, reason
 
 
 def env() -> dict:
-    return dict(os.environ, PYTHONPATH=str(REPO), COLUMNS="120")
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+                COLUMNS="120")
 
 
 class Worker:
@@ -231,3 +232,23 @@ def test_a_worker_whose_listening_socket_closes_just_after_the_abort_is_named():
     endpoint = f"127.0.0.1:{listener.getsockname()[1]}"
     threading.Timer(0.3, listener.close).start()
     assert rpc._refusing_workers([endpoint]) == [endpoint]
+
+
+def test_the_layers_kept_here_run_on_dgs_cpu_gemms_beside_rpc_workers(workers, tmp_path):
+    """dg's CPU GEMMs stand aside where a GPU is in use (llama.cpp's scheduler would run a canvas's
+    matmuls on host weights there), but RPC devices, though they report themselves as GPUs, take no
+    such offload: the layers kept on this machine still run on the int8 GEMMs."""
+    from dgcli.tiny import write_tiny_random_gguf
+
+    q8 = write_tiny_random_gguf(tmp_path / "q8.gguf", seed=4, outtype="q8_0")
+    script = ("import sys; from dgcli.engine import native; from dgcli.engine.model import DiffusionModel\n"
+              "m = DiffusionModel(sys.argv[1], n_threads=2, n_ctx=128, n_gpu_layers=2, rpc_servers=[sys.argv[2]])\n"
+              "lib = native.lib()._lib\n"
+              "print(lib.dg_dense_repacked_count(m._model), lib.dg_expert_gemm_count(m._model))\n")
+    endpoint = workers[0].endpoint
+    p = subprocess.run([sys.executable, "-c", script, str(q8), endpoint], cwd=REPO, env=dict(env(), DG_VERBOSE="1"),
+                       capture_output=True, text=True, timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert any(f"[{endpoint}] model buffer size" in line for line in p.stderr.splitlines())  # layers went there
+    dense, experts = (int(v) for v in p.stdout.split())
+    assert dense > 0 and experts > 0, p.stdout

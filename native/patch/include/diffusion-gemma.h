@@ -75,12 +75,12 @@ LLAMA_API int32_t dg_denoise_step(struct llama_context * ctx, const llama_token 
 
 // Which kernel runs this model's LM head on the CPU: "avx512-vnni", "avx2" or "emulated" (our
 // repacked int8 GEMM, src/diffusion-gemma-lm-head.h) or "ggml" (ggml's matmul: no kernel for this
-// CPU, DG_LM_HEAD=ggml, or output weights that are not Q8_0 or Q5_0 in host memory).
+// CPU, DG_LM_HEAD=ggml, a GPU in use, or output weights that are not Q8_0 or Q5_0 in host memory).
 LLAMA_API const char * dg_lm_head_path(const struct llama_model * model);
 
 // How many of the decoder's other dense weights (attention, dense FFN, self-conditioning MLP) run on
-// the same repacked int8 GEMM (0: all on ggml's matmul: not Q8_0 or Q5_0, not in host memory, no kernel for
-// this CPU, or DG_DENSE_GEMM=ggml). Repacks them if no graph has yet.
+// the same repacked int8 GEMM (0: all on ggml's matmul: not Q8_0 or Q5_0, not in host memory, a GPU in
+// use, no kernel for this CPU, or DG_DENSE_GEMM=ggml). Repacks them if no graph has yet.
 LLAMA_API int32_t dg_dense_repacked_count(const struct llama_model * model);
 
 // A kernel of that GEMM (1 avx2, 2 avx512-vnni, 3 emulated) on random weights of `weight_type`

@@ -75,7 +75,7 @@ const char * dg_lm_head_path(const llama_model * model) {
         return "ggml";
     }
     const dg_lm_head_kernel kernel = dg_lm_head::kernel_for_cpu();
-    return dg_lm_head::qualifies(dg->output) ? dg_lm_head::kernel_name(kernel) : "ggml";
+    return !dg->uses_gpu() && dg_lm_head::qualifies(dg->output) ? dg_lm_head::kernel_name(kernel) : "ggml";
 }
 
 int32_t dg_dense_repacked_count(const llama_model * model) {

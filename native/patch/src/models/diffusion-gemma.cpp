@@ -4,7 +4,10 @@
 #include "../diffusion-gemma-lm-head.h"
 #include "../diffusion-gemma-step.h"
 
+#include "ggml-backend.h"
+
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <unordered_set>
 
@@ -224,13 +227,29 @@ std::unique_ptr<llm_graph_context> llama_model_diffusion_gemma::build_arch_graph
     return std::make_unique<graph>(*this, params);
 }
 
+// Whether the model uses a GPU: llama.cpp's scheduler then runs a large batch's matmuls on host
+// weights there too (each weight copied over per op; a canvas is 256 rows), far faster than any CPU
+// kernel, and our custom ops would pin them to the CPU. So our CPU GEMMs (LM head, dense
+// projections, experts) stand aside. RPC devices (other machines' backends) take no such offload.
+bool llama_model_diffusion_gemma::uses_gpu() const {
+    for (const auto & d : devices) {
+        const enum ggml_backend_dev_type type = ggml_backend_dev_type(d.dev);
+        const char * reg = ggml_backend_reg_name(ggml_backend_dev_backend_reg(d.dev));
+        if ((type == GGML_BACKEND_DEVICE_TYPE_GPU || type == GGML_BACKEND_DEVICE_TYPE_IGPU) &&
+            std::strcmp(reg, "RPC") != 0) {
+            return true;
+        }
+    }
+    return false;
+}
+
 // The LM head repacked for this CPU's int8 kernels (diffusion-gemma-lm-head.h), made once, on the
-// first graph that needs it; null where ggml's matmul stays (no kernel, or the output weights are
-// not Q8_0 or Q5_0 in host memory).
+// first graph that needs it; null where ggml's matmul stays (no kernel, a GPU in use, or output
+// weights that are not Q8_0 or Q5_0 in host memory).
 const dg_lm_head * llama_model_diffusion_gemma::lm_head() const {
     std::call_once(lm_head_once, [this] {
         const dg_lm_head_kernel kernel = dg_lm_head::kernel_for_cpu();
-        if (kernel == dg_lm_head_kernel::none || !dg_lm_head::qualifies(output)) {
+        if (kernel == dg_lm_head_kernel::none || uses_gpu() || !dg_lm_head::qualifies(output)) {
             return;
         }
         std::shared_ptr<const dg_lm_head> head = dg_lm_head::repack(output, kernel);
@@ -247,12 +266,12 @@ const dg_lm_head * llama_model_diffusion_gemma::lm_head() const {
 // The decoder's other dense Q8_0 and Q5_0 weights through the LM head's int8 GEMM: ggml's matmul
 // runs them at about half (Q8_0) and 40% (Q5_0, the down projections of Q4_K_M files) of the
 // core's int8 rate (benchmarks/step_profile.py), the repack at ~80%. Made
-// once, on the first graph; MoE experts (MUL_MAT_ID) and the router stay with ggml.
-// DG_DENSE_GEMM=ggml keeps ggml's matmul for them (A/B runs).
+// once, on the first graph; not where a GPU is in use (uses_gpu); the router stays with ggml, the
+// MoE experts have experts(). DG_DENSE_GEMM=ggml keeps ggml's matmul for them (A/B runs).
 const dg_lm_head * llama_model_diffusion_gemma::dense(const ggml_tensor * w) const {
     std::call_once(dense_once, [this] {
         const dg_lm_head_kernel kernel = dg_lm_head::kernel_for_cpu("DG_DENSE_GEMM");
-        if (kernel == dg_lm_head_kernel::none) {
+        if (kernel == dg_lm_head_kernel::none || uses_gpu()) {
             return;
         }
         int64_t bytes = 0;
@@ -285,13 +304,13 @@ const dg_lm_head * llama_model_diffusion_gemma::dense(const ggml_tensor * w) con
 
 // The MoE experts of Q8_0 and Q5_0 type (all of a Q8_0 file's, the down projections of a Q4_K_M
 // one) through the same tiles, packed on the fly (dg_experts): ggml's MUL_MAT_ID runs them at 44-50%
-// of the core's int8 rate here. Not where a GPU is in use: ggml offloads a large batch's MUL_MAT_ID
-// on host weights to the GPU, which a custom op would keep on the CPU. Decided once, on the first
-// graph; DG_EXPERT_GEMM=ggml keeps ggml's MUL_MAT_ID (A/B runs).
+// of the core's int8 rate here. Not where a GPU is in use (uses_gpu: e.g. --n-cpu-moe's host experts
+// then run on the GPU). Decided once, on the first graph; DG_EXPERT_GEMM=ggml keeps ggml's
+// MUL_MAT_ID (A/B runs).
 const dg_experts * llama_model_diffusion_gemma::experts(const ggml_tensor * w) const {
     std::call_once(experts_once, [this] {
         const dg_lm_head_kernel kernel = dg_lm_head::kernel_for_cpu("DG_EXPERT_GEMM");
-        if (kernel == dg_lm_head_kernel::none || !devices.empty()) {
+        if (kernel == dg_lm_head_kernel::none || uses_gpu()) {
             return;
         }
         for (const auto & layer : layers) {
