@@ -703,9 +703,20 @@ ggml_tensor * llama_model_diffusion_gemma::graph::build_gelu_ffn(const llama_mod
 
 // w x cur for the experts `ids` of each token (MUL_MAT_ID): our tiles where `w` has them, else
 // ggml's; then w_s, the per-expert output scale, as build_lora_mm_id applies it
+// The experts' tiles for `w` at this batch (n_tokens tokens routed to n_used experts each), or null
+// for ggml's MUL_MAT_ID: packing a row group costs about three columns of tile work, which pays off
+// from about four tokens per expert on average (a canvas gives 16 on the real model, a one-token
+// decode 1/16, where ggml's per-row dot products read each weight once and are cheaper).
+const dg_experts * llama_model_diffusion_gemma::graph::experts_at(const llama_model_diffusion_gemma & model,
+                                                                  const ggml_tensor * w, int64_t n_tokens,
+                                                                  int64_t n_used) const {
+    const dg_experts * gemm = (loras == nullptr || loras->empty()) ? model.experts(w) : nullptr;
+    return gemm && n_tokens * n_used >= 4 * gemm->n_expert() ? gemm : nullptr;
+}
+
 ggml_tensor * llama_model_diffusion_gemma::graph::build_mm_id(const llama_model_diffusion_gemma & model, ggml_tensor * w,
                                                               ggml_tensor * cur, ggml_tensor * ids, ggml_tensor * w_s) {
-    const dg_experts * gemm = (loras == nullptr || loras->empty()) ? model.experts(w) : nullptr;
+    const dg_experts * gemm = experts_at(model, w, ids->ne[1], ids->ne[0]);
     if (gemm == nullptr) {
         return build_lora_mm_id(w, cur, ids, w_s);
     }
@@ -738,8 +749,8 @@ ggml_tensor * llama_model_diffusion_gemma::graph::build_moe(const llama_model_di
     const int64_t n_expert_used = hparams.n_expert_used(il);
     const int64_t n_tokens      = cur->ne[1]; // the last layer keeps only the output rows
 
-    const bool ours = (loras == nullptr || loras->empty()) &&
-                      (model.experts(layer.ffn_gate_up_exps) || model.experts(layer.ffn_down_exps));
+    const bool ours = experts_at(model, layer.ffn_gate_up_exps, n_tokens, n_expert_used) ||
+                      experts_at(model, layer.ffn_down_exps, n_tokens, n_expert_used);
     if (!exact && !ours) {
         return build_moe_ffn(cur, nullptr, nullptr, nullptr, layer.ffn_down_exps, nullptr,
                              n_expert, n_expert_used, LLM_FFN_GELU, true, 1.0f, LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX,
