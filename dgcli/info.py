@@ -52,15 +52,21 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, 
                "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
 
 
+MAX_SIZE = 2**60  # 1 EiB: past any memory, and still exact in a float and an int64
+
+
 def parse_size(text: str) -> int:
     """'16GB' (16 * 10**9), '16 GiB' (16 * 2**30), '12g', '8000000000' -> bytes."""
     import re
 
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text or "")
     unit = m and _SIZE_UNITS.get(m[2].lower())
-    if not m or unit is None or float(m[1]) <= 0:
+    if not m or unit is None:
         raise DgError(f"invalid size {text!r}: expected a number with an optional unit, e.g. 16GB or 12GiB")
-    return int(float(m[1]) * unit)
+    size = float(m[1]) * unit  # inf for a number past a float's range
+    if not 1 <= size <= MAX_SIZE:
+        raise DgError(f"invalid size {text!r}: expected from 1 byte to 1 EiB")
+    return int(size)
 
 
 def detect_gpus() -> list[GpuMemory]:

@@ -230,6 +230,10 @@ def test_info_answers_for_a_given_gpu(tiny_diff, monkeypatch):
     (["--n-cpu-moe", "-3"], "invalid --n-cpu-moe -3"),
     (["--n-cpu-moe", "7"], "at most the model's 6 layers"),
     (["--gpu-memory", "lots"], "invalid size 'lots'"),
+    # past a float's range (it was an OverflowError traceback), and sizes that round to no byte
+    (["--gpu-layers", "-1", "--gpu-memory", "9" * 400], "expected from 1 byte to 1 EiB"),
+    (["--gpu-layers", "-1", "--gpu-memory", "2000000TiB"], "expected from 1 byte to 1 EiB"),
+    (["--gpu-layers", "-1", "--gpu-memory", "0.5"], "expected from 1 byte to 1 EiB"),
 ])
 def test_bad_offload_flags_are_one_line_errors(tiny_diff, args, message):
     result = CliRunner().invoke(app, ["info", str(tiny_diff), *args])
