@@ -592,7 +592,7 @@ def test_dense_weights_of_other_types_stay_on_ggml(tiny_gguf, monkeypatch):
         assert native.lib()._lib.dg_dense_repacked_count(m._model) == 0
 
 
-def test_experts_take_our_tiles_only_for_batches_that_pay_for_the_packing(tmp_path):
+def test_experts_take_our_tiles_only_for_batches_that_pay_for_the_packing(tmp_path, monkeypatch):
     """Packing a row group costs about three columns of tile work: a canvas (16 tokens here, 4 experts
     top-2: 8 per expert) runs the experts on our tiles, a one-token decode (half a token per expert)
     keeps ggml's MUL_MAT_ID, whose per-row dot products read each weight once (on the real model
@@ -600,6 +600,7 @@ def test_experts_take_our_tiles_only_for_batches_that_pay_for_the_packing(tmp_pa
     from dgcli.engine.model import DiffusionModel
     from dgcli.engine.profile import NodeProfiler
 
+    monkeypatch.setenv("DG_EXPERT_GEMM", "emulated")  # the same rule for every kernel, on any CPU
     path = _tiny_quantized(tmp_path, "q8_0", seed=4)
     profiler = NodeProfiler()
     try:

@@ -310,7 +310,10 @@ const dg_lm_head * llama_model_diffusion_gemma::dense(const ggml_tensor * w) con
 const dg_experts * llama_model_diffusion_gemma::experts(const ggml_tensor * w) const {
     std::call_once(experts_once, [this] {
         const dg_lm_head_kernel kernel = dg_lm_head::kernel_for_cpu("DG_EXPERT_GEMM");
-        if (kernel == dg_lm_head_kernel::none || uses_gpu()) {
+        // the VNNI layout's groups are packed by portable code (only AVX2's pack is vectorized), which
+        // costs more than the tiles save: AVX-512 VNNI CPUs keep ggml's MUL_MAT_ID unless
+        // DG_EXPERT_GEMM=avx2 asks for the AVX2 tiles (unmeasured there: no such CPU here)
+        if (kernel == dg_lm_head_kernel::none || kernel == dg_lm_head_kernel::avx512_vnni || uses_gpu()) {
             return;
         }
         for (const auto & layer : layers) {
