@@ -50,8 +50,9 @@ def env() -> dict:
 class Worker:
     """`dg worker --port 0` in a child process; `.endpoint` is what it printed."""
 
-    def __init__(self):
-        self.proc = subprocess.Popen([sys.executable, "-m", "dgcli.cli", "worker", "--port", "0", "--threads", "1"],
+    def __init__(self, host: str = "127.0.0.1"):
+        self.proc = subprocess.Popen([sys.executable, "-m", "dgcli.cli", "worker", "--host", host, "--port", "0",
+                                      "--threads", "1"],
                                      cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      stdin=subprocess.DEVNULL, text=True)
         self.endpoint = self._endpoint()
@@ -192,6 +193,24 @@ def test_unreachable_busy_and_malformed_workers_are_one_line_errors(tiny_gguf):
         port = silent.getsockname()[1]
         assert_one_line_error(dg("generate", "hi", "-m", tiny_gguf, "--rpc", f"127.0.0.1:{port}"),
                               f"RPC worker 127.0.0.1:{port} accepted the connection but did not answer")
+
+
+def test_one_worker_under_two_addresses_is_one_line_error_not_a_hang(tiny_gguf):
+    # ggml's client opens one connection per address: the second one to the same worker (which
+    # serves one at a time) waited forever during the model's load, and Ctrl-C did not end it
+    worker = Worker(host="0.0.0.0")
+    port = worker.endpoint.rpartition(":")[2]
+    try:
+        assert_one_line_error(dg("generate", "hi", "-m", tiny_gguf, "--rpc", f"localhost:{port},127.0.0.1:{port}",
+                                 timeout=60), f"RPC workers localhost:{port} and 127.0.0.1:{port} are the same worker")
+        # two addresses that only the worker can tell are its own (on Linux, 127.0.0.2 reaches 0.0.0.0)
+        assert_one_line_error(dg("generate", "hi", "-m", tiny_gguf, "--rpc", f"127.0.0.1:{port},127.0.0.2:{port}",
+                                 timeout=60), f"RPC worker 127.0.0.2:{port} accepted the connection but did not answer",
+                              f"is it 127.0.0.1:{port} again under another address?")
+        # the worker is free again afterwards
+        assert dg("generate", "hi", "-m", tiny_gguf, "--max-new-tokens", "16", "--rpc", f"127.0.0.1:{port}").returncode == 0
+    finally:
+        worker.kill()
 
 
 def test_a_worker_serves_one_client_at_a_time_and_says_so(tiny_gguf):

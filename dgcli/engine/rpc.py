@@ -88,6 +88,14 @@ def probe(endpoint: str, timeout: float = PROBE_TIMEOUT_S) -> tuple[int, int, in
 
     ggml's own client aborts the process when a worker cannot be reached, and waits forever on one
     that is busy serving another client; asking first turns both into an RpcError."""
+    sock, version = _handshake(endpoint, timeout)
+    sock.close()
+    return version
+
+
+def _handshake(endpoint: str, timeout: float, held: Sequence[str] = ()) -> tuple[socket.socket, tuple[int, int, int]]:
+    """probe(), leaving the connection open: the worker serves nobody else until it is closed.
+    `held`: the workers this process holds such a connection to now (named when this one is mute)."""
     host, port = parse_endpoint(endpoint)
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
@@ -96,25 +104,55 @@ def probe(endpoint: str, timeout: float = PROBE_TIMEOUT_S) -> tuple[int, int, in
     except OSError as err:
         raise RpcError(f"cannot reach RPC worker {endpoint}: {err.strerror or err} "
                        f"(start one there with `dg worker --host HOST --port {port}`)") from None
-    with sock:
+    try:
         try:
             sock.settimeout(timeout)
             sock.sendall(struct.pack("<BQ", _CMD_HELLO, _CONN_CAPS) + bytes(_CONN_CAPS))
             reply = _recv_exact(sock, 8 + _HELLO_REPLY)
         except socket.timeout:
+            also = (f", or is it {' or '.join(held)} again under another address?" if held else "?")
             raise RpcError(f"RPC worker {endpoint} accepted the connection but did not answer within {timeout:g} s "
-                           "(a worker serves one dg process at a time: is another one using it?)") from None
+                           f"(a worker serves one dg process at a time: is another one using it{also})") from None
         except OSError as err:
             raise RpcError(f"RPC worker {endpoint} closed the connection during the handshake "
                            f"({err.strerror or err}); is it a dg worker (llama.cpp rpc-server)?") from None
-    size, major, minor, patch = struct.unpack_from("<QBBB", reply)
-    if size != _HELLO_REPLY:
-        raise RpcError(f"{endpoint} answered the RPC handshake with a {size}-byte message; not a llama.cpp RPC worker "
-                       "of a compatible version")
-    if major != RPC_PROTO_MAJOR:
-        raise RpcError(f"RPC worker {endpoint} speaks protocol {major}.{minor}.{patch}; this dg speaks "
-                       f"{RPC_PROTO_MAJOR}.x: run the same dg version on every machine")
-    return major, minor, patch
+        size, major, minor, patch = struct.unpack_from("<QBBB", reply)
+        if size != _HELLO_REPLY:
+            raise RpcError(f"{endpoint} answered the RPC handshake with a {size}-byte message; not a llama.cpp RPC "
+                           "worker of a compatible version")
+        if major != RPC_PROTO_MAJOR:
+            raise RpcError(f"RPC worker {endpoint} speaks protocol {major}.{minor}.{patch}; this dg speaks "
+                           f"{RPC_PROTO_MAJOR}.x: run the same dg version on every machine")
+    except BaseException:
+        sock.close()
+        raise
+    return sock, (major, minor, patch)
+
+
+def _address(endpoint: str) -> tuple[str, int] | None:
+    """The IPv4 address and port ggml's client connects to for `endpoint` (it resolves with
+    gethostbyname), or None when the name does not resolve (the probe then says so)."""
+    host, port = parse_endpoint(endpoint)
+    try:
+        return socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM)[0][4][:2]
+    except (OSError, UnicodeError, IndexError):
+        return None
+
+
+def check_distinct(endpoints: Sequence[str]) -> None:
+    """Two names of one worker (localhost:P and 127.0.0.1:P) would be two connections to a worker that
+    serves one at a time: ggml's client would wait forever on the second while loading the model."""
+    seen: dict[tuple[str, int], str] = {}
+    for endpoint in endpoints:
+        address = _address(endpoint)
+        if address is None:
+            continue
+        if address[0] == "0.0.0.0":  # connecting to 0.0.0.0 reaches this machine
+            address = ("127.0.0.1", address[1])
+        if address in seen:
+            raise RpcError(f"RPC workers {seen[address]} and {endpoint} are the same worker "
+                           f"({address[0]}:{address[1]}): list it once")
+        seen[address] = endpoint
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -240,12 +278,23 @@ def rpc_devices(endpoints: Sequence[str], timeout: float = PROBE_TIMEOUT_S) -> R
     """Every device of every worker, in the order given; each worker is asked first (probe), so a
     missing, busy or incompatible one is an RpcError rather than a native abort or a hang."""
     endpoints = parse_endpoints(endpoints)
+    check_distinct(endpoints)
     lib = ggml()
+    # every new worker's handshake connection stays open until all have answered: one worker listed
+    # under two addresses that check_distinct cannot tell apart (its LAN address and 127.0.0.1) then
+    # fails its second handshake instead of hanging ggml's client at the model's load
+    held: dict[str, socket.socket] = {}
+    try:
+        for endpoint in endpoints:
+            if endpoint not in _registered:
+                held[endpoint] = _handshake(endpoint, timeout, held=list(held))[0]
+    finally:
+        for sock in held.values():
+            sock.close()
     handles: list[int] = []
     labels: list[str] = []
     for endpoint in endpoints:
         if endpoint not in _registered:
-            probe(endpoint, timeout)
             watch_workers([*_registered, endpoint])
             reg = lib.add_server(endpoint.encode())
             count = lib.ggml_backend_reg_dev_count(reg) if reg else 0
