@@ -243,6 +243,18 @@ def test_worker_usage_errors_and_ctrl_c():
     assert worker.proc.wait(30) == 130
 
 
+def test_a_worker_listens_on_a_host_name(tiny_gguf):
+    # ggml's server takes only a numeric address: --host localhost passed dg's own check, then
+    # llama.cpp printed "Failed to create server socket" and the worker stopped
+    worker = Worker(host="localhost")
+    try:
+        host, _, port = worker.endpoint.rpartition(":")
+        assert host == "127.0.0.1"
+        assert dg("generate", "hi", "-m", tiny_gguf, "--max-new-tokens", "16", "--rpc", f"localhost:{port}").returncode == 0
+    finally:
+        worker.kill()
+
+
 def test_a_worker_whose_listening_socket_closes_just_after_the_abort_is_named():
     # the broken connection can arrive before the killed worker's listening socket is closed
     from dgcli.engine import rpc

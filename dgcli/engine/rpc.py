@@ -386,8 +386,9 @@ def free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
-def check_bindable(host: str, port: int) -> None:
-    """Fail with a clear message when host:port cannot be listened on (ggml only prints to stderr)."""
+def check_bindable(host: str, port: int) -> str:
+    """Fail with a clear message when host:port cannot be listened on (ggml only prints to stderr);
+    else the IPv4 address `host` names (ggml's server takes only a numeric one: inet_addr)."""
     try:
         infos = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM)
     except socket.gaierror as err:
@@ -399,6 +400,7 @@ def check_bindable(host: str, port: int) -> None:
             sock.bind(infos[0][4])
         except OSError as err:
             raise RpcError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    return infos[0][4][0]
 
 
 def native_stdout_to_stderr() -> None:
@@ -418,12 +420,11 @@ class Worker:
     def __init__(self, host: str, port: int, n_threads: int, cache_dir: Path | None = None):
         if not isinstance(n_threads, int) or n_threads < 1:
             raise RpcError(f"invalid threads={n_threads}: must be an integer >= 1")
-        self.host, self.port = host, port
-        check_bindable(host, port)
+        self.host, self.port = check_bindable(host, port), port
         lib = ggml()
         self.devices = worker_devices()
         self.labels = [lib.device_label(d) for d in self.devices]
-        self._args = (f"{host}:{port}".encode(), str(cache_dir).encode() if cache_dir else None, n_threads,
+        self._args = (self.endpoint.encode(), str(cache_dir).encode() if cache_dir else None, n_threads,
                       len(self.devices), (ctypes.c_void_p * len(self.devices))(*self.devices))
         self.thread = threading.Thread(target=self._run, name="dg-rpc-worker", daemon=True)
 
