@@ -143,10 +143,12 @@ def test_generate_and_serve_over_rpc_answer_as_locally(workers):
     assert status == 200 and body["choices"][0]["message"]["content"] == json.loads(local.stdout)["answer"]
 
 
-def test_a_worker_killed_mid_run_is_one_clear_error_not_a_hang(workers, tiny_gguf):
+def kill_a_worker_mid_run(workers, tiny_gguf, *args: str) -> tuple[int, list[str], float]:
+    """`dg generate ARGS --rpc` over both workers, the second killed after the first step: (exit status,
+    stderr lines, seconds from the kill to the client's exit)."""
     endpoints = ",".join(w.endpoint for w in workers)
     client = subprocess.Popen([sys.executable, "-m", "dgcli.cli", "generate", "hi", "-m", str(tiny_gguf), "--steps", "48",
-                               "--max-new-tokens", str(16 * 60), "--seed", "0", "--no-live", "--rpc", endpoints],
+                               "--max-new-tokens", str(16 * 60), "--seed", "0", "--no-live", "--rpc", endpoints, *args],
                               cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               stdin=subprocess.DEVNULL, text=True)
     stderr: list[str] = []
@@ -168,13 +170,28 @@ def test_a_worker_killed_mid_run_is_one_clear_error_not_a_hang(workers, tiny_ggu
         client.kill()
         raise AssertionError("the client hung after its worker died")
     time.sleep(0.2)  # the reader thread takes the last lines
+    return rc, stderr, time.monotonic() - killed_at
+
+
+def test_a_worker_killed_mid_run_is_one_clear_error_not_a_hang(workers, tiny_gguf):
+    rc, stderr, took = kill_a_worker_mid_run(workers, tiny_gguf)
     from dgcli.engine.rpc import WORKER_LOST_EXIT
 
     assert rc == WORKER_LOST_EXIT, "\n".join(stderr[-5:])
     errors = [line for line in stderr if line.startswith("error:")]
     assert errors == [errors[-1]] and errors[-1].startswith(f"error: lost RPC worker {workers[1].endpoint} mid-run")
     assert not any("Aborted" in line or "ggml_print_backtrace" in line or "#0 " in line for line in stderr)
-    print(f"client exited {time.monotonic() - killed_at:.2f} s after the worker was killed")
+    print(f"client exited {took:.2f} s after the worker was killed")
+
+
+def test_a_worker_lost_mid_run_leaves_no_half_written_output(workers, tiny_gguf, tmp_path):
+    # the abort callback ended the process with os._exit: the trace's .partial temporary stayed
+    trace = tmp_path / "run.jsonl"
+    rc, stderr, _ = kill_a_worker_mid_run(workers, tiny_gguf, "--trace", str(trace))
+    from dgcli.engine.rpc import WORKER_LOST_EXIT
+
+    assert rc == WORKER_LOST_EXIT, "\n".join(stderr[-5:])
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 def test_unreachable_busy_and_malformed_workers_are_one_line_errors(tiny_gguf):

@@ -161,9 +161,12 @@ def rpc_placement(rpc: Optional[str], gpu_layers: int) -> tuple[Optional[list[st
     every layer goes to them."""
     if rpc is None:
         return None, gpu_layers
-    from dgcli.engine.rpc import parse_endpoints
+    from dgcli.engine import rpc as rpc_backend
 
-    return parse_endpoints(rpc), gpu_layers or -1
+    # a worker lost mid-run ends the process from ggml's thread: as a signal would, not leaving a
+    # half-written --trace/--output behind or the terminal's cursor hidden
+    rpc_backend.exit_process = _signals.exit_now
+    return rpc_backend.parse_endpoints(rpc), gpu_layers or -1
 
 
 def rpc_option(rpc_servers: Optional[list[str]]) -> dict:

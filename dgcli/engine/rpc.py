@@ -310,6 +310,9 @@ def rpc_devices(endpoints: Sequence[str], timeout: float = PROBE_TIMEOUT_S) -> R
 
 _watched: list[str] = []
 _abort_callback: Any = None  # keeps the ctypes callback alive
+# how the process ends once a worker is lost: the CLI sets its own exit (it removes the temporaries of
+# unfinished output files and gives the terminal its cursor back, as on SIGTERM)
+exit_process: Callable[[int], None] = os._exit
 
 
 def watch_workers(endpoints: Sequence[str]) -> None:
@@ -337,7 +340,10 @@ def _on_ggml_abort(message: bytes | None) -> None:
         sys.stderr.write(line + "\n")
         sys.stderr.flush()
     finally:
-        os._exit(WORKER_LOST_EXIT)
+        try:
+            exit_process(WORKER_LOST_EXIT)
+        finally:
+            os._exit(WORKER_LOST_EXIT)
 
 
 def _refusing_workers(endpoints: Sequence[str], settle_s: float = 1.0) -> list[str]:
