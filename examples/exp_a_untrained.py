@@ -30,7 +30,7 @@ def main() -> None:
     trace_path = args.out / "exp_a.trace.jsonl"
     result = json.loads(run_dg("generate", "what is 3+5", "-m", model, "--steps", args.steps,
                                "--max-new-tokens", 2 * info["canvas_length"], "--seed", 0, "--json",
-                               "--trace", trace_path, *threads_args(args.threads)))["result"]
+                               "--trace", trace_path, "--force", *threads_args(args.threads)))["result"]
     steps = [e for e in read_trace(trace_path) if e["kind"] == "step"]
     rows = [[e["canvas"], e["step"], e["n_accepted"], f"{e['mean_entropy']:.4f}", e["stopped"]] for e in steps]
     write_table(args.out / "exp_a.tsv", ["canvas", "step", "accepted", "mean_entropy", "stopped"], rows)

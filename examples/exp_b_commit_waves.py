@@ -17,6 +17,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     trace_path = args.out / "exp_b.trace.jsonl"
     run_dg("generate", args.prompt, "-m", args.model, "--no-live", "--seed", args.seed, "--trace", trace_path,
+           "--force",  # the trace of the previous run: this script's own file
            *threads_args(args.threads))
     events = read_trace(trace_path)
     steps = [e for e in events if e["kind"] == "step" and e["canvas"] == 0]

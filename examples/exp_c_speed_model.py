@@ -21,7 +21,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     report_path = args.out / "exp_c.json"
     run_dg("bench", "-m", args.model, "--repeat", args.repeat, "--max-new-tokens", args.max_new_tokens,
-           "--batch-sizes", "1", "--json", "-o", report_path, *threads_args(args.threads))
+           "--batch-sizes", "1", "--json", "-o", report_path, "--force", *threads_args(args.threads))
     report = json.loads(report_path.read_text())
     sm = report["speed_model"]
     write_table(args.out / "exp_c.tsv", ["steps", "implied_speedup"],

@@ -19,7 +19,7 @@ def main() -> None:
     prompts = args.out / "exp_d.prompts.txt"
     prompts.write_text("trivial\twhat is 3+5\n")
     run_dg("bench", "-m", args.model, "--repeat", 1, "--max-new-tokens", 16, "--prompts", prompts,
-           "--batch-sizes", args.batch_sizes, "--json", "-o", report_path, *threads_args(args.threads))
+           "--batch-sizes", args.batch_sizes, "--json", "-o", report_path, "--force", *threads_args(args.threads))
     sm = json.loads(report_path.read_text())["speed_model"]
     points = [pt for pt in sm["batch_sweep"] if pt["ratio"] is not None]
     write_table(args.out / "exp_d.tsv", ["batch", "canvas_ms", "decode_ms", "ratio", "speedup_at_16_steps"],
