@@ -704,8 +704,6 @@ ggml_tensor * llama_model_diffusion_gemma::graph::build_gelu_ffn(const llama_mod
     return cur;
 }
 
-// w x cur for the experts `ids` of each token (MUL_MAT_ID): our tiles where `w` has them, else
-// ggml's; then w_s, the per-expert output scale, as build_lora_mm_id applies it
 // The experts' tiles for `w` at this batch (n_tokens tokens routed to n_used experts each), or null
 // for ggml's MUL_MAT_ID: packing a row group costs about three columns of tile work, which pays off
 // from about four tokens per expert on average (a canvas gives 16 on the real model, a one-token
@@ -717,6 +715,8 @@ const dg_experts * llama_model_diffusion_gemma::graph::experts_at(const llama_mo
     return gemm && n_tokens * n_used >= 4 * gemm->n_expert() ? gemm : nullptr;
 }
 
+// w x cur for the experts `ids` of each token (MUL_MAT_ID): our tiles where `w` has them at this
+// batch, else ggml's; then w_s, the per-expert output scale, as build_lora_mm_id applies it
 ggml_tensor * llama_model_diffusion_gemma::graph::build_mm_id(const llama_model_diffusion_gemma & model, ggml_tensor * w,
                                                               ggml_tensor * cur, ggml_tensor * ids, ggml_tensor * w_s) {
     const dg_experts * gemm = experts_at(model, w, ids->ne[1], ids->ne[0]);
