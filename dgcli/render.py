@@ -342,15 +342,16 @@ def fmt_spread(values: Sequence[float], digits: int = 2) -> str:
     return f"{med:.{digits}f} [{lo:.{digits}f}–{hi:.{digits}f}]"
 
 
-def placement_lines(what: str, report) -> list[str]:
-    """An engine.offload.LoadReport as a few lines: layers offloaded, buffers per device, and the
-    tensors an override kept in system memory (layer runs merged: blk.{0-9}.ffn_down_exps.weight)."""
+def placement_lines(what: str, report, target: str = "the GPU") -> list[str]:
+    """An engine.offload.LoadReport as a few lines: layers offloaded (to `target`: the GPU, or the RPC
+    workers), buffers per device, and the tensors an override kept in system memory (layer runs merged:
+    blk.{0-9}.ffn_down_exps.weight)."""
     from dgcli.engine.offload import layer_ranges
 
     if report.offloaded_layers is None:
         lines = [f"{what}: every weight is in system memory: {report.why_cpu_only()}"]
     else:
-        lines = [f"{what}: {report.offloaded_layers}/{report.total_layers} layers offloaded to the GPU"]
+        lines = [f"{what}: {report.offloaded_layers}/{report.total_layers} layers offloaded to {target}"]
     if report.buffers:
         lines.append("  buffers: " + ", ".join(f"{name} {kind} {format_bytes(mib * 2**20)}"  # llama.cpp logs MiB
                                                for name, kind, mib in report.buffers))

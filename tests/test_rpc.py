@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -300,3 +301,11 @@ def test_the_layers_kept_here_run_on_dgs_cpu_gemms_beside_rpc_workers(workers, t
     assert any(f"[{endpoint}] model buffer size" in line for line in p.stderr.splitlines())  # layers went there
     dense, experts = (int(v) for v in p.stdout.split())
     assert dense > 0 and experts > 0, p.stdout
+
+
+def test_verbose_names_the_rpc_workers_as_where_the_layers_went(workers):
+    # it said "N/N layers offloaded to the GPU" when they went to other machines
+    p = dg("generate", "reverse: HELLO", "--seed", "0", "--no-live", "-v", "--rpc", workers[0].endpoint)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert re.search(r"diffusion model \S+: \d+/\d+ layers offloaded to the RPC workers", p.stderr), p.stderr[-2000:]
+    assert "offloaded to the GPU" not in p.stderr

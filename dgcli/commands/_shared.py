@@ -187,7 +187,8 @@ def report_placement(what: str, model) -> None:
     """--verbose: where llama.cpp put this model's weights, from its load log."""
     report = getattr(model, "load_report", None)
     if report is not None:
-        for line in render.placement_lines(what, report):
+        target = "the RPC workers" if getattr(model, "rpc_devices", None) is not None else "the GPU"
+        for line in render.placement_lines(what, report, target):
             stderr.print(line, markup=False)
 
 
