@@ -309,3 +309,24 @@ def test_verbose_names_the_rpc_workers_as_where_the_layers_went(workers):
     assert p.returncode == 0, p.stderr[-2000:]
     assert re.search(r"diffusion model \S+: \d+/\d+ layers offloaded to the RPC workers", p.stderr), p.stderr[-2000:]
     assert "offloaded to the GPU" not in p.stderr
+
+
+def test_a_worker_on_every_interface_names_this_machine_for_clients():
+    # --host 0.0.0.0 suggested `--rpc 0.0.0.0:P`, which no other machine can connect to
+    worker = Worker(host="0.0.0.0")
+    try:
+        hint: list[str] = []
+
+        def scan() -> None:
+            for line in worker.proc.stderr:
+                if "use it with" in line:
+                    hint.append(line)
+                    break
+
+        reader = threading.Thread(target=scan, daemon=True)
+        reader.start()
+        reader.join(TIMEOUT_S)
+        port = worker.endpoint.rpartition(":")[2]
+        assert hint and f"--rpc {socket.gethostname()}:{port}`" in hint[0], hint
+    finally:
+        worker.kill()

@@ -46,7 +46,8 @@ def worker(
                        "Trusted networks only.", err=True)
         server.start()
         typer.echo(f"dg worker: listening on {server.endpoint}; devices: {'; '.join(server.labels)}", err=False)
-        typer.echo(f"dg worker: use it with `dg generate ... --rpc {server.endpoint}`; Ctrl-C stops", err=True)
+        typer.echo(f"dg worker: use it with `dg generate ... --rpc {_reachable_endpoint(server)}`; Ctrl-C stops",
+                   err=True)
         try:
             server.wait()
         except KeyboardInterrupt:
@@ -55,3 +56,13 @@ def worker(
             # the server thread sits in llama.cpp's accept(): leave without tearing the runtime down under it
             os._exit(shared.EXIT_INTERRUPTED)
         raise shared.fail("the RPC server stopped (see llama.cpp's message above)")
+
+
+def _reachable_endpoint(server) -> str:
+    """What a client names this worker by: a wildcard address (0.0.0.0, every interface) is no address
+    to connect to from another machine, so this machine's name stands in for it."""
+    import socket
+
+    if server.host != "0.0.0.0":
+        return server.endpoint
+    return f"{socket.gethostname()}:{server.port}"
