@@ -330,3 +330,33 @@ def test_a_worker_on_every_interface_names_this_machine_for_clients():
         assert hint and f"--rpc {socket.gethostname()}:{port}`" in hint[0], hint
     finally:
         worker.kill()
+
+
+def test_the_handshake_limit_holds_for_the_whole_reply():
+    """A peer that sends a valid hello reply a byte at a time, each byte well within the limit, the
+    whole past it: the limit is for the whole reply (it was per read, so such a peer held the client
+    for as many limits as it sent bytes, while the error said 'within 5 s')."""
+    import struct
+
+    from dgcli.engine import rpc
+
+    reply = struct.pack("<QBBBB", rpc._HELLO_REPLY, rpc.RPC_PROTO_MAJOR, 0, 0, 0) + bytes(rpc._CONN_CAPS)
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+
+        def trickle() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                try:
+                    for i in range(len(reply)):  # 36 bytes, 0.1 s apart: 3.6 s in all
+                        time.sleep(0.1)
+                        conn.sendall(reply[i:i + 1])
+                except OSError:
+                    pass  # the client gave up and closed
+
+        peer = threading.Thread(target=trickle, daemon=True)
+        peer.start()
+        with pytest.raises(rpc.RpcError, match="did not answer within 0.5 s"):
+            rpc.probe(f"127.0.0.1:{listener.getsockname()[1]}", timeout=0.5)
+        peer.join(10)

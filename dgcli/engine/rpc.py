@@ -108,7 +108,7 @@ def _handshake(endpoint: str, timeout: float, held: Sequence[str] = ()) -> tuple
         try:
             sock.settimeout(timeout)
             sock.sendall(struct.pack("<BQ", _CMD_HELLO, _CONN_CAPS) + bytes(_CONN_CAPS))
-            reply = _recv_exact(sock, 8 + _HELLO_REPLY)
+            reply = _recv_exact(sock, 8 + _HELLO_REPLY, timeout)
         except socket.timeout:
             also = (f", or is it {' or '.join(held)} again under another address?" if held else "?")
             raise RpcError(f"RPC worker {endpoint} accepted the connection but did not answer within {timeout:g} s "
@@ -155,9 +155,16 @@ def check_distinct(endpoints: Sequence[str]) -> None:
         seen[address] = endpoint
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, timeout: float) -> bytes:
+    """n bytes within `timeout` seconds in all (socket.timeout past it): the socket's own timeout is
+    per read, so a peer sending a byte at a time could hold the caller for n timeouts."""
+    deadline = time.monotonic() + timeout
     data = b""
     while len(data) < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise socket.timeout("timed out")
+        sock.settimeout(left)
         chunk = sock.recv(n - len(data))
         if not chunk:
             raise ConnectionResetError("connection closed")
