@@ -314,3 +314,16 @@ def test_model_text_printed_on_a_terminal_cannot_drive_it(tmp_path):
     exe, argv = pty_screen.dg_command("replay", str(trace))
     piped = subprocess.run([exe, *argv], capture_output=True, cwd=pty_screen.REPO)
     assert piped.returncode == 0 and injected.encode() in piped.stdout
+
+
+def test_dg_worker_wraps_its_notices_between_words_on_a_narrow_terminal():
+    # at 40 columns the warning and the hint were cut mid-word ("authentication an" / "d no encryption")
+    term = pty_screen.Terminal(40, 30).spawn("worker", "--host", "0.0.0.0", "--port", "0", "--threads", "1")
+    term.read_until("Ctrl-C stops")
+    term.sendintr()
+    assert term.wait() == 130
+    screen = term.screen_text()
+    warning = ("llama.cpp's RPC protocol has no authentication and no encryption; whoever reaches this port can "
+               "use this machine's memory and compute. Trusted networks only.")
+    for word in warning.split() + ["Ctrl-C", "stops"]:
+        assert re.search(rf"(^|\s){re.escape(word)}(\s|$)", screen, re.M), (word, screen)

@@ -41,13 +41,12 @@ def worker(
         rpc.native_stdout_to_stderr()
         server = rpc.Worker(host, port, n_threads=threads or max(1, os.cpu_count() or 1), cache_dir=cache_dir)
         if not shared.is_loopback(host):
-            typer.echo(f"warning: listening on {host}: llama.cpp's RPC protocol has no authentication and no "
-                       "encryption; whoever reaches this port can use this machine's memory and compute. "
-                       "Trusted networks only.", err=True)
+            shared.notice(f"warning: listening on {host}: llama.cpp's RPC protocol has no authentication and no "
+                          "encryption; whoever reaches this port can use this machine's memory and compute. "
+                          "Trusted networks only.")
         server.start()
         typer.echo(f"dg worker: listening on {server.endpoint}; devices: {'; '.join(server.labels)}", err=False)
-        typer.echo(f"dg worker: use it with `dg generate ... --rpc {_reachable_endpoint(server)}`; Ctrl-C stops",
-                   err=True)
+        shared.notice(f"dg worker: use it with `dg generate ... --rpc {_reachable_endpoint(server)}`; Ctrl-C stops")
         try:
             server.wait()
         except KeyboardInterrupt:
