@@ -20,7 +20,7 @@ from typing import Any, BinaryIO, Callable, Iterator
 
 import numpy as np
 
-from dgcli.engine.types import CanvasEvent, DgError, StepEvent
+from dgcli.engine.types import CanvasEvent, DgError, StepEvent, is_int, is_real
 
 TRACE_SCHEMA = "dg-trace/1"
 # A trace line is one canvas of ids and flags: 256 tokens of the real model is ~10 kB.
@@ -114,16 +114,8 @@ def _read_trace(f: BinaryIO, path: str) -> Trace:
     return trace
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _is_int_list(value: Any) -> bool:
-    return isinstance(value, list) and all(_is_int(v) for v in value)
+    return isinstance(value, list) and all(is_int(v) for v in value)
 
 
 def _header_problem(doc: dict) -> str | None:
@@ -133,7 +125,7 @@ def _header_problem(doc: dict) -> str | None:
         return "model must be an object with a name"
     if doc.get("end_token_ids") is not None and not _is_int_list(doc["end_token_ids"]):
         return "end_token_ids must be a list of token ids"
-    if doc.get("pad_token_id") is not None and not _is_int(doc["pad_token_id"]):
+    if doc.get("pad_token_id") is not None and not is_int(doc["pad_token_id"]):
         return "pad_token_id must be a token id"
     return None
 
@@ -142,11 +134,11 @@ def _header_problem(doc: dict) -> str | None:
 _RESULT_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     **{name: (lambda v: isinstance(v, str), "a string") for name in ("mode", "text", "stop_reason")},
     **{name: (_is_int_list, "a list of integers") for name in ("token_ids", "steps_per_canvas")},
-    **{name: (_is_int, "an integer") for name in ("n_prompt_tokens", "decoder_forwards", "n_cached_prompt_tokens")},
-    **{name: (_is_number, "a number") for name in ("tokens_per_forward", "prefill_s", "total_s", "forward_s",
+    **{name: (is_int, "an integer") for name in ("n_prompt_tokens", "decoder_forwards", "n_cached_prompt_tokens")},
+    **{name: (is_real, "a finite number") for name in ("tokens_per_forward", "prefill_s", "total_s", "forward_s",
                                                    "sampling_s", "display_s")},
     "interrupted": (lambda v: isinstance(v, bool), "true or false"),
-    "seed": (lambda v: v is None or _is_int(v), "an integer or null"),
+    "seed": (lambda v: v is None or is_int(v), "an integer or null"),
 }
 
 

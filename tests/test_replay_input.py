@@ -49,7 +49,10 @@ def test_a_well_formed_hand_written_trace_replays(tmp_path):
     (dict(step={**STEP, "argmax_canvas": [10**30] * 4}), ":2:", "malformed step line"),
     (dict(step={**STEP, "pieces": ["B", "A"]}), ":2:", "pieces must be an object"),
     (dict(result={**RESULT, "steps_per_canvas": 1}), ":4:", "steps_per_canvas must be a list of integers"),
-    (dict(result={**RESULT, "total_s": None}), ":4:", "total_s must be a number"),
+    (dict(result={**RESULT, "total_s": None}), ":4:", "total_s must be a finite number"),
+    # JSON as Python reads it takes NaN and Infinity: the recorded summary showed "nan tok/s"
+    (dict(result={**RESULT, "tokens_per_forward": float("nan")}), ":4:", "tokens_per_forward must be a finite number"),
+    (dict(result={**RESULT, "total_s": float("inf")}), ":4:", "total_s must be a finite number"),
     (dict(result={**RESULT, "token_ids": ["B"]}), ":4:", "token_ids must be a list of integers"),
 ])
 def test_a_malformed_field_is_one_error_line_naming_the_line(tmp_path, change, where, fragment):

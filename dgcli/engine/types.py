@@ -71,11 +71,11 @@ def max_denoising_steps_for(canvas_length: int | None) -> int:
     return max(MAX_STEPS_PER_CANVAS_POSITION * canvas, DEFAULT_MAX_DENOISING_STEPS)
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
-def _is_real(value: Any) -> bool:
+def is_real(value: Any) -> bool:
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -110,26 +110,26 @@ class DiffusionParams:
         """Raise InvalidParameter naming the first bad value and its allowed range. The step
         bound depends on the canvas (`max_denoising_steps_for`); without one, the largest canvas's."""
         max_steps = max_denoising_steps_for(canvas_length)
-        if not _is_int(self.max_denoising_steps) or not 1 <= self.max_denoising_steps <= max_steps:
+        if not is_int(self.max_denoising_steps) or not 1 <= self.max_denoising_steps <= max_steps:
             where = f"a {canvas_length}-token canvas" if canvas_length else "any canvas"
             raise InvalidParameter("max_denoising_steps", self.max_denoising_steps,
                                    f"an integer between 1 and {max_steps} (the most that is meaningful for {where})")
-        if not _is_real(self.t_min) or not 0 <= self.t_min <= MAX_SAMPLER_FLOAT:
+        if not is_real(self.t_min) or not 0 <= self.t_min <= MAX_SAMPLER_FLOAT:
             raise InvalidParameter("t_min", self.t_min, f"a number >= 0 and at most {MAX_SAMPLER_FLOAT:g}")
-        if not _is_real(self.t_max) or not MIN_T_MAX <= self.t_max <= MAX_SAMPLER_FLOAT:
+        if not is_real(self.t_max) or not MIN_T_MAX <= self.t_max <= MAX_SAMPLER_FLOAT:
             raise InvalidParameter("t_max", self.t_max,
                                    f"a number between {MIN_T_MAX:g} and {MAX_SAMPLER_FLOAT:g}")
         # equal ends are a constant temperature (--temp); the reference refuses them, for no reason
         # its schedule needs (t_min + (t_max - t_min) * n / N is then t_min at every step)
         if self.t_max < self.t_min:
             raise InvalidParameter("t_max", self.t_max, f"at least t_min ({self.t_min})")
-        if not _is_real(self.entropy_bound) or not 0 < self.entropy_bound <= MAX_SAMPLER_FLOAT:
+        if not is_real(self.entropy_bound) or not 0 < self.entropy_bound <= MAX_SAMPLER_FLOAT:
             raise InvalidParameter("entropy_bound", self.entropy_bound,
                                    f"a number > 0 and at most {MAX_SAMPLER_FLOAT:g}")
-        if not _is_int(self.stability_threshold) or not 0 <= self.stability_threshold <= self.max_denoising_steps:
+        if not is_int(self.stability_threshold) or not 0 <= self.stability_threshold <= self.max_denoising_steps:
             raise InvalidParameter("stability_threshold", self.stability_threshold,
                                    f"an integer between 0 and max_denoising_steps ({self.max_denoising_steps})")
-        if not _is_real(self.confidence_threshold) or not 0 < self.confidence_threshold <= MAX_SAMPLER_FLOAT:
+        if not is_real(self.confidence_threshold) or not 0 < self.confidence_threshold <= MAX_SAMPLER_FLOAT:
             raise InvalidParameter("confidence_threshold", self.confidence_threshold,
                                    f"a number > 0 and at most {MAX_SAMPLER_FLOAT:g}")
         return self
