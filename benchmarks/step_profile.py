@@ -90,9 +90,8 @@ def group_of(node, n_vocab: int, n_embd: int) -> str:
         return "LM head (ggml MUL_MAT)"
     if node.op == "MUL_MAT_ID":  # by shape: the down product's name sits on its per-expert scale's MUL
         return "MoE gate+up (MUL_MAT_ID)" if node.shapes[1][0] == n_embd else "MoE down (MUL_MAT_ID)"
-    if node.op == "CUSTOM" and base in EXPERT_GEMMS:  # by its input's width, as MUL_MAT_ID
-        gate_up = node.shapes[1][0] // 36 * 32 == n_embd
-        return ("MoE gate+up" if gate_up else "MoE down") + " (experts on our tiles)"
+    if node.op == "CUSTOM" and base in EXPERT_GEMMS:  # the down product's name sits on its scale's MUL
+        return ("MoE gate+up" if base == "ffn_moe_gate_up" else "MoE down") + " (experts on our tiles)"
     if (node.op, base) in NAMED_GROUPS:
         return NAMED_GROUPS[(node.op, base)]
     if node.op in ("MUL_MAT", "CUSTOM") and base in DENSE_GROUPS:
@@ -104,12 +103,20 @@ def group_of(node, n_vocab: int, n_embd: int) -> str:
     return f"{node.op} {base}"
 
 
+def gemm_width(node, n_embd: int) -> int:
+    """K of one of our GEMMs (custom ops): n_embd for the experts' gate+up, else from the quantized
+    activations' row: K/32 blocks of 32 quants and a 4-byte scale, or for Q4_K weights K/256 blocks of
+    256 quants, a 4-byte scale and 8 4-byte sums (a row that is not whole 36-byte blocks)."""
+    if re.sub(r"-\d+$", "", node.name) == "ffn_moe_gate_up":
+        return n_embd
+    row = node.shapes[1][0]
+    return row // 36 * 32 if row % 36 == 0 else row // 292 * 256
+
+
 def multiply_adds(node, n_embd: int) -> int:
-    # our repacked GEMMs are custom ops: K multiply-adds per output, K from the quantized activations'
-    # row (K/32 blocks of 32 quants and a 4-byte scale)
+    # our repacked GEMMs are custom ops: K multiply-adds per output
     if node.op == "CUSTOM" and re.sub(r"-\d+$", "", node.name) in REPACKED_GEMMS:
-        k = node.shapes[1][0] // 36 * 32
-        return k * node.shapes[0][0] * node.shapes[0][1] * node.shapes[0][2]  # experts: [n_out, n_used, tokens]
+        return gemm_width(node, n_embd) * node.shapes[0][0] * node.shapes[0][1] * node.shapes[0][2]  # experts: [n_out, n_used, tokens]
     return node.multiply_adds()
 
 

@@ -1,5 +1,5 @@
-"""Helpers shared by tests/test_native_*.py: the skip when the native build is missing, and a GGUF
-rewriter that makes malformed copies of a good file."""
+"""Helpers shared by tests/test_native_*.py: the skip when the native build is missing, a GGUF
+rewriter that makes malformed copies of a good file, and a small file with a Q4_K_M file's types."""
 
 from __future__ import annotations
 
@@ -68,3 +68,15 @@ def rewrite_gguf(src: Path, dst: Path, *, drop_keys: tuple[str, ...] = (), set_k
     writer.write_tensors_to_file()
     writer.close()
     return dst
+
+
+def small_q4_k_m_gguf(path: Path, seed: int = 0) -> Path:
+    """A small random diffusion-gemma file with a Q4_K_M file's types (`dgcli.tiny.q4_k_m_type`): hidden
+    and expert widths of one 256-wide super-block, so its experts' gate+up are Q4_K and their down
+    projections Q4_K (layer 0) or Q6_K (layer 1); 8 experts, top-2, a 16-token canvas."""
+    from dgcli.tiny import write_synthetic_gguf
+
+    return write_synthetic_gguf(path, n_layer=2, vocab_size=512, hidden=256, outtype="q4_k_m", seed=seed,
+                                intermediate_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                                global_head_dim=128, num_global_key_value_heads=1, sliding_window=64, num_experts=8,
+                                top_k_experts=2, moe_intermediate_size=256, canvas_length=16)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from native_helpers import requires_native
+from native_helpers import requires_native, small_q4_k_m_gguf
 
 pytestmark = requires_native
 
@@ -43,3 +43,41 @@ def test_peaks_are_measured_and_named():
     for kind in (native.PEAK_INT8, native.PEAK_BF16, native.PEAK_F32):
         rate, name = native.peak_gmacs(kind, 0.05)
         assert rate > 0.1 and name
+
+
+def test_step_profile_counts_the_experts_work_on_our_tiles(tmp_path, monkeypatch):
+    """benchmarks/step_profile.py's groups and multiply-adds for the experts' custom ops: gate+up and
+    down apart, K from the quantized row in either layout (Q8_0-like for Q5_0 / Q8_0 experts, Q8_K for
+    Q4_K ones), so their G MAC/s are right: every routed (token, expert) pair costs n_out x K."""
+    import sys
+    from pathlib import Path
+
+    from dgcli.engine.model import DiffusionModel
+    from dgcli.engine.profile import NodeProfiler
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from step_profile import group_of, multiply_adds
+
+    monkeypatch.setenv("DG_EXPERT_GEMM", "auto")
+    # Q4_K gate+up in both layers; down: Q4_K in layer 0, Q6_K (ggml) in layer 1
+    path = small_q4_k_m_gguf(tmp_path / "q4_k_m.gguf")
+    profiler = NodeProfiler()
+    try:
+        with DiffusionModel(path, n_threads=1, n_ctx=128, eval_callback=profiler.eval_callback) as m:
+            m.prefill([2, 105, 40, 41, 42])
+            profiler.enabled = True
+            m.decode_canvas(np.arange(50, 66))
+            profiler.enabled = False
+            nodes = [n for n in profiler.take() if "experts on our tiles" in group_of(n, m.vocab_size, m.n_embd)]
+    finally:
+        profiler.close()
+    if not nodes:
+        import pytest
+
+        pytest.skip("this CPU runs no Q4_K experts on our tiles (no AVX2, or AVX-512 VNNI)")
+    groups = sorted(group_of(n, m.vocab_size, m.n_embd) for n in nodes)
+    assert groups == ["MoE down (experts on our tiles)"] + ["MoE gate+up (experts on our tiles)"] * 2
+    pairs = 16 * 2  # canvas tokens x experts used
+    for node in nodes:
+        gate_up = group_of(node, m.vocab_size, m.n_embd).startswith("MoE gate+up")
+        assert multiply_adds(node, m.n_embd) == pairs * (2 * 256 if gate_up else 256) * 256

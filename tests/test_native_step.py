@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from dgcli.engine.types import DgError, InvalidParameter
-from native_helpers import requires_native
+from native_helpers import requires_native, small_q4_k_m_gguf
 
 pytestmark = requires_native
 
@@ -462,6 +462,42 @@ def test_expert_gemm_kernel_agrees_with_a_double_precision_sum(kernel, weight_ty
     assert err.value < 1e-5
 
 
+@pytest.mark.parametrize("n_in, n_out, n_expert, n_used, n_tokens, per_slot, nth", [
+    (2816, 1408, 16, 8, 24, False, 3),  # the real gate+up's widths, fewer experts
+    (256, 37, 5, 2, 9, True, 1),        # one super-block, a partial last row group (packed by scalar code)
+    (512, 100, 6, 3, 7, False, 4),      # more threads than some experts have groups
+    (256, 16, 32, 8, 3, True, 5),       # most experts unused
+])
+def test_q4_k_expert_gemm_agrees_with_a_double_precision_sum(n_in, n_out, n_expert, n_used, n_tokens, per_slot, nth):
+    """Q4_K experts (Q4_K_M files' gate+up) on their AVX2 tile: random super-blocks (6-bit scales and
+    mins, both fp16 factors) against a float64 sum of the same Q8_K-quantized activations and the
+    weights as ggml's dequantizer decodes them, the offsets included; split as `nth` threads split it."""
+    import ctypes
+
+    from dgcli.engine import native
+
+    err = ctypes.c_double()
+    rc = native.lib()._lib.dg_experts_selftest(KERNELS["avx2"], 12, n_in, n_out, n_expert, n_used, n_tokens, per_slot,
+                                               nth, 13, ctypes.byref(err))
+    if rc == 1:
+        pytest.skip("this CPU lacks AVX2, the only Q4_K tile")
+    assert rc == 0
+    assert err.value < 1e-5
+
+
+def test_q4_k_experts_have_no_tile_but_avx2s():
+    """The emulated (VNNI) layout has no Q4_K tile: the self-test says the kernel is missing, and a
+    Q4_K width that is not whole super-blocks is refused."""
+    import ctypes
+
+    from dgcli.engine import native
+
+    err = ctypes.c_double()
+    selftest = native.lib()._lib.dg_experts_selftest
+    assert selftest(KERNELS["emulated"], 12, 256, 16, 4, 2, 4, False, 1, 1, ctypes.byref(err)) == 1
+    assert selftest(KERNELS["avx2"], 12, 288, 16, 4, 2, 4, False, 1, 1, ctypes.byref(err)) == -1
+
+
 _EXPERT_NODES = {"ffn_moe_gate_up-0", "ffn_moe_down_scaled-0"}
 
 
@@ -507,6 +543,36 @@ def test_experts_on_our_tiles_give_ggml_results(tmp_path, monkeypatch, weights, 
         assert float(np.max(np.abs(prefill - ref_prefill))) < 1e-3
         if exact:
             assert float(np.max(np.abs(logits - ref_logits))) < 1e-3
+        assert step.argmax.tolist() == np.argmax(logits, axis=1).tolist()
+
+
+def test_q4_k_experts_on_our_tiles_give_ggml_results(tmp_path, monkeypatch):
+    """A Q4_K_M file's Q4_K experts on our AVX2 tile, kept out of llama.cpp's CPU repack buffers for it
+    (the `plain` override), against ggml's repacked MUL_MAT_ID (DG_EXPERT_GEMM=ggml: repacked as
+    usual): layer 0's gate+up products within float rounding (both quantize the activations as Q8_K,
+    then only the summation order differs), the logits within 1e-3, at 1 and 2 threads."""
+    import gguf
+
+    path = small_q4_k_m_gguf(tmp_path / "q4_k_m.gguf", seed=3)
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors}
+    assert types["blk.0.ffn_gate_up_exps.weight"] == gguf.GGMLQuantizationType.Q4_K
+    n_ref, n_layer, ref_prefill, ref_logits, _, ref_nodes = _run_with_expert_gemm(path, "ggml", 2, False, monkeypatch)
+    assert n_ref == 0 and set(ref_nodes) == _EXPERT_NODES
+    assert float(np.std(ref_logits)) > 0.1  # real logits, not a degenerate output
+    for threads in (1, 2):
+        count, _, prefill, logits, step, nodes = _run_with_expert_gemm(path, "auto", threads, False, monkeypatch)
+        if count == 0:
+            pytest.skip("this CPU has no AVX2 tile for Q4_K experts (or has AVX-512 VNNI, which keeps ggml's)")
+        # the down projections too where they are Q4_K (Q6_K ones stay with ggml)
+        expected = sum(1 for name, t in types.items() if "_exps.weight" in name
+                       and t in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_0,
+                                 gguf.GGMLQuantizationType.Q8_0))
+        assert count == expected >= n_layer
+        for name in sorted(_EXPERT_NODES):
+            scale = float(np.max(np.abs(ref_nodes[name])))
+            assert scale > 0 and float(np.max(np.abs(nodes[name] - ref_nodes[name]))) <= 1e-5 * scale, name
+        assert float(np.max(np.abs(prefill - ref_prefill))) < 1e-3
+        assert float(np.max(np.abs(logits - ref_logits))) < 1e-3
         assert step.argmax.tolist() == np.argmax(logits, axis=1).tolist()
 
 

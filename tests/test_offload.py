@@ -20,11 +20,12 @@ from dgcli.engine.offload import (
     first_gpu_layer,
     layer_ranges,
     plan_placement,
+    tiled_expert_pattern,
 )
 from dgcli.engine.types import InvalidParameter
 from dgcli.info import GpuMemory
 from dgcli.tiny import q4_k_m_type
-from native_helpers import requires_native
+from native_helpers import requires_native, small_q4_k_m_gguf
 
 GB = 1024**3
 EXPERT_SUFFIXES = ("ffn_gate_up_exps.weight", "ffn_down_exps.weight", "ffn_down_exps.scale")
@@ -105,6 +106,54 @@ def test_ar_model_takes_the_same_override(tiny_ar_gguf):
 
     with ArModel(tiny_ar_gguf, n_threads=1, n_gpu_layers=-1, n_cpu_moe=1, n_ctx=64) as ar:
         assert sorted(ar.load_report.overridden) == sorted((f"blk.0.{s}", "CPU") for s in EXPERT_SUFFIXES)
+
+
+def test_q4_k_experts_are_kept_out_of_the_repack_buffers_only_where_our_tile_takes_them(tmp_path, tiny_gguf,
+                                                                                      tiny_ar_gguf):
+    """Only a diffusion-gemma file with Q4_K experts, on the AVX2 tile (kernel 1), with no GPU or RPC
+    worker in use: elsewhere llama.cpp's repacked MUL_MAT_ID (or the GPU) is the faster path."""
+    from dgcli.engine.header import read_header
+
+    q4_k_m = read_header(small_q4_k_m_gguf(tmp_path / "q4_k_m.gguf"))
+    assert tiled_expert_pattern(q4_k_m, 1, gpu_in_use=False) == r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
+    assert tiled_expert_pattern(q4_k_m, 1, gpu_in_use=True) is None
+    for kernel in (0, 2, 3):  # ggml's, VNNI (never for experts), emulated: no Q4_K tile
+        assert tiled_expert_pattern(q4_k_m, kernel, gpu_in_use=False) is None
+    for other in (tiny_gguf, tiny_ar_gguf):  # F32 experts; the AR twin
+        assert tiled_expert_pattern(read_header(other), 1, gpu_in_use=False) is None
+
+
+@requires_native
+@pytest.mark.parametrize("n_cpu_moe, reported", [(0, []), (1, [0])])
+def test_q4_k_experts_load_in_plain_memory_and_reports_say_only_what_was_asked(tmp_path, monkeypatch, n_cpu_moe,
+                                                                               reported):
+    """Loaded on this CPU build, the Q4_K experts stay out of CPU_REPACK (llama.cpp's log: overridden to
+    CPU) and run on our tile; `-v`'s report lists only the experts --n-cpu-moe asked for, since without
+    a GPU every weight is in system memory anyway. DG_EXPERT_GEMM=ggml leaves them to the repack."""
+    from dgcli.engine import native
+    from dgcli.engine.model import DiffusionModel
+
+    path = small_q4_k_m_gguf(tmp_path / "q4_k_m.gguf")
+    monkeypatch.setenv("DG_EXPERT_GEMM", "auto")
+    if native.lib()._lib.dg_expert_kernel() != 1 or native.gpu_devices():
+        pytest.skip("no AVX2 tile for Q4_K experts here (or a GPU in use)")
+
+    def load(experts: str) -> tuple[list, int, list[str]]:
+        monkeypatch.setenv("DG_EXPERT_GEMM", experts)
+        with native.collect_log() as log, DiffusionModel(path, n_threads=1, n_cpu_moe=n_cpu_moe, n_ctx=64) as m:
+            count = native.lib()._lib.dg_expert_gemm_count(m._model)
+            return m.load_report.overridden, count, list(log)
+
+    overridden, count, log = load("auto")
+    gate_up = [line for line in log if "ffn_gate_up_exps.weight" in line and "overridden to" in line]
+    assert len(gate_up) == 2 and all(line.endswith("overridden to CPU") for line in gate_up)
+    assert count == 3  # both layers' gate+up, layer 0's Q4_K down (layer 1's is Q6_K)
+    assert sorted(overridden) == sorted((f"blk.{i}.{s}", "CPU") for i in reported for s in EXPERT_SUFFIXES)
+
+    overridden, count, log = load("ggml")
+    assert count == 0
+    gate_up = [line for line in log if "ffn_gate_up_exps.weight" in line and "overridden to" in line]
+    assert len(gate_up) == n_cpu_moe and all(line.endswith("overridden to CPU_REPACK") for line in gate_up)
 
 
 def test_load_report_reads_a_cuda_log():

@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -37,7 +38,7 @@ from dgcli.engine import native
 from dgcli.engine.cpu import cpu_flags
 from dgcli.engine.header import END_TOKEN_TEXTS, VISIBLE_CONTROL_TEXTS, read_header
 from dgcli.engine.hparams import AR_ARCH, DIFFUSION_ARCH, check_model_header, sampler_defaults
-from dgcli.engine.offload import LoadReport, check_offload, expert_override_pattern
+from dgcli.engine.offload import LoadReport, check_offload, expert_override_pattern, tiled_expert_pattern
 from dgcli.engine.sampler import StepStats
 from dgcli.engine.template_sandbox import start_renderer
 from dgcli.engine.types import (
@@ -153,6 +154,8 @@ class _LlamaModel:
         override = expert_override_pattern(n_cpu_moe, n_layer if isinstance(n_layer, int) else 0)
         self._lib = native.lib()
         L = self._lib
+        tiled = tiled_expert_pattern(self.header, L._lib.dg_expert_kernel(),
+                                     gpu_in_use=bool(rpc_servers) or bool(native.gpu_devices()))
         native.clear_log()
 
         mparams = L.llama_model_default_params()
@@ -161,7 +164,7 @@ class _LlamaModel:
         # segfaults here (stock gemma4 included, tiny and real shapes). DG_CPU_REPACK=1/0 overrides.
         if os.environ.get("DG_CPU_REPACK", "0" if _cpu_has_amx() else "1") == "0":
             mparams.use_extra_bufts = False
-        overrides = native.buft_overrides([override] if override else [])
+        overrides = native.buft_overrides([override] if override else [], plain=[tiled] if tiled else [])
         mparams.tensor_buft_overrides = ctypes.cast(overrides, ctypes.c_void_p)
         # RPC workers' devices instead of this machine's accelerators: n_gpu_layers layers go to them
         self.rpc_devices = None
@@ -176,6 +179,9 @@ class _LlamaModel:
             model = self._model = L.llama_model_load_from_file(str(self.path).encode(), mparams)
         # where llama.cpp put the weights, in its own words (offloaded layers, buffers, overrides)
         self.load_report = LoadReport.from_log(load_log)
+        if tiled:  # only what --n-cpu-moe asked for is news: without a GPU every weight is in system memory
+            asked = re.compile(override) if override else None
+            self.load_report.overridden = [(t, b) for t, b in self.load_report.overridden if asked and asked.search(t)]
         if self.load_report.offloaded_layers is None:
             self.load_report.no_gpu_reason = native.no_gpu_reason()
         if not model:

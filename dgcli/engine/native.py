@@ -24,7 +24,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from dgcli.engine.types import DgError
 
@@ -163,6 +163,8 @@ def _declare(lib_mod: Any) -> None:
         "dg_lm_head_selftest": ([ctypes.c_int32, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                  ctypes.c_uint32, ctypes.POINTER(ctypes.c_double)], ctypes.c_int32),
         "dg_expert_gemm_count": ([lib_mod.llama_model_p_ctypes], ctypes.c_int32),
+        "dg_expert_kernel": ([], ctypes.c_int32),
+        "dg_plain_cpu_buffer_type": ([], ctypes.c_void_p),
         # (kernel, weight ggml type, n_in, n_out, n_expert, n_used, n_tokens, input_per_slot, nth, seed,
         #  max_rel_error out)
         "dg_experts_selftest": ([ctypes.c_int32, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
@@ -364,12 +366,14 @@ class TensorBuftOverride(ctypes.Structure):
     _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
 
 
-def buft_overrides(patterns: list[str]) -> Any:
-    """A NULL-terminated llama_model_tensor_buft_override array sending `patterns` to system memory.
+def buft_overrides(patterns: list[str], plain: Sequence[str] = ()) -> Any:
+    """A NULL-terminated llama_model_tensor_buft_override array sending `patterns` to system memory
+    (a CPU repack buffer where llama.cpp has one for the tensor) and `plain` to plain system memory, in
+    the file's layout (dg_plain_cpu_buffer_type). llama.cpp takes a tensor's first match: `plain` first.
     The caller keeps it alive until the model is loaded."""
-    array = (TensorBuftOverride * (len(patterns) + 1))()
-    buft = cpu_buffer_type()
-    for i, pattern in enumerate(patterns):
+    array = (TensorBuftOverride * (len(plain) + len(patterns) + 1))()
+    targets = [(p, lib()._lib.dg_plain_cpu_buffer_type()) for p in plain] + [(p, cpu_buffer_type()) for p in patterns]
+    for i, (pattern, buft) in enumerate(targets):
         array[i].pattern, array[i].buft = pattern.encode(), buft
     return array
 
@@ -387,7 +391,8 @@ def collect_log() -> Iterator[list[str]]:
     try:
         yield sink
     finally:
-        _sinks.remove(sink)
+        # by identity: list.remove compares by value, and a nested block's sink can equal this one
+        _sinks[:] = [s for s in _sinks if s is not sink]
 
 
 def available() -> tuple[bool, str]:

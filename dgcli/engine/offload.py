@@ -51,6 +51,19 @@ def expert_override_pattern(n_cpu_moe: int, n_layer: int) -> str | None:
     return rf"^blk\.({layers}){EXPERT_TENSORS}"
 
 
+def tiled_expert_pattern(header, expert_kernel: int, gpu_in_use: bool) -> str | None:
+    """The override pattern keeping a diffusion-gemma file's Q4_K experts out of llama.cpp's CPU repack
+    buffers, or None. dg's own GEMM runs Q4_K experts on AVX2 CPUs (native `dg_expert_kernel()` 1) where
+    no GPU is in use, reading the file's layout, which a repack buffer would have changed (ggml's
+    repacked MUL_MAT_ID runs a canvas's experts one token at a time, at ~64% of the int8 peak here)."""
+    if header.architecture != "diffusion-gemma" or expert_kernel != 1 or gpu_in_use:
+        return None
+    experts = re.compile(EXPERT_TENSORS)
+    if any(t.type_name == "Q4_K" and experts.search(t.name) for t in header.tensors):
+        return EXPERT_TENSORS
+    return None
+
+
 def first_gpu_layer(n_gpu_layers: int, n_layer: int) -> int:
     """Layers il >= this one are offloaded (il == n_layer is the output layer)."""
     n = n_layer + 1 if n_gpu_layers < 0 else min(n_gpu_layers, n_layer + 1)

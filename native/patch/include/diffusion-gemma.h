@@ -91,9 +91,20 @@ LLAMA_API int32_t dg_lm_head_selftest(int32_t kernel, int32_t weight_type, int64
                                       int64_t n_cols, uint32_t seed, double * max_rel_error);
 
 // How many of the decoder's MoE expert tensors (gate+up, down; per layer) run on that GEMM's tiles,
-// packed on the fly (0: all on ggml's MUL_MAT_ID: not Q8_0 or Q5_0, not in host memory, a GPU in
-// use, no kernel for this CPU, or DG_EXPERT_GEMM=ggml). Decides it if no graph has yet.
+// packed on the fly (0: all on ggml's MUL_MAT_ID: not Q8_0, Q5_0 or Q4_K (AVX2 only), not in plain
+// host memory, a GPU in use, no kernel for this CPU, or DG_EXPERT_GEMM=ggml). Decides it if no graph
+// has yet.
 LLAMA_API int32_t dg_expert_gemm_count(const struct llama_model * model);
+
+// The kernel the experts' GEMM would take on this CPU where no GPU is in use (0: ggml's MUL_MAT_ID;
+// 1 avx2, which alone runs Q4_K experts; 3 emulated), DG_EXPERT_GEMM included. Asked before loading:
+// Q4_K experts must then stay out of ggml's CPU repack buffers, whose layout the tiles do not read.
+LLAMA_API int32_t dg_expert_kernel(void);
+
+// A twin of ggml_backend_cpu_buffer_type() at another address, for tensor buffer-type overrides:
+// llama.cpp's loader reads an override to the CPU type itself as leave to place the tensor in a CPU
+// repack buffer (CPU_REPACK), and uses this one as it is: plain host memory, the file's layout.
+LLAMA_API ggml_backend_buffer_type_t dg_plain_cpu_buffer_type(void);
 
 // The experts' GEMM of a kernel (as dg_lm_head_selftest) on random experts [n_in, n_out, n_expert]
 // and random routing of n_tokens tokens to n_used experts each, one input row per token

@@ -10,6 +10,7 @@
 #include "models/models.h"
 
 #include "ggml-backend.h"
+#include "../ggml/src/ggml-backend-impl.h" // struct ggml_backend_buffer_type, to copy the CPU one
 
 #include <algorithm>
 #include <cmath>
@@ -94,6 +95,16 @@ int32_t dg_expert_gemm_count(const llama_model * model) {
     }
     dg->experts(nullptr); // decides on first use
     return (int32_t) dg->experts_gemm.size();
+}
+
+int32_t dg_expert_kernel(void) {
+    return (int32_t) dg_experts::kernel_for_cpu();
+}
+
+ggml_backend_buffer_type_t dg_plain_cpu_buffer_type(void) {
+    // the CPU type's functions and (null) device: its buffers are CPU buffers, only the address differs
+    static ggml_backend_buffer_type plain = *ggml_backend_cpu_buffer_type();
+    return &plain;
 }
 
 int32_t dg_encode(llama_context * ctx, const llama_token * tokens, int32_t n_tokens, llama_seq_id seq_id, bool exact,

@@ -63,6 +63,102 @@ q8_0_block q8_0_block_at(const void * rows, ggml_type type, int64_t n_blocks, in
     return ((const q8_0_block *) rows)[r * n_blocks + b];
 }
 
+// Q4_K (most matrices of Q4_K_M files, the experts' gate+up among them): super-blocks of 256 values,
+// 8 sub-blocks of 32; value = d * sc_j * q - dmin * m_j with q in 0..15 and 6-bit sc_j, m_j.
+constexpr int64_t QK_K = 256;
+
+struct q4_K_block {
+    uint16_t d;
+    uint16_t dmin;
+    uint8_t  scales[12]; // sc_j and m_j, 6 bits each (q4_K_scale_min)
+    uint8_t  qs[QK_K / 2]; // sub-block 2i in the low nibbles of bytes 32i..32i+31, 2i+1 in the high ones
+};
+static_assert(sizeof(q4_K_block) == 144, "Q4_K block layout");
+
+// sc_j and m_j of sub-block j, unpacked as ggml packs them
+void q4_K_scale_min(const uint8_t * s, int j, int & sc, int & m) {
+    if (j < 4) {
+        sc = s[j] & 63;
+        m  = s[j + 4] & 63;
+    } else {
+        sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+        m  = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+// A Q4_K row group of 8 in the tiles' layout, per super-block: the 8 sub-blocks' scales d * sc_j
+// (float [sub-block][row]), their offsets dmin * m_j (the same), then per sub-block 8 x (8 x 4) quants
+// as unsigned bytes. Both products of an fp16 and a 6-bit integer are exact in float.
+constexpr int64_t Q4_K_GROUP  = 8;
+constexpr int64_t Q4_K_SB_BYTES = 2 * 8 * Q4_K_GROUP * 4 + 8 * 8 * Q4_K_GROUP * 4;
+
+// Activations against Q4_K, per super-block: ggml's Q8_K (its quants; d = 1 / iscale), then the
+// 8 sub-blocks' d * (sum of their quants), which the offsets multiply.
+constexpr int64_t Q8_K_BYTES = QK_K + 4 + 8 * 4;
+
+// rows [0, n_rows) of a Q4_K group (row r at rows + r * row_bytes) in that layout; rows past n_rows
+// are zero (scales and offsets 0), so a partial last group computes zeros
+void pack_group_q4_K(const uint8_t * rows, size_t row_bytes, int64_t n_super, int64_t n_rows, uint8_t * out) {
+    constexpr int64_t G = Q4_K_GROUP;
+    for (int64_t s = 0; s < n_super; ++s) {
+        uint8_t * o = out + s * Q4_K_SB_BYTES;
+        std::memset(o, 0, (size_t) Q4_K_SB_BYTES);
+        float * scales  = (float *) o;
+        float * offsets = scales + 8 * G;
+        uint8_t * quants = o + 2 * 8 * G * 4;
+        for (int64_t r = 0; r < n_rows; ++r) {
+            const q4_K_block & blk = ((const q4_K_block *) (rows + r * row_bytes))[s];
+            const float d = ggml_fp16_to_fp32(blk.d), dmin = ggml_fp16_to_fp32(blk.dmin);
+            for (int j = 0; j < 8; ++j) {
+                int sc, m;
+                q4_K_scale_min(blk.scales, j, sc, m);
+                scales[j * G + r]  = d * (float) sc;
+                offsets[j * G + r] = dmin * (float) m;
+                for (int k = 0; k < QK; ++k) {
+                    const uint8_t byte = blk.qs[(j / 2) * QK + k];
+                    quants[j * 8 * 4 * G + (k / 4) * 4 * G + 4 * r + k % 4] = j % 2 ? byte >> 4 : byte & 0x0F;
+                }
+            }
+        }
+    }
+}
+
+// Columns [c0, c1) of x (n_super * 256 values each) as ggml's quantize_row_q8_K_ref writes them
+// (per 256: the value of largest magnitude, first of equals, maps to -127; round-to-even), into
+// the layout above.
+void quantize_columns_q8_K(int64_t n_super, const float * x, int64_t ld_x, int64_t c0, int64_t c1, uint8_t * act) {
+    for (int64_t c = c0; c < c1; ++c) {
+        for (int64_t s = 0; s < n_super; ++s) {
+            const float * v = x + c * ld_x + s * QK_K;
+            uint8_t *     o = act + (c * n_super + s) * Q8_K_BYTES;
+            float max = 0.0f, amax = 0.0f;
+            for (int64_t k = 0; k < QK_K; ++k) {
+                if (std::fabs(v[k]) > amax) {
+                    amax = std::fabs(v[k]);
+                    max  = v[k];
+                }
+            }
+            float d = 0.0f, sums[8] = {};
+            if (amax != 0.0f) {
+                const float iscale = -127.0f / max;
+                for (int64_t k = 0; k < QK_K; ++k) {
+                    const int8_t q = (int8_t) std::min(127, (int) std::nearbyint(iscale * v[k]));
+                    o[k] = (uint8_t) q;
+                    sums[k / QK] += q;
+                }
+                d = 1.0f / iscale;
+            } else {
+                std::memset(o, 0, QK_K);
+            }
+            std::memcpy(o + QK_K, &d, sizeof(d));
+            for (int j = 0; j < 8; ++j) {
+                const float b = d * sums[j];
+                std::memcpy(o + QK_K + 4 + 4 * j, &b, sizeof(b));
+            }
+        }
+    }
+}
+
 // rows [0, n_rows) of a group of G (row r at rows + r * row_bytes, `type` Q8_0 or Q5_0) in the tiles'
 // layout: per block, G fp16 scales, G int16 quant sums, then 8 x (G x 4) quants; rows past n_rows
 // are zero (scale 0), so a partial last group computes zeros
@@ -207,8 +303,28 @@ __attribute__((target("avx2"))) inline __m256i quants_avx2(const uint8_t * block
                            _mm256_set1_epi8(16));
 }
 
-// pack_group for a whole 8-row group of the AVX2 layout, vectorized: an 8 x 8 transpose of 4-quant
-// words per block. The quant sums are left out: the AVX2 tile does not read them.
+// rows[i] holds 32 quants of row i: stored as 8 words of the tiles' layout, word q = quants
+// 4q..4q+3 of every row (an 8 x 8 transpose of 4-quant words)
+__attribute__((target("avx2"))) inline void store_interleaved_avx2(const __m256i * r, uint8_t * out) {
+    const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
+    const __m256i t4 = _mm256_unpacklo_epi32(r[4], r[5]), t5 = _mm256_unpackhi_epi32(r[4], r[5]);
+    const __m256i t6 = _mm256_unpacklo_epi32(r[6], r[7]), t7 = _mm256_unpackhi_epi32(r[6], r[7]);
+    const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
+    const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
+    const __m256i u4 = _mm256_unpacklo_epi64(t4, t6), u5 = _mm256_unpackhi_epi64(t4, t6);
+    const __m256i u6 = _mm256_unpacklo_epi64(t5, t7), u7 = _mm256_unpackhi_epi64(t5, t7);
+    // q < 4 from the low lanes, q >= 4 from the high ones
+    __m256i * words = (__m256i *) out;
+    const __m256i lo[4] = { u0, u1, u2, u3 }, hi[4] = { u4, u5, u6, u7 };
+    for (int q = 0; q < 4; ++q) {
+        _mm256_storeu_si256(words + q, _mm256_permute2x128_si256(lo[q], hi[q], 0x20));
+        _mm256_storeu_si256(words + q + 4, _mm256_permute2x128_si256(lo[q], hi[q], 0x31));
+    }
+}
+
+// pack_group for a whole 8-row group of the AVX2 layout, vectorized. The quant sums are left out:
+// the AVX2 tile does not read them.
 __attribute__((target("avx2"))) void pack_group_avx2(const uint8_t * rows, size_t row_bytes, ggml_type type,
                                                       int64_t n_blocks, uint8_t * out) {
     constexpr int64_t G   = 8;
@@ -221,21 +337,87 @@ __attribute__((target("avx2"))) void pack_group_avx2(const uint8_t * rows, size_
             std::memcpy(o + 2 * i, block, 2); // the fp16 scale
             r[i] = quants_avx2(block, type);
         }
-        const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
-        const __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
-        const __m256i t4 = _mm256_unpacklo_epi32(r[4], r[5]), t5 = _mm256_unpackhi_epi32(r[4], r[5]);
-        const __m256i t6 = _mm256_unpacklo_epi32(r[6], r[7]), t7 = _mm256_unpackhi_epi32(r[6], r[7]);
-        const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
-        const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
-        const __m256i u4 = _mm256_unpacklo_epi64(t4, t6), u5 = _mm256_unpackhi_epi64(t4, t6);
-        const __m256i u6 = _mm256_unpacklo_epi64(t5, t7), u7 = _mm256_unpackhi_epi64(t5, t7);
-        // word q of every row: quants 4q..4q+3 (q < 4 from the low lanes, q >= 4 from the high ones)
-        __m256i * words = (__m256i *) (o + 4 * G);
-        const __m256i lo[4] = { u0, u1, u2, u3 }, hi[4] = { u4, u5, u6, u7 };
-        for (int q = 0; q < 4; ++q) {
-            _mm256_storeu_si256(words + q, _mm256_permute2x128_si256(lo[q], hi[q], 0x20));
-            _mm256_storeu_si256(words + q + 4, _mm256_permute2x128_si256(lo[q], hi[q], 0x31));
+        store_interleaved_avx2(r, o + 4 * G);
+    }
+}
+
+// pack_group_q4_K for a whole group, the nibbles spread and interleaved in registers
+__attribute__((target("avx2"))) void pack_group_q4_K_avx2(const uint8_t * rows, size_t row_bytes, int64_t n_super,
+                                                            uint8_t * out) {
+    constexpr int64_t G = Q4_K_GROUP;
+    const __m256i     low = _mm256_set1_epi8(0x0F);
+    for (int64_t s = 0; s < n_super; ++s) {
+        uint8_t * o       = out + s * Q4_K_SB_BYTES;
+        float *   scales  = (float *) o;
+        float *   offsets = scales + 8 * G;
+        const q4_K_block * blk[G];
+        for (int64_t r = 0; r < G; ++r) {
+            blk[r] = (const q4_K_block *) (rows + r * row_bytes) + s;
+            const float d = ggml_fp16_to_fp32(blk[r]->d), dmin = ggml_fp16_to_fp32(blk[r]->dmin);
+            for (int j = 0; j < 8; ++j) {
+                int sc, m;
+                q4_K_scale_min(blk[r]->scales, j, sc, m);
+                scales[j * G + r]  = d * (float) sc;
+                offsets[j * G + r] = dmin * (float) m;
+            }
         }
+        for (int j = 0; j < 8; ++j) {
+            __m256i q[G];
+            for (int64_t r = 0; r < G; ++r) {
+                const __m256i bytes = _mm256_loadu_si256((const __m256i *) (blk[r]->qs + (j / 2) * QK));
+                q[r] = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, low);
+            }
+            store_interleaved_avx2(q, o + 2 * 8 * G * 4 + j * 8 * 4 * G);
+        }
+    }
+}
+
+// 8 Q4_K rows x NC columns on AVX2: per 4 quants of the group, vpmaddubsw of the unsigned quants
+// against the activation's; a sub-block's 8 such pair sums stay within int16 (8 x 2 x 15 x 128),
+// then vpmaddwd, and per sub-block the scale and the offset times the activation's sum.
+template <int NC>
+__attribute__((target("avx2,fma"))) void tile_q4_K_avx2(const uint8_t * group, const uint8_t * act,
+                                                         int64_t act_bytes, int64_t n_blocks, float * out,
+                                                         int64_t ld_out) {
+    constexpr int64_t G       = Q4_K_GROUP;
+    const int64_t     n_super = n_blocks / 8;
+    const __m256i     ones    = _mm256_set1_epi16(1);
+
+    __m256 acc[NC];
+    _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+        acc[c] = _mm256_setzero_ps();
+    }
+    for (int64_t s = 0; s < n_super; ++s) {
+        const uint8_t * w = group + s * Q4_K_SB_BYTES;
+        const uint8_t * a = act + s * Q8_K_BYTES;
+        for (int j = 0; j < 8; ++j) {
+            const uint8_t * quants = w + 2 * 8 * G * 4 + j * 8 * 4 * G;
+            __m256i         sum[NC];
+            _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+                sum[c] = _mm256_setzero_si256();
+            }
+            _Pragma("GCC unroll 8") for (int q = 0; q < 8; ++q) {
+                const __m256i wq = _mm256_loadu_si256((const __m256i *) (quants + q * 4 * G));
+                _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+                    int32_t four;
+                    std::memcpy(&four, a + c * act_bytes + j * QK + 4 * q, sizeof(four));
+                    sum[c] = _mm256_add_epi16(sum[c], _mm256_maddubs_epi16(wq, _mm256_set1_epi32(four)));
+                }
+            }
+            const __m256 scale  = _mm256_loadu_ps((const float *) w + j * G);
+            const __m256 offset = _mm256_loadu_ps((const float *) w + 8 * G + j * G);
+            _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+                float d, b;
+                std::memcpy(&d, a + c * act_bytes + QK_K, sizeof(d));
+                std::memcpy(&b, a + c * act_bytes + QK_K + 4 + 4 * j, sizeof(b));
+                const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[c], ones));
+                acc[c] = _mm256_fmadd_ps(_mm256_mul_ps(scale, dot), _mm256_set1_ps(d), acc[c]);
+                acc[c] = _mm256_fnmadd_ps(offset, _mm256_set1_ps(b), acc[c]);
+            }
+        }
+    }
+    _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+        _mm256_storeu_ps(out + c * ld_out, acc[c]);
     }
 }
 #endif
@@ -251,6 +433,8 @@ DG_LMH_TILES(tile_emulated)
 #ifdef DG_LMH_X86
 DG_LMH_TILES(tile_vnni)
 const tile_fn tile_avx2_by_columns[5] = { nullptr, tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4> };
+const tile_fn tile_q4_K_avx2_by_columns[5] = { nullptr, tile_q4_K_avx2<1>, tile_q4_K_avx2<2>, tile_q4_K_avx2<3>,
+                                              tile_q4_K_avx2<4> };
 #endif
 
 bool cpu_has(const char * feature) {
@@ -446,10 +630,26 @@ void dg_lm_head_gemm_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
 
 // ---- MoE experts --------------------------------------------------------------------------------
 
+namespace {
+
+bool expert_type_fits(ggml_type type, int64_t n_in, dg_lm_head_kernel kernel) {
+    if (type == GGML_TYPE_Q4_K) { // its tile exists for AVX2 only
+        return n_in % QK_K == 0 && kernel == dg_lm_head_kernel::avx2;
+    }
+    return (type == GGML_TYPE_Q8_0 || type == GGML_TYPE_Q5_0) && n_in % QK == 0;
+}
+
+}  // namespace
+
+dg_lm_head_kernel dg_experts::kernel_for_cpu() {
+    const dg_lm_head_kernel kernel = dg_lm_head::kernel_for_cpu("DG_EXPERT_GEMM");
+    return kernel == dg_lm_head_kernel::avx512_vnni ? dg_lm_head_kernel::none : kernel;
+}
+
 bool dg_experts::qualifies(const ggml_tensor * w) {
-    return w && (w->type == GGML_TYPE_Q8_0 || w->type == GGML_TYPE_Q5_0) && w->extra == nullptr && w->buffer &&
-           ggml_backend_buffer_is_host(w->buffer) && ggml_is_contiguous(w) && ggml_n_dims(w) == 3 &&
-           w->ne[0] % QK == 0;
+    return w && (w->type == GGML_TYPE_Q8_0 || w->type == GGML_TYPE_Q5_0 || w->type == GGML_TYPE_Q4_K) &&
+           w->extra == nullptr && w->buffer && ggml_backend_buffer_is_host(w->buffer) && ggml_is_contiguous(w) &&
+           ggml_n_dims(w) == 3 && w->ne[0] % ggml_blck_size(w->type) == 0;
 }
 
 std::unique_ptr<dg_experts> dg_experts::make(const ggml_tensor * w, dg_lm_head_kernel kernel) {
@@ -458,8 +658,8 @@ std::unique_ptr<dg_experts> dg_experts::make(const ggml_tensor * w, dg_lm_head_k
 
 std::unique_ptr<dg_experts> dg_experts::make(const void * data, ggml_type type, int64_t n_in, int64_t n_out,
                                              int64_t n_expert, dg_lm_head_kernel kernel) {
-    if (!data || (type != GGML_TYPE_Q8_0 && type != GGML_TYPE_Q5_0) || n_in <= 0 || n_in % QK != 0 || n_out <= 0 ||
-        n_expert <= 0 || !kernel_runs_here(kernel)) {
+    if (!data || n_in <= 0 || !expert_type_fits(type, n_in, kernel) || n_out <= 0 || n_expert <= 0 ||
+        !kernel_runs_here(kernel)) {
         return nullptr;
     }
     return std::unique_ptr<dg_experts>(new dg_experts(kernel, data, type, n_in, n_out, n_expert));
@@ -468,15 +668,42 @@ std::unique_ptr<dg_experts> dg_experts::make(const void * data, ggml_type type, 
 dg_experts::dg_experts(dg_lm_head_kernel kernel, const void * data, ggml_type type, int64_t n_in, int64_t n_out,
                        int64_t n_expert) :
     kernel_(kernel), data_((const uint8_t *) data), type_(type), n_in_(n_in), n_out_(n_out), n_expert_(n_expert),
-    n_blocks_(n_in / QK), group_(kernel == dg_lm_head_kernel::avx2 ? 8 : 16),
-    row_bytes_((size_t) (n_in / QK) * ggml_type_size(type)) {}
+    n_blocks_(n_in / QK), group_(kernel == dg_lm_head_kernel::avx2 ? 8 : 16), row_bytes_(ggml_row_size(type, n_in)) {}
 
 int64_t dg_experts::act_bytes() const {
-    return n_blocks_ * (QK + 4);
+    return type_ == GGML_TYPE_Q4_K ? n_in_ / QK_K * Q8_K_BYTES : n_blocks_ * (QK + 4);
+}
+
+int64_t dg_experts::group_bytes() const {
+    return type_ == GGML_TYPE_Q4_K ? n_in_ / QK_K * Q4_K_SB_BYTES : n_blocks_ * dg_lm_head_group_block_bytes(group_);
 }
 
 void dg_experts::quantize(const float * x, int64_t ld_x, int64_t r0, int64_t r1, uint8_t * act) const {
-    quantize_columns(kernel_, n_blocks_, x, ld_x, r0, r1, act);
+    if (type_ == GGML_TYPE_Q4_K) {
+        quantize_columns_q8_K(n_in_ / QK_K, x, ld_x, r0, r1, act);
+    } else {
+        quantize_columns(kernel_, n_blocks_, x, ld_x, r0, r1, act);
+    }
+}
+
+void dg_experts::pack(const uint8_t * first_row, int64_t rows, uint8_t * group) const {
+    if (type_ == GGML_TYPE_Q4_K) {
+#ifdef DG_LMH_X86
+        if (rows == Q4_K_GROUP) {
+            pack_group_q4_K_avx2(first_row, row_bytes_, n_in_ / QK_K, group);
+            return;
+        }
+#endif
+        pack_group_q4_K(first_row, row_bytes_, n_in_ / QK_K, rows, group);
+        return;
+    }
+#ifdef DG_LMH_X86
+    if (kernel_ == dg_lm_head_kernel::avx2 && rows == group_) {
+        pack_group_avx2(first_row, row_bytes_, type_, n_blocks_, group);
+        return;
+    }
+#endif
+    pack_group(first_row, row_bytes_, type_, n_blocks_, rows, group_, group);
 }
 
 void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * ids, int64_t ld_ids, int64_t n_used,
@@ -486,6 +713,11 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
     const int64_t ab       = act_bytes();
     int64_t         n_wide;
     const tile_fn * tiles  = tiles_for(kernel_, &n_wide);
+#ifdef DG_LMH_X86
+    if (type_ == GGML_TYPE_Q4_K) {
+        tiles = tile_q4_K_avx2_by_columns; // make() allows Q4_K on AVX2 only; 4 columns wide, as tile_avx2
+    }
+#endif
 
     // the (slot, token) pairs routed to each expert, in token order; every thread builds the same lists
     thread_local std::vector<int64_t> first, routed;
@@ -522,7 +754,7 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
     const int64_t lo = total * ith / nth, hi = total * (ith + 1) / nth;
 
     thread_local std::vector<uint8_t> packed, gathered;
-    packed.resize((size_t) (n_blocks_ * dg_lm_head_group_block_bytes(G) + 64));
+    packed.resize((size_t) (group_bytes() + 64));
     uint8_t * group = (uint8_t *) (((uintptr_t) packed.data() + 63) & ~(uintptr_t) 63);
     float     tile_out[16 * 8];
 
@@ -549,15 +781,7 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
         const uint8_t * expert = data_ + e * n_out_ * row_bytes_;
         for (int64_t g = g0; g < g1; ++g) {
             const int64_t rows = std::min(G, n_out_ - g * G);
-            const uint8_t * first_row = expert + g * G * row_bytes_;
-#ifdef DG_LMH_X86
-            if (kernel_ == dg_lm_head_kernel::avx2 && rows == G) {
-                pack_group_avx2(first_row, row_bytes_, type_, n_blocks_, group);
-            } else
-#endif
-            {
-                pack_group(first_row, row_bytes_, type_, n_blocks_, rows, G, group);
-            }
+            pack(expert + g * G * row_bytes_, rows, group);
             for (int64_t c = 0; c < n; c += n_wide) {
                 const int64_t nc = std::min(n_wide, n - c);
                 tiles[nc](group, gathered.data() + c * ab, ab, n_blocks_, tile_out, G);
@@ -600,7 +824,13 @@ std::vector<uint8_t> random_blocks(ggml_type type, int64_t n_blocks, std::mt1993
     for (size_t off = 0; off < w.size(); off += block_bytes) {
         const ggml_fp16_t d = ggml_fp32_to_fp16(0.001f + 0.01f * std::fabs(unit(rng)));
         std::memcpy(&w[off], &d, 2);
-        for (size_t i = 2; i < block_bytes; ++i) {
+        size_t first_quant = 2;
+        if (type == GGML_TYPE_Q4_K) { // and dmin, a positive fp16 too
+            const ggml_fp16_t dmin = ggml_fp32_to_fp16(0.001f + 0.01f * std::fabs(unit(rng)));
+            std::memcpy(&w[off + 2], &dmin, 2);
+            first_quant = 4;
+        }
+        for (size_t i = first_quant; i < block_bytes; ++i) {
             w[off + i] = type == GGML_TYPE_Q8_0 ? (uint8_t) (int8_t) q8(rng) : (uint8_t) byte(rng);
         }
     }
@@ -608,8 +838,28 @@ std::vector<uint8_t> random_blocks(ggml_type type, int64_t n_blocks, std::mt1993
 }
 
 // |got - the double-precision product of a decoded weight row and a quantized activation column|,
-// relative to the sum of its blocks' magnitudes (infinite if got is not finite)
-double relative_error(const float * row, const uint8_t * column, int64_t n_blocks, int8_t offset, float got) {
+// relative to the sum of its blocks' magnitudes (infinite if got is not finite); `column` in the Q8_K
+// layout of quantize_columns_q8_K when q8_K, else dg_lm_head's
+double relative_error(const float * row, const uint8_t * column, int64_t n_blocks, int8_t offset, float got,
+                      bool q8_K = false) {
+    if (q8_K) {
+        double sum = 0.0, magnitude = 0.0;
+        for (int64_t s = 0; s < n_blocks / 8; ++s) {
+            const uint8_t * block = column + s * Q8_K_BYTES;
+            float d;
+            std::memcpy(&d, block + QK_K, sizeof(d));
+            for (int64_t j = 0; j < 8; ++j) {
+                double dot = 0.0;
+                for (int64_t i = 0; i < QK; ++i) {
+                    dot += (double) row[s * QK_K + j * QK + i] * (int8_t) block[j * QK + i];
+                }
+                sum += d * dot;
+                magnitude += std::fabs(d * dot);
+            }
+        }
+        const double err = std::fabs(sum - got) / (magnitude + 1e-30);
+        return std::isfinite(err) ? err : INFINITY;
+    }
     const float * scales = (const float *) (column + n_blocks * QK);
     double        sum = 0.0, magnitude = 0.0;
     for (int64_t b = 0; b < n_blocks; ++b) {
@@ -682,7 +932,9 @@ int32_t dg_experts_selftest(int32_t kernel, int32_t weight_type, int64_t n_in, i
                             double * max_rel_error) {
     const auto type = (ggml_type) weight_type;
     if (n_in <= 0 || n_in % QK || n_out <= 0 || n_expert <= 0 || n_used <= 0 || n_used > n_expert || n_tokens <= 0 ||
-        nth <= 0 || !max_rel_error || kernel < 1 || kernel > 3 || (type != GGML_TYPE_Q8_0 && type != GGML_TYPE_Q5_0)) {
+        nth <= 0 || !max_rel_error || kernel < 1 || kernel > 3 ||
+        (type != GGML_TYPE_Q8_0 && type != GGML_TYPE_Q5_0 && type != GGML_TYPE_Q4_K) ||
+        (type == GGML_TYPE_Q4_K && n_in % QK_K)) {
         return -1;
     }
     const auto k = (dg_lm_head_kernel) kernel;
@@ -692,7 +944,7 @@ int32_t dg_experts_selftest(int32_t kernel, int32_t weight_type, int64_t n_in, i
     const int64_t nb = n_in / QK;
     std::mt19937 rng(seed);
     std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
-    const std::vector<uint8_t> w = random_blocks(type, n_expert * n_out * nb, rng);
+    const std::vector<uint8_t> w = random_blocks(type, n_expert * n_out * n_in / ggml_blck_size(type), rng);
     std::vector<float> decoded((size_t) (n_expert * n_out * n_in));
     ggml_get_type_traits(type)->to_float(w.data(), decoded.data(), n_expert * n_out * n_in);
 
@@ -715,7 +967,7 @@ int32_t dg_experts_selftest(int32_t kernel, int32_t weight_type, int64_t n_in, i
     }
     auto experts = dg_experts::make(w.data(), type, n_in, n_out, n_expert, k);
     if (!experts) {
-        return -1;
+        return type == GGML_TYPE_Q4_K ? 1 : -1; // Q4_K: AVX2's tile only
     }
     const int64_t n_rows = n_act_slots * n_tokens;
     std::vector<uint8_t> act((size_t) (experts->act_bytes() * n_rows));
@@ -734,7 +986,8 @@ int32_t dg_experts_selftest(int32_t kernel, int32_t weight_type, int64_t n_in, i
             const int64_t   e      = ids[(size_t) (u + t * n_used)];
             for (int64_t r = 0; r < n_out; ++r) {
                 worst = std::max(worst, relative_error(decoded.data() + (e * n_out + r) * n_in, column, nb, offset,
-                                                       out[(size_t) ((t * n_used + u) * n_out + r)]));
+                                                       out[(size_t) ((t * n_used + u) * n_out + r)],
+                                                       type == GGML_TYPE_Q4_K));
             }
         }
     }

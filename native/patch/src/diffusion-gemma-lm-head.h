@@ -91,17 +91,29 @@ private:
 void dg_lm_head_quantize_op(ggml_tensor * dst, int ith, int nth, void * userdata);
 void dg_lm_head_gemm_op(ggml_tensor * dst, int ith, int nth, void * userdata);
 
-// MUL_MAT_ID of Q8_0 or Q5_0 experts [n_in, n_out, n_expert] (every expert of a Q8_0 file, the down
-// projections of a Q4_K_M one) on the same tiles, without a copy of the experts: a thread packs one
-// row group of one expert at a time into the tiles' layout (n_in / 32 x 288 bytes on AVX2: 6 KiB for
-// the real down projection, in L1) and runs it against every token routed to that expert (about 16
-// of a 256-token canvas on the real model: 8 of 128 experts per token). ggml's per-expert sgemm
-// decodes each weight block once per few columns and runs at 44% (Q5_0) to 50% (Q8_0) of the int8
-// rate here. The values are the same quantized products as ggml's (its activation quantization, the
-// file's quants and scales); only the float summation order differs.
+// MUL_MAT_ID of Q8_0, Q5_0 or Q4_K experts [n_in, n_out, n_expert] (every expert of a Q8_0 file; the
+// gate+up and down projections of a Q4_K_M one) on the same tiles, without a copy of the experts: a
+// thread packs one row group of one expert at a time into the tiles' layout (n_in / 32 x 288 bytes on
+// AVX2: 6 KiB for the real down projection, in L1) and runs it against every token routed to that
+// expert (about 16 of a 256-token canvas on the real model: 8 of 128 experts per token). ggml's
+// per-expert sgemm decodes each weight block once per few columns and runs at 44% (Q5_0) to 50% (Q8_0)
+// of the int8 rate here; its repacked Q4_K MUL_MAT_ID runs one token at a time, at ~64%.
+// Q4_K has a tile of its own, AVX2 only: per 256-wide super-block the unsigned quants as bytes with
+// each sub-block's scale d * sc and offset dmin * m as floats (n_in / 256 x 2560 bytes), against
+// activations quantized as ggml quantizes them for Q4_K (Q8_K: one scale per 256) with each
+// sub-block's quant sum, which the offsets multiply.
+// The values are the same quantized products as ggml's (its activation quantization, the file's
+// quants and scales); only the float summation order differs.
 class dg_experts {
 public:
-    // Q8_0 or Q5_0, [n_in, n_out, n_expert] in plain host memory, n_in a multiple of 32
+    // The kernel for this CPU (DG_EXPERT_GEMM overrides, as DG_LM_HEAD does the LM head's). Not
+    // avx512-vnni: that layout's groups would be packed by portable code (only AVX2's pack is
+    // vectorized), which costs more than the tiles save; DG_EXPERT_GEMM=avx2 asks for the AVX2 tiles
+    // there (unmeasured: no such CPU here).
+    static dg_lm_head_kernel kernel_for_cpu();
+
+    // Q8_0, Q5_0 or Q4_K, [n_in, n_out, n_expert] in plain host memory (not in a CPU repack buffer),
+    // n_in whole blocks
     static bool qualifies(const ggml_tensor * w);
     // null if `w` does not qualify or the CPU lacks the kernel; keeps a pointer to w's data
     static std::unique_ptr<dg_experts> make(const ggml_tensor * w, dg_lm_head_kernel kernel);
@@ -113,7 +125,7 @@ public:
     int64_t           n_in() const { return n_in_; }
     int64_t           n_out() const { return n_out_; }
     int64_t           n_expert() const { return n_expert_; }
-    int64_t           act_bytes() const; // of one quantized activation row, as dg_lm_head's
+    int64_t           act_bytes() const; // of one quantized activation row
 
     // rows [r0, r1) of x (F32, row r at x + r * ld_x) quantized as dg_lm_head::quantize does
     void quantize(const float * x, int64_t ld_x, int64_t r0, int64_t r1, uint8_t * act) const;
@@ -129,6 +141,10 @@ public:
 private:
     dg_experts(dg_lm_head_kernel kernel, const void * data, ggml_type type, int64_t n_in, int64_t n_out,
                int64_t n_expert);
+
+    int64_t group_bytes() const; // of one packed row group
+    // rows [0, rows) of the group at first_row, packed into `group` (rows past them compute zeros)
+    void pack(const uint8_t * first_row, int64_t rows, uint8_t * group) const;
 
     dg_lm_head_kernel kernel_;
     const uint8_t *   data_;

@@ -302,18 +302,16 @@ const dg_lm_head * llama_model_diffusion_gemma::dense(const ggml_tensor * w) con
     return it == dense_repacked.end() ? nullptr : it->second.get();
 }
 
-// The MoE experts of Q8_0 and Q5_0 type (all of a Q8_0 file's, the down projections of a Q4_K_M
-// one) through the same tiles, packed on the fly (dg_experts): ggml's MUL_MAT_ID runs them at 44-50%
-// of the core's int8 rate here. Not where a GPU is in use (uses_gpu: e.g. --n-cpu-moe's host experts
-// then run on the GPU). Decided once, on the first graph; DG_EXPERT_GEMM=ggml keeps ggml's
-// MUL_MAT_ID (A/B runs).
+// The MoE experts of Q8_0, Q5_0 and (AVX2) Q4_K type (all of a Q8_0 or a Q4_K_M file's but Q6_K
+// ones) through the same tiles, packed on the fly (dg_experts): ggml's MUL_MAT_ID runs them at 44-64%
+// of the core's int8 rate here. Q4_K experts qualify only outside ggml's CPU repack buffers, which
+// the loader keeps them out of where this runs (dg_plain_cpu_buffer_type, dgcli.engine.offload).
+// Not where a GPU is in use (uses_gpu: e.g. --n-cpu-moe's host experts then run on the GPU).
+// Decided once, on the first graph; DG_EXPERT_GEMM=ggml keeps ggml's MUL_MAT_ID (A/B runs).
 const dg_experts * llama_model_diffusion_gemma::experts(const ggml_tensor * w) const {
     std::call_once(experts_once, [this] {
-        const dg_lm_head_kernel kernel = dg_lm_head::kernel_for_cpu("DG_EXPERT_GEMM");
-        // the VNNI layout's groups are packed by portable code (only AVX2's pack is vectorized), which
-        // costs more than the tiles save: AVX-512 VNNI CPUs keep ggml's MUL_MAT_ID unless
-        // DG_EXPERT_GEMM=avx2 asks for the AVX2 tiles (unmeasured there: no such CPU here)
-        if (kernel == dg_lm_head_kernel::none || kernel == dg_lm_head_kernel::avx512_vnni || uses_gpu()) {
+        const dg_lm_head_kernel kernel = dg_experts::kernel_for_cpu();
+        if (kernel == dg_lm_head_kernel::none || uses_gpu()) {
             return;
         }
         for (const auto & layer : layers) {
