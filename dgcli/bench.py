@@ -499,6 +499,14 @@ def report_tables(report: BenchReport):
     def cell(s: Optional[Spread], digits: int = 2) -> str:
         return s.fmt(digits) if s is not None else "-"
 
+    def count(s: Optional[Spread]) -> str:
+        # a median of an even number of runs can fall between two counts: 2.5, not "2"
+        def one(v: float) -> str:
+            return str(int(v)) if v == int(v) else f"{v:.1f}"
+        if s is None:
+            return "-"
+        return one(s.median) if s.n == 1 or s.min == s.max else f"{one(s.median)} [{one(s.min)}–{one(s.max)}]"
+
     def pct(value: Optional[float]) -> str:
         return "-" if value is None else f"{100 * value:.0f}%"
 
@@ -530,7 +538,7 @@ def report_tables(report: BenchReport):
             sp = f"{d.tokens_per_second.median / a.tokens_per_second.median:.2f}x"
         speed.add_row(prompt, cell(d.tokens_per_second if d else None, 1), cell(a.tokens_per_second if a else None, 1), sp)
         sampler.add_row(prompt, cell(d.steps_per_canvas if d else None, 1), cell(d.tokens_per_forward if d else None),
-                        f"{cell(d.new_tokens if d else None, 0)}/{cell(a.new_tokens if a else None, 0)}")
+                        f"{count(d.new_tokens if d else None)}/{count(a.new_tokens if a else None)}")
         accuracy.add_row(prompt, pct(d.accuracy if d else None), pct(a.accuracy if a else None))
     tables += [speed, sampler] + ([accuracy] if graded else [])
 

@@ -48,3 +48,23 @@ def test_the_demo_declares_its_own_graded_prompt_set():
     assert prompts and all(p.expected for p in prompts)
     assert {p.name.split("-")[0] for p in prompts} == {"reverse", "sort", "nato", "json", "help", "unknown"}
     assert Registry.load().get("diffusiongemma-26b").bench_prompts is None
+
+
+def _tables(runs, speed_model=None, repeat=2):
+    return {str(t.title): t for t in bench.report_tables(bench.BenchReport(
+        config={"repeat": repeat, "diffusion_model": "d", "ar_model": "a"}, runs=runs,
+        summaries=bench.summarize(runs), speed_model=speed_model))}
+
+
+def _column(table, header):
+    return [list(c.cells) for c in table.columns if c.header == header][0]
+
+
+def test_answer_tokens_median_between_two_counts_is_not_rounded_to_either():
+    # two runs of 2 and 3 answer tokens: the median is 2.5 (the table showed "2 [2–3]", Python's
+    # round-half-to-even), AR's 4 and 4 stay a plain count
+    p = bench.BenchPrompt("p", "sort: BA")
+    runs = [bench._record("diffusion", p, 0, _result("ab")), bench._record("diffusion", p, 1, _result("abc")),
+            bench._record("autoregressive", p, 0, _result("abcd")), bench._record("autoregressive", p, 1, _result("abcd"))]
+    sampler = _tables(runs)["diffusion sampler per prompt"]
+    assert _column(sampler, "answer tokens") == ["2.5 [2–3]/4"]
