@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from dgcli.engine.types import DgError, DiffusionParams, GenerationResult
 from dgcli.textfile import read_text_file
-from dgcli.units import format_bytes
+from dgcli.units import format_bytes, format_figure
 
 
 @dataclass(frozen=True)
@@ -170,8 +170,8 @@ class Spread:
 
     def fmt(self, digits: int = 2) -> str:
         if self.n == 1 or self.min == self.max:
-            return f"{self.median:.{digits}f}"
-        return f"{self.median:.{digits}f} [{self.min:.{digits}f}–{self.max:.{digits}f}]"
+            return format_figure(self.median, digits)
+        return f"{format_figure(self.median, digits)} [{format_figure(self.min, digits)}–{format_figure(self.max, digits)}]"
 
 
 @dataclass
@@ -535,7 +535,7 @@ def report_tables(report: BenchReport):
         d, a = modes.get("diffusion"), modes.get("autoregressive")
         sp = "-"
         if d and a and d.tokens_per_second and a.tokens_per_second and a.tokens_per_second.median > 0:
-            sp = f"{d.tokens_per_second.median / a.tokens_per_second.median:.2f}x"
+            sp = f"{format_figure(d.tokens_per_second.median / a.tokens_per_second.median)}x"
         speed.add_row(prompt, cell(d.tokens_per_second if d else None, 1), cell(a.tokens_per_second if a else None, 1), sp)
         sampler.add_row(prompt, cell(d.steps_per_canvas if d else None, 1), cell(d.tokens_per_forward if d else None),
                         f"{count(d.new_tokens if d else None)}/{count(a.new_tokens if a else None)}")
@@ -547,7 +547,9 @@ def report_tables(report: BenchReport):
         def ratio(median: Optional[float], lo: Optional[float], hi: Optional[float]) -> str:
             if median is None:
                 return "-"
-            return f"{median:.2f}" if lo is None or hi is None or lo == hi else f"{median:.2f} [{lo:.2f}–{hi:.2f}]"
+            if lo is None or hi is None or lo == hi:
+                return format_figure(median)
+            return f"{format_figure(median)} [{format_figure(lo)}–{format_figure(hi)}]"
 
         c = table("speed model: one canvas forward vs one decode step", "quantity", "value",
                   caption="same weights; ratio: median [min–max] of paired samples; *for canvases full of "
@@ -560,12 +562,12 @@ def report_tables(report: BenchReport):
             c.add_row("AR pair decode step (from runs)", f"{sm.ar_pair_decode_s * 1e3:.3f} ms")
         c.add_row("canvas / decode cost ratio", ratio(sm.ratio, sm.ratio_min, sm.ratio_max))
         c.add_row("implied speedup at 1 / 4 / 16 steps*",
-                  " / ".join(f"{p['speedup']:.2f}x" for p in sm.speedup_vs_steps if p["steps"] in (1, 4, 16)))
+                  " / ".join(f"{format_figure(p['speedup'])}x" for p in sm.speedup_vs_steps if p["steps"] in (1, 4, 16)))
         measured = [r.mean_steps_per_canvas for r in report.runs if r.mode == "diffusion" and r.mean_steps_per_canvas]
         if measured:
             steps = statistics.median(measured)
             implied = speedup_model(sm.canvas_length, sm.canvas_forward_s, sm.decode_s, sm.commit_s, steps)
-            c.add_row(f"implied speedup at the runs' {steps:.1f} steps*", f"{implied:.2f}x")
+            c.add_row(f"implied speedup at the runs' {steps:.1f} steps*", f"{format_figure(implied)}x")
         tables.append(c)
         b = table("batch sweep", "batch", "canvas fwd", "decode", "ratio", "@16 steps",
                   caption=sm.batch_method + "; batch 1 is the speed model's sample; @16 steps: the implied "
@@ -575,6 +577,6 @@ def report_tables(report: BenchReport):
                 b.add_row(str(p.batch), "-", "-", "-", p.error or "-")
             else:
                 b.add_row(str(p.batch), f"{p.canvas_s * 1e3:.2f} ms", f"{p.decode_s * 1e3:.2f} ms",
-                          ratio(p.ratio, p.ratio_min, p.ratio_max), f"{p.speedup_at_16_steps:.2f}x")
+                          ratio(p.ratio, p.ratio_min, p.ratio_max), f"{format_figure(p.speedup_at_16_steps)}x")
         tables.append(b)
     return tables

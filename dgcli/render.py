@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dgcli.engine.types import CanvasEvent, GenerationResult, StepEvent, TokenEvent
-from dgcli.units import format_bytes
+from dgcli.units import format_bytes, format_figure
 
 # Gemma 4's thinking channel (Transformers' gemma4 response template): the model opens it with
 # `<|channel>thought\n` and closes it with `<channel|>`; the answer follows.
@@ -276,14 +276,14 @@ def result_summary(res: GenerationResult) -> str:
     flag = "  (interrupted)" if res.interrupted else ""
     seed = f"  seed {res.seed}" if res.seed is not None else ""
     return (
-        f"{plural(res.n_new_tokens, 'new token')} in {res.total_s:.2f}s  {res.tokens_per_second:.1f} tok/s  "
-        f"{plural(res.decoder_forwards, 'forward')}  {res.tokens_per_forward:.2f} tokens/forward{steps}  "
+        f"{plural(res.n_new_tokens, 'new token')} in {res.total_s:.2f}s  {format_figure(res.tokens_per_second, 1)} tok/s  "
+        f"{plural(res.decoder_forwards, 'forward')}  {format_figure(res.tokens_per_forward)} tokens/forward{steps}  "
         f"stop={res.stop_reason}{seed}{flag}"
     )
 
 
 def _fmt(value: float | None, digits: int = 2) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
+    return "-" if value is None else format_figure(value, digits)
 
 
 def compare_rows(diff: GenerationResult, ar: GenerationResult,

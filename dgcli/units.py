@@ -1,7 +1,9 @@
 """How dg prints sizes: decimal units (1 GB = 10**9 bytes), as the Hub shows file sizes, for every
-size it prints (files, downloads, memory, buffers)."""
+size it prints (files, downloads, memory, buffers); and how it prints a figure (a rate, a ratio)."""
 
 from __future__ import annotations
+
+import math
 
 
 def format_bytes(n: int | float | None) -> str:
@@ -12,3 +14,14 @@ def format_bytes(n: int | float | None) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return f"{n:.1f} TB"
+
+
+def format_figure(value: float, digits: int = 2) -> str:
+    """`value` with `digits` decimals, or more when those would leave fewer than two significant
+    digits of a non-zero value: a real model's 0.04 tok/s on a CPU is "0.040", never "0.0", and
+    a speedup of 0.004x is "0.0040x", never "0.00x"."""
+    if value and math.isfinite(value) and abs(value) < 10.0 ** (1 - digits):
+        digits = 1 - math.floor(math.log10(abs(value)))
+        if digits > 12:
+            return f"{value:.2g}"
+    return f"{value:.{digits}f}"

@@ -68,3 +68,21 @@ def test_answer_tokens_median_between_two_counts_is_not_rounded_to_either():
             bench._record("autoregressive", p, 0, _result("abcd")), bench._record("autoregressive", p, 1, _result("abcd"))]
     sampler = _tables(runs)["diffusion sampler per prompt"]
     assert _column(sampler, "answer tokens") == ["2.5 [2–3]/4"]
+
+
+def _timed(text: str, total_s: float, mode: str = "diffusion") -> GenerationResult:
+    r = _result(text)
+    r.mode, r.total_s = mode, total_s
+    return r
+
+
+def test_slow_rates_and_small_speedups_are_not_rounded_to_zero():
+    # 3 answer tokens in 75 s (a 26B canvas on a CPU) is 0.04 tok/s: the table said "0.0", and its
+    # speedup over 40 tok/s "0.00x"
+    p = bench.BenchPrompt("math", "2+2?")
+    runs = [bench._record("diffusion", p, 0, _timed("abc", 75.0)),
+            bench._record("autoregressive", p, 0, _timed("abcd", 0.1, "autoregressive"))]
+    speed = [t for t in _tables(runs, repeat=1).values() if str(t.title).startswith("tok/s")][0]
+    assert _column(speed, "diffusion") == ["0.040"]
+    assert _column(speed, "AR") == ["40.0"]
+    assert _column(speed, "speedup") == ["0.0010x"]

@@ -184,6 +184,19 @@ def test_compare_table_numbers_and_speedup():
     assert "speedup (diffusion tok/s ÷ AR tok/s): 4.00x" in caption
 
 
+def test_slow_rates_keep_two_significant_digits_and_never_read_zero():
+    # the real model on a CPU: 3 answer tokens in 75 s of denoising is 0.04 tok/s; the summary said
+    # "0.0 tok/s", and against an AR side at 3.8 tok/s the speedup read "0.00x"
+    d = _result("diffusion", 3, 75.0, 16, [16])
+    a = _result("autoregressive", 40, 10.526, 40)
+    assert "0.040 tok/s" in render.result_summary(d)
+    rows = {r[0]: r[1:] for r in render.compare_rows(d, a, 1, 1)}
+    assert rows["tok/s"] == ("0.040", "3.80")
+    caption = " ".join(to_text(render.compare_table(d, a, 1, 1), width=120).split())
+    assert "speedup (diffusion tok/s ÷ AR tok/s): 0.011x" in caption
+    assert render.result_summary(_result("diffusion", 0, 1.0, 2, [2])).count(" 0.0 tok/s") == 1  # none is none
+
+
 def test_generate_live_view_on_a_terminal(tiny_gguf, monkeypatch):
     """The Rich Live path (what a user at a terminal sees), captured from a forced-terminal console."""
     from test_cli import ScriptedModel
