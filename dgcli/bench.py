@@ -145,7 +145,7 @@ class RunRecord:
     tokens_per_forward: float
     decoder_forwards: int
     steps_per_canvas: list[int]
-    mean_forward_s: float  # mean decoder forward: a canvas forward (diffusion) or one decode (AR)
+    mean_forward_s: Optional[float]  # mean decoder forward: a canvas forward (diffusion) or one decode (AR); None: none ran
     stop_reason: str
     correct: Optional[bool] = None  # the answer equals the prompt's expected answer (None: no answer given)
 
@@ -249,12 +249,11 @@ def total_units(config: BenchConfig, prompts: Sequence[BenchPrompt]) -> int:
 
 
 def _record(mode: str, prompt: BenchPrompt, run: int, res: GenerationResult) -> RunRecord:
-    forwards = max(res.decoder_forwards, 1)
     correct = None if prompt.expected is None else res.text.strip() == prompt.expected
     return RunRecord(mode=mode, prompt=prompt.name, run=run, n_new_tokens=res.n_new_tokens, total_s=res.total_s,
                      tokens_per_second=res.tokens_per_second, tokens_per_forward=res.tokens_per_forward,
                      decoder_forwards=res.decoder_forwards, steps_per_canvas=list(res.steps_per_canvas),
-                     mean_forward_s=res.forward_s / forwards, stop_reason=res.stop_reason, correct=correct)
+                     mean_forward_s=res.mean_forward_s, stop_reason=res.stop_reason, correct=correct)
 
 
 def summarize(runs: Sequence[RunRecord]) -> list[PromptSummary]:
@@ -479,7 +478,7 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], *,
         notes.append("interrupted (Ctrl-C): the report holds the runs finished before it")
 
     if speed is not None:
-        ar_decodes = [r.mean_forward_s for r in runs if r.mode == "autoregressive" and r.decoder_forwards > 0]
+        ar_decodes = [r.mean_forward_s for r in runs if r.mode == "autoregressive" and r.mean_forward_s is not None]
         speed.ar_pair_decode_s = statistics.median(ar_decodes) if ar_decodes else None
     cfg = asdict(config)
     cfg["params"] = asdict(config.params)

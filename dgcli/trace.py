@@ -138,7 +138,7 @@ _RESULT_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     **{name: (is_real, "a finite number") for name in ("tokens_per_forward", "prefill_s", "total_s", "forward_s",
                                                    "sampling_s", "display_s")},
     "interrupted": (lambda v: isinstance(v, bool), "true or false"),
-    "seed": (lambda v: v is None or is_int(v), "an integer or null"),
+    **{name: (lambda v: v is None or is_int(v), "an integer or null") for name in ("seed", "timed_forwards")},
 }
 
 

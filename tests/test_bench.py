@@ -86,3 +86,37 @@ def test_slow_rates_and_small_speedups_are_not_rounded_to_zero():
     assert _column(speed, "diffusion") == ["0.040"]
     assert _column(speed, "AR") == ["40.0"]
     assert _column(speed, "speedup") == ["0.0010x"]
+
+
+def test_ar_pair_decode_step_is_the_mean_decode_not_spread_over_the_prefills_token(monkeypatch):
+    # -n 1: the AR side's only token comes from the prefill and no decode runs; the speed model's
+    # "AR pair decode step (from runs)" read 0.000 ms (runs' mean_forward_s 0.0)
+    p = bench.BenchPrompt("p", "x")
+    one = GenerationResult(mode="autoregressive", text="a", token_ids=[5], n_prompt_tokens=3, decoder_forwards=1,
+                           tokens_per_forward=1.0, total_s=0.1, forward_s=0.0, timed_forwards=0, stop_reason="length")
+    four = GenerationResult(mode="autoregressive", text="abcd", token_ids=[5] * 4, n_prompt_tokens=3,
+                            decoder_forwards=4, tokens_per_forward=1.0, total_s=0.1, forward_s=0.03, timed_forwards=3,
+                            stop_reason="length")
+    assert bench._record("autoregressive", p, 0, one).mean_forward_s is None
+    assert bench._record("autoregressive", p, 0, four).mean_forward_s == pytest.approx(0.01)
+    diffusion = bench._record("diffusion", p, 0, _result("ab"))  # forward_s over its 2 steps
+    assert diffusion.mean_forward_s == 0.0
+
+    class Engine:
+        def __init__(self, results):
+            self.results, self.model = iter(results), None
+
+        def generate(self, *a, **k):
+            return next(self.results)
+
+        def close(self):
+            pass
+
+    speed = bench.SpeedModel(canvas_length=4, canvas_forward_s=1.0, decode_s=0.5, commit_s=None, ratio=2.0,
+                             speedup_vs_steps=[], batch_sweep=[], batch_method="-")
+    monkeypatch.setattr(bench, "measure_speed_model", lambda model, **kw: (speed, []))
+    config = bench.BenchConfig("d", "d.gguf", "a", "a.gguf", repeat=2, speed_model=True)
+    report = bench.run_bench(config, [p], open_diffusion=lambda path: Engine([_result("a"), _result("a")]),
+                             open_ar=lambda path: Engine([one, four]), open_speed_model=lambda path, n: object())
+    assert report.speed_model is not None
+    assert report.speed_model.ar_pair_decode_s == pytest.approx(0.01)

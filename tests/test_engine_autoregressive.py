@@ -105,3 +105,26 @@ def test_bad_arguments(kwargs, error, message):
 def test_prompt_outside_vocab():
     with pytest.raises(DgError, match="outside the vocabulary"):
         AutoregressiveEngine(ScriptedArModel()).generate([2, 55])
+
+
+class SlowDecodeArModel(ScriptedArModel):
+    """Every decode takes 20 ms (the prefill nothing), so the mean decode time is known."""
+
+    def decode_token(self, token):
+        import time
+
+        time.sleep(0.02)
+        return super().decode_token(token)
+
+
+@pytest.mark.parametrize("end_after, max_new_tokens, decodes", [(None, 1, 0), (None, 4, 3), (2, 50, 2)])
+def test_the_mean_decode_time_divides_by_the_decodes_that_ran(end_after, max_new_tokens, decodes):
+    # the first token's logits come from the prefill and the last one's forward is skipped at -n: bench's
+    # "AR pair decode step" divided the decode time by the tokens, 0.000 ms at -n 1, 3/4 of it at -n 4
+    model = SlowDecodeArModel(end_after=end_after)
+    result = AutoregressiveEngine(model).generate([2, 3], max_new_tokens=max_new_tokens)
+    assert model.decodes == decodes and result.timed_forwards == decodes
+    if decodes == 0:
+        assert result.mean_forward_s is None
+    else:
+        assert 0.02 <= result.mean_forward_s < 0.02 * 1.5 + 0.01

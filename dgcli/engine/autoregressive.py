@@ -84,7 +84,7 @@ class AutoregressiveEngine:
         pad_id = getattr(self.model, "pad_token_id", GEMMA_PAD_TOKEN_ID)
         prompt_ids: list[int] = []
         new_tokens: list[int] = []
-        forwards = 0
+        forwards = decodes = 0
         forward_s = sampling_s = prefill_s = 0.0
         stop_reason = "length"
         try:
@@ -119,6 +119,7 @@ class AutoregressiveEngine:
                     break
                 step_forward_s = time.perf_counter() - began
                 forward_s += step_forward_s
+                decodes += 1
         except (KeyboardInterrupt, _StopRequested):
             stop_reason = "interrupted"
         return GenerationResult(
@@ -131,6 +132,7 @@ class AutoregressiveEngine:
             prefill_s=prefill_s,
             total_s=time.perf_counter() - started - events.seconds,
             forward_s=forward_s,
+            timed_forwards=decodes,
             sampling_s=sampling_s,
             stop_reason=stop_reason,
             interrupted=stop_reason == "interrupted",

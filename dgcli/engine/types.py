@@ -263,6 +263,10 @@ class GenerationResult:
     prefill_s: float = 0.0
     total_s: float = 0.0  # wall time of the generation, without the time spent in the caller's on_event
     forward_s: float = 0.0  # sum of forward time over steps/tokens
+    # how many forwards forward_s times (None: decoder_forwards); AR: the decode calls, which are one fewer
+    # than its tokens when the last token needed no forward after it (max_new_tokens reached): the first
+    # token's logits came from the prefill
+    timed_forwards: int | None = None
     sampling_s: float = 0.0  # sum of sampling/host time over steps/tokens
     # "end_token" | "pad_canvas" (a canvas of padding only: ends as an end token would) | "length" | "interrupted"
     # | "stop" (the caller asked for no further canvas: a stop string in dg serve)
@@ -283,6 +287,12 @@ class GenerationResult:
     def generation_s(self) -> float:
         """Wall time after the prefill: what tok/s divides by."""
         return max(self.total_s - self.prefill_s, 0.0)
+
+    @property
+    def mean_forward_s(self) -> float | None:
+        """The mean decoder forward (a canvas forward, or one AR decode); None when none was timed."""
+        timed = self.decoder_forwards if self.timed_forwards is None else self.timed_forwards
+        return self.forward_s / timed if timed > 0 else None
 
     @property
     def tokens_per_second(self) -> float:
