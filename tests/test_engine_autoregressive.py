@@ -128,3 +128,16 @@ def test_the_mean_decode_time_divides_by_the_decodes_that_ran(end_after, max_new
         assert result.mean_forward_s is None
     else:
         assert 0.02 <= result.mean_forward_s < 0.02 * 1.5 + 0.01
+
+
+def test_the_chat_template_and_tokenizer_are_not_generation_time():
+    import time
+
+    class SlowTemplate(ScriptedArModel):
+        def chat_prompt(self, user_text):
+            time.sleep(0.3)
+            return super().chat_prompt(user_text)
+
+    result = AutoregressiveEngine(SlowTemplate(end_after=2)).generate("hi", max_new_tokens=8)
+    assert result.token_ids == [6, 8]
+    assert result.total_s < 0.3 and result.tokens_per_second > 2 / 0.3

@@ -526,6 +526,9 @@ class DiffusionEngine:
         stop_reason = None
         try:
             seq.state.prompt_ids = prompt_token_ids(self.model, prompt, chat, parse_special)
+            # the clock starts here: rendering the chat template and tokenizing are not generation time
+            # (given token ids, as the CLI gives them, there is none of either)
+            seq.started = time.perf_counter()
             self._prefill(seq.state, reuse_cache)
             seq.start_canvas()
             while not seq.done:
