@@ -226,6 +226,7 @@ class AutoregressiveLiveView:
         self.title, self.thinking = title, thinking
         self.pieces: list[str] = []
         self.forward_s = 0.0
+        self.timed = 0  # tokens whose forward forward_s holds (the first token's came from the prefill: 0 s)
         self.note = ""
         self.fit = True
 
@@ -233,14 +234,15 @@ class AutoregressiveLiveView:
         if isinstance(ev, TokenEvent):
             self.pieces.append(ev.piece)
             self.forward_s += ev.forward_s
+            self.timed += ev.forward_s > 0
 
     def status(self) -> str:
         if not self.pieces and not self.note:
             return "waiting for the diffusion side…"
         if not self.fit:  # printed once the run is over: the table has the rates
             return plural(len(self.pieces), "token") + (f"  {self.note}" if self.note else "")
-        rate = len(self.pieces) / self.forward_s if self.forward_s > 0 else 0.0
-        status = f"{plural(len(self.pieces), 'token')}, one forward each  {rate:.1f} tok/s (forwards only)"
+        rate = self.timed / self.forward_s if self.forward_s > 0 else 0.0
+        status = f"{plural(len(self.pieces), 'token')}, one forward each  {format_figure(rate, 1)} tok/s (forwards only)"
         return status + (f"  {self.note}" if self.note else "")
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:

@@ -163,6 +163,15 @@ def test_ar_view_accumulates_pieces():
     assert "The cat" in out and "2 tokens" in out and "2.0 tok/s" in out
 
 
+def test_ar_view_rate_counts_the_tokens_its_forwards_made():
+    # the engine's first token comes from the prefill (forward_s 0): 3 tokens over two 0.5 s decodes
+    # are 2.0 tok/s of forwards, which the status showed as 3.0
+    view = render.AutoregressiveLiveView()
+    for i, s in enumerate([0.0, 0.5, 0.5]):
+        view.on_event(TokenEvent(index=i, token_id=i, piece="x", forward_s=s, sampling_s=0.0))
+    assert "3 tokens, one forward each  2.0 tok/s (forwards only)" in view.status()
+
+
 def _result(mode, n, total, forwards, spc=()):
     return GenerationResult(mode=mode, text="x", token_ids=list(range(n)), n_prompt_tokens=3,
                             steps_per_canvas=list(spc), decoder_forwards=forwards, tokens_per_forward=n / forwards,
