@@ -171,6 +171,26 @@ def test_stop_strings_cut_the_content_even_across_canvases():
     assert c == "The answer!The" and not stream.stopped
 
 
+def test_usage_counts_the_tokens_up_to_the_one_that_completes_the_stop_string():
+    # dg serve's usage counted the whole canvas that held the stop string: a 256-token canvas whose
+    # answer was cut after 3 tokens reported completion_tokens 256
+    from dgcli.engine.types import GenerationResult
+    from dgcli.server.api import usage
+
+    ids = [6, 7, 9, 6, 7]  # "The answer!The answer"
+    for stop, through in (["swer!"], 3), ([" an"], 2), (["The"], 1), (["!The a"], 5):
+        for cuts in ([], [1], [3]):
+            _, _, stream = run_stream(ids, cuts, stop=stop)
+            assert stream.stopped and stream.stop_tokens == through, (stop, cuts)
+    _, _, stream = run_stream(THOUGHTFUL, [4], stop=["I"])  # thinking text is not content: no stop there
+    assert not stream.stopped and stream.stop_tokens is None
+    _, _, stream = run_stream(THOUGHTFUL, [4], stop=["answer"])
+    assert stream.stop_tokens == len(THOUGHTFUL) - 1
+    result = GenerationResult(mode="diffusion", text="", token_ids=ids, n_prompt_tokens=4)
+    assert usage(result, 3) == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+    assert usage(result) == {"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9}
+
+
 def test_without_thinking_split_the_markers_are_plain_text():
     r, c, _ = run_stream(THOUGHTFUL, [4], thinking=False)
     assert r == "" and c == detok(THOUGHTFUL)

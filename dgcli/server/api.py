@@ -250,10 +250,12 @@ def new_id(kind: str) -> str:
 FINISH_REASONS = {"end_token": "stop", "stop": "stop", "length": "length", "interrupted": "stop"}
 
 
-def usage(result: GenerationResult) -> dict[str, int]:
-    """Answer tokens as the CLI counts them (GenerationResult.n_new_tokens: before the end token)."""
-    return {"prompt_tokens": result.n_prompt_tokens, "completion_tokens": result.n_new_tokens,
-            "total_tokens": result.n_prompt_tokens + result.n_new_tokens}
+def usage(result: GenerationResult, completion_tokens: int | None = None) -> dict[str, int]:
+    """Answer tokens as the CLI counts them (GenerationResult.n_new_tokens: before the end token), or
+    `completion_tokens` when a stop string cut the answer (AnswerStream.stop_tokens)."""
+    completion = result.n_new_tokens if completion_tokens is None else min(completion_tokens, result.n_new_tokens)
+    return {"prompt_tokens": result.n_prompt_tokens, "completion_tokens": completion,
+            "total_tokens": result.n_prompt_tokens + completion}
 
 
 def dg_stats(result: GenerationResult, queued_s: float) -> dict[str, Any]:
@@ -264,7 +266,7 @@ def dg_stats(result: GenerationResult, queued_s: float) -> dict[str, Any]:
 
 
 def completion_body(kind: str, rid: str, created: int, model: str, reasoning: str, content: str, finish: str,
-                    result: GenerationResult, queued_s: float) -> dict[str, Any]:
+                    result: GenerationResult, queued_s: float, completion_tokens: int | None = None) -> dict[str, Any]:
     if kind == "chat":
         message = {"role": "assistant", "content": content, "reasoning_content": reasoning or None}
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
@@ -273,7 +275,7 @@ def completion_body(kind: str, rid: str, created: int, model: str, reasoning: st
         choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
-            "usage": usage(result), "dg": dg_stats(result, queued_s)}
+            "usage": usage(result, completion_tokens), "dg": dg_stats(result, queued_s)}
 
 
 def chunk_body(kind: str, rid: str, created: int, model: str, *, reasoning: str = "", content: str = "",

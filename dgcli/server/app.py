@@ -181,7 +181,7 @@ class RequestRun:
         finish = self.finish_reason(done)
         self.log_done(done, finish)
         return completion_body(self.req.kind, self.rid, self.created, self.model_name, self.answer.reasoning,
-                               self.answer.content, finish, done.result, done.queued_s)
+                               self.answer.content, finish, done.result, done.queued_s, self.answer.stop_tokens)
 
     async def sse(self) -> AsyncIterator[str]:
         kind, rid, created, name = self.req.kind, self.rid, self.created, self.model_name
@@ -211,7 +211,7 @@ class RequestRun:
                     self.log_done(done, finish)
                     yield chunk(finish=finish)
                     if self.req.include_usage:
-                        yield chunk(no_choices=True, extra={"usage": usage(done.result),
+                        yield chunk(no_choices=True, extra={"usage": usage(done.result, self.answer.stop_tokens),
                                                             "dg": dg_stats(done.result, done.queued_s)})
                     yield "data: [DONE]\n\n"
                     return

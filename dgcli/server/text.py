@@ -31,6 +31,9 @@ class AnswerStream:
         self.reasoning = ""  # sent so far
         self.content = ""
         self.stopped = False  # a stop string was found: nothing more is sent
+        # then: the answer's tokens up to the one that completes the stop string, what usage counts (as
+        # llama-server does; the rest of that canvas was denoised but is never sent)
+        self.stop_tokens: int | None = None
 
     def feed(self, token_ids: Sequence[int]) -> tuple[str, str]:
         self.ids.extend(int(t) for t in token_ids)
@@ -50,10 +53,26 @@ class AnswerStream:
         reasoning = reasoning or ""
         if self.thinking and not final and THINK_OPEN in text and THINK_CLOSE not in text.split(THINK_OPEN, 1)[1]:
             reasoning = reasoning.rstrip("\n")  # split_thinking drops these once the channel closes
-        cut = min((i for i in (content.find(s) for s in self.stop) if i >= 0), default=-1)
+        cut = self._stop_at(content)
         if cut >= 0:
             content, self.stopped = content[:cut], True
+            self.stop_tokens = self._tokens_through_stop()
         return self._delta("reasoning", reasoning), self._delta("content", content)
+
+    def _stop_at(self, content: str) -> int:
+        return min((i for i in (content.find(s) for s in self.stop) if i >= 0), default=-1)
+
+    def _tokens_through_stop(self) -> int:
+        """The fewest leading tokens whose text holds a stop string in its content."""
+        def holds(k: int) -> bool:
+            text = self.detokenize(self.ids[:k])
+            return self._stop_at(split_thinking(text)[1] if self.thinking else text) >= 0
+
+        lo, hi = 1, len(self.ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if holds(mid) else (mid + 1, hi)
+        return lo
 
     def _delta(self, name: str, now: str) -> str:
         sent = getattr(self, name)
