@@ -533,7 +533,9 @@ def report_tables(report: BenchReport):
     for prompt, modes in by_prompt.items():
         d, a = modes.get("diffusion"), modes.get("autoregressive")
         sp = "-"
-        if d and a and d.tokens_per_second and a.tokens_per_second and a.tokens_per_second.median > 0:
+        # as compare's: none when a side produced no answer tokens (not "0.00x" for diffusion's, "-" for AR's)
+        if d and a and d.tokens_per_second and a.tokens_per_second and d.tokens_per_second.median > 0 \
+                and a.tokens_per_second.median > 0:
             sp = f"{format_figure(d.tokens_per_second.median / a.tokens_per_second.median)}x"
         speed.add_row(prompt, cell(d.tokens_per_second if d else None, 1), cell(a.tokens_per_second if a else None, 1), sp)
         sampler.add_row(prompt, cell(d.steps_per_canvas if d else None, 1), cell(d.tokens_per_forward if d else None),

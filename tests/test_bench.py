@@ -120,3 +120,14 @@ def test_ar_pair_decode_step_is_the_mean_decode_not_spread_over_the_prefills_tok
                              open_ar=lambda path: Engine([one, four]), open_speed_model=lambda path, n: object())
     assert report.speed_model is not None
     assert report.speed_model.ar_pair_decode_s == pytest.approx(0.01)
+
+
+def test_speedup_is_none_when_either_side_produced_no_answer_tokens():
+    # compare says "n/a" for either side; bench said "0.00x" when diffusion's median run had no tokens
+    p = bench.BenchPrompt("p", "x")
+    runs = [bench._record("diffusion", p, 0, _timed("", 1.0)),
+            bench._record("autoregressive", p, 0, _timed("abcd", 0.1, "autoregressive")),
+            bench._record("diffusion", bench.BenchPrompt("q", "y"), 0, _timed("ab", 1.0)),
+            bench._record("autoregressive", bench.BenchPrompt("q", "y"), 0, _timed("", 0.1, "autoregressive"))]
+    speed = [t for t in _tables(runs, repeat=1).values() if str(t.title).startswith("tok/s")][0]
+    assert _column(speed, "speedup") == ["-", "-"]
