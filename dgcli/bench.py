@@ -571,8 +571,9 @@ def report_tables(report: BenchReport):
             c.add_row(f"implied speedup at the runs' {steps:.1f} steps*", f"{format_figure(implied)}x")
         tables.append(c)
         b = table("batch sweep", "batch", "canvas fwd", "decode", "ratio", "@16 steps",
-                  caption=sm.batch_method + "; batch 1 is the speed model's sample; @16 steps: the implied "
-                          "speedup without the commit pass")
+                  caption=sm.batch_method + "; canvas fwd, decode: one forward of `batch` canvases, of `batch` "
+                          "one-token rows (not per canvas); batch 1 is the speed model's sample; @16 steps: the "
+                          "implied speedup without the commit pass")
         for p in sm.batch_sweep:
             if p.ratio is None:
                 b.add_row(str(p.batch), "-", "-", "-", p.error or "-")

@@ -131,3 +131,13 @@ def test_speedup_is_none_when_either_side_produced_no_answer_tokens():
             bench._record("autoregressive", bench.BenchPrompt("q", "y"), 0, _timed("", 0.1, "autoregressive"))]
     speed = [t for t in _tables(runs, repeat=1).values() if str(t.title).startswith("tok/s")][0]
     assert _column(speed, "speedup") == ["-", "-"]
+
+
+def test_the_batch_sweep_says_its_times_are_whole_batches():
+    # "canvas fwd 27.30 ms" at batch 4 is one forward of four canvases; nothing said so
+    speed = bench.SpeedModel(canvas_length=4, canvas_forward_s=0.007, decode_s=0.001, commit_s=None, ratio=7.0,
+                             speedup_vs_steps=[], batch_method="native",
+                             batch_sweep=[bench.BatchPoint(4, 0.0273, 0.002, 13.6, 0.5)])
+    sweep = _tables([], speed_model=speed)["batch sweep"]
+    assert _column(sweep, "canvas fwd") == ["27.30 ms"]
+    assert "one forward of `batch` canvases" in " ".join(str(sweep.caption).split())
