@@ -278,7 +278,7 @@ def result_summary(res: GenerationResult) -> str:
     flag = "  (interrupted)" if res.interrupted else ""
     seed = f"  seed {res.seed}" if res.seed is not None else ""
     return (
-        f"{plural(res.n_new_tokens, 'new token')} in {res.total_s:.2f}s  {format_figure(res.tokens_per_second, 1)} tok/s  "
+        f"{plural(res.n_new_tokens, 'new token')} in {format_figure(res.total_s)}s  {format_figure(res.tokens_per_second, 1)} tok/s  "
         f"{plural(res.decoder_forwards, 'forward')}  {format_figure(res.tokens_per_forward)} tokens/forward{steps}  "
         f"stop={res.stop_reason}{seed}{flag}"
     )
