@@ -148,6 +148,7 @@ class RunRecord:
     mean_forward_s: Optional[float]  # mean decoder forward: a canvas forward (diffusion) or one decode (AR); None: none ran
     stop_reason: str
     correct: Optional[bool] = None  # the answer equals the prompt's expected answer (None: no answer given)
+    prefill_s: float = 0.0  # tokens_per_second = n_new_tokens / (total_s - prefill_s)
 
     @property
     def mean_steps_per_canvas(self) -> Optional[float]:
@@ -253,7 +254,8 @@ def _record(mode: str, prompt: BenchPrompt, run: int, res: GenerationResult) -> 
     return RunRecord(mode=mode, prompt=prompt.name, run=run, n_new_tokens=res.n_new_tokens, total_s=res.total_s,
                      tokens_per_second=res.tokens_per_second, tokens_per_forward=res.tokens_per_forward,
                      decoder_forwards=res.decoder_forwards, steps_per_canvas=list(res.steps_per_canvas),
-                     mean_forward_s=res.mean_forward_s, stop_reason=res.stop_reason, correct=correct)
+                     mean_forward_s=res.mean_forward_s, stop_reason=res.stop_reason, correct=correct,
+                     prefill_s=res.prefill_s)
 
 
 def summarize(runs: Sequence[RunRecord]) -> list[PromptSummary]:

@@ -141,3 +141,14 @@ def test_the_batch_sweep_says_its_times_are_whole_batches():
     sweep = _tables([], speed_model=speed)["batch sweep"]
     assert _column(sweep, "canvas fwd") == ["27.30 ms"]
     assert "one forward of `batch` canvases" in " ".join(str(sweep.caption).split())
+
+
+def test_a_run_record_holds_what_its_tok_s_divides_by():
+    # tokens_per_second divides by the time after the prefill, but a run's record had only total_s:
+    # 8 tokens in 2 s read 8 tok/s in the JSON, with nothing to check it against
+    r = GenerationResult(mode="diffusion", text="x", token_ids=[5] * 8, n_prompt_tokens=3, steps_per_canvas=[2],
+                         decoder_forwards=2, tokens_per_forward=4.0, prefill_s=1.0, total_s=2.0)
+    doc = bench.BenchReport(config={}, runs=[bench._record("diffusion", bench.BenchPrompt("p", "x"), 0, r)],
+                            summaries=[], speed_model=None).to_json()["runs"][0]
+    assert doc["tokens_per_second"] == 8.0
+    assert doc["n_new_tokens"] / (doc["total_s"] - doc["prefill_s"]) == doc["tokens_per_second"]
