@@ -278,14 +278,14 @@ def result_summary(res: GenerationResult) -> str:
     flag = "  (interrupted)" if res.interrupted else ""
     seed = f"  seed {res.seed}" if res.seed is not None else ""
     return (
-        f"{plural(res.n_new_tokens, 'new token')} in {format_figure(res.total_s)}s  {format_figure(res.tokens_per_second, 1)} tok/s  "
+        f"{plural(res.n_new_tokens, 'new token')} in {format_figure(res.total_s, 2, significant=1)}s  {format_figure(res.tokens_per_second, 1)} tok/s  "
         f"{plural(res.decoder_forwards, 'forward')}  {format_figure(res.tokens_per_forward)} tokens/forward{steps}  "
         f"stop={res.stop_reason}{seed}{flag}"
     )
 
 
-def _fmt(value: float | None, digits: int = 2) -> str:
-    return "-" if value is None else format_figure(value, digits)
+def _fmt(value: float | None, digits: int = 2, significant: int = 2) -> str:
+    return "-" if value is None else format_figure(value, digits, significant)
 
 
 def compare_rows(diff: GenerationResult, ar: GenerationResult,
@@ -297,7 +297,7 @@ def compare_rows(diff: GenerationResult, ar: GenerationResult,
 
     return [
         ("new tokens", str(diff.n_new_tokens), str(ar.n_new_tokens)),
-        ("wall time (s)", _fmt(diff.total_s), _fmt(ar.total_s)),
+        ("wall time (s)", _fmt(diff.total_s, significant=1), _fmt(ar.total_s, significant=1)),
         ("tok/s", _fmt(diff.tokens_per_second), _fmt(ar.tokens_per_second)),
         ("forwards", str(diff.decoder_forwards), str(ar.decoder_forwards)),
         ("tokens/forward", _fmt(diff.tokens_per_forward), _fmt(ar.tokens_per_forward)),

@@ -16,12 +16,12 @@ def format_bytes(n: int | float | None) -> str:
     return f"{n:.1f} TB"
 
 
-def format_figure(value: float, digits: int = 2) -> str:
-    """`value` with `digits` decimals, or more when those would leave fewer than two significant
-    digits of a non-zero value: a real model's 0.04 tok/s on a CPU is "0.040", never "0.0", and
-    a speedup of 0.004x is "0.0040x", never "0.00x"."""
-    if value and math.isfinite(value) and abs(value) < 10.0 ** (1 - digits):
-        digits = 1 - math.floor(math.log10(abs(value)))
+def format_figure(value: float, digits: int = 2, significant: int = 2) -> str:
+    """`value` with `digits` decimals, or more when those would leave fewer than `significant`
+    significant digits of a non-zero value: a real model's 0.04 tok/s on a CPU is "0.040", never
+    "0.0", and a speedup of 0.004x is "0.0040x", never "0.00x"."""
+    if value and math.isfinite(value) and abs(value) < 10.0 ** (significant - 1 - digits):
+        digits = significant - 1 - math.floor(math.log10(abs(value)))
         if digits > 12:
             return f"{value:.2g}"
     return f"{value:.{digits}f}"
