@@ -523,6 +523,8 @@ def report_tables(report: BenchReport):
         by_prompt.setdefault(s.prompt, {})[s.mode] = s
     cfg = report.config
     runs = f"{cfg['repeat']} run{'s' if cfg['repeat'] != 1 else ''} per prompt"
+    if any(s.tokens_per_second is not None and s.tokens_per_second.n > cfg["repeat"] for s in report.summaries):
+        runs += ", every prompt of a row's name together"  # the demo's set: 3 prompts x 3 runs per row
     pair = f"diffusion: {cfg['diffusion_model']}, AR: {cfg['ar_model']}"
     tables = []
 

@@ -152,3 +152,14 @@ def test_a_run_record_holds_what_its_tok_s_divides_by():
                             summaries=[], speed_model=None).to_json()["runs"][0]
     assert doc["tokens_per_second"] == 8.0
     assert doc["n_new_tokens"] / (doc["total_s"] - doc["prefill_s"]) == doc["tokens_per_second"]
+
+
+def test_the_speed_title_says_when_a_row_holds_more_than_one_prompt():
+    # the demo's set has 3 prompts per name: each row's median is over 9 runs, titled "of 3 runs per prompt"
+    runs = [bench._record(mode, bench.BenchPrompt("sort-2", text), i, _timed("ab", 1.0, mode))
+            for mode in ("diffusion", "autoregressive") for text in ("sort: BA", "sort: DC") for i in range(3)]
+    title = [t.replace("\\[", "[") for t in _tables(runs, repeat=3) if t.startswith("tok/s")][0]
+    assert title == "tok/s (answer tokens), median [min–max] of 3 runs per prompt, every prompt of a row's name together"
+    one = runs[:3] + runs[6:9]  # one prompt: 3 runs per row
+    assert [t.replace("\\[", "[") for t in _tables(one, repeat=3) if t.startswith("tok/s")][0] == \
+        "tok/s (answer tokens), median [min–max] of 3 runs per prompt"
