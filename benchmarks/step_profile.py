@@ -95,7 +95,9 @@ def group_of(node, n_vocab: int, n_embd: int) -> str:
     if (node.op, base) in NAMED_GROUPS:
         return NAMED_GROUPS[(node.op, base)]
     if node.op in ("MUL_MAT", "CUSTOM") and base in DENSE_GROUPS:
-        return DENSE_GROUPS[base] + (" (repacked int8 GEMM)" if node.op == "CUSTOM" else " (MUL_MAT)")
+        if node.op == "MUL_MAT":
+            return DENSE_GROUPS[base] + " (MUL_MAT)"
+        return DENSE_GROUPS[base] + (" (repacked int8 GEMM)" if node.shapes[1][0] % 36 == 0 else " (Q4_K tile)")
     if node.op == "FLASH_ATTN_EXT":
         return "attention (FLASH_ATTN_EXT)"
     if not base or base.startswith(("node_", "leaf_")) or " (" in base:

@@ -407,7 +407,8 @@ def test_lm_head_path_stays_ggml_for_other_types(tiny_gguf, monkeypatch):
 
 
 class _NodeCapture:
-    """llama.cpp's per-node eval callback keeping the F32 values of the named graph nodes (last evaluation)."""
+    """llama.cpp's per-node eval callback keeping the F32 values of the named graph nodes: the last
+    evaluation of each in `values`, every evaluation in graph order in `order`."""
 
     def __init__(self, names: set[str]):
         import ctypes
@@ -421,6 +422,7 @@ class _NodeCapture:
                             ("ggml_nbytes", ctypes.c_size_t)):
             getattr(base, fn).restype, getattr(base, fn).argtypes = restype, [ctypes.c_void_p]
         self.values: dict[str, np.ndarray] = {}
+        self.order: list[tuple[str, np.ndarray]] = []
 
         def on_node(tensor, ask, _user_data):
             name = base.ggml_get_name(tensor).decode()
@@ -428,6 +430,7 @@ class _NodeCapture:
                 return name in names
             data = ctypes.string_at(base.ggml_get_data(tensor), base.ggml_nbytes(tensor))
             self.values[name] = np.frombuffer(data, dtype=np.float32).copy()
+            self.order.append((name, self.values[name]))
             return True
 
         self.callback = (ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_bool, ctypes.c_void_p)(on_node), None)
@@ -646,6 +649,103 @@ def test_repacked_dense_weights_give_ggml_matmul_results(tmp_path, monkeypatch, 
         for name in sorted(_PROJECTIONS):
             scale = float(np.max(np.abs(ref_nodes[name])))
             assert scale > 0 and float(np.max(np.abs(nodes[name] - ref_nodes[name]))) <= 1e-5 * scale, name
+
+
+def _q8_k_dequantized(x: np.ndarray) -> np.ndarray:
+    """x [rows, n] as ggml's quantize_row_q8_K_ref quantizes it (per 256: the value of largest
+    magnitude, the first of equals, maps to -127; round half to even in float32), decoded."""
+    blocks = x.astype(np.float32).reshape(-1, 256)
+    peak = blocks[np.arange(len(blocks)), np.argmax(np.abs(blocks), axis=1)]
+    iscale = np.divide(np.float32(-127.0), peak, out=np.zeros_like(peak), where=peak != 0).astype(np.float32)
+    quants = np.minimum(127.0, np.rint(blocks * iscale[:, None]))
+    scale = np.divide(np.float32(1.0), iscale, out=np.zeros_like(iscale), where=iscale != 0).astype(np.float32)
+    return (quants * scale[:, None]).reshape(x.shape)
+
+
+def test_q4_k_dense_weights_on_our_tile_give_ggml_products(tmp_path, monkeypatch):
+    """A Q4_K_M file's dense Q4_K weights (attention, dense FFN, self-conditioning MLP) on the experts'
+    Q4_K tile as one expert, kept out of the repack buffers for it. Each such product of a
+    self-conditioned canvas decode against float64 over what ggml multiplies: the weights as its
+    dequantizer decodes them and the node's own input quantized as its Q8_K (so a last-bit difference
+    upstream, which a requantization can turn into 1e-3, cannot hide or fake an error). Where the
+    inputs are the same on both paths (layer 0's Q, K, V, the self-conditioning MLP's gate and up),
+    also against ggml's repacked GEMM (DG_DENSE_GEMM=ggml) run for run; a one-token decode keeps
+    ggml's matmul."""
+    import gguf
+
+    from dgcli.engine import native
+    from dgcli.engine.model import DiffusionModel
+    from dgcli.engine.profile import NodeProfiler
+
+    path = small_q4_k_m_gguf(tmp_path / "q4_k_m.gguf", seed=5)
+    reader = gguf.GGUFReader(path)
+    weights = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64) for t in reader.tensors
+               if t.tensor_type == gguf.GGMLQuantizationType.Q4_K and len(t.shape) == 2}
+    # the graph's name for each projection -> its weight
+    node_weight = {"Qcur-0": "blk.0.attn_q.weight", "Kcur-0": "blk.0.attn_k.weight", "Vcur-0": "blk.0.attn_v.weight",
+                   "attn_output-1": "blk.1.attn_output.weight", "ffn_gate-0": "blk.0.ffn_gate.weight",
+                   "ffn_up-0": "blk.0.ffn_up.weight", "ffn_down-0": "blk.0.ffn_down.weight",
+                   "sc_ffn_gate": "self_cond_gate.weight", "sc_ffn_up": "self_cond_up.weight",
+                   "sc_signal": "self_cond_down.weight"}
+    node_weight = {node: w for node, w in node_weight.items() if w in weights}
+    assert len(node_weight) >= 8
+    monkeypatch.setenv("DG_EXPERT_GEMM", "ggml")  # the experts' path the same in both runs
+
+    def run(dense: str):
+        monkeypatch.setenv("DG_DENSE_GEMM", dense)
+        capture = _NodeCapture(set(node_weight) | {"tiled_in"})
+        with DiffusionModel(path, n_threads=2, n_ctx=128, eval_callback=capture.callback) as m:
+            count = native.lib()._lib.dg_dense_q4_K_count(m._model)
+            m.prefill(PROMPT)
+            canvas = _canvas(20, m.vocab_size)
+            sc_ids = np.stack([np.random.default_rng(i).choice(m.vocab_size, 4, replace=False) for i in range(16)])
+            capture.order.clear()
+            m.decode_canvas(canvas, sc_topk=(sc_ids.astype(np.int32), np.full((16, 4), 0.25, dtype=np.float32)))
+        return count, capture.order  # in graph order: each product's input precedes it
+
+    count, seen = run("auto")
+    if count == 0:
+        pytest.skip("this CPU has no AVX2 Q4_K tile for dense weights (or has AVX-512 VNNI)")
+    assert count == sum(1 for name in weights if name != "token_embd.weight")
+    checked = set()
+    for k, (name, out) in enumerate(seen):
+        if name not in node_weight:
+            continue
+        inputs = [v for n, v in seen[:k] if n == "tiled_in"]
+        assert inputs, f"{name}: no tiled input before it (not on the tile)"
+        w = weights[node_weight[name]]
+        x = _q8_k_dequantized(inputs[-1].reshape(-1, w.shape[1])).astype(np.float64)
+        expected = x @ w.T
+        got = out.reshape(expected.shape)
+        assert float(np.max(np.abs(got - expected))) <= 1e-5 * float(np.max(np.abs(expected))), name
+        checked.add(name)
+    assert checked == set(node_weight)
+
+    _, ref_seen = run("ggml")
+    ours, ref = dict(seen), dict(ref_seen)
+    assert "tiled_in" not in ref
+    for name in ("Qcur-0", "Kcur-0", "Vcur-0", "sc_ffn_gate", "sc_ffn_up"):
+        if name in node_weight:
+            scale = float(np.max(np.abs(ref[name])))
+            assert float(np.max(np.abs(ours[name] - ref[name]))) <= 1e-5 * scale, name
+
+    # which op runs: the tile for a canvas, ggml's MUL_MAT for one token
+    monkeypatch.setenv("DG_DENSE_GEMM", "auto")
+    profiler = NodeProfiler()
+    try:
+        with DiffusionModel(path, n_threads=1, n_ctx=128, eval_callback=profiler.eval_callback) as m:
+            m.prefill(PROMPT)
+
+            def q_op(run) -> set[str]:
+                profiler.enabled = True
+                run()
+                profiler.enabled = False
+                return {n.op for n in profiler.take() if n.name == "Qcur-0" and n.op in ("CUSTOM", "MUL_MAT")}
+
+            assert q_op(lambda: m.decode_canvas(_canvas(20, m.vocab_size))) == {"CUSTOM"}
+            assert q_op(lambda: m.prefill([20], return_logits=True)) == {"MUL_MAT"}
+    finally:
+        profiler.close()
 
 
 def test_dense_weights_of_other_types_stay_on_ggml(tiny_gguf, monkeypatch):

@@ -20,7 +20,7 @@ from dgcli.engine.offload import (
     first_gpu_layer,
     layer_ranges,
     plan_placement,
-    tiled_expert_pattern,
+    tiled_weight_pattern,
 )
 from dgcli.engine.types import InvalidParameter
 from dgcli.info import GpuMemory
@@ -108,19 +108,30 @@ def test_ar_model_takes_the_same_override(tiny_ar_gguf):
         assert sorted(ar.load_report.overridden) == sorted((f"blk.0.{s}", "CPU") for s in EXPERT_SUFFIXES)
 
 
-def test_q4_k_experts_are_kept_out_of_the_repack_buffers_only_where_our_tile_takes_them(tmp_path, tiny_gguf,
+def test_q4_k_weights_are_kept_out_of_the_repack_buffers_only_where_our_tile_takes_them(tmp_path, tiny_gguf,
                                                                                       tiny_ar_gguf):
-    """Only a diffusion-gemma file with Q4_K experts, on the AVX2 tile (kernel 1), with no GPU or RPC
-    worker in use: elsewhere llama.cpp's repacked MUL_MAT_ID (or the GPU) is the faster path."""
+    """Only a diffusion-gemma file's Q4_K experts and dense Q4_K weights, each on the AVX2 tile (kernel
+    1: the experts' and the dense weights' kernels apart), with no GPU or RPC worker in use: elsewhere
+    llama.cpp's repacked matmuls (or the GPU) are the faster path; other types keep their home."""
     from dgcli.engine.header import read_header
 
-    q4_k_m = read_header(small_q4_k_m_gguf(tmp_path / "q4_k_m.gguf"))
-    assert tiled_expert_pattern(q4_k_m, 1, gpu_in_use=False) == r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
-    assert tiled_expert_pattern(q4_k_m, 1, gpu_in_use=True) is None
-    for kernel in (0, 2, 3):  # ggml's, VNNI (never for experts), emulated: no Q4_K tile
-        assert tiled_expert_pattern(q4_k_m, kernel, gpu_in_use=False) is None
-    for other in (tiny_gguf, tiny_ar_gguf):  # F32 experts; the AR twin
-        assert tiled_expert_pattern(read_header(other), 1, gpu_in_use=False) is None
+    header = read_header(small_q4_k_m_gguf(tmp_path / "q4_k_m.gguf"))
+    types = {t.name: t.type_name for t in header.tensors}
+
+    def kept(expert_kernel: int, dense_kernel: int, gpu_in_use: bool = False) -> set[str]:
+        pattern = tiled_weight_pattern(header, expert_kernel, dense_kernel, gpu_in_use)
+        return set() if pattern is None else {name for name in types if re.search(pattern, name)}
+
+    experts = {name for name in types if "_exps." in name}
+    dense = {name for name, t in types.items() if t == "Q4_K" and "_exps." not in name and name != "token_embd.weight"}
+    assert {"blk.0.attn_q.weight", "blk.1.ffn_up.weight", "self_cond_gate.weight"} <= dense
+    assert kept(1, 1) == experts | dense
+    assert kept(1, 0) == experts and kept(0, 1) == dense and kept(2, 1) == dense
+    assert kept(1, 1, gpu_in_use=True) == set()
+    for kernel in (0, 2, 3):  # ggml's, VNNI (never for experts; no Q4_K tile), emulated: no Q4_K tile
+        assert kept(kernel, kernel) == set()
+    for other in (tiny_gguf, tiny_ar_gguf):  # F32 weights; the AR twin
+        assert tiled_weight_pattern(read_header(other), 1, 1, gpu_in_use=False) is None
 
 
 @requires_native

@@ -38,7 +38,7 @@ from dgcli.engine import native
 from dgcli.engine.cpu import cpu_flags
 from dgcli.engine.header import END_TOKEN_TEXTS, VISIBLE_CONTROL_TEXTS, read_header
 from dgcli.engine.hparams import AR_ARCH, DIFFUSION_ARCH, check_model_header, sampler_defaults
-from dgcli.engine.offload import LoadReport, check_offload, expert_override_pattern, tiled_expert_pattern
+from dgcli.engine.offload import LoadReport, check_offload, expert_override_pattern, tiled_weight_pattern
 from dgcli.engine.sampler import StepStats
 from dgcli.engine.template_sandbox import start_renderer
 from dgcli.engine.types import (
@@ -154,7 +154,7 @@ class _LlamaModel:
         override = expert_override_pattern(n_cpu_moe, n_layer if isinstance(n_layer, int) else 0)
         self._lib = native.lib()
         L = self._lib
-        tiled = tiled_expert_pattern(self.header, L._lib.dg_expert_kernel(),
+        tiled = tiled_weight_pattern(self.header, L._lib.dg_expert_kernel(), L._lib.dg_dense_kernel(),
                                      gpu_in_use=bool(rpc_servers) or bool(native.gpu_devices()))
         native.clear_log()
 

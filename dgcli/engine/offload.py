@@ -51,17 +51,34 @@ def expert_override_pattern(n_cpu_moe: int, n_layer: int) -> str | None:
     return rf"^blk\.({layers}){EXPERT_TENSORS}"
 
 
-def tiled_expert_pattern(header, expert_kernel: int, gpu_in_use: bool) -> str | None:
-    """The override pattern keeping a diffusion-gemma file's Q4_K experts out of llama.cpp's CPU repack
-    buffers, or None. dg's own GEMM runs Q4_K experts on AVX2 CPUs (native `dg_expert_kernel()` 1) where
-    no GPU is in use, reading the file's layout, which a repack buffer would have changed (ggml's
-    repacked MUL_MAT_ID runs a canvas's experts one token at a time, at ~64% of the int8 peak here)."""
-    if header.architecture != "diffusion-gemma" or expert_kernel != 1 or gpu_in_use:
+# the decoder's dense weights dg's GEMMs take (native: dense() and dense_q4_K() in the graph)
+_DENSE_WEIGHT = re.compile(r"^blk\.(\d+)\.(attn_(q|k|v|output)|ffn_(gate|up|down))\.weight$|^self_cond_(gate|up|down)\.weight$")
+
+
+def tiled_weight_pattern(header, expert_kernel: int, dense_kernel: int, gpu_in_use: bool) -> str | None:
+    """The override pattern keeping a diffusion-gemma file's Q4_K weights that dg's own Q4_K tile runs out
+    of llama.cpp's CPU repack buffers, or None: the tile reads the file's layout, which a repack buffer
+    changes. It runs (AVX2 only: kernel 1) where no GPU is in use: the experts (native
+    `dg_expert_kernel()`; ggml's repacked MUL_MAT_ID runs a canvas's experts one token at a time, at
+    ~64% of the int8 peak here) and the dense weights (`dg_dense_kernel()`; its repacked GEMM ~70%)."""
+    if header.architecture != "diffusion-gemma" or gpu_in_use:
         return None
-    experts = re.compile(EXPERT_TENSORS)
-    if any(t.type_name == "Q4_K" and experts.search(t.name) for t in header.tensors):
-        return EXPERT_TENSORS
-    return None
+    q4_k = [t.name for t in header.tensors if t.type_name == "Q4_K"]
+    parts = []
+    if expert_kernel == 1 and any(re.search(EXPERT_TENSORS, name) for name in q4_k):
+        parts.append(EXPERT_TENSORS)
+    if dense_kernel == 1:
+        # by name, Q4_K ones only (a repack buffer stays the faster home of any other type it takes), one
+        # alternation of layers per weight: llama.cpp compiles the pattern anew for every tensor
+        layers: dict[str, list[str]] = {}
+        for name in q4_k:
+            if m := _DENSE_WEIGHT.match(name):
+                role = name.split(".", 2)[2] if m[1] is not None else name
+                layers.setdefault(role, []).append(m[1])
+        for role, numbers in layers.items():
+            escaped = re.escape(role)
+            parts.append(rf"^{escaped}$" if numbers == [None] else rf"^blk\.({'|'.join(numbers)})\.{escaped}$")
+    return "|".join(parts) or None
 
 
 def first_gpu_layer(n_gpu_layers: int, n_layer: int) -> int:

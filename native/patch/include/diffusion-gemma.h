@@ -101,6 +101,14 @@ LLAMA_API int32_t dg_expert_gemm_count(const struct llama_model * model);
 // Q4_K experts must then stay out of ggml's CPU repack buffers, whose layout the tiles do not read.
 LLAMA_API int32_t dg_expert_kernel(void);
 
+// The same for the decoder's dense weights (DG_DENSE_GEMM; 2 avx512-vnni): on 1 (avx2) their Q4_K ones
+// run on the experts' Q4_K tile, and must stay out of the CPU repack buffers too.
+LLAMA_API int32_t dg_dense_kernel(void);
+
+// How many dense Q4_K weights run on that tile (0: none: not Q4_K, in a repack buffer, a GPU in use,
+// no AVX2 kernel). Decides it if no graph has yet.
+LLAMA_API int32_t dg_dense_q4_K_count(const struct llama_model * model);
+
 // A twin of ggml_backend_cpu_buffer_type() at another address, for tensor buffer-type overrides:
 // llama.cpp's loader reads an override to the CPU type itself as leave to place the tensor in a CPU
 // repack buffer (CPU_REPACK), and uses this one as it is: plain host memory, the file's layout.

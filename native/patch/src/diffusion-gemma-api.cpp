@@ -101,6 +101,19 @@ int32_t dg_expert_kernel(void) {
     return (int32_t) dg_experts::kernel_for_cpu();
 }
 
+int32_t dg_dense_kernel(void) {
+    return (int32_t) dg_lm_head::kernel_for_cpu("DG_DENSE_GEMM");
+}
+
+int32_t dg_dense_q4_K_count(const llama_model * model) {
+    const auto * dg = dg_model_of(model);
+    if (!dg) {
+        return 0;
+    }
+    dg->dense_q4_K(nullptr); // decides on first use
+    return (int32_t) dg->dense_q4_K_gemm.size();
+}
+
 ggml_backend_buffer_type_t dg_plain_cpu_buffer_type(void) {
     // the CPU type's functions and (null) device: its buffers are CPU buffers, only the address differs
     static ggml_backend_buffer_type plain = *ggml_backend_cpu_buffer_type();

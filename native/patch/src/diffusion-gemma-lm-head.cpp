@@ -649,7 +649,7 @@ dg_lm_head_kernel dg_experts::kernel_for_cpu() {
 bool dg_experts::qualifies(const ggml_tensor * w) {
     return w && (w->type == GGML_TYPE_Q8_0 || w->type == GGML_TYPE_Q5_0 || w->type == GGML_TYPE_Q4_K) &&
            w->extra == nullptr && w->buffer && ggml_backend_buffer_is_host(w->buffer) && ggml_is_contiguous(w) &&
-           ggml_n_dims(w) == 3 && w->ne[0] % ggml_blck_size(w->type) == 0;
+           ggml_n_dims(w) <= 3 && w->ne[3] == 1 && w->ne[0] % ggml_blck_size(w->type) == 0;
 }
 
 std::unique_ptr<dg_experts> dg_experts::make(const ggml_tensor * w, dg_lm_head_kernel kernel) {
@@ -810,6 +810,17 @@ void dg_experts_gemm_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const int64_t       n_used = ids->ne[0], n_tokens = ids->ne[1];
     experts.gemm((const uint8_t *) act->data, act->ne[1] / n_tokens, (const int32_t *) ids->data,
                  ids->nb[1] / sizeof(int32_t), n_used, n_tokens, (char *) dst->data, dst->nb[1], dst->nb[2], ith, nth);
+}
+
+void dg_experts_dense_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const auto &        experts  = *(const dg_experts *) userdata;
+    const ggml_tensor * act      = dst->src[0]; // I8 [act_bytes, n_tokens]
+    const int64_t       n_tokens = act->ne[1];
+    // every token routed to the one expert
+    thread_local std::vector<int32_t> expert_0;
+    expert_0.assign((size_t) n_tokens, 0);
+    experts.gemm((const uint8_t *) act->data, 1, expert_0.data(), 1, 1, n_tokens, (char *) dst->data, 0, dst->nb[1],
+                 ith, nth);
 }
 
 namespace {

@@ -112,8 +112,8 @@ public:
     // there (unmeasured: no such CPU here).
     static dg_lm_head_kernel kernel_for_cpu();
 
-    // Q8_0, Q5_0 or Q4_K, [n_in, n_out, n_expert] in plain host memory (not in a CPU repack buffer),
-    // n_in whole blocks
+    // Q8_0, Q5_0 or Q4_K, [n_in, n_out, n_expert] (or a 2-D weight: one expert) in plain host memory
+    // (not in a CPU repack buffer), n_in whole blocks
     static bool qualifies(const ggml_tensor * w);
     // null if `w` does not qualify or the CPU lacks the kernel; keeps a pointer to w's data
     static std::unique_ptr<dg_experts> make(const ggml_tensor * w, dg_lm_head_kernel kernel);
@@ -162,6 +162,8 @@ private:
 // F32 [n_out, n_used, n_tokens].
 void dg_experts_quantize_op(ggml_tensor * dst, int ith, int nth, void * userdata);
 void dg_experts_gemm_op(ggml_tensor * dst, int ith, int nth, void * userdata);
+// A dense weight as one expert every token is routed to: quantized rows (src[0]) -> F32 [n_out, n_tokens].
+void dg_experts_dense_op(ggml_tensor * dst, int ith, int nth, void * userdata);
 
 // Bytes of one (group, block) of the repack.
 inline int64_t dg_lm_head_group_block_bytes(int64_t group) {

@@ -331,6 +331,43 @@ const dg_experts * llama_model_diffusion_gemma::experts(const ggml_tensor * w) c
     return it == experts_gemm.end() ? nullptr : it->second.get();
 }
 
+// The decoder's dense Q4_K weights (a Q4_K_M file's attention projections, dense FFN gate and up,
+// self-conditioning MLP) on the experts' Q4_K tile as one expert that every token is routed to,
+// packed on the fly: a canvas's 256 columns pay for a group's packing many times over, and ggml's
+// repacked Q4_K GEMM runs at ~70% of the int8 rate here. AVX2 only (the tile's only form), not where a
+// GPU is in use, and only outside ggml's CPU repack buffers, which the loader keeps these tensors out of
+// where this runs (dgcli.engine.offload.tiled_weight_pattern). DG_DENSE_GEMM=ggml keeps ggml's matmul.
+const dg_experts * llama_model_diffusion_gemma::dense_q4_K(const ggml_tensor * w) const {
+    std::call_once(dense_q4_K_once, [this] {
+        const dg_lm_head_kernel kernel = dg_lm_head::kernel_for_cpu("DG_DENSE_GEMM");
+        if (kernel != dg_lm_head_kernel::avx2 || uses_gpu()) {
+            return;
+        }
+        auto add = [&](const ggml_tensor * t) {
+            if (t == nullptr || t->type != GGML_TYPE_Q4_K || ggml_n_dims(t) != 2 || !dg_experts::qualifies(t)) {
+                return;
+            }
+            std::shared_ptr<const dg_experts> gemm = dg_experts::make(t, kernel);
+            if (gemm) {
+                dense_q4_K_gemm.emplace(t, std::move(gemm));
+            }
+        };
+        for (const auto & layer : layers) {
+            for (const ggml_tensor * t : { layer.wq, layer.wk, layer.wv, layer.wo, layer.ffn_gate, layer.ffn_up, layer.ffn_down }) {
+                add(t);
+            }
+        }
+        for (const ggml_tensor * t : { self_cond_gate, self_cond_up, self_cond_down }) {
+            add(t);
+        }
+        if (!dense_q4_K_gemm.empty()) {
+            LLAMA_LOG_INFO("%s: %zu dense Q4_K weights on the avx2 kernel\n", __func__, dense_q4_K_gemm.size());
+        }
+    });
+    const auto it = dense_q4_K_gemm.find(w);
+    return it == dense_q4_K_gemm.end() ? nullptr : it->second.get();
+}
+
 // gelu_tanh from F32 ops: ggml's CPU gelu/geglu read an F16 lookup table (~1e-3 relative error)
 static ggml_tensor * dg_gelu_tanh_f32(ggml_context * ctx, ggml_tensor * x) {
     x = ggml_cont(ctx, x);
@@ -633,8 +670,29 @@ ggml_tensor * llama_model_diffusion_gemma::graph::build_lm_head(const llama_mode
 // w x cur for the decoder's dense weights: the repacked GEMM where `w` has one, else ggml's matmul
 ggml_tensor * llama_model_diffusion_gemma::graph::build_mm(const llama_model_diffusion_gemma & model, ggml_tensor * w,
                                                            ggml_tensor * cur) {
-    const dg_lm_head * packed = (loras == nullptr || loras->empty()) ? model.dense(w) : nullptr;
-    return packed ? build_repacked_mm(packed, cur) : build_lora_mm(w, cur);
+    const bool         no_lora = loras == nullptr || loras->empty();
+    const dg_lm_head * packed  = no_lora ? model.dense(w) : nullptr;
+    if (packed) {
+        return build_repacked_mm(packed, cur);
+    }
+    // as the experts: a group's packing costs about three columns, so a one-token decode keeps ggml's
+    const dg_experts * tiled = no_lora ? model.dense_q4_K(w) : nullptr;
+    if (tiled && ggml_n_dims(cur) == 2 && cur->ne[1] >= 4) {
+        return build_tiled_mm(tiled, cur);
+    }
+    return build_lora_mm(w, cur);
+}
+
+// the same two ops over the Q4_K tile (dg_experts with one expert)
+ggml_tensor * llama_model_diffusion_gemma::graph::build_tiled_mm(const dg_experts * gemm, ggml_tensor * cur) {
+    void * userdata = const_cast<dg_experts *>(gemm); // the ops only read it
+    cur = ggml_cont(ctx0, cur);
+    cb(cur, "tiled_in", -1);
+    ggml_tensor * act = ggml_custom_4d(ctx0, GGML_TYPE_I8, gemm->act_bytes(), cur->ne[1], 1, 1, &cur, 1,
+                                       dg_experts_quantize_op, GGML_N_TASKS_MAX, userdata);
+    cb(act, "tiled_act", -1);
+    return ggml_custom_4d(ctx0, GGML_TYPE_F32, gemm->n_out(), cur->ne[1], 1, 1, &act, 1, dg_experts_dense_op,
+                          GGML_N_TASKS_MAX, userdata);
 }
 
 // two ops: quantize the activations once, then the GEMM, so that every thread of the second sees
