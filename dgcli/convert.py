@@ -425,7 +425,9 @@ def _write_streamed(writer, nbytes: int, chunks: Iterable[np.ndarray]) -> None:
     written = 0
     for chunk in chunks:
         chunk = np.ascontiguousarray(chunk)
-        chunk.tofile(fout)
+        # through the file object, not ndarray.tofile: a failed write then says why (ENOSPC, EFBIG)
+        # instead of numpy's '6144 requested and 1936 written'
+        fout.write(chunk.data)
         written += chunk.nbytes
     if written != nbytes:
         raise DgError(f"internal: tensor {name} wrote {written} bytes, expected {nbytes}")
@@ -520,10 +522,14 @@ def write_layout_gguf(out_path: str | Path | OutputFile, p: LayoutParams, arch: 
                 else:
                     chunks = (encode_as(c, qtype) for c in _checked_chunks(spec, source(spec)))
                 _write_streamed(writer, _nbytes(spec.shape, qtype), chunks)
+            writer.close()  # flushes: a full disk may only show here
         except OSError as err:
             raise DgError(f"cannot write {out.path}: {err.strerror or err}") from None
         finally:
-            writer.close()
+            try:
+                writer.close()
+            except OSError:
+                pass  # after an error already raised above
     return out.path
 
 

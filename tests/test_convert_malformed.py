@@ -147,3 +147,36 @@ def test_malformed_checkpoint_is_one_line(case, reference_checkpoint, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
     assert fragment in lines[0], lines[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no output, no temporary
+
+
+# -- a write that fails part-way (a full disk; here the file size limit, which fails the same way) ---------
+
+
+@pytest.mark.parametrize("limit", [20_000, 1_000_000, -1000])
+def test_a_failed_write_is_one_line_saying_why_and_leaves_nothing(reference_checkpoint, reference_gguf, tmp_path,
+                                                                   limit):
+    import os
+    import resource
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    out = tmp_path / "out" / "m.gguf"
+    out.parent.mkdir()
+    # in the header, in the tensors, in the last tensor (the same conversion without a limit is reference_gguf)
+    limit = limit if limit > 0 else Path(reference_gguf).stat().st_size + limit
+
+    def small_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG, as ENOSPC would
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    proc = subprocess.run([sys.executable, "-m", "dgcli.cli", "convert", str(reference_checkpoint), str(out),
+                           "--outtype", "f32"], capture_output=True, text=True, timeout=300, preexec_fn=small_files,
+                          env=dict(os.environ, PYTHONPATH=str(repo)))
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    # was a traceback (the writer's close re-raised the error) or numpy's "6144 requested and 1936 written"
+    assert lines == [f"error: cannot write {out}: {os.strerror(27)}"], proc.stderr[-2000:]
+    assert list(out.parent.iterdir()) == []
