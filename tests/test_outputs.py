@@ -239,6 +239,29 @@ def test_bench_output_refuses_its_prompt_file(tiny_gguf, tiny_ar_gguf, tmp_path)
     assert json.loads(report.read_text())["schema"].startswith("dg-bench/")
 
 
+@requires_native
+def test_bench_output_refuses_the_models_own_prompt_set(tiny_gguf, tiny_ar_gguf, tmp_path, monkeypatch):
+    # without --prompts, bench reads the registry entry's bench_prompts (the demo's, inside the package):
+    # -o onto it with --force wrote the report over it
+    from dgcli import registry
+
+    package = tmp_path / "package"
+    (package / "data").mkdir(parents=True)
+    prompts = package / "data" / "prompts.tsv"
+    prompts.write_text("add\twhat is 3+5\t8\n")
+    for name, src in (("d.gguf", tiny_gguf), ("ar.gguf", tiny_ar_gguf)):
+        (package / name).symlink_to(src)
+    reg = tmp_path / "models.toml"
+    reg.write_text('[models.mine]\nrole = "diffusion"\nshipped = "d.gguf"\npair = "mine-ar"\n'
+                   'bench_prompts = "data/prompts.tsv"\n'
+                   '[models.mine-ar]\nrole = "ar"\nshipped = "ar.gguf"\npair = "mine"\n')
+    monkeypatch.setenv("DG_REGISTRY", str(reg))
+    monkeypatch.setattr(registry, "PACKAGE_DIR", package)
+    one_line_error(run("bench", "-m", "mine", "--repeat", "1", "-n", "4", "--steps", "2", "--no-speed-model",
+                       "--json", "-o", prompts, "--force"), "--output", "one of this command's inputs")
+    assert prompts.read_text() == "add\twhat is 3+5\t8\n"
+
+
 @needs_torch
 def test_convert_never_writes_over_its_checkpoint_or_one_output_over_the_other(reference_checkpoint, tmp_path):
     ckpt = tmp_path / "ckpt"

@@ -49,7 +49,8 @@ def bench(
         sizes = benchlib.parse_batch_sizes(batch_sizes)
         diff_res, diff_path = shared.resolve_model(model, yes=yes, want="diffusion")
         own_prompts = diff_res.entry.bench_prompts if diff_res.entry is not None else None
-        prompt_set = benchlib.load_prompts(prompts or own_prompts) if (prompts or own_prompts) \
+        prompt_file = prompts or own_prompts
+        prompt_set = benchlib.load_prompts(prompt_file) if prompt_file \
             else benchlib.BUILTIN_PROMPTS
         ar_res, ar_path = shared.resolve_pair(diff_res, ar_model, yes=yes)
         shared.preflight(diff_path, diffusion=True, command="bench", gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe)
@@ -64,7 +65,7 @@ def bench(
         )
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        report_file = shared.output_file(output, force=force, inputs=[diff_path, ar_path, prompts], what="--output")
+        report_file = shared.output_file(output, force=force, inputs=[diff_path, ar_path, prompt_file], what="--output")
         with outputs.writing(report_file) as (out,):
             progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                                 console=shared.stderr, transient=True, disable=json_out and not shared.stderr.is_terminal)
