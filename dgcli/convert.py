@@ -940,7 +940,7 @@ def read_checkpoint_params(hf_dir: str | Path) -> LayoutParams:
 
 # what a conversion reads besides the safetensors shards: never an output
 CHECKPOINT_TEXT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                         "chat_template.jinja", "model.safetensors.index.json")
+                         "special_tokens_map.json", "chat_template.jinja", "model.safetensors.index.json")
 
 
 def checkpoint_inputs(hf_dir: str | Path) -> list[Path]:

@@ -285,6 +285,20 @@ def test_convert_never_writes_over_its_checkpoint_or_one_output_over_the_other(r
     assert leftovers(tmp_path) == []
 
 
+@needs_torch
+def test_convert_refuses_every_file_of_its_checkpoint_as_output(reference_checkpoint, tmp_path):
+    # special_tokens_map.json (read for the special tokens) was not counted as an input: --force wrote
+    # the GGUF over it
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(reference_checkpoint, ckpt)
+    files = sorted(ckpt.iterdir())
+    assert "special_tokens_map.json" in [f.name for f in files]
+    before = {f: f.read_bytes() for f in files}
+    for f in files:
+        one_line_error(run("convert", ckpt, f, "--outtype", "f32", "--force"), "one of this command's inputs")
+    assert {f: f.read_bytes() for f in sorted(ckpt.iterdir())} == before
+
+
 def test_is_stdout_names_the_process_stdout_however_spelled(tmp_path):
     # bench -o PATH with --json prints the report once when PATH is stdout (`-`, /dev/stdout, or the file
     # stdout is piped to)
