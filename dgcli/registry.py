@@ -13,12 +13,14 @@ from pathlib import Path
 
 from dgcli.engine.types import DgError, ModelLoadError
 from dgcli.hub import REPO_ID
+from dgcli.textfile import read_text_file
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 DEFAULT_REGISTRY_PATH = PACKAGE_DIR.parent / "models.toml"
 DEFAULT_MODEL = "demo"
 ROLES = ("diffusion", "ar")
 GB = 10**9  # sizes are in the Hub's units (decimal), as `dg list` shows them
+MAX_REGISTRY_BYTES = 1 << 20
 
 
 class UnknownModel(DgError):
@@ -151,13 +153,11 @@ class Registry:
     @classmethod
     def load(cls, path: Path | str | None = None) -> "Registry":
         path = Path(path or os.environ.get("DG_REGISTRY") or DEFAULT_REGISTRY_PATH)
+        # a regular file of bounded size: DG_REGISTRY=/dev/zero read for ever, a FIFO blocked every command
+        text = read_text_file(path, what="model registry", max_bytes=MAX_REGISTRY_BYTES)
         try:
-            data = tomllib.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise DgError(f"model registry not found: {path}") from None
-        except OSError as err:
-            raise DgError(f"cannot read the model registry {path}: {err.strerror or err}") from None
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as err:
             raise _fail(path, str(err)) from None
         models = data.get("models") or {}
         if not isinstance(models, dict):

@@ -124,7 +124,31 @@ def test_registry_with_wrong_types(text, tmp_path):
 
 
 def test_registry_that_is_a_folder(tmp_path):
-    assert "cannot read the model registry" in error_line("list", env={"DG_REGISTRY": str(tmp_path)})
+    assert "model registry is not a regular file (a directory)" in error_line("list", env={"DG_REGISTRY": str(tmp_path)})
+
+
+@pytest.mark.parametrize("kind", ["fifo", "/dev/zero"])
+def test_registry_that_is_not_a_regular_file_is_refused_at_once(kind, tmp_path):
+    # DG_REGISTRY=a FIFO blocked every command (even `dg list`) for ever; /dev/zero was read until memory ran out
+    import resource
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    registry = tmp_path / "models.toml"
+    if kind == "fifo":
+        os.mkfifo(registry)
+    else:
+        registry.symlink_to(kind)
+
+    def bounded_memory():
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+    repo = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "dgcli.cli", "list"], capture_output=True, text=True, timeout=60,
+                       preexec_fn=bounded_memory, stdin=subprocess.DEVNULL,
+                       env=dict(os.environ, PYTHONPATH=str(repo), DG_REGISTRY=str(registry)))
+    assert (r.returncode, r.stderr) == (1, f"error: model registry is not a regular file: {registry}\n")
 
 
 @pytest.mark.parametrize("closed, args, code, stderr", [
