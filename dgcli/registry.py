@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,9 @@ DEFAULT_MODEL = "demo"
 ROLES = ("diffusion", "ar")
 GB = 10**9  # sizes are in the Hub's units (decimal), as `dg list` shows them
 MAX_REGISTRY_BYTES = 1 << 20
+# what `--model NAME[:QUANT]` can reach: no ':' (it splits NAME from QUANT), nothing that reads as a path
+# (a '/', a '.gguf' ending), no control characters (the names are printed by `dg list`)
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,99}")
 
 
 class UnknownModel(DgError):
@@ -109,6 +113,8 @@ def _relative_file(path: Path, where: str, value: str | None) -> str | None:
 
 
 def _entry(path: Path, name: str, raw: object) -> RegistryEntry:
+    if not NAME.fullmatch(name) or name.lower().endswith(".gguf"):
+        raise _fail(path, f"model name {name!r} must be letters, digits, '.', '_', '+' or '-' (not ending in .gguf)")
     if not isinstance(raw, dict):
         raise _fail(path, f"[models.{name}] must be a table")
     role = raw.get("role")
@@ -117,6 +123,8 @@ def _entry(path: Path, name: str, raw: object) -> RegistryEntry:
     files = {}
     for quant, spec in (_field(path, name, raw, "files", dict, "a table") or {}).items():
         where = f"{name}.files.{quant}"
+        if not NAME.fullmatch(quant):
+            raise _fail(path, f"{name}: quant {quant!r} must be letters, digits, '.', '_', '+' or '-'")
         if not isinstance(spec, dict):
             raise _fail(path, f"{where} must be a table with a `file`")
         filename = _relative_file(path, f"{where}.file", _field(path, where, spec, "file", str, "a string", True))
@@ -166,6 +174,9 @@ class Registry:
         for entry in entries.values():
             if entry.pair is not None and entry.pair not in entries:
                 raise _fail(path, f"{entry.name}: pair {entry.pair!r} is not a registry entry")
+            if entry.pair is not None and entries[entry.pair].role == entry.role:
+                raise _fail(path, f"{entry.name}: pair {entry.pair!r} has the same role ({entry.role}); "
+                                  "a pair is the other role's model")
         return cls(entries, path)
 
     def names(self) -> list[str]:

@@ -113,6 +113,12 @@ REGISTRIES = {
     "[models.x]\nrole = 'diffusion'\nrepo = 'a/b'\ndefault_quant = 1\n[models.x.files]\nQ = {file = 'f.gguf'}":
         "x.default_quant must be a string",
     "[models]\nx = 1": "[models.x] must be a table",
+    # names `--model NAME[:QUANT]` could never reach, or that `dg list` printed raw (an escape sequence)
+    "[models.'a:b']\nrole = 'ar'\nshipped = 'x.gguf'": "model name 'a:b' must be",
+    "[models.'x.gguf']\nrole = 'ar'\nshipped = 'x.gguf'": "model name 'x.gguf' must be",
+    "[models.\"\\u001b[2Jx\"]\nrole = 'ar'\nshipped = 'x.gguf'": "model name '\\x1b[2Jx' must be",
+    "[models.x]\nrole = 'ar'\nrepo = 'a/b'\n[models.x.files]\n'Q:4' = {file = 'f.gguf'}": "x: quant 'Q:4' must be",
+    "[models.x]\nrole = 'diffusion'\nshipped = 'x.gguf'\npair = 'x'": "x: pair 'x' has the same role (diffusion)",
 }
 
 
