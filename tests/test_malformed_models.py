@@ -198,6 +198,30 @@ def test_a_corrupt_array_count_costs_no_memory(tiny_gguf, tmp_path, count):
     assert peak < 4 * len(data), peak
 
 
+def _tensor_offset_at(data: bytes, name: str) -> int:
+    """Offset of tensor `name`'s data offset field in its tensor info."""
+    raw = name.encode()
+    at = data.index(struct.pack("<Q", len(raw)) + raw) + 8 + len(raw)
+    n_dims = struct.unpack_from("<I", data, at)[0]
+    return at + 4 + 8 * n_dims + 4
+
+
+@pytest.mark.parametrize("where", ["overlapping", "gap"])
+def test_tensor_data_not_back_to_back_is_refused_by_the_reader(tiny_gguf, tmp_path, where):
+    # llama.cpp's reader wants each tensor's data right after the one before (padded to the alignment);
+    # dg's reader took any offset, `dg info` showed nothing wrong and the load said only "failed to load model"
+    header_mod.clear_cache()
+    second = read_header(tiny_gguf).tensors[1]
+    data = bytearray(Path(tiny_gguf).read_bytes())
+    struct.pack_into("<Q", data, _tensor_offset_at(bytes(data), second.name),
+                     0 if where == "overlapping" else second.offset + 32)
+    bad = tmp_path / "offsets.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match=f"tensor {second.name} starts at offset .*back to back") as err:
+        info.read_info(bad)
+    assert "\n" not in str(err.value)
+
+
 def test_info_keeps_no_vocabulary_in_memory(tmp_path):
     from dgcli.tiny import write_synthetic_gguf
 

@@ -340,6 +340,7 @@ def _check_tensors(entries: Iterable[tuple[str, tuple[int, ...], int, int]], dat
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: PLC0415 (block sizes of the types)
 
     out, names = [], set()
+    expected = 0  # llama.cpp's reader wants the tensors' data back to back, in order, each padded to the alignment
     for name, shape, type_id, offset in entries:
         if name in names:
             raise _Malformed(f"two tensors are named {name}")
@@ -366,5 +367,9 @@ def _check_tensors(entries: Iterable[tuple[str, tuple[int, ...], int, int]], dat
         end = data_offset + offset + n_bytes
         if end > size:
             raise ModelLoadError(f"{p} is truncated: tensor {name} ends at byte {end}, the file has {size}")
+        if offset != expected:
+            raise _Malformed(f"tensor {name} starts at offset {offset} of the data section; the tensors before it "
+                             f"end at {expected} (GGUF stores them back to back)")
+        expected += -(-n_bytes // alignment) * alignment
         out.append(TensorEntry(name, shape, type_id, qtype.name, offset, n_elements, n_bytes))
     return out
