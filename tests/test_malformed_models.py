@@ -222,6 +222,29 @@ def test_tensor_data_not_back_to_back_is_refused_by_the_reader(tiny_gguf, tmp_pa
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("key,count", [("tokenizer.ggml.tokens", header_mod.MAX_VOCAB + 1),
+                                       ("tokenizer.ggml.merges", header_mod.MAX_STRING_ARRAY + 1)])
+def test_a_huge_string_array_over_a_sparse_file_is_refused_before_it_is_walked(tmp_path, key, count):
+    # 60 bytes of header and a hole: 5M empty tokens took 10 s and 680 MB to scan (1 GB sparse: 13 GB)
+    def string(b: bytes) -> bytes:
+        return struct.pack("<Q", len(b)) + b
+
+    head = b"GGUF" + struct.pack("<IQQ", 3, 0, 2) + string(b"general.architecture") + struct.pack("<I", 8)
+    head += string(b"diffusion-gemma") + string(key.encode()) + struct.pack("<IIQ", 9, 8, count)
+    bad = tmp_path / "sparse.gguf"
+    with open(bad, "wb") as f:
+        f.write(head)
+        f.truncate(len(head) + 8 * count)  # a hole: every string reads as empty
+    tracemalloc.start()
+    try:
+        with pytest.raises(ModelLoadError, match=f"{key} is an array of {count} strings; dg reads at most"):
+            info.read_info(bad)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
+
+
 def test_info_keeps_no_vocabulary_in_memory(tmp_path):
     from dgcli.tiny import write_synthetic_gguf
 

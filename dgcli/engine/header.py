@@ -37,6 +37,11 @@ FLOAT_TYPE_NAMES = frozenset({"float32", "float64"})
 
 # per-layer arrays are kept (LLAMA_MAX_LAYERS is 512); vocabularies and merges are only scanned
 KEEP_ARRAYS_UP_TO = 4096
+# string arrays are walked entry by entry, and the vocabulary's texts are held while scanned: counts past
+# these (a few bytes of header can declare them over a sparse file) cost time and memory, not a model
+# (Gemma 4: 262144 tokens, about 515k merges)
+MAX_VOCAB = 1 << 20
+MAX_STRING_ARRAY = 1 << 22
 # general.alignment: llama.cpp takes any power of two; more than this is a corrupt value
 MAX_ALIGNMENT = 1 << 16
 MAX_TENSOR_DIMS = 4  # GGML_MAX_DIMS
@@ -266,6 +271,9 @@ def _value(cur: _Cursor, vtype: int, key: str, header: GgufHeader) -> Any:
         return None
     if etype == _STRING:
         cur.need(n * 8)  # each string takes at least its 8-byte length
+        limit = MAX_VOCAB if key == "tokenizer.ggml.tokens" else MAX_STRING_ARRAY
+        if n > limit:
+            raise _Malformed(f"key {key} is an array of {n} strings; dg reads at most {limit}")
         if key == "tokenizer.ggml.tokens":
             _scan_vocabulary(cur, n, header)
             return None
