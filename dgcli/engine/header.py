@@ -42,6 +42,7 @@ KEEP_ARRAYS_UP_TO = 4096
 # (Gemma 4: 262144 tokens, about 515k merges)
 MAX_VOCAB = 1 << 20
 MAX_STRING_ARRAY = 1 << 22
+MAX_KEYS = 1 << 16  # a model has some dozens; each costs a dict entry however few bytes it takes
 # general.alignment: llama.cpp takes any power of two; more than this is a corrupt value
 MAX_ALIGNMENT = 1 << 16
 MAX_TENSOR_DIMS = 4  # GGML_MAX_DIMS
@@ -221,6 +222,8 @@ def _parse(cur: _Cursor, p: Path) -> GgufHeader:
     if n_kv * 13 > remaining or n_tensors * 24 > remaining:
         raise ModelLoadError(f"{p} is truncated or malformed: its header declares {n_tensors} tensors and {n_kv} keys, "
                              f"more than its {cur.size} bytes can hold")
+    if n_kv > MAX_KEYS:
+        raise _Malformed(f"its header declares {n_kv} keys; dg reads at most {MAX_KEYS}")
     header = GgufHeader(path=p, file_size=cur.size, version=version)
     for _ in range(n_kv):
         key = _key(cur)
