@@ -8,6 +8,7 @@ ones our C++ loader can see are refused there too (checked by loading through th
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import struct
@@ -392,3 +393,32 @@ def test_bench_prompts_fifo_through_the_cli_returns(tmp_path):
     ar = str(REPO / "dgcli/models/demo-ar.gguf")
     proc = _dg("bench", "-m", demo, "--ar-model", ar, "--prompts", str(fifo), timeout=120)
     _assert_one_line(proc, "not a regular file")
+
+
+# -- names quoted from a file never reach the terminal as escape sequences ---------------------------------
+
+ESCAPES = "\x1b]0;pwned\x07\x1b[2J"
+
+
+def test_a_key_name_with_an_escape_sequence_is_quoted_harmlessly_in_the_error(tmp_path):
+    # click strips CSI sequences from a pipe but not OSC (window title), and neither on a terminal
+    def string(b: bytes) -> bytes:
+        return struct.pack("<Q", len(b)) + b
+
+    key = string(ESCAPES.encode() + b"x") + struct.pack("<IB", 0, 1)
+    bad = tmp_path / "keys.gguf"
+    bad.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 3) + string(b"general.architecture") + struct.pack("<I", 8)
+                    + string(b"diffusion-gemma") + key + key)
+    for args in (["info", str(bad)], ["generate", "hi", "-m", str(bad)]):
+        proc = _dg(*args)
+        _assert_one_line(proc, "appears twice")
+        assert not any(c in proc.stderr for c in "\x1b\x07"), repr(proc.stderr)
+
+
+def test_info_shows_a_name_with_an_escape_sequence_harmlessly(tiny_gguf, tmp_path):
+    path = rewrite_gguf(tiny_gguf, tmp_path / "named.gguf", set_keys={"general.name": (ESCAPES + "evil", V.STRING)})
+    proc = _dg("info", str(path))
+    assert proc.returncode == 0, proc.stderr
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("name"))
+    assert "evil" in line and not any(c in proc.stdout for c in "\x1b\x07"), repr(line)
+    assert ESCAPES in json.loads(_dg("info", str(path), "--json").stdout)["name"]  # JSON keeps the value as it is

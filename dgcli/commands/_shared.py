@@ -36,8 +36,9 @@ stderr = Console(stderr=True, highlight=False)
 
 
 def fail(message: str, code: int = 1) -> "typer.Exit":
-    # One line, whatever the message contained.
-    typer.echo("error: " + " ".join(str(message).split()), err=True)
+    # One line, whatever the message contained; no control characters (a key or tensor name quoted from
+    # a file may hold an escape sequence, which click passes to a terminal and, for OSC, even to a pipe)
+    typer.echo("error: " + render.printable(" ".join(str(message).split())), err=True)
     return typer.Exit(code)
 
 

@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from dgcli import hub, info as ginfo
+from dgcli import hub, info as ginfo, render
 from dgcli.engine.types import DIFFUSION_PARAM_KEYS, DgError
 from dgcli.registry import missing_shipped_message
 from dgcli.commands import _shared as shared
@@ -70,10 +70,11 @@ def info_cmd(model: str = typer.Argument(..., help="A .gguf path or a registry n
         if gpu_layers != 0:
             rows.append(("GPU memory", gpu_fit_words(meta)))
         if meta.problem:
-            rows.append(("problem", Text(f"{meta.problem} (dg will not load it)", style="red")))
+            rows.append(("problem", Text(render.printable(f"{meta.problem} (dg will not load it)"), style="red")))
         for k, v in rows:
-            # Text, not markup: names and paths come from the file and may hold brackets
-            summary.add_row(k, v if isinstance(v, Text) else Text(v))
+            # Text, not markup: names and paths come from the file and may hold brackets (and control
+            # characters: general.name = ESC [2J cleared the screen)
+            summary.add_row(k, v if isinstance(v, Text) else Text(render.printable(v)))
         shared.stdout.print(summary)
         if meta.sampler_defaults:
             # overflow="fold" everywhere: a narrow terminal wraps a name or a number, never cuts it to "…"
