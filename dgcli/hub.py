@@ -24,6 +24,7 @@ cannot be exercised against the local fake Hub the tests use.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
@@ -288,8 +289,14 @@ def download(
     blob = folder / "blobs" / remote.digest
     for path in (blob, folder / "snapshots" / remote.commit / remote.filename, folder / "refs" / "main"):
         _inside_cache(path.parent)
-    with _pull_lock(remote, on_wait):
-        return _pull_locked(remote, blob, approx_size, on_progress, on_verify)
+    try:
+        with _pull_lock(remote, on_wait):
+            return _pull_locked(remote, blob, approx_size, on_progress, on_verify)
+    except OSError as err:  # the cache itself: HF_HUB_CACHE a file, a folder dg may not write, a full disk
+        if err.errno == errno.ENOSPC:
+            raise _translate(err, repo, filename) from None
+        where = f" ({err.filename})" if err.filename else ""
+        raise HubError(f"cannot write to the huggingface-hub cache {cache_dir()}{where}: {err.strerror or err}") from None
 
 
 def _blob_lock(repo: str, digest: str):

@@ -130,3 +130,15 @@ def test_format_bytes_uses_one_decimal_unit_system():
     assert hub.format_bytes(16 * 1024**3) == "17.2 GB"
     assert hub.format_bytes(3 * 10**12) == "3.0 TB"
     assert hub.format_bytes(None) == "?"
+
+
+def test_a_cache_that_is_not_a_folder_is_one_line(fake_hub, tmp_path, monkeypatch):
+    # HF_HUB_CACHE naming a file (or /dev/null) was a NotADirectoryError traceback from `dg pull`
+    fake_hub.files[("org/model-GGUF", "m.gguf")] = PAYLOAD
+    not_a_folder = tmp_path / "a-file"
+    not_a_folder.write_text("x")
+    monkeypatch.setenv("HF_HUB_CACHE", str(not_a_folder))
+    with pytest.raises(DgError, match=r"cannot write to the huggingface-hub cache .*a-file.*: Not a directory") as err:
+        hub.download("org/model-GGUF", "m.gguf")
+    assert "\n" not in str(err.value) and not_a_folder.read_text() == "x"
+
