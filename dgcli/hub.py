@@ -470,6 +470,7 @@ def _link_into_cache(folder: Path, blob: Path, remote: RemoteFile) -> Path:
         shutil.copyfile(blob, pointer)
     refs = folder / "refs" / "main"
     refs.parent.mkdir(parents=True, exist_ok=True)
+    refs.unlink(missing_ok=True)  # a symlink there is replaced, never written through
     refs.write_text(remote.commit)
     _unverified_marker(blob).unlink(missing_ok=True)
     return pointer

@@ -142,3 +142,15 @@ def test_a_cache_that_is_not_a_folder_is_one_line(fake_hub, tmp_path, monkeypatc
         hub.download("org/model-GGUF", "m.gguf")
     assert "\n" not in str(err.value) and not_a_folder.read_text() == "x"
 
+
+def test_refs_main_symlink_is_replaced_not_written_through(fake_hub, tmp_path):
+    repo, name = "org/model-GGUF", "m.gguf"
+    fake_hub.files[(repo, name)] = PAYLOAD
+    refs = hub._repo_cache_folder(repo) / "refs" / "main"
+    refs.parent.mkdir(parents=True)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    refs.symlink_to(victim)
+    assert hub.download(repo, name).read_bytes() == PAYLOAD
+    assert victim.read_text() == "keep me"
+    assert not refs.is_symlink() and len(refs.read_text()) == 40
