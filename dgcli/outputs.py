@@ -150,7 +150,13 @@ class OutputFile:
             raise self._fail(_os_reason(err)) from None
         self.tmp = Path(name)
         _temporaries.add(self.tmp)
-        os.fchmod(fd, 0o666 & ~_umask())  # what a plain open() would have made, not mkstemp's 0600
+        # what a plain open() would have made (not mkstemp's 0600); a file replaced keeps its own mode, as
+        # the shell's `>` keeps it (a private 0600 report must not come back world-readable)
+        try:
+            mode = stat.S_IMODE(os.stat(self.target).st_mode)
+        except OSError:
+            mode = 0o666 & ~_umask()
+        os.fchmod(fd, mode)
         self.handle = os.fdopen(fd, "wb") if self.binary else os.fdopen(fd, "w", encoding="utf-8")
         return self
 

@@ -63,6 +63,16 @@ def test_new_file_appears_complete_with_ordinary_permissions(tmp_path):
     assert stat.S_IMODE(target.stat().st_mode) == 0o666 & ~umask
 
 
+@pytest.mark.parametrize("mode", [0o600, 0o640, 0o755])
+def test_a_replaced_file_keeps_its_permissions(tmp_path, mode):
+    # --force over a private (0600) report made it 0644, readable by everyone
+    target = tmp_path / "report.json"
+    target.write_text("old")
+    target.chmod(mode)
+    write(OutputFile(target, force=True))
+    assert target.read_text() == "new\n" and stat.S_IMODE(target.stat().st_mode) == mode
+
+
 def test_existing_file_needs_force(tmp_path):
     target = tmp_path / "out.json"
     target.write_text("keep\n")
