@@ -422,3 +422,13 @@ def test_info_shows_a_name_with_an_escape_sequence_harmlessly(tiny_gguf, tmp_pat
     line = next(line for line in proc.stdout.splitlines() if line.startswith("name"))
     assert "evil" in line and not any(c in proc.stdout for c in "\x1b\x07"), repr(line)
     assert ESCAPES in json.loads(_dg("info", str(path), "--json").stdout)["name"]  # JSON keeps the value as it is
+
+
+def test_a_token_id_of_the_wrong_type_reads_as_one_sentence(tiny_gguf, tmp_path):
+    # was "must be an integer a token id in [0, 500) ..."
+    path = rewrite_gguf(tiny_gguf, tmp_path / "eos.gguf", set_keys={"tokenizer.ggml.eos_token_id": (1.0, V.FLOAT32)})
+    with pytest.raises(BadHyperparameter) as err:
+        check_model_header(read_header(path))
+    n = read_header(path).n_vocab
+    assert str(err.value).endswith(f"tokenizer.ggml.eos_token_id = (float32): must be an integer in [0, {n}): "
+                                   f"a token id (the vocabulary has {n} tokens)"), str(err.value)

@@ -261,7 +261,7 @@ class _Checker:
             # llama.cpp forces add_bos for Gemma 4: without a valid <bos> every tokenization aborts
             required = name == "bos"
             self.integer(key, 0, n_vocab - 1, default=None if required else -1,
-                         what=f"a token id in [0, {n_vocab}) (the vocabulary has {n_vocab} tokens)")
+                         what=f"in [0, {n_vocab}): a token id (the vocabulary has {n_vocab} tokens)")
         template = "tokenizer.chat_template"
         if template in h.metadata and h.type_of(template) != "string":
             raise self.fail(template, f"({h.type_of(template)})", "a string (a Jinja template)")
