@@ -432,3 +432,40 @@ def test_a_token_id_of_the_wrong_type_reads_as_one_sentence(tiny_gguf, tmp_path)
     n = read_header(path).n_vocab
     assert str(err.value).endswith(f"tokenizer.ggml.eos_token_id = (float32): must be an integer in [0, {n}): "
                                    f"a token id (the vocabulary has {n} tokens)"), str(err.value)
+
+
+# -- one-dimensional tensors in another type than F32: ggml's CPU kernels abort on them ---------------------
+
+
+@pytest.mark.parametrize("name,qtype", [("blk.0.attn_norm.weight", "F16"), ("self_cond_pre_norm.weight", "Q8_0"),
+                                        ("blk.0.layer_output_scale.weight", "F16"), ("rope_freqs.weight", "F16")])
+def test_a_vector_tensor_not_in_f32_is_refused(tiny_gguf, tmp_path, name, qtype):
+    import numpy as np
+    from gguf import quants
+
+    reader = gguf.GGUFReader(str(tiny_gguf))
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), str(reader.fields["general.architecture"].contents()))
+    for key, fld in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        vtype = V(fld.types[0])
+        writer.add_key_value(key, fld.contents(), vtype, sub_type=V(fld.types[1]) if vtype == V.ARRAY else None)
+    for t in reader.tensors:
+        data = np.array(t.data)
+        if t.name == name:
+            q = gguf.GGMLQuantizationType[qtype]
+            data = data.astype(np.float16) if qtype == "F16" else quants.quantize(data.astype(np.float32), q)
+            writer.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=q)
+        else:
+            writer.add_tensor(t.name, data, raw_shape=list(data.shape), raw_dtype=gguf.GGMLQuantizationType(t.tensor_type))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    path = tmp_path / "m.gguf"
+    with pytest.raises(BadHyperparameter, match=f"tensor {name} is stored as {qtype}; a one-dimensional tensor"):
+        check_model_header(read_header(path))
+    if name == "blk.0.attn_norm.weight":
+        # through the CLI: was SIGABRT ("binary_op: unsupported types ... src1: f16") and a gdb backtrace
+        proc = _dg("generate", "hi", "-m", str(path), "-n", "4", "--seed", "0", "--no-live")
+        _assert_one_line(proc, "must be F32")

@@ -106,6 +106,7 @@ class _Checker:
         self.check_attention(n_layer, n_embd)
         self.check_norms_and_rope_bases()
         self.check_tokenizer()
+        self.check_vector_types()
         if self.arch == DIFFUSION_ARCH:
             self.check_diffusion()
 
@@ -265,6 +266,18 @@ class _Checker:
         template = "tokenizer.chat_template"
         if template in h.metadata and h.type_of(template) != "string":
             raise self.fail(template, f"({h.type_of(template)})", "a string (a Jinja template)")
+
+    def check_vector_types(self) -> None:
+        # norms, scales and rope_freqs are multiplied in as they are: ggml's CPU kernels (and rope's
+        # frequency factors) take them only as F32 and abort on anything else. Every converter keeps
+        # one-dimensional tensors F32, and llama.cpp's quantizer never touches them.
+        for t in self.h.tensors:
+            dims = list(t.shape)
+            while len(dims) > 1 and dims[-1] == 1:
+                dims.pop()
+            if len(dims) == 1 and t.type_name != "F32":
+                raise BadHyperparameter(f"{self.h.path}: tensor {t.name} is stored as {t.type_name}; a one-dimensional "
+                                        "tensor (a norm, a scale, rope_freqs) must be F32")
 
     def check_diffusion(self) -> None:
         n_ctx_train = self.h.arch("context_length")
