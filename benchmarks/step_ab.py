@@ -11,7 +11,9 @@ process: the model loaded, a 64-token prompt prefilled, a first step (no self-co
 warm-up), then --steps self-conditioned steps on the real vocabulary, timed. Reports per variant the
 CPU seconds and wall seconds of one step (min / median over reps x steps) and B / A; then, from one
 more step per process timed node by node (llama.cpp's eval callback), each matmul group's CPU seconds
-by weight type, so that a kernel's change shows where the whole step's noise would hide it.
+by weight type, so that a kernel's change shows where the whole step's noise would hide it. With
+--decodes N, each process then times N one-token decodes on the same weights (an AR step's shape, the
+canvas/decode ratio's denominator): a kernel that takes only large batches must leave those alone.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import json, sys, time
 import numpy as np
 from dgcli.engine.model import DiffusionModel
 
-path, threads, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+path, threads, steps, decodes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 sys.path.insert(0, "benchmarks")
 from step_profile import group_of, multiply_adds
 from dgcli.engine.profile import NodeProfiler
@@ -60,7 +62,13 @@ with DiffusionModel(path, n_threads=threads, n_ctx=1024, eval_callback=profiler.
             g = groups.setdefault(group_of(node, m.vocab_size, m.n_embd) + f" [{node.src0_type}]", [0.0, 0])
             g[0] += node.cpu_seconds
             g[1] += macs
-print(json.dumps({"steps": times, "groups": groups}))
+    # one-token decodes after the prompt: one token through the encoder with its logits
+    decode_times = []
+    for token in rng.integers(200, 400, decodes):
+        wall, cpu = time.perf_counter(), time.process_time()
+        m.prefill([int(token)], return_logits=True)
+        decode_times.append((time.perf_counter() - wall, time.process_time() - cpu))
+print(json.dumps({"steps": times, "groups": groups, "decodes": decode_times}))
 """
 
 
@@ -75,10 +83,11 @@ def parse_env(text: str) -> dict[str, str]:
     return env
 
 
-def run_variant(path: Path, env: dict[str, str], threads: int, steps: int) -> dict:
-    """{"steps": [(wall s, CPU s), ...], "groups": {matmul group [weight type]: [CPU s, multiply-adds]}}"""
+def run_variant(path: Path, env: dict[str, str], threads: int, steps: int, decodes: int = 0) -> dict:
+    """{"steps": [(wall s, CPU s), ...], "groups": {matmul group [weight type]: [CPU s, multiply-adds]},
+    "decodes": [(wall s, CPU s), ...]}"""
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("DG_")} | env
-    out = subprocess.run([sys.executable, "-c", _CHILD, str(path), str(threads), str(steps)], env=child_env,
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(path), str(threads), str(steps), str(decodes)], env=child_env,
                          cwd=ROOT, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -94,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--decodes", type=int, default=0, help="one-token decodes timed per process after the steps")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     variants = {"A": parse_env(args.a), "B": parse_env(args.b)}
@@ -105,18 +115,21 @@ def main(argv: list[str] | None = None) -> int:
 
         path = synthetic_model(args.layers, args.quant, args.experts)
     times: dict[str, list] = {name: [] for name in variants}
+    decodes: dict[str, list] = {name: [] for name in variants}
     groups: dict[str, dict] = {name: {} for name in variants}  # group -> [CPU s of each rep], multiply-adds
     for rep in range(args.reps):  # interleaved: the box's load hits both alike
         for name, env in variants.items():
-            run = run_variant(path, env, args.threads, args.steps)
+            run = run_variant(path, env, args.threads, args.steps, args.decodes)
             times[name] += [tuple(t) for t in run["steps"]]
+            decodes[name] += [tuple(t) for t in run["decodes"]]
             for group, (cpu, macs) in run["groups"].items():
                 groups[name].setdefault(group, {"cpu_s": [], "multiply_adds": macs})["cpu_s"].append(cpu)
             print(f"rep {rep + 1}/{args.reps} {name}: CPU s {[round(c, 2) for _, c in times[name][-args.steps:]]}",
                   file=sys.stderr)
     report = {"model": path.name, "threads": args.threads, "reps": args.reps, "steps": args.steps,
               "variants": {name: {"env": variants[name], "wall_s": [w for w, _ in t], "cpu_s": [c for _, c in t],
-                                  "matmuls": groups[name]}
+                                  "decode_wall_s": [w for w, _ in decodes[name]],
+                                  "decode_cpu_s": [c for _, c in decodes[name]], "matmuls": groups[name]}
                            for name, t in times.items()}}
     if args.json:
         print(json.dumps(report, indent=1))
@@ -133,6 +146,15 @@ def main(argv: list[str] | None = None) -> int:
     a, b = rows["A"], rows["B"]
     print(f"  B / A: CPU {b[0] / a[0]:.2f}x (min) {b[1] / a[1]:.2f}x (median), "
           f"wall {b[2] / a[2]:.2f}x (min) {b[3] / a[3]:.2f}x (median)")
+    if args.decodes:
+        print(f"one-token decode, {args.decodes} per process:")
+        dec = {}
+        for name, v in report["variants"].items():
+            cpu, wall = v["decode_cpu_s"], v["decode_wall_s"]
+            dec[name] = (min(cpu), statistics.median(cpu))
+            print(f"  {name} CPU ms {1e3 * dec[name][0]:8.2f} / {1e3 * dec[name][1]:8.2f}   "
+                  f"wall ms {1e3 * min(wall):8.2f} / {1e3 * statistics.median(wall):8.2f}   (min / median)")
+        print(f"  B / A: CPU {dec['B'][0] / dec['A'][0]:.2f}x (min) {dec['B'][1] / dec['A'][1]:.2f}x (median)")
     print("matmuls of one profiled step per process, by group and weight type: CPU s min / median, G MAC/s at the min")
     names = sorted(set(groups["A"]) | set(groups["B"]),
                    key=lambda g: -max(min(groups[v][g]["cpu_s"]) if g in groups[v] else 0 for v in variants))

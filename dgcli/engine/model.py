@@ -154,8 +154,10 @@ class _LlamaModel:
         override = expert_override_pattern(n_cpu_moe, n_layer if isinstance(n_layer, int) else 0)
         self._lib = native.lib()
         L = self._lib
-        tiled = tiled_weight_pattern(self.header, L._lib.dg_expert_kernel(), L._lib.dg_dense_kernel(),
-                                     gpu_in_use=bool(rpc_servers) or bool(native.gpu_devices()))
+        # DG_Q4_K_TILE=0 leaves the Q4_K weights to llama.cpp's repack buffers, so to ggml (A/B runs)
+        tiled = None if os.environ.get("DG_Q4_K_TILE") == "0" else tiled_weight_pattern(
+            self.header, L._lib.dg_expert_kernel(), L._lib.dg_dense_kernel(),
+            gpu_in_use=bool(rpc_servers) or bool(native.gpu_devices()))
         native.clear_log()
 
         mparams = L.llama_model_default_params()
