@@ -212,3 +212,43 @@ def test_ctrl_c_while_the_cli_is_still_importing_exits_130_without_a_traceback(t
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=30)
     assert (proc.returncode, err) == (130, ""), err  # _signals.quiet_startup: the exit status says it all
+
+
+@requires_native
+@pytest.mark.slow
+def test_a_terminal_that_hangs_up_ends_the_live_run_at_once(tiny_gguf, tmp_path):
+    """Closing the terminal window under a live view: SIGHUP on a terminal that has gone, where giving
+    it its settings back fails (termios.error, not an OSError). dg still exits at once (129) and
+    removes the unfinished trace, instead of computing on to the end for nobody."""
+    import pty
+
+    out = tmp_path / "out"
+    out.mkdir()
+    args = ["generate", "tell me a story", "-m", tiny_gguf, "-n", "4000", *SAMPLER, "--trace", out / "t.jsonl"]
+    env = dict(os.environ, DG_VERBOSE="1", TERM="xterm-256color", COLUMNS="80", LINES="24",
+               PYTHONPATH=pty_screen.REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: dg on the terminal, as a person runs it
+        try:
+            pty_screen._default_signals()
+            signal.signal(signal.SIGHUP, signal.SIG_DFL)
+            os.chdir(pty_screen.REPO)
+            os.execve(sys.executable, [sys.executable, "-m", "dgcli.cli", *map(str, args)], env)
+        finally:
+            os._exit(99)
+    seen, deadline = bytearray(), time.monotonic() + TIMEOUT_S
+    while seen.count(FORWARD_MARK) < 12:
+        assert time.monotonic() < deadline, bytes(seen[-2000:])
+        if select.select([fd], [], [], 0.1)[0]:
+            seen += os.read(fd, 65536)
+    assert HIDE_CURSOR in seen  # the live view is up
+    os.close(fd)  # the terminal goes away: the kernel hangs it up and sends SIGHUP
+    deadline = time.monotonic() + 30
+    while (status := os.waitpid(pid, os.WNOHANG))[0] == 0:
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("dg went on running after its terminal hung up")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status[1]) == 129
+    assert list(out.iterdir()) == []  # neither the trace nor its temporary

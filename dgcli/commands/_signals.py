@@ -42,7 +42,7 @@ def exit_now(code: int) -> None:
         for fd, saved in list(terminal_settings):
             try:
                 termios.tcsetattr(fd, termios.TCSANOW, saved)
-            except (AttributeError, OSError):
+            except Exception:  # noqa: BLE001 (termios.error is no OSError: a terminal that hung up, SIGHUP)
                 pass
         for fd in (1, 2):
             try:
