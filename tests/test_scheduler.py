@@ -247,6 +247,44 @@ def test_queue_limit_and_requests_that_can_never_fit(tiny_gguf):
         model.close()
 
 
+def test_a_request_cancelled_while_queued_gives_back_its_place_in_the_queue(tiny_gguf):
+    """A client that gave up waiting (a timeout, a closed connection) no longer counts against --queue:
+    the next request is queued, not refused with 503, even while the engine is busy in a long step."""
+    from dgcli.server.scheduler import GenerationRequest, RequestFailed
+
+    scheduler, model = open_scheduler(tiny_gguf, slots=1, max_queue=2)
+    params = DiffusionParams(max_denoising_steps=4)
+    in_step, release = threading.Event(), threading.Event()
+
+    def running_sink(event):  # holds the engine thread inside the running request's first step
+        if isinstance(event, StepEvent):
+            in_step.set()
+            release.wait(WAIT_S)
+
+    try:
+        running = scheduler.submit(GenerationRequest(prompt_ids=[2, 3], params=params, max_new_tokens=16,
+                                                     seed=0, sink=running_sink, want_steps=True))
+        assert in_step.wait(WAIT_S)
+        sinks = [Collector() for _ in range(3)]
+        waiting, gave_up = [scheduler.submit(GenerationRequest(prompt_ids=[2, 3], params=params, max_new_tokens=16,
+                                                               seed=0, sink=s)) for s in sinks[:2]]
+        scheduler.cancel(gave_up)
+        assert scheduler.n_waiting == 1
+        scheduler.submit(GenerationRequest(prompt_ids=[2, 3], params=params, max_new_tokens=16, seed=0,
+                                           sink=sinks[2]))  # was QueueFull: the cancelled one held a place
+        assert scheduler.n_waiting == 2
+        release.set()
+        for s in sinks:
+            assert s.done.wait(WAIT_S)
+        assert isinstance(sinks[1].outcome, RequestFailed) and sinks[1].outcome.message == "cancelled"
+        assert not isinstance(sinks[0].outcome, RequestFailed) and not isinstance(sinks[2].outcome, RequestFailed)
+        scheduler.cancel(running)
+    finally:
+        release.set()
+        scheduler.close()
+        model.close()
+
+
 def test_requests_wait_for_kv_room_instead_of_overflowing(tiny_gguf):
     """A unified cache (shared cells) with two slots but room for one long request: the second
     waits, then runs; both equal solo."""

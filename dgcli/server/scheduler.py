@@ -168,9 +168,10 @@ class BatchScheduler:
             if not self._running:
                 raise SchedulerClosed("the server is shutting down")
             free_slots = max(0, self.slots - len(self._active))
-            if len(self._waiting) >= self.max_queue + free_slots:
+            waiting = self.n_waiting  # a request cancelled while queued gives its place back at once
+            if waiting >= self.max_queue + free_slots:
                 raise QueueFull(f"the server is busy: {len(self._active)} requests running, "
-                                f"{len(self._waiting)} waiting (queue limit {self.max_queue}); retry later")
+                                f"{waiting} waiting (queue limit {self.max_queue}); retry later")
             request.id = request.id or f"req-{next(self._ids)}"
             request.submitted_at = time.perf_counter()
             self._waiting.append(request)
@@ -189,7 +190,8 @@ class BatchScheduler:
 
     @property
     def n_waiting(self) -> int:
-        return len(self._waiting)
+        """Requests waiting for a slot; not those cancelled there (the engine thread drops them)."""
+        return sum(not r.cancelled for r in list(self._waiting))
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop the engine thread after its current step; every request still here fails."""
@@ -227,12 +229,11 @@ class BatchScheduler:
         The head of the queue is never overtaken, so a long request cannot starve."""
         taken: list[GenerationRequest] = []
         reserved = sum(r.kv_need for r in self._active)
+        for request in [r for r in self._waiting if r.cancelled]:  # anywhere in the queue
+            self._waiting.remove(request)
+            self._end(request, RequestFailed("cancelled"), counted="cancelled")
         while self._waiting:
             head = self._waiting[0]
-            if head.cancelled:
-                self._waiting.popleft()
-                self._end(head, RequestFailed("cancelled"), counted="cancelled")
-                continue
             if len(self._active) + len(taken) >= self.slots:
                 break
             if self.shared_kv and reserved + head.kv_need > self.kv_capacity:
