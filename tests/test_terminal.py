@@ -213,6 +213,42 @@ def test_sigterm_under_a_live_view_gives_the_terminal_back():
     assert term.child.signalstatus is None and term.child.exitstatus == 143
 
 
+def test_ctrl_z_gives_the_shell_a_cursor_and_fg_draws_the_live_view_again():
+    """Ctrl-Z under a live view, in an interactive shell: the shell's prompt used to come back with no
+    cursor (the live view hides it), and after `fg` the view's first frame erased the shell's last
+    lines (the "fg" line). Now the cursor shows while dg is stopped and `fg` draws a new frame below."""
+    import os
+    import shlex
+
+    import pexpect
+
+    term = pty_screen.Terminal(80, 24)
+    env = dict(os.environ, TERM="xterm-256color", COLUMNS="80", LINES="24", PS1="$ ",
+               PYTHONPATH=pty_screen.REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    term.child = pexpect.spawn("bash", ["--norc", "--noprofile", "-i"], env=env, dimensions=(24, 80), timeout=120,
+                               cwd=pty_screen.REPO, preexec_fn=pty_screen._default_signals)
+    term.read_until(r"\$ ")
+    # 96 steps (stability and confidence out of reach), 0.1 s each
+    exe, argv = pty_screen.dg_command("generate", "Tell me a story", "--seed", "0", "--stability-threshold", "20",
+                                      "--confidence-threshold", "1e-30", "--pace", "0.1")
+    term.send(shlex.join([exe, *argv]) + "\r")
+    term.read_until("step 2/48")
+    assert term.screen.cursor.hidden  # the live view is up
+    term.send("\x1a")  # Ctrl-Z
+    term.read_until(r"Stopped.*\n.*\$ ")
+    assert not term.screen.cursor.hidden, term.raw[-300:]  # the shell's prompt has its cursor
+    term.send("fg\r")
+    term.read_until(r"step \d+/48")
+    assert term.screen.cursor.hidden
+    term.send("exit\r")  # typed ahead: bash reads it once dg is done
+    assert term.wait() == 0
+    screen = term.all_text()
+    assert not term.screen.cursor.hidden
+    assert "$ fg" in screen, screen  # not erased by the first frame after `fg`
+    tail = screen[screen.index("$ fg"):]
+    assert "I can reverse" in tail and "new tokens" in tail and "Traceback" not in screen, tail
+
+
 @pytest.mark.parametrize("columns", WIDTHS)
 def test_serve_start_up_lines_wrap_between_words_and_ctrl_c_stops_it(columns):
     """On a terminal the banner (stdout) and the notices (stderr) wrap between words: at 80 columns the

@@ -29,6 +29,7 @@ LIVE_REFRESH_S = 1 / 15
 # A prompt file or piped prompt larger than this is a mistake (a 262k-token context is ~1 MB of text).
 MAX_PROMPT_BYTES = 16 << 20
 
+
 # Tables stay readable when piped (Rich would otherwise assume 80 columns).
 _PIPE_WIDTH = None if sys.stdout.isatty() else int(os.environ.get("COLUMNS") or 120)
 stdout = Console(highlight=False, width=_PIPE_WIDTH)
@@ -426,14 +427,14 @@ def sigint_deferred() -> Iterator[None]:
 
 
 @contextmanager
-def echo_off() -> Iterator[None]:
+def echo_off() -> Iterator[Optional[tuple[int, Any]]]:
     """No echo of typed keys while a live view is drawn: the terminal's `^C` (or any key) would move
     the cursor under the live view, and stopping it would then erase one line too few (a stray
     panel line was left behind). SIGTERM still restores the terminal (and the cursor, through the
-    live view's own cleanup)."""
+    live view's own cleanup). Yields (fd, the settings without echo), or None: no terminal."""
     fd, saved = _terminal_settings()
     if saved is None:
-        yield
+        yield None
         return
     import termios
 
@@ -445,7 +446,7 @@ def echo_off() -> Iterator[None]:
     termios.tcsetattr(fd, termios.TCSANOW, quiet)
     _signals.terminal_settings.append((fd, saved))  # a signal that exits at once restores them too
     try:
-        yield
+        yield fd, quiet
     finally:
         _signals.terminal_settings.remove((fd, saved))
         termios.tcsetattr(fd, termios.TCSANOW, saved)
@@ -475,14 +476,36 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
 
 @contextmanager
 def live_view(renderable: Any) -> Iterator[Live]:
-    """A transient Rich Live on stdout (auto-refresh off: the caller refreshes), keys not echoed."""
-    with echo_off():
+    """A transient Rich Live on stdout (auto-refresh off: the caller refreshes), keys not echoed.
+    Ctrl-Z stops it with the terminal given back to the shell; `fg` draws it again (_signals.suspend)."""
+    with echo_off() as quiet:
         live = Live(renderable, console=stdout, auto_refresh=False, transient=True)
         live.start()
         try:
-            yield live
+            with _signals.suspendable(_suspended_live(live, quiet)):
+                yield live
         finally:
             live.stop()
+
+
+def _suspended_live(live: Live, quiet: Optional[tuple[int, Any]]) -> Callable[[], Any]:
+    """What a live view does around a Ctrl-Z stop: no frame drawn while the shell has the terminal;
+    on `fg`, echo off and the cursor hidden again, and a new frame below the shell's lines (the one
+    from before the stop stays where it was: erasing it would erase the shell's lines instead)."""
+    @contextmanager
+    def hold() -> Iterator[None]:
+        with live._lock:
+            yield
+            if not live.is_started:  # it ended while the stop waited for it: the terminal is given back
+                return
+            if quiet is not None:
+                import termios
+
+                termios.tcsetattr(quiet[0], termios.TCSANOW, quiet[1])
+            live.console.show_cursor(False)
+            live._live_render._shape = None
+            live.refresh()
+    return hold
 
 
 def refresh(live: Live) -> None:

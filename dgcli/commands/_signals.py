@@ -6,7 +6,8 @@ the answer and goes on, see `interrupt_handled`): the engines return their parti
 - a second Ctrl-C exits at once (130);
 - SIGTERM and SIGHUP exit at once (143 and 129);
 each after removing the temporary files of unfinished outputs (`dgcli.outputs`) and showing the
-terminal's cursor again (a live view hides it).
+terminal's cursor again (a live view hides it). Ctrl-Z under a live view (`suspend`) gives the shell
+its terminal back (echo on, cursor shown) before the process stops; `fg` resumes the view.
 
 Python runs signal handlers in the main thread between bytecodes, which can be seconds away while a
 forward of a large model runs. Its C-level handler also writes each signal's number to a wakeup fd
@@ -18,17 +19,21 @@ Only the standard library is imported here: `quiet_startup()` runs before dg's h
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import sys
 import threading
-from typing import Any
+from typing import Any, Callable, ContextManager
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
 SHOW_CURSOR = b"\x1b[?25h"
 # (fd, termios settings) a live view changed (echo off) and gives back when it ends; restored on exit too
 terminal_settings: list[tuple[int, Any]] = []
+# held around a stop for Ctrl-Z (see suspend): a live view draws nothing meanwhile and takes the
+# terminal again when the process continues
+on_suspend: list[Callable[[], ContextManager]] = []
 
 
 def exit_now(code: int) -> None:
@@ -38,20 +43,40 @@ def exit_now(code: int) -> None:
         if outputs is not None:
             outputs.remove_temporaries()
     finally:
-        termios = sys.modules.get("termios")  # loaded by whoever saved settings
-        for fd, saved in list(terminal_settings):
-            try:
-                termios.tcsetattr(fd, termios.TCSANOW, saved)
-            except Exception:  # noqa: BLE001 (termios.error is no OSError: a terminal that hung up, SIGHUP)
-                pass
-        for fd in (1, 2):
-            try:
-                if os.isatty(fd):
-                    os.write(fd, b"\n" + SHOW_CURSOR)
-                    break
-            except OSError:
-                pass
+        _give_terminal_back(b"\n" + SHOW_CURSOR)
         os._exit(code)
+
+
+def _give_terminal_back(cursor: bytes) -> None:
+    """The terminal settings a live view changed, and `cursor` (showing it) written to the terminal."""
+    termios = sys.modules.get("termios")  # loaded by whoever saved settings
+    for fd, saved in list(terminal_settings):
+        try:
+            termios.tcsetattr(fd, termios.TCSANOW, saved)
+        except Exception:  # noqa: BLE001 (termios.error is no OSError: a terminal that hung up, SIGHUP)
+            pass
+    for fd in (1, 2):
+        try:
+            if os.isatty(fd):
+                os.write(fd, cursor)
+                break
+        except OSError:
+            pass
+
+
+def suspend() -> None:
+    """Ctrl-Z (SIGTSTP) under a live view: the shell gets the terminal as it gave it (echo on, the
+    cursor shown), then the process stops; when it continues (`fg`), each `on_suspend` holder takes
+    the terminal again. SIGSTOP (only the main thread may reset SIGTSTP's handler), sent to this thread:
+    it stops before the call returns, where one sent to the process may let the thread run on a little."""
+    with contextlib.ExitStack() as held:
+        for hold in list(on_suspend):
+            try:
+                held.enter_context(hold())
+            except Exception:  # noqa: BLE001 (a view that cannot be held must not keep the process from stopping)
+                pass
+        _give_terminal_back(SHOW_CURSOR)
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
 
 
 def _quit(signum: int, _frame: Any) -> None:
@@ -81,6 +106,11 @@ def _watch(reader: socket.socket) -> None:
                     continue  # the first one stops the work in the main thread
             if signum in EXIT_CODES and _acting[0]:
                 exit_now(EXIT_CODES[signum])
+            if signum == signal.SIGTSTP and _acting[0]:
+                try:
+                    suspend()
+                except Exception:  # noqa: BLE001 (the watcher must outlive a failed resume)
+                    pass
 
 
 def install() -> None:
@@ -103,6 +133,24 @@ def hand_over() -> None:
     _acting[0] = False
     for s, handler in _replaced.items():
         signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def suspendable(hold: Callable[[], ContextManager]) -> Any:
+    """Within: Ctrl-Z stops the process through `suspend`, `hold` held around the stop. Only where the
+    watcher runs and SIGTSTP does what it does by default (an ignored one stays ignored)."""
+    on_suspend.append(hold)
+    previous = None
+    if (_wakeup and _acting[0] and hasattr(signal, "SIGTSTP")
+            and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTSTP) is signal.SIG_DFL):
+        previous = signal.signal(signal.SIGTSTP, _acted_on_by_the_watcher)
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTSTP, previous)
+        on_suspend.remove(hold)
 
 
 def interrupt_pending() -> bool:
