@@ -580,3 +580,15 @@ def test_installed_console_script_info_and_errors(tiny_gguf, tmp_path):
         assert p.returncode == 1, (args, p.stderr)
         assert p.stderr.count("\n") == 1 and p.stderr.startswith("error: ") and fragment in p.stderr, p.stderr
         assert "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("columns", ["abc", "0", "-5", ""])
+def test_a_columns_variable_that_is_no_width_is_ignored_when_piped(columns):
+    """Piped, dg sizes its tables from COLUMNS: a value that is not a positive integer was a ValueError
+    traceback before any command ran (even `dg --version`), or a width of 0 or less that printed
+    nothing at all. Such a value is ignored, as Rich itself ignores it."""
+    env = dict(os.environ, COLUMNS=columns, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    p = subprocess.run([sys.executable, "-m", "dgcli.cli", "list"], capture_output=True, text=True, env=env,
+                       timeout=120, stdin=subprocess.DEVNULL)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    assert "diffusiongemma-26b" in p.stdout and "demo" in p.stdout, p.stdout

@@ -30,8 +30,16 @@ LIVE_REFRESH_S = 1 / 15
 MAX_PROMPT_BYTES = 16 << 20
 
 
-# Tables stay readable when piped (Rich would otherwise assume 80 columns).
-_PIPE_WIDTH = None if sys.stdout.isatty() else int(os.environ.get("COLUMNS") or 120)
+def _pipe_width() -> Optional[int]:
+    """Tables stay readable when piped (Rich would otherwise assume 80 columns): COLUMNS, or 120 when
+    it is not a positive integer (as Rich, which ignores such a value)."""
+    if sys.stdout.isatty():
+        return None
+    columns = os.environ.get("COLUMNS", "").strip()
+    return int(columns) if columns.isascii() and columns.isdigit() and int(columns) > 0 else 120
+
+
+_PIPE_WIDTH = _pipe_width()
 stdout = Console(highlight=False, width=_PIPE_WIDTH)
 stderr = Console(stderr=True, highlight=False)
 
