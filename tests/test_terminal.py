@@ -213,10 +213,8 @@ def test_sigterm_under_a_live_view_gives_the_terminal_back():
     assert term.child.signalstatus is None and term.child.exitstatus == 143
 
 
-def test_ctrl_z_gives_the_shell_a_cursor_and_fg_draws_the_live_view_again():
-    """Ctrl-Z under a live view, in an interactive shell: the shell's prompt used to come back with no
-    cursor (the live view hides it), and after `fg` the view's first frame erased the shell's last
-    lines (the "fg" line). Now the cursor shows while dg is stopped and `fg` draws a new frame below."""
+def _live_view_in_a_shell() -> pty_screen.Terminal:
+    """An interactive bash (job control) on a terminal, running `dg generate` with its live view up."""
     import os
     import shlex
 
@@ -236,6 +234,14 @@ def test_ctrl_z_gives_the_shell_a_cursor_and_fg_draws_the_live_view_again():
     assert term.screen.cursor.hidden  # the live view is up
     term.send("\x1a")  # Ctrl-Z
     term.read_until(r"Stopped.*\n.*\$ ")
+    return term
+
+
+def test_ctrl_z_gives_the_shell_a_cursor_and_fg_draws_the_live_view_again():
+    """Ctrl-Z under a live view, in an interactive shell: the shell's prompt used to come back with no
+    cursor (the live view hides it), and after `fg` the view's first frame erased the shell's last
+    lines (the "fg" line). Now the cursor shows while dg is stopped and `fg` draws a new frame below."""
+    term = _live_view_in_a_shell()
     assert not term.screen.cursor.hidden, term.raw[-300:]  # the shell's prompt has its cursor
     term.send("fg\r")
     term.read_until(r"step \d+/48")
@@ -247,6 +253,23 @@ def test_ctrl_z_gives_the_shell_a_cursor_and_fg_draws_the_live_view_again():
     assert "$ fg" in screen, screen  # not erased by the first frame after `fg`
     tail = screen[screen.index("$ fg"):]
     assert "I can reverse" in tail and "new tokens" in tail and "Traceback" not in screen, tail
+
+
+def test_kill_ends_a_live_view_stopped_with_ctrl_z():
+    """`kill %1` on a dg stopped under its live view: bash sends SIGTERM and continues it in the
+    background, where giving the terminal its settings back stopped dg again (SIGTTOU) before it
+    could exit: the job stayed stopped for good."""
+    term = _live_view_in_a_shell()
+    term.send("kill %1\r")
+    term.read_until(r"\$ ")
+    term.send("sleep 2; jobs -l; echo LISTED-$((1+1))\r")
+    term.read_until("LISTED-2")  # the output, not the command line
+    screen = term.all_text()
+    term.send("kill -9 %1 2>/dev/null; exit\r")  # a dg still stopped is not left behind
+    term.send("exit\r")  # bash refuses the first exit while it has a stopped job
+    term.wait()
+    assert "Exit 143" in screen or "Terminated" in screen, screen
+    assert "Stopped" not in screen[screen.rindex("jobs -l"):], screen
 
 
 @pytest.mark.parametrize("columns", WIDTHS)

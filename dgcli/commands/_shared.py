@@ -457,7 +457,8 @@ def echo_off() -> Iterator[Optional[tuple[int, Any]]]:
         yield fd, quiet
     finally:
         _signals.terminal_settings.remove((fd, saved))
-        termios.tcsetattr(fd, termios.TCSANOW, saved)
+        if _signals.in_foreground(fd):  # from the background (Ctrl-Z, `bg`) it would stop dg (SIGTTOU)
+            termios.tcsetattr(fd, termios.TCSANOW, saved)
         if previous_term is signal.SIG_DFL:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
@@ -506,12 +507,14 @@ def _suspended_live(live: Live, quiet: Optional[tuple[int, Any]]) -> Callable[[]
             yield
             if not live.is_started:  # it ended while the stop waited for it: the terminal is given back
                 return
+            live._live_render._shape = None
+            if not _signals.in_foreground(quiet[0] if quiet is not None else 1):
+                return  # continued in the background (`bg`, `kill %1`): the terminal stays the shell's
             if quiet is not None:
                 import termios
 
                 termios.tcsetattr(quiet[0], termios.TCSANOW, quiet[1])
             live.console.show_cursor(False)
-            live._live_render._shape = None
             live.refresh()
     return hold
 

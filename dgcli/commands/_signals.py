@@ -48,20 +48,32 @@ def exit_now(code: int) -> None:
 
 
 def _give_terminal_back(cursor: bytes) -> None:
-    """The terminal settings a live view changed, and `cursor` (showing it) written to the terminal."""
+    """The terminal settings a live view changed, and `cursor` (showing it) written to the terminal;
+    not from the background (after Ctrl-Z, `kill %1` continues the process there), where the shell
+    has the terminal and the attempt would stop the process again (SIGTTOU)."""
     termios = sys.modules.get("termios")  # loaded by whoever saved settings
     for fd, saved in list(terminal_settings):
         try:
-            termios.tcsetattr(fd, termios.TCSANOW, saved)
+            if in_foreground(fd):
+                termios.tcsetattr(fd, termios.TCSANOW, saved)
         except Exception:  # noqa: BLE001 (termios.error is no OSError: a terminal that hung up, SIGHUP)
             pass
     for fd in (1, 2):
         try:
             if os.isatty(fd):
-                os.write(fd, cursor)
+                if in_foreground(fd):
+                    os.write(fd, cursor)
                 break
         except OSError:
             pass
+
+
+def in_foreground(fd: int) -> bool:
+    """This process is in the foreground of the terminal `fd` (False for a terminal that hung up)."""
+    try:
+        return os.tcgetpgrp(fd) == os.getpgrp()
+    except OSError:
+        return False
 
 
 def suspend() -> None:
