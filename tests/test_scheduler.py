@@ -285,6 +285,62 @@ def test_a_request_cancelled_while_queued_gives_back_its_place_in_the_queue(tiny
         model.close()
 
 
+def test_an_unexpected_error_admitting_a_request_fails_it_and_the_scheduler_goes_on(tiny_gguf):
+    """An exception that is no DgError while a request was admitted (its prefill) ended the engine
+    thread: every later request was queued for nobody and waited for ever."""
+    from dgcli.server.scheduler import GenerationRequest, RequestDone, RequestFailed
+
+    scheduler, model = open_scheduler(tiny_gguf, slots=1)
+    params = DiffusionParams(max_denoising_steps=2)
+    prefill, calls = model.prefill, []
+
+    def failing_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a bug")
+        return prefill(*args, **kwargs)
+
+    model.prefill = failing_once
+    try:
+        sinks = [Collector(), Collector()]
+        for s in sinks:
+            scheduler.submit(GenerationRequest(prompt_ids=[2, 3], params=params, max_new_tokens=16, seed=0, sink=s))
+        for s in sinks:
+            assert s.done.wait(30), "a request waited for ever"
+    finally:
+        scheduler.close()
+        model.close()
+    assert isinstance(sinks[0].outcome, RequestFailed) and sinks[0].outcome.internal
+    assert "RuntimeError: a bug" in sinks[0].outcome.message
+    assert isinstance(sinks[1].outcome, RequestDone)
+
+
+def test_a_scheduler_whose_thread_died_refuses_requests_instead_of_queueing_them(tiny_gguf):
+    from dgcli.server.scheduler import GenerationRequest, RequestFailed, SchedulerClosed
+
+    scheduler, model = open_scheduler(tiny_gguf, slots=1)
+    lines = []
+    scheduler.log = lines.append
+
+    def broken():
+        raise RuntimeError("a bug outside any request")
+
+    scheduler._drop_cancelled = broken
+    try:
+        sink = Collector()
+        scheduler.submit(GenerationRequest(prompt_ids=[2, 3], params=DiffusionParams(max_denoising_steps=2),
+                                           max_new_tokens=16, seed=0, sink=sink))
+        assert sink.done.wait(30) and isinstance(sink.outcome, RequestFailed)
+        scheduler._thread.join(30)
+        with pytest.raises(SchedulerClosed):  # a 503, not a request that waits for ever
+            scheduler.submit(GenerationRequest(prompt_ids=[2, 3], params=DiffusionParams(max_denoising_steps=2),
+                                               max_new_tokens=16, seed=0, sink=Collector()))
+    finally:
+        scheduler.close()
+        model.close()
+    assert any("RuntimeError: a bug outside any request" in line for line in lines), lines
+
+
 def test_requests_wait_for_kv_room_instead_of_overflowing(tiny_gguf):
     """A unified cache (shared cells) with two slots but room for one long request: the second
     waits, then runs; both equal solo."""

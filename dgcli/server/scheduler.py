@@ -207,7 +207,11 @@ class BatchScheduler:
         try:
             while self._next_iteration():
                 pass
+        except Exception as err:  # noqa: BLE001 (one line in the log; the requests get their errors below)
+            self.log(f"error: the scheduler stopped: {type(err).__name__}: {err}")
         finally:
+            with self._cond:
+                self._running = False  # from now on submit() refuses, instead of queueing for nobody
             self._fail_everything("the server is shutting down")
 
     def _next_iteration(self) -> bool:
@@ -258,6 +262,12 @@ class BatchScheduler:
         except DgError as err:
             self.model.clear_sequence(slot)
             self._end(request, RequestFailed(str(err)), counted="failed")
+            return
+        except Exception as err:  # noqa: BLE001 (a bug must not take the server down, as in _step)
+            self.log(f"error: internal error admitting {request.id}: {type(err).__name__}: {err}")
+            self.model.clear_sequence(slot)
+            self._end(request, RequestFailed(f"internal error: {type(err).__name__}: {err}", internal=True),
+                      counted="failed")
             return
         request.sequence = seq
         self._active.append(request)
