@@ -341,6 +341,38 @@ def test_a_scheduler_whose_thread_died_refuses_requests_instead_of_queueing_them
     assert any("RuntimeError: a bug outside any request" in line for line in lines), lines
 
 
+def test_requests_in_flight_when_the_server_stops_get_a_503_not_a_500(tiny_gguf):
+    """Ctrl-C or SIGTERM to dg serve: the requests running or waiting then are told the server is
+    shutting down as a 503 (code shutting_down, what a request arriving a moment later gets), not as
+    500, the status of the server's own failures."""
+    from dgcli.server.scheduler import GenerationRequest, RequestFailed
+
+    scheduler, model = open_scheduler(tiny_gguf, slots=1)
+    params = DiffusionParams(max_denoising_steps=48)
+    try:
+        sinks = [Collector(), Collector()]  # one running, one waiting
+        for s in sinks:
+            scheduler.submit(GenerationRequest(prompt_ids=[2, 3], params=params, max_new_tokens=16 * 30, seed=3,
+                                               sink=s, want_steps=True))
+        deadline = time.monotonic() + WAIT_S
+        while not any(isinstance(e, StepEvent) for e in sinks[0].events):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        scheduler.close()
+        for s in sinks:
+            assert s.done.wait(WAIT_S)
+    finally:
+        scheduler.close()
+        model.close()
+    for s in sinks:
+        assert isinstance(s.outcome, RequestFailed) and s.outcome.shutting_down, s.outcome
+    pytest.importorskip("starlette")
+    from dgcli.server.app import failure_error
+
+    error = failure_error(sinks[0].outcome)
+    assert (error.status, error.body()["error"]["code"]) == (503, "shutting_down")
+
+
 def test_requests_wait_for_kv_room_instead_of_overflowing(tiny_gguf):
     """A unified cache (shared cells) with two slots but room for one long request: the second
     waits, then runs; both equal solo."""

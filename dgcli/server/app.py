@@ -224,6 +224,8 @@ class RequestRun:
 
 
 def failure_error(failed: RequestFailed) -> ApiError:
+    if failed.shutting_down:  # as a request that arrives once the server is stopping (SchedulerClosed)
+        return ApiError(503, failed.message, type="server_error", code="shutting_down")
     if failed.internal:
         return ApiError(500, failed.message, type="server_error")
     return ApiError(400, failed.message)

@@ -64,6 +64,7 @@ class RequestDone:
 class RequestFailed:
     message: str
     internal: bool = False  # a failure of the server, not of the request
+    shutting_down: bool = False  # the server stopped (Ctrl-C, SIGTERM): no failure, a client may retry
 
 
 Sink = Callable[[Any], Any]
@@ -204,15 +205,18 @@ class BatchScheduler:
     # ---- the engine thread ---------------------------------------------------------------------------
 
     def _run(self) -> None:
+        crashed = False
         try:
             while self._next_iteration():
                 pass
         except Exception as err:  # noqa: BLE001 (one line in the log; the requests get their errors below)
+            crashed = True
             self.log(f"error: the scheduler stopped: {type(err).__name__}: {err}")
         finally:
             with self._cond:
                 self._running = False  # from now on submit() refuses, instead of queueing for nobody
-            self._fail_everything("the server is shutting down")
+            self._fail_everything("internal error: the scheduler stopped" if crashed
+                                  else "the server is shutting down", shutting_down=not crashed)
 
     def _next_iteration(self) -> bool:
         with self._cond:
@@ -343,11 +347,11 @@ class BatchScheduler:
                 self._release(request)
             self._end(request, RequestFailed(message, internal=internal), counted="failed")
 
-    def _fail_everything(self, message: str) -> None:
+    def _fail_everything(self, message: str, shutting_down: bool) -> None:
         with self._cond:
             waiting, self._waiting = list(self._waiting), collections.deque()
         for request in list(self._active) + waiting:
-            self._end(request, RequestFailed(message, internal=True), counted="failed")
+            self._end(request, RequestFailed(message, internal=True, shutting_down=shutting_down), counted="failed")
         self._active.clear()
 
     def _end(self, request: GenerationRequest, outcome: RequestDone | RequestFailed, counted: str) -> None:
