@@ -166,6 +166,10 @@ def test_q4_k_experts_load_in_plain_memory_and_reports_say_only_what_was_asked(t
     gate_up = [line for line in log if "ffn_gate_up_exps.weight" in line and "overridden to" in line]
     assert len(gate_up) == n_cpu_moe and all(line.endswith("overridden to CPU_REPACK") for line in gate_up)
 
+    monkeypatch.setenv("DG_Q4_K_TILE", "0")  # the A/B switch: every Q4_K weight left to the repack buffers
+    overridden, count, log = load("auto")
+    assert count == 0 and not any("attn_q.weight" in line and "overridden" in line for line in log)
+
 
 def test_load_report_reads_a_cuda_log():
     """The lines a CUDA load logs (llama_model_load / llama_context formats) become the report."""
