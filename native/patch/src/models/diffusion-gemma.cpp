@@ -243,6 +243,17 @@ bool llama_model_diffusion_gemma::uses_gpu() const {
     return false;
 }
 
+// The decoder's dense weights our GEMMs may take (dense(), dense_q4_K()): each layer's attention
+// projections and dense FFN, and the self-conditioning MLP; the router stays with ggml
+static std::vector<const ggml_tensor *> dg_dense_weights(const llama_model_diffusion_gemma & model) {
+    std::vector<const ggml_tensor *> out;
+    for (const auto & layer : model.layers) {
+        out.insert(out.end(), { layer.wq, layer.wk, layer.wv, layer.wo, layer.ffn_gate, layer.ffn_up, layer.ffn_down });
+    }
+    out.insert(out.end(), { model.self_cond_gate, model.self_cond_up, model.self_cond_down });
+    return out;
+}
+
 // The LM head repacked for this CPU's int8 kernels (diffusion-gemma-lm-head.h), made once, on the
 // first graph that needs it; null where ggml's matmul stays (no kernel, a GPU in use, or output
 // weights that are not Q8_0 or Q5_0 in host memory).
@@ -285,12 +296,7 @@ const dg_lm_head * llama_model_diffusion_gemma::dense(const ggml_tensor * w) con
                 dense_repacked.emplace(t, std::move(packed));
             }
         };
-        for (const auto & layer : layers) {
-            for (const ggml_tensor * t : { layer.wq, layer.wk, layer.wv, layer.wo, layer.ffn_gate, layer.ffn_up, layer.ffn_down }) {
-                add(t);
-            }
-        }
-        for (const ggml_tensor * t : { self_cond_gate, self_cond_up, self_cond_down }) {
+        for (const ggml_tensor * t : dg_dense_weights(*this)) {
             add(t);
         }
         if (!dense_repacked.empty()) {
@@ -352,12 +358,7 @@ const dg_experts * llama_model_diffusion_gemma::dense_q4_K(const ggml_tensor * w
                 dense_q4_K_gemm.emplace(t, std::move(gemm));
             }
         };
-        for (const auto & layer : layers) {
-            for (const ggml_tensor * t : { layer.wq, layer.wk, layer.wv, layer.wo, layer.ffn_gate, layer.ffn_up, layer.ffn_down }) {
-                add(t);
-            }
-        }
-        for (const ggml_tensor * t : { self_cond_gate, self_cond_up, self_cond_down }) {
+        for (const ggml_tensor * t : dg_dense_weights(*this)) {
             add(t);
         }
         if (!dense_q4_K_gemm.empty()) {
