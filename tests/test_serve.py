@@ -284,6 +284,22 @@ def test_serve_usage_errors_are_one_line():
     assert r.exit_code == 1 and "invalid parallel=0" in r.stderr
 
 
+def test_a_chat_template_that_does_not_parse_is_refused_at_start(tmp_path):
+    """Such a server started, then failed every chat request; it stops at start with one error line,
+    as dg generate and dg chat report the template."""
+    import subprocess
+    import sys
+
+    from dgcli.tiny import write_tiny_random_gguf
+
+    bad = write_tiny_random_gguf(tmp_path / "bad-template.gguf", chat_template="{% for %}")
+    r = subprocess.run([sys.executable, "-m", "dgcli.cli", "serve", "-m", str(bad), "--port", "0"],
+                       capture_output=True, text=True, timeout=TIMEOUT_S, cwd=DEMO.parents[2])
+    assert r.returncode == 1 and r.stdout == "", (r.stdout, r.stderr)
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()], r.stderr
+    assert r.stderr.startswith("error: the chat template of bad-template.gguf does not parse: ")
+
+
 def test_a_context_the_machine_cannot_hold_is_refused_before_loading(monkeypatch):
     # --ctx-size 10000000 --parallel 64 asked the demo for 164 GB of KV cache: llama.cpp cleared it page
     # by page until the OOM killer ended the process; and a context past int32 named n_ctx, not --ctx-size

@@ -113,6 +113,8 @@ def _run(uvicorn, listener: socket.socket, name: str, path, *, parallel: int, qu
     try:
         if model.n_ctx_seq < model.canvas_length + 1:
             raise DgError(f"--ctx-size {ctx_size} cannot hold a prompt and one {model.canvas_length}-token canvas")
+        if model.chat_template is not None:  # one that does not parse would fail every chat request
+            model.chat_template.check()
         engine = DiffusionEngine(model, n_threads=threads, self_cond_top_k=self_cond_top_k)
         log = lambda line: typer.echo(line, err=True)  # noqa: E731
         scheduler = BatchScheduler(engine, slots=parallel, max_queue=queue_size, log=log)

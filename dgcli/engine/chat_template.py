@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from dgcli.engine.template_sandbox import render_chat_template
+from dgcli.engine.template_sandbox import ChatTemplateError, ChatTemplateParseError, render_chat_template
 from dgcli.engine.types import DgError
 
 # Private-use characters: a sentinel cannot be confused with text a template writes.
@@ -48,6 +48,16 @@ class ChatTemplate:
         return render_chat_template(self.template, messages=[dict(m) for m in messages],
                                     add_generation_prompt=add_generation_prompt, bos_token=self.bos_token,
                                     eos_token=self.eos_token, source=self.name)
+
+    def check(self) -> None:
+        """ChatTemplateParseError now when the template does not parse (every render would fail); a
+        template that fails only on some messages (e.g. a lone user message) passes."""
+        try:
+            self.render([{"role": "user", "content": "hello"}])
+        except ChatTemplateParseError:
+            raise
+        except ChatTemplateError:
+            pass
 
     def segments(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[Segment] | None:
         """The rendered prompt as consecutive segments of structure and message text, or None when the

@@ -44,6 +44,10 @@ class ChatTemplateError(DgError):
     pass
 
 
+class ChatTemplateParseError(ChatTemplateError):
+    """The template does not parse: every render fails, whatever the messages."""
+
+
 def output_limit(template: str, messages: Any) -> int:
     """How much text a render of `template` over `messages` may produce."""
     size = len(template) + len(json.dumps(messages))
@@ -175,7 +179,7 @@ def render_chat_template(template: str, *, messages: list[dict], add_generation_
             return answer["text"]
     kind, detail = answer.get("error"), answer.get("detail", "")
     if kind == "parse":
-        raise ChatTemplateError(f"{what} does not parse: {detail}")
+        raise ChatTemplateParseError(f"{what} does not parse: {detail}")
     if kind == "output":
         raise ChatTemplateError(f"{what} produced more than {max_chars:,} characters (stopped)")
     if kind == "memory":
