@@ -167,3 +167,21 @@ def test_a_piped_answer_is_printed_as_it_is_and_an_error_stays_one_line(tiny_ggu
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 2 and errors[0].endswith("restart with a larger -c/--ctx-size"), r.stderr
     assert errors[1] == "error: 1 message of 2 got no answer (see the errors above)"
+
+
+@needs_native
+@pytest.mark.parametrize("template,error", [
+    ("{% for %}", "error: the chat template of t.gguf does not parse: "),
+    (None, "error: t.gguf has no chat template (tokenizer.chat_template), which dg chat needs"),
+])
+def test_a_template_that_cannot_render_is_one_error_before_the_session(tmp_path, template, error):
+    # each message failed on its own, then the run said that it had: two lines for one problem
+    from typer.testing import CliRunner
+
+    from dgcli import cli
+    from dgcli.tiny import write_tiny_random_gguf
+
+    path = write_tiny_random_gguf(tmp_path / "t.gguf", chat_template=template)
+    r = CliRunner().invoke(cli.app, ["chat", "-m", str(path), "-n", "8"], input="hi\nhello\n")
+    assert r.exit_code == 1, (r.stderr, r.exception)
+    assert r.stdout == "" and len(r.stderr.splitlines()) == 1 and r.stderr.startswith(error), r.stderr

@@ -52,6 +52,12 @@ def chat(
         engine = shared.open_diffusion_engine(path, threads=threads, gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe,
                                               ctx_size=ctx_size, verbose=verbose)
         try:
+            # a template that cannot render fails every message: say so once, before the session
+            template = engine.model.chat_template
+            if template is None:
+                raise DgError(f"{path.name} has no chat template (tokenizer.chat_template), which dg chat needs: "
+                              "dg generate --raw sends a prompt as it is")
+            template.check()
             session = ChatSession(engine, system=system, params=params, max_new_tokens=max_new_tokens,
                                   seed=None if seed == -1 else seed, parse_special=parse_special)
             if interactive:
