@@ -200,6 +200,7 @@ def test_queue_full_is_503_and_a_client_that_disconnects_frees_its_slot(tiny_ggu
     import openai
 
     with ServeProcess("-m", tiny_gguf, "--parallel", "1", "--queue", "0") as server:
+        assert " 1 slot of " in server.banner, server.banner  # was "1 slots"
         host, port = server.root.removeprefix("http://").split(":")
         conn = http.client.HTTPConnection(host, int(port), timeout=TIMEOUT_S)
         conn.request("POST", "/v1/chat/completions", json.dumps({
@@ -219,6 +220,7 @@ def test_queue_full_is_503_and_a_client_that_disconnects_frees_its_slot(tiny_ggu
         with pytest.raises(openai.APIStatusError) as info:
             client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=16)
         assert info.value.status_code == 503 and info.value.body["code"] == "queue_full"
+        assert "busy: 1 request running, 0 waiting" in info.value.body["message"], info.value.body  # "1 requests"
         assert info.value.response.headers.get("retry-after") == "1"
 
         conn.close()  # the client goes away mid-stream

@@ -10,6 +10,7 @@ from typing import Optional
 
 import typer
 
+from dgcli import render
 from dgcli.commands import _shared as shared, _signals
 from dgcli.engine.types import DgError, InvalidParameter
 
@@ -104,7 +105,7 @@ def _run(uvicorn, listener: socket.socket, name: str, path, *, parallel: int, qu
     from dgcli.server.app import DgService, ServeConfig, create_app
     from dgcli.server.scheduler import BatchScheduler
 
-    with shared.stderr.status(f"loading {name} ({parallel} slots of {ctx_size} tokens)"):
+    with shared.stderr.status(f"loading {name} ({render.plural(parallel, 'slot')} of {ctx_size} tokens)"):
         # a KV-cache stream per request: each is laid out as if alone, so answers equal `dg generate`'s
         model = DiffusionModel(str(path), n_threads=threads, n_gpu_layers=gpu_layers, n_ctx=ctx_size * parallel,
                                n_seq_max=parallel, kv_unified=False, rpc_servers=rpc_servers)
@@ -122,8 +123,8 @@ def _run(uvicorn, listener: socket.socket, name: str, path, *, parallel: int, qu
                             log=log)
         host, port = listener.getsockname()[:2]
         url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
-        banner = (f"dg serve: {url}/v1  model {name} (canvas {model.canvas_length})  {parallel} slots of "
-                  f"{model.n_ctx_seq} tokens  queue {queue_size}")
+        banner = (f"dg serve: {url}/v1  model {name} (canvas {model.canvas_length})  "
+                  f"{render.plural(parallel, 'slot')} of {model.n_ctx_seq} tokens  queue {queue_size}")
         if shared.stdout.is_terminal:  # wrapped between words; scripts reading stdout get one raw line
             shared.stdout.print(banner, markup=False, highlight=False)
         else:

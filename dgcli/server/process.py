@@ -50,6 +50,7 @@ class ServeProcess:
         if not line.startswith("dg serve: http://"):
             self.stop()
             raise AssertionError(f"dg serve did not start: {line!r}\n" + "\n".join(self.stderr_lines))
+        self.banner = line.rstrip("\n")
         return line.split()[2]
 
     def stop(self, sig: int = signal.SIGINT) -> int:

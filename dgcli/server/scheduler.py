@@ -39,6 +39,7 @@ from typing import Any, Callable, Sequence
 from dgcli.engine.diffusion import DiffusionEngine, DiffusionSequence, denoising_step, validate_max_new_tokens
 from dgcli.engine.model import ENCODE_CHUNK
 from dgcli.engine.types import CanvasEvent, DgError, DiffusionParams, GenerationResult, StepEvent
+from dgcli.render import plural
 
 
 class QueueFull(DgError):
@@ -171,7 +172,7 @@ class BatchScheduler:
             free_slots = max(0, self.slots - len(self._active))
             waiting = self.n_waiting  # a request cancelled while queued gives its place back at once
             if waiting >= self.max_queue + free_slots:
-                raise QueueFull(f"the server is busy: {len(self._active)} requests running, "
+                raise QueueFull(f"the server is busy: {plural(len(self._active), 'request')} running, "
                                 f"{waiting} waiting (queue limit {self.max_queue}); retry later")
             request.id = request.id or f"req-{next(self._ids)}"
             request.submitted_at = time.perf_counter()
