@@ -160,6 +160,15 @@ def test_list_shows_every_registry_entry_size_and_presence():
     assert by_name[("demo", None)]["on_disk"] is True and Path(by_name[("demo", None)]["path"]).exists()
 
 
+def test_list_piped_prints_its_footer_as_one_unwrapped_line():
+    # as the table's caption it was wrapped at the table's width, mid-sentence, and padded with spaces
+    r = run("list")
+    assert r.exit_code == 0, r.stderr
+    footer = r.stdout.splitlines()[-1]
+    assert footer.startswith("* default quant.  demo: shipped with dg;"), r.stdout
+    assert footer.endswith("`dg pull NAME[:QUANT]` downloads; --model takes NAME, NAME:QUANT or a .gguf path."), r.stdout
+
+
 def test_list_marks_downloaded_models(tmp_path, monkeypatch):
     cache = tmp_path / "hub"
     snap = cache / "models--unsloth--diffusiongemma-26B-A4B-it-GGUF" / "snapshots" / ("a" * 40)

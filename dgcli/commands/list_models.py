@@ -51,13 +51,17 @@ def list_cmd(json_out: bool = typer.Option(False, "--json", help=f"Machine-reada
         caption = ("* default quant.  " + "; ".join(sources) +
                    ".  `dg pull NAME[:QUANT]` downloads; --model takes NAME, NAME:QUANT or a .gguf path.")
         out = shared.stdout
+        piped = not out.is_terminal  # then the caption and each model's line stay one line, for grep
         if out.measure(table, options=out.options.update_width(10_000)).minimum <= out.width:
+            if piped:  # a table caption is wrapped at the table's width
+                out.print(table)
+                out.print(Text(caption), soft_wrap=True)
+                return
             table.caption = caption
             out.print(table)
             return
         # narrower than the table can fold to: one wrapped line per model (columns squeezed to nothing
         # would hide the sizes and whether each is on disk)
-        piped = not out.is_terminal  # then each model stays one line, for grep
         out.print(Text("dg models", style="italic"))
         for r in rows:
             name = r["name"] + (f":{r['quant']}" if r["quant"] else "") + (" *" if r["default"] and r["quant"] else "")
