@@ -201,6 +201,16 @@ def test_info_table_and_json(tiny_gguf):
     assert isinstance(doc["fits_ram"], bool) and doc["file_size"] == Path(tiny_gguf).stat().st_size
 
 
+def test_info_piped_rows_are_one_line_each_without_padding(tiny_gguf):
+    # the summary grid padded every row with spaces out to the width and wrapped the long ones
+    lines = run("info", tiny_gguf).stdout.splitlines()
+    summary = lines[:lines.index(next(line for line in lines if "sampler defaults" in line))]
+    assert [line.split("  ")[0] for line in summary[:2]] == ["file", "architecture"], summary
+    assert all(line == line.rstrip() for line in summary), summary
+    added = next(line for line in summary if line.startswith("added by dg  "))
+    assert added.endswith("(the published converter leaves these keys out)"), summary
+
+
 def test_info_of_a_registry_name_not_yet_downloaded(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     assert_one_line_error(run("info", "diffusiongemma-26b"), "not downloaded", "dg pull diffusiongemma-26b:Q4_K_M")

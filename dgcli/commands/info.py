@@ -71,11 +71,17 @@ def info_cmd(model: str = typer.Argument(..., help="A .gguf path or a registry n
             rows.append(("GPU memory", gpu_fit_words(meta)))
         if meta.problem:
             rows.append(("problem", Text(render.printable(f"{meta.problem} (dg will not load it)"), style="red")))
-        for k, v in rows:
-            # Text, not markup: names and paths come from the file and may hold brackets (and control
-            # characters: general.name = ESC [2J cleared the screen)
-            summary.add_row(k, v if isinstance(v, Text) else Text(render.printable(v)))
-        shared.stdout.print(summary)
+        # Text, not markup: names and paths come from the file and may hold brackets (and control
+        # characters: general.name = ESC [2J cleared the screen)
+        rows = [(k, v if isinstance(v, Text) else Text(render.printable(v))) for k, v in rows]
+        if shared.stdout.is_terminal:
+            for k, v in rows:
+                summary.add_row(k, v)
+            shared.stdout.print(summary)
+        else:  # piped: one line per row, as the grid lays it out but neither wrapped nor padded to the width
+            width = max(len(k) for k, _ in rows)
+            for k, v in rows:
+                shared.stdout.print(Text.assemble((k.ljust(width + 2), "bold"), v), soft_wrap=True)
         if meta.sampler_defaults:
             # overflow="fold" everywhere: a narrow terminal wraps a name or a number, never cuts it to "…"
             sampler = Table(title="sampler defaults (diffusion.eb_*)")
