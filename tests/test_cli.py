@@ -476,6 +476,17 @@ def test_bench_report_to_stdout_is_the_only_thing_there(json_flag, tiny_gguf, ti
         assert "steps/canvas" in r.stderr  # the tables are still shown, on stderr
 
 
+def test_bench_with_stderr_piped_writes_nothing_there(tiny_gguf, tiny_ar_gguf, scripted, tmp_path):
+    # the progress bar, shown nowhere into a pipe, still left a blank line on stderr when taken down
+    scripted()
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("math\twhat is 3+5\n")
+    r = run("bench", "-m", tiny_gguf, "--ar-model", tiny_ar_gguf, "--prompts", prompts, "--repeat", "1",
+            "--no-speed-model")
+    assert r.exit_code == 0, r.stderr
+    assert "steps/canvas" in r.stdout and r.stderr == ""
+
+
 def test_bench_speed_model_over_batch_sizes(tiny_gguf, tiny_ar_gguf, scripted):
     scripted()
     r = run("bench", "-m", tiny_gguf, "--ar-model", tiny_ar_gguf, "--repeat", "1", "--batch-sizes", "1,2,4",
