@@ -199,6 +199,20 @@ def test_help_and_version_flags():
     assert "<bool>" not in help_text
 
 
+def test_each_commands_entry_in_dg_help_is_one_paragraph_that_reflows():
+    # the help list shows a docstring's first paragraph with its line breaks kept: info's read
+    # "sampler defaults, and" / "whether it fits ..." broken mid-sentence at any width
+    import inspect
+
+    import typer
+
+    commands = typer.main.get_command(cli.app).commands
+    assert "info" in commands
+    for name, command in commands.items():
+        first = inspect.cleandoc(command.help or "").split("\n\n")[0]
+        assert "\n" not in first, (name, first)
+
+
 def test_plurals_in_the_summary():
     from dgcli.engine.types import GenerationResult
 

@@ -24,8 +24,10 @@ def info_cmd(model: str = typer.Argument(..., help="A .gguf path or a registry n
              gpu_memory: Optional[str] = typer.Option(
                  None, "--gpu-memory", metavar="SIZE",
                  help="Judge the fit against a GPU with this much free memory (e.g. 16GB) instead of the one found.")) -> None:
-    """What a GGUF holds (read directly, not loaded): architecture, quant, params, sampler defaults, and
-    whether it fits in RAM and GPU memory with the given offload (--gpu-layers, --n-cpu-moe, --cpu-moe)."""
+    """What a GGUF holds (read directly, not loaded) and whether it fits in RAM and GPU memory.
+
+    Architecture, quant, params and sampler defaults; the fit is judged with the given offload
+    (--gpu-layers, --n-cpu-moe, --cpu-moe)."""
     with shared.user_errors():
         gpu_layers, n_cpu_moe = shared.resolve_offload(gpu_layers, n_cpu_moe, cpu_moe)
         if gpu_memory is not None and gpu_layers == 0:
