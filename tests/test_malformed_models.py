@@ -223,6 +223,18 @@ def test_tensor_data_not_back_to_back_is_refused_by_the_reader(tiny_gguf, tmp_pa
     assert "\n" not in str(err.value)
 
 
+def _refused_within_a_mebibyte(path, message: str) -> None:
+    """`dg info`'s reader refuses `path` with `message` before allocating as much as a mebibyte."""
+    tracemalloc.start()
+    try:
+        with pytest.raises(ModelLoadError, match=message):
+            info.read_info(path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
+
+
 @pytest.mark.parametrize("key,count", [("tokenizer.ggml.tokens", header_mod.MAX_VOCAB + 1),
                                        ("tokenizer.ggml.merges", header_mod.MAX_STRING_ARRAY + 1)])
 def test_a_huge_string_array_over_a_sparse_file_is_refused_before_it_is_walked(tmp_path, key, count):
@@ -236,14 +248,7 @@ def test_a_huge_string_array_over_a_sparse_file_is_refused_before_it_is_walked(t
     with open(bad, "wb") as f:
         f.write(head)
         f.truncate(len(head) + 8 * count)  # a hole: every string reads as empty
-    tracemalloc.start()
-    try:
-        with pytest.raises(ModelLoadError, match=f"{key} is an array of {count} strings; dg reads at most"):
-            info.read_info(bad)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert peak < 1 << 20, peak
+    _refused_within_a_mebibyte(bad, f"{key} is an array of {count} strings; dg reads at most")
 
 
 def test_a_header_of_too_many_tiny_keys_is_refused_before_they_are_read(tmp_path):
@@ -255,14 +260,7 @@ def test_a_header_of_too_many_tiny_keys_is_refused_before_they_are_read(tmp_path
     body = b"".join(string(b"k%d" % i) + struct.pack("<IB", 0, 1) for i in range(n))
     bad = tmp_path / "keys.gguf"
     bad.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, n) + body)
-    tracemalloc.start()
-    try:
-        with pytest.raises(ModelLoadError, match=f"declares {n} keys; dg reads at most"):
-            info.read_info(bad)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert peak < 1 << 20, peak
+    _refused_within_a_mebibyte(bad, f"declares {n} keys; dg reads at most")
 
 
 def test_info_keeps_no_vocabulary_in_memory(tmp_path):

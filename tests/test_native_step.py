@@ -675,7 +675,6 @@ def test_q4_k_dense_weights_on_our_tile_give_ggml_products(tmp_path, monkeypatch
 
     from dgcli.engine import native
     from dgcli.engine.model import DiffusionModel
-    from dgcli.engine.profile import NodeProfiler
 
     path = small_q4_k_m_gguf(tmp_path / "q4_k_m.gguf", seed=5)
     reader = gguf.GGUFReader(path)
@@ -731,21 +730,9 @@ def test_q4_k_dense_weights_on_our_tile_give_ggml_products(tmp_path, monkeypatch
 
     # which op runs: the tile for a canvas, ggml's MUL_MAT for one token
     monkeypatch.setenv("DG_DENSE_GEMM", "auto")
-    profiler = NodeProfiler()
-    try:
-        with DiffusionModel(path, n_threads=1, n_ctx=128, eval_callback=profiler.eval_callback) as m:
-            m.prefill(PROMPT)
-
-            def q_op(run) -> set[str]:
-                profiler.enabled = True
-                run()
-                profiler.enabled = False
-                return {n.op for n in profiler.take() if n.name == "Qcur-0" and n.op in ("CUSTOM", "MUL_MAT")}
-
-            assert q_op(lambda: m.decode_canvas(_canvas(20, m.vocab_size))) == {"CUSTOM"}
-            assert q_op(lambda: m.prefill([20], return_logits=True)) == {"MUL_MAT"}
-    finally:
-        profiler.close()
+    canvas_ops, token_ops = _ops_for_a_canvas_and_one_token(
+        path, 1, lambda n: n.name == "Qcur-0" and n.op in ("CUSTOM", "MUL_MAT"))
+    assert canvas_ops == {"CUSTOM"} and token_ops == {"MUL_MAT"}
 
 
 def test_dense_weights_of_other_types_stay_on_ggml(tiny_gguf, monkeypatch):
@@ -758,29 +745,36 @@ def test_dense_weights_of_other_types_stay_on_ggml(tiny_gguf, monkeypatch):
         assert native.lib()._lib.dg_dense_repacked_count(m._model) == 0
 
 
+def _ops_for_a_canvas_and_one_token(path, threads: int, picked) -> tuple[set[str], set[str]]:
+    """The ops of the graph nodes `picked(node)` selects, in a 16-token canvas decode and in a one-token
+    prefill after a prompt: which path a batch of that size takes."""
+    from dgcli.engine.model import DiffusionModel
+    from dgcli.engine.profile import NodeProfiler
+
+    profiler = NodeProfiler()
+    try:
+        with DiffusionModel(path, n_threads=threads, n_ctx=128, eval_callback=profiler.eval_callback) as m:
+            m.prefill(PROMPT)
+
+            def ops(run) -> set[str]:
+                profiler.enabled = True
+                run()
+                profiler.enabled = False
+                return {n.op for n in profiler.take() if picked(n)}
+
+            return ops(lambda: m.decode_canvas(_canvas(20, m.vocab_size))), ops(lambda: m.prefill([20], return_logits=True))
+    finally:
+        profiler.close()
+
+
 def test_experts_take_our_tiles_only_for_batches_that_pay_for_the_packing(tmp_path, monkeypatch):
     """Packing a row group costs about three columns of tile work: a canvas (16 tokens here, 4 experts
     top-2: 8 per expert) runs the experts on our tiles, a one-token decode (half a token per expert)
     keeps ggml's MUL_MAT_ID, whose per-row dot products read each weight once (on the real model
     the tiles took 1.7x ggml's time for one token)."""
-    from dgcli.engine.model import DiffusionModel
-    from dgcli.engine.profile import NodeProfiler
-
     monkeypatch.setenv("DG_EXPERT_GEMM", "emulated")  # the same rule for every kernel, on any CPU
     path = _tiny_quantized(tmp_path, "q8_0", seed=4)
-    profiler = NodeProfiler()
-    try:
-        with DiffusionModel(path, n_threads=2, n_ctx=128, eval_callback=profiler.eval_callback) as m:
-            m.prefill(PROMPT)
-
-            def expert_ops(run) -> set[str]:
-                profiler.enabled = True
-                run()
-                profiler.enabled = False
-                return {n.op for n in profiler.take() if n.op in ("CUSTOM", "MUL_MAT_ID")
-                        and n.name.startswith(("ffn_moe_gate_up", "experts_gemm", "ffn_moe_down"))}
-
-            assert expert_ops(lambda: m.decode_canvas(_canvas(20, m.vocab_size))) == {"CUSTOM"}
-            assert expert_ops(lambda: m.prefill([20], return_logits=True)) == {"MUL_MAT_ID"}
-    finally:
-        profiler.close()
+    canvas_ops, token_ops = _ops_for_a_canvas_and_one_token(
+        path, 2, lambda n: n.op in ("CUSTOM", "MUL_MAT_ID")
+        and n.name.startswith(("ffn_moe_gate_up", "experts_gemm", "ffn_moe_down")))
+    assert canvas_ops == {"CUSTOM"} and token_ops == {"MUL_MAT_ID"}
