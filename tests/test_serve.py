@@ -402,6 +402,31 @@ def test_stop_strings_cut_the_answer_and_end_the_request(thinking_server):
     assert len(r.model_extra["dg"]["steps_per_canvas"]) == 2  # no third canvas after the stop string
 
 
+def test_the_log_line_says_how_many_tokens_the_usage_counts_through_a_stop_string():
+    """The server's log counted the whole answer (27+5 tokens) where the client's usage, cut at the stop
+    string, said 3: the log now gives both."""
+    from dgcli.engine.diffusion import DiffusionEngine
+    from dgcli.server.app import DgService, ServeConfig
+    from dgcli.server.scheduler import BatchScheduler
+
+    lines: list[str] = []
+    scheduler = BatchScheduler(DiffusionEngine(ThinkingModel(), sampler="numpy"), slots=1)
+    server = InProcessServer(DgService(scheduler, ServeConfig(model_name="thinker"), log=lines.append))
+    try:
+        client = client_for(server.url)
+        # " ans" completes on the first token of the last canvas, which is committed whole
+        r = client.chat.completions.create(model="thinker", messages=[{"role": "user", "content": "q"}], stop=[" ans"])
+        cut = r.usage.completion_tokens
+        r = client.chat.completions.create(model="thinker", messages=[{"role": "user", "content": "q"}])
+        whole = r.usage.completion_tokens
+    finally:
+        server.stop()
+        scheduler.close()
+    done = [line for line in lines if line.startswith("chatcmpl-")]
+    assert cut < whole and len(done) == 2
+    assert f" ({cut} through the stop string) " in done[0] and "through the stop" not in done[1]
+
+
 def test_api_key_is_required_when_set(thinking_server):
     import openai
 

@@ -162,7 +162,9 @@ class RequestRun:
     def log_done(self, done: RequestDone, finish: str) -> None:
         r = done.result
         canvases = len(r.steps_per_canvas)
-        self.service.log(f"{self.rid}  {r.n_prompt_tokens}+{r.n_new_tokens} tokens  {canvases} "
+        sent = usage(r, self.answer.stop_tokens)["completion_tokens"]  # what the client's usage says
+        cut = f" ({sent} through the stop string)" if sent != r.n_new_tokens else ""
+        self.service.log(f"{self.rid}  {r.n_prompt_tokens}+{r.n_new_tokens} tokens{cut}  {canvases} "
                          f"canvas{'es' if canvases != 1 else ''} {r.decoder_forwards} steps  {r.total_s:.2f}s "
                          f"(queued {done.queued_s:.2f}s)  {finish}")
 
