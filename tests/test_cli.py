@@ -582,6 +582,34 @@ def test_pull_missing_file_and_offline(tmp_path, monkeypatch, fake_hub):
     assert_one_line_error(run("pull", "tiny"), "cannot reach the Hugging Face Hub")
 
 
+LONG_FILE = "diffusiongemma-26B-A4B-it-Q4_K_M.gguf"  # the registry's longest file name
+
+
+def _pull_with_fake_download(tmp_path, monkeypatch, download):
+    from dgcli import hub
+
+    reg = tmp_path / "models.toml"
+    reg.write_text(f'[models.big]\nrole = "diffusion"\nrepo = "org/big-GGUF"\n'
+                   f'[models.big.files]\nQ4_K_M = {{ file = "{LONG_FILE}", size_gb = 16 }}\n')
+    monkeypatch.setenv("DG_REGISTRY", str(reg))
+    monkeypatch.setattr(hub, "download", download)
+    return run("pull", "big")
+
+
+def test_pull_waiting_for_another_pull_is_one_line_when_piped(tmp_path, monkeypatch):
+    # the wait line went through Rich at 80 columns: "... waiting \nfor it to finish" in a log
+    done = tmp_path / "done.gguf"
+    done.write_bytes(b"GGUF")
+
+    def download(repo, filename, *, on_wait=None, **_):
+        on_wait(f"another download of {filename} is running; waiting for it to finish")
+        return done
+
+    r = _pull_with_fake_download(tmp_path, monkeypatch, download)
+    assert r.exit_code == 0, r.stderr
+    assert f"another download of {LONG_FILE} is running; waiting for it to finish\n" in r.stderr, r.stderr
+
+
 # ------------------------------------------------------------------------------------------ console script
 
 

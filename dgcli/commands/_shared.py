@@ -99,7 +99,7 @@ def download_with_progress(resolved: ResolvedModel) -> Path:
     try:
         return hub.download(resolved.repo, resolved.filename, approx_size=resolved.approx_size_bytes,
                             on_progress=bar(name), on_verify=bar("sha256 check"),
-                            on_wait=lambda line: stderr.print(line, style="yellow"))
+                            on_wait=lambda line: notice(line, style="yellow"))
     except KeyboardInterrupt:
         progress.stop()
         typer.echo(f"interrupted: run `dg pull {resolved.display_name}` to continue the download "
