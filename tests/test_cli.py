@@ -610,6 +610,29 @@ def test_pull_waiting_for_another_pull_is_one_line_when_piped(tmp_path, monkeypa
     assert f"another download of {LONG_FILE} is running; waiting for it to finish\n" in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("columns", [80, 40])
+def test_pull_progress_bars_fit_the_width(tmp_path, monkeypatch, columns):
+    # at 80 columns a 16 GB file's bar wrapped its unit onto a line of its own ("16.0/16.0" / "GB")
+    done = tmp_path / "done.gguf"
+    done.write_bytes(b"GGUF")
+    total = 16 * 10**9
+
+    def download(repo, filename, *, on_progress=None, on_verify=None, **_):
+        on_progress(total // 2, total)
+        on_progress(total, total)
+        on_verify(total, total)
+        return done
+
+    monkeypatch.setenv("COLUMNS", str(columns))
+    r = _pull_with_fake_download(tmp_path, monkeypatch, download)
+    assert r.exit_code == 0, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 2, r.stderr  # one line per bar: the transfer and the sha256 pass
+    assert all(len(line.rstrip()) <= columns for line in lines), r.stderr
+    assert all("16.0/16.0 GB" in line for line in lines), r.stderr
+    assert lines[1].startswith("sha256 check"), r.stderr
+
+
 # ------------------------------------------------------------------------------------------ console script
 
 

@@ -79,12 +79,22 @@ def download_with_progress(resolved: ResolvedModel) -> Path:
     """hub.download with a progress bar for the transfer and one for the sha256 pass after it.
     Ctrl-C keeps the partial file for the next `dg pull` and exits 130."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+    from rich.table import Column
 
+    # One line per bar at any width (a fixed 40-cell bar beside the registry's file names pushed a
+    # 16 GB file's unit onto a line of its own at 80 columns): the name is cut to what the figures
+    # leave, the bar takes the rest, and under 60 columns only the name, the bytes and the speed stay.
+    def fixed() -> Column:
+        return Column(no_wrap=True)
+
+    width = stderr.width
+    name_column = TextColumn("[bold]{task.description}",
+                             table_column=Column(no_wrap=True, overflow="ellipsis", max_width=max(10, width - 52)))
+    figures = [DownloadColumn(table_column=fixed()), TransferSpeedColumn(table_column=fixed())]
+    columns = ([name_column, BarColumn(bar_width=None), *figures, TimeRemainingColumn(table_column=fixed())]
+               if width >= 60 else [name_column, *figures])
     # Started on the first byte count, so a missing repo/file or a full disk prints only its error.
-    progress = Progress(
-        TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-        TimeRemainingColumn(), console=stderr, transient=False,
-    )
+    progress = Progress(*columns, console=stderr, transient=False, expand=True)
     tasks: dict[str, Any] = {}
 
     def bar(description: str):
