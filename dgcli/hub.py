@@ -237,8 +237,8 @@ def check_free_disk(needed: int, directory: Path, what: str, *, margin: int = 64
     free = free_bytes(directory)
     if needed + margin > free:
         raise HubError(
-            f"not enough disk space for {what}: needs {format_bytes(needed)}, "
-            f"{format_bytes(free)} free in {directory}"
+            f"not enough disk space for {what}: needs {format_bytes(needed + margin)} ({format_bytes(needed)} "
+            f"and {format_bytes(margin)} to spare), {format_bytes(free)} free in {directory}"
         )
 
 

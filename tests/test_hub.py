@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from collections import namedtuple
 from pathlib import Path
 
@@ -117,11 +118,24 @@ def test_not_enough_disk_space_stops_before_downloading(fake_hub, monkeypatch):
     fake_hub.files[("org/model-GGUF", "m.gguf")] = PAYLOAD
     Usage = namedtuple("Usage", "total used free")
     monkeypatch.setattr(hub.shutil, "disk_usage", lambda p: Usage(10**9, 10**9 - 1000, 1000))
-    with pytest.raises(DgError, match=r"not enough disk space for m.gguf: needs 1.0 MB"):
+    with pytest.raises(DgError, match=r"not enough disk space for m.gguf: needs 68.2 MB \(1.0 MB"):
         hub.download("org/model-GGUF", "m.gguf")
     assert not fake_hub.gets()
     assert hub.cached_path("org/model-GGUF", "m.gguf") is None
 
+
+
+def test_disk_space_message_never_says_more_is_free_than_needed(fake_hub, monkeypatch):
+    # free space between the file's size and its size plus the margin read "needs 1.0 MB, 34.6 MB free"
+    fake_hub.files[("org/model-GGUF", "m.gguf")] = PAYLOAD
+    Usage = namedtuple("Usage", "total used free")
+    free = len(PAYLOAD) + 32 * 1024**2
+    monkeypatch.setattr(hub.shutil, "disk_usage", lambda p: Usage(10**12, 10**12 - free, free))
+    with pytest.raises(DgError, match=r"not enough disk space") as err:
+        hub.download("org/model-GGUF", "m.gguf")
+    needs, has = re.search(r"needs ([0-9.]+) MB.*, ([0-9.]+) MB free", str(err.value)).groups()
+    assert float(needs) > float(has), str(err.value)
+    assert not fake_hub.gets()
 
 def test_format_bytes_uses_one_decimal_unit_system():
     assert hub.format_bytes(512) == "512 B"
