@@ -551,6 +551,15 @@ def test_bench_bad_input(flags, fragment, tiny_gguf, tiny_ar_gguf, scripted):
     assert_one_line_error(run("bench", "-m", tiny_gguf, "--ar-model", tiny_ar_gguf, *flags), fragment)
 
 
+
+def test_serve_without_its_extra_names_the_install_that_works(monkeypatch):
+    # it said `pip install 'dgcli[serve]'`: dg is installed from its checkout (`make demo`), not from an
+    # index, so that line fetched nothing (or another project's package); the README says -e '.[serve]'
+    monkeypatch.setitem(sys.modules, "starlette", None)  # import starlette -> ImportError
+    r = run("serve", "--port", "0")
+    assert_one_line_error(r, "dg serve needs its optional dependencies", "pip install -e '.[serve]'")
+    assert "dgcli[serve]" not in r.stderr
+
 # ------------------------------------------------------------------------------------------ pull
 
 

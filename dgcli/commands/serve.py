@@ -76,7 +76,7 @@ def _serve_dependencies():
         import uvicorn  # noqa: PLC0415
     except ImportError as err:
         raise DgError(f"dg serve needs its optional dependencies ({err.name} is missing): "
-                      "pip install 'dgcli[serve]' (Starlette and uvicorn)") from None
+                      "pip install -e '.[serve]' in dg's source folder, as the README says (Starlette and uvicorn)") from None
     return uvicorn
 
 
