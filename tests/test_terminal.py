@@ -386,3 +386,24 @@ def test_dg_worker_wraps_its_notices_between_words_on_a_narrow_terminal():
                "use this machine's memory and compute. Trusted networks only.")
     for word in warning.split() + ["Ctrl-C", "stops"]:
         assert re.search(rf"(^|\s){re.escape(word)}(\s|$)", screen, re.M), (word, screen)
+
+
+@pytest.mark.parametrize("columns", WIDTHS)
+def test_ctrl_c_during_pull_leaves_one_progress_line(columns, fake_hub, tmp_path, monkeypatch):
+    # the kernel's `^C` echo pushed the cursor off a full-width bar, and stopping the bar then left
+    # a second copy of it on the screen above the "interrupted" line
+    repo, name = "org/big-GGUF", "diffusiongemma-26B-A4B-it-Q4_K_M.gguf"
+    fake_hub.files[(repo, name)] = bytes(range(256)) * (48 << 12)  # 48 MiB: a few 10 MiB writes
+    fake_hub.seconds_per_chunk = 0.02  # ~15 s in all: Ctrl-C lands mid-transfer
+    reg = tmp_path / "models.toml"
+    reg.write_text(f'[models.big]\nrole = "diffusion"\nrepo = "{repo}"\n[models.big.files]\nQ4_K_M = {{ file = "{name}" }}\n')
+    monkeypatch.setenv("DG_REGISTRY", str(reg))
+    term = pty_screen.Terminal(columns, 24).spawn("pull", "big", timeout=60)
+    term.read_until(r"MB", timeout=60)  # the bar is drawn
+    time.sleep(1.0)
+    term.sendintr()
+    assert term.wait(60) == 130
+    lines = [line for line in term.all_text().splitlines() if line.strip()]
+    bars = [line for line in lines if " MB" in line]
+    assert len(bars) == 1, term.all_text()
+    assert any(line.startswith("interrupted: run `dg pull big") for line in lines), term.all_text()

@@ -107,9 +107,10 @@ def download_with_progress(resolved: ResolvedModel) -> Path:
 
     name = resolved.filename or "download"
     try:
-        return hub.download(resolved.repo, resolved.filename, approx_size=resolved.approx_size_bytes,
-                            on_progress=bar(name), on_verify=bar("sha256 check"),
-                            on_wait=lambda line: notice(line, style="yellow"))
+        with echo_off():  # as under a live view: a `^C` echoed past a full-width bar left a copy of it
+            return hub.download(resolved.repo, resolved.filename, approx_size=resolved.approx_size_bytes,
+                                on_progress=bar(name), on_verify=bar("sha256 check"),
+                                on_wait=lambda line: notice(line, style="yellow"))
     except KeyboardInterrupt:
         progress.stop()
         typer.echo(f"interrupted: run `dg pull {resolved.display_name}` to continue the download "
