@@ -407,3 +407,24 @@ def test_ctrl_c_during_pull_leaves_one_progress_line(columns, fake_hub, tmp_path
     bars = [line for line in lines if " MB" in line]
     assert len(bars) == 1, term.all_text()
     assert any(line.startswith("interrupted: run `dg pull big") for line in lines), term.all_text()
+
+
+@pytest.mark.parametrize("columns", WIDTHS)
+def test_pull_interrupted_line_wraps_at_words(columns, fake_hub, tmp_path, monkeypatch):
+    # typer.echo left the wrapping to the terminal, which cut words: "... download (t" / "he partial"
+    repo, name = "org/big-GGUF", "big.gguf"
+    fake_hub.files[(repo, name)] = bytes(range(256)) * (48 << 12)
+    fake_hub.seconds_per_chunk = 0.02
+    reg = tmp_path / "models.toml"
+    reg.write_text(f'[models.bigger]\nrole = "diffusion"\nrepo = "{repo}"\n[models.bigger.files]\nQ4_K_M = {{ file = "{name}" }}\n')
+    monkeypatch.setenv("DG_REGISTRY", str(reg))
+    term = pty_screen.Terminal(columns, 24).spawn("pull", "bigger", timeout=60)
+    term.read_until(r"MB", timeout=60)
+    time.sleep(1.0)
+    term.sendintr()
+    assert term.wait(60) == 130
+    lines = [line for line in term.all_text().splitlines() if line.strip()]
+    start = next(i for i, line in enumerate(lines) if line.startswith("interrupted:"))
+    words = " ".join(lines[start:]).split()
+    assert words == ("interrupted: run `dg pull bigger:Q4_K_M` to continue the download "
+                     "(the partial file is never loaded)").split(), term.all_text()

@@ -113,8 +113,8 @@ def download_with_progress(resolved: ResolvedModel) -> Path:
                                 on_wait=lambda line: notice(line, style="yellow"))
     except KeyboardInterrupt:
         progress.stop()
-        typer.echo(f"interrupted: run `dg pull {resolved.display_name}` to continue the download "
-                   "(the partial file is never loaded)", err=True)
+        notice(f"interrupted: run `dg pull {resolved.display_name}` to continue the download "
+               "(the partial file is never loaded)")
         raise typer.Exit(EXIT_INTERRUPTED) from None
     finally:
         progress.stop()
