@@ -903,7 +903,11 @@ def vocab_from_hf_dir(hf_dir: Path, vocab_size: int) -> GgufVocab:
 
     def special_id(key: str, default: int | None) -> int | None:
         text = _token_text(config.get(key))
-        return token_to_id[text] if text in token_to_id else default
+        if text is None:
+            return default
+        if text not in token_to_id:  # the default id would be some other token's
+            raise DgError(f"tokenizer_config.json names {key} {text!r}, which tokenizer.json does not have")
+        return token_to_id[text]
 
     template = config.get("chat_template")
     jinja_file = hf_dir / "chat_template.jinja"

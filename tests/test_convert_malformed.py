@@ -122,6 +122,11 @@ CASES = {
     "added token without id": (edit_json("tokenizer.json", _add_token({"content": "<x>"})), "the id None"),
     "merges of ints": (edit_json("tokenizer.json", lambda d: d["model"].update(merges=[[1, 2]])), "merge"),
     "chat_template an int": (edit_json("tokenizer_config.json", _set("chat_template", 5)), "chat_template"),
+    # a named special token the vocabulary lacks: was written as the default id (1, 4: some other token)
+    "eos_token missing from the vocabulary": (edit_json("tokenizer_config.json", _set("eos_token", "<nope>")),
+                                              "names eos_token '<nope>', which tokenizer.json does not have"),
+    "mask_token missing from the vocabulary": (edit_json("tokenizer_config.json", _set("mask_token", {"content": "<m>"})),
+                                               "names mask_token '<m>'"),
     # config
     "hidden_size 2**40": (edit_text_config(hidden_size=2**40), "n_embd = 1099511627776"),
     "num_hidden_layers -1": (edit_text_config(num_hidden_layers=-1), "for -1 layers"),
