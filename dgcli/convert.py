@@ -144,8 +144,24 @@ def params_from_hf_config(config: dict[str, Any], generation: dict[str, Any] | N
             raise DgError(f"config.json text_config lacks {key!r}")
         return text[key]
 
+    def integer(key: str, value: Any = None) -> int:
+        """`value` (default: text_config's `key`, which must be there) as an int: a string, a bool or a
+        fraction is refused, not converted (int() made "64" 64 and 64.9 64)."""
+        value = need(key) if value is None else value
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise DgError(f"config.json: {key} = {value!r} is not an integer")
+        return value
+
+    def optional(key: str, default: int, source: dict | None = None) -> int:
+        """text_config's (or `source`'s) `key`, `default` when it is absent or null (0 is a value: it
+        was taken for absent, so canvas_length 0 became 256)."""
+        value = (text if source is None else source).get(key)
+        return default if value is None else integer(key, value)
+
     try:
-        n_layer = int(need("num_hidden_layers"))
+        n_layer = integer("num_hidden_layers")
         layer_types = list(text.get("layer_types") or _default_layer_types(n_layer))
         if len(layer_types) != n_layer:
             raise DgError(f"text_config.layer_types has {len(layer_types)} entries for {n_layer} layers")
@@ -162,17 +178,16 @@ def params_from_hf_config(config: dict[str, Any], generation: dict[str, Any] | N
         if text.get("attention_bias"):
             raise DgError("attention_bias=true is not supported by the published layout")
 
-        head_dim = int(text.get("head_dim") or 256)
-        n_kv = int(text.get("num_key_value_heads") or 4)
+        head_dim = optional("head_dim", 256)
+        n_kv = optional("num_key_value_heads", 4)
         if "per_layer_config" in text and text["per_layer_config"] is not None:
             per_layer = {str(k): v or {} for k, v in dict(text["per_layer_config"]).items()}
-            layer_head_dim = [int(per_layer.get(str(i), {}).get("head_dim", head_dim)) for i in range(n_layer)]
-            layer_kv = [int(per_layer.get(str(i), {}).get("num_key_value_heads", n_kv)) for i in range(n_layer)]
+            layer_head_dim = [optional("head_dim", head_dim, per_layer.get(str(i), {})) for i in range(n_layer)]
+            layer_kv = [optional("num_key_value_heads", n_kv, per_layer.get(str(i), {})) for i in range(n_layer)]
         else:
             # Google's form; Transformers' defaults when a key is missing (global_head_dim 512).
-            global_head_dim = int(text.get("global_head_dim") or 512)
-            global_kv = text.get("num_global_key_value_heads")
-            global_kv = int(global_kv) if global_kv is not None else n_kv
+            global_head_dim = optional("global_head_dim", 512)
+            global_kv = optional("num_global_key_value_heads", n_kv)
             layer_head_dim = [head_dim if t == "sliding_attention" else global_head_dim for t in layer_types]
             layer_kv = [n_kv if t == "sliding_attention" else global_kv for t in layer_types]
         is_swa = [t == "sliding_attention" for t in layer_types]
@@ -196,25 +211,25 @@ def params_from_hf_config(config: dict[str, Any], generation: dict[str, Any] | N
         diffusion, diffusion_defaults = diffusion_params_from_generation(generation)
         params = LayoutParams(
             n_layer=n_layer,
-            n_embd=int(need("hidden_size")),
-            n_ff=int(need("intermediate_size")),
-            n_ff_exp=int(need("moe_intermediate_size")),
-            n_expert=int(need("num_experts")),
-            n_expert_used=int(need("top_k_experts")),
-            n_head=int(need("num_attention_heads")),
+            n_embd=integer("hidden_size"),
+            n_ff=integer("intermediate_size"),
+            n_ff_exp=integer("moe_intermediate_size"),
+            n_expert=integer("num_experts"),
+            n_expert_used=integer("top_k_experts"),
+            n_head=integer("num_attention_heads"),
             is_swa=is_swa,
             head_count_kv=layer_kv,
             head_dim_full=head_dim_full,
             head_dim_swa=head_dim_swa,
-            sliding_window=int(text.get("sliding_window") or 512),
-            vocab_size=int(need("vocab_size")),
-            context_length=int(text.get("max_position_embeddings") or 131072),
+            sliding_window=optional("sliding_window", 512),
+            vocab_size=integer("vocab_size"),
+            context_length=optional("max_position_embeddings", 131072),
             rms_eps=float(text.get("rms_norm_eps") or 1e-6),
             rope_base_full=float(rope_full.get("rope_theta", 1_000_000.0)),
             rope_base_swa=float(rope_swa.get("rope_theta", 10_000.0)),
             partial_rotary_factor=float(partial),
             softcap=float(softcap) if softcap else DEFAULT_SOFTCAP,
-            canvas_length=int(config.get("canvas_length") or 256),
+            canvas_length=optional("canvas_length", 256, config),
             diffusion=diffusion,
             reference_defaults=(() if softcap else ("softcap",)) + diffusion_defaults,
         )

@@ -136,6 +136,11 @@ CASES = {
     "rms_norm_eps NaN": (edit_text_config(rms_norm_eps=float("nan")), "rms_eps"),
     "max_position_embeddings Infinity": (edit_text_config(max_position_embeddings=float("inf")), "config.json"),
     "rope_parameters a list": (edit_text_config(rope_parameters=[1, 2]), "config.json"),
+    # were converted by int(): "64" to 64, 64.5 to 64; a 0 was taken for "absent" (canvas_length 0 -> 256)
+    "hidden_size a string": (edit_text_config(hidden_size="64"), "hidden_size = '64' is not an integer"),
+    "hidden_size 64.5": (edit_text_config(hidden_size=64.5), "hidden_size = 64.5 is not an integer"),
+    "canvas_length 0": (edit_json("config.json", _set("canvas_length", 0)), "canvas_length = 0 is not an integer"),
+    "sliding_window 0": (edit_text_config(sliding_window=0), "sliding_window = 0 is not an integer"),
 }
 
 
