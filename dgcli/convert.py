@@ -162,7 +162,13 @@ def params_from_hf_config(config: dict[str, Any], generation: dict[str, Any] | N
 
     try:
         n_layer = integer("num_hidden_layers")
-        layer_types = list(text.get("layer_types") or _default_layer_types(n_layer))
+        layer_types = text.get("layer_types")
+        if not layer_types:  # the default list has n_layer entries: bound it first (10**9 took minutes and GBs)
+            limit = LayoutParams.LIMITS["n_layer"]
+            if not 1 <= n_layer <= limit:
+                raise DgError(f"config.json: num_hidden_layers = {n_layer} is not an integer from 1 to {limit}")
+            layer_types = _default_layer_types(n_layer)
+        layer_types = list(layer_types)
         if len(layer_types) != n_layer:
             raise DgError(f"text_config.layer_types has {len(layer_types)} entries for {n_layer} layers")
         bad = sorted(set(layer_types) - {"sliding_attention", "full_attention"})

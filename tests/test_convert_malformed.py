@@ -130,6 +130,13 @@ CASES = {
     # config
     "hidden_size 2**40": (edit_text_config(hidden_size=2**40), "n_embd = 1099511627776"),
     "num_hidden_layers -1": (edit_text_config(num_hidden_layers=-1), "for -1 layers"),
+    # without layer_types: the default list was built first (10**9 layers: over a minute and 4 GB)
+    "num_hidden_layers 10**7 without layer_types": (
+        edit_json("config.json", lambda c: c["text_config"].update(num_hidden_layers=10**7, layer_types=None)),
+        "num_hidden_layers = 10000000 is not an integer from 1 to 4096"),
+    "num_hidden_layers 0 without layer_types": (
+        edit_json("config.json", lambda c: c["text_config"].update(num_hidden_layers=0, layer_types=None)),
+        "num_hidden_layers = 0 is not an integer from 1 to 4096"),
     "head_dim 2**40": (edit_text_config(head_dim=2**40, global_head_dim=2**40), "head_dim"),
     "vocab_size 0": (edit_text_config(vocab_size=0), "vocab_size = 0"),
     "layer_types a string": (edit_text_config(layer_types="full_attention"), "layer_types"),
