@@ -65,6 +65,7 @@ class Trace:
     pieces: dict[int, str] = field(default_factory=dict)
     canvas_texts: list[str] = field(default_factory=list)  # per CanvasEvent, in order
     result: dict | None = None
+    cut_short: bool = False  # the last line ended mid-way (its writer was killed): it was left out
 
 
 def read_trace(path: Path | str) -> Trace:
@@ -88,6 +89,9 @@ def _read_trace(f: BinaryIO, path: str) -> Trace:
         try:
             doc = json.loads(line)
         except json.JSONDecodeError as err:
+            if trace is not None and not line.endswith("\n"):  # the last line, cut off: replay up to it
+                trace.cut_short = True
+                break
             raise DgError(f"{where}: not JSON ({err.msg})") from None
         if not isinstance(doc, dict):
             raise DgError(f"{where}: expected a JSON object per line")

@@ -92,3 +92,22 @@ def test_a_trace_from_stdin_or_a_pipe(tmp_path):
 
     r = runner.invoke(cli.app, ["replay", "-", "--no-live"], input="")
     assert r.exit_code == 1 and r.stderr.strip() == "error: stdin is empty"
+
+
+def test_a_trace_cut_off_mid_line_replays_up_to_the_cut(tmp_path):
+    """`dg generate --trace - > run.jsonl` killed while writing a line: the lines before it replay, and
+    stderr says the end was cut (this was `error: run.jsonl:4: not JSON`, nothing replayed); a damaged
+    line that is not the last is still an error."""
+    path = write(tmp_path)
+    whole = path.read_text()
+    path.write_text(whole[:whole.rindex('"stop_reason"')])  # inside the result line
+    r = replay(path)
+    assert r.exit_code == 0, (r.stderr, r.exception)
+    assert r.stdout == "BA\n"
+    assert r.stderr.strip().splitlines()[-1] == ("the trace ends in a cut-off line (its run stopped while "
+                                                 "writing it); replayed up to there")
+
+    lines = whole.splitlines(keepends=True)
+    path.write_text(lines[0] + lines[1][:40] + "\n" + "".join(lines[2:]))
+    r = replay(path)
+    assert r.exit_code == 1 and r.stderr.startswith(f"error: {path}:2: not JSON"), r.stderr

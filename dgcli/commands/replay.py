@@ -57,6 +57,9 @@ def replay(
         result = _recorded_result(trace.result)
         if result is not None:
             shared.notice("recorded: " + render.result_summary(result), style="cyan")
+        elif trace.cut_short:
+            shared.notice("the trace ends in a cut-off line (its run stopped while writing it); replayed up to there",
+                          style="yellow")
         else:
             shared.stderr.print("the trace has no result line (its run stopped early)", style="yellow")
 
