@@ -149,6 +149,19 @@ def test_a_piped_line_that_is_not_utf8_is_that_turns_error_not_a_traceback():
     assert r.stderr.splitlines()[-1] == "error: 1 message of 3 got no answer (see the errors above)"
 
 
+def test_a_command_s_reply_quoting_brackets_is_text_not_rich_markup():
+    # "/system [/red] ..." then "/system" ended in rich.errors.MarkupError (a traceback), and at a
+    # terminal "[bold]" vanished from the shown prompt
+    from typer.testing import CliRunner
+
+    from dgcli import cli
+
+    r = CliRunner().invoke(cli.app, ["chat"], input="/system [/red] be [bold]brief\n/system\n/foo[/b]\n")
+    assert r.exit_code == 0, (r.stderr, r.exception)
+    assert r.stderr.splitlines() == ["system prompt set", "system prompt: [/red] be [bold]brief",
+                                     "unknown command /foo[/b]; /help lists them"]
+
+
 @needs_native
 def test_a_piped_answer_is_printed_as_it_is_and_an_error_stays_one_line(tiny_gguf):
     # Rich wrapped a piped answer at 120 columns (newlines inside the answer) and an error at 80

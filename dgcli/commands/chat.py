@@ -66,7 +66,7 @@ def chat(
             for line in _messages(interactive):
                 if is_command(line):
                     outcome = session.command(line)
-                    shared.stderr.print(outcome.message, style="dim")
+                    shared.notice(outcome.message, style="dim")  # not markup: it may quote the user's text
                     if outcome.exit:
                         break
                     continue
