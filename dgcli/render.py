@@ -11,6 +11,7 @@ import time
 from typing import Callable, Iterable, Sequence
 
 from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
+from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -151,7 +152,8 @@ def fitted_panel(console: Console, options: ConsoleOptions, *, committed: Text |
         tail = committed_lines[len(committed_lines) - keep:] if keep else []
         committed_lines = ([Text("…", style=MORE_STYLE)] if committed_room > 1 else []) + tail
     body = Text("\n").join(committed_lines + canvas_lines + status_lines)
-    return Panel(body, title=title, border_style=border_style)
+    # the title names a model (a file name, a trace's header): text, not markup ("m[/x]" raised MarkupError)
+    return Panel(body, title=escape(title), border_style=border_style)
 
 
 class DiffusionLiveView:

@@ -72,6 +72,17 @@ def test_live_view_shows_committed_text_canvas_and_status():
     assert view.steps_per_canvas == [5] and view.forwards == 1
 
 
+def test_a_live_view_title_with_brackets_is_shown_as_it_is():
+    # the title names a model: a GGUF named "m[/x].gguf", or a trace whose header says so, ended the
+    # live view of generate, chat or replay in rich.errors.MarkupError
+    for title in ("replay: evil[/x]", "diffusion: m[bold]"):
+        view = render.DiffusionLiveView(piece, detok, end_token_ids=[1], title=title)
+        view.on_event(step([5, 6, 9, 9], [True, False, False, False], step=1))
+        assert title in to_text(view)
+    ar = render.AutoregressiveLiveView(title="autoregressive: [/]")
+    assert "autoregressive: [/]" in to_text(ar)
+
+
 def test_live_view_counts_the_seconds_of_a_slow_forward():
     """A step of the real model takes tens of seconds on a CPU: past render.SLOW_FORWARD_S the status
     says how long the engine has been working, so the screen does not look hung; a fast forward adds
