@@ -146,6 +146,26 @@ _RESULT_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
+# The step line's figures that the status line shows, and what each must be (StepEvent.to_json()).
+_STEP_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "canvas": (lambda v: is_int(v) and v >= 0, "an integer >= 0"),
+    **{name: (lambda v: is_int(v) and v >= 1, "an integer >= 1") for name in ("step", "max_steps")},
+    "n_accepted": (lambda v: is_int(v) and v >= 0, "an integer >= 0"),
+    **{name: (lambda v: is_real(v) and v >= 0, "a finite number >= 0") for name in ("temperature", "mean_entropy",
+                                                                                 "forward_s", "sampling_s")},
+}
+
+
+def _check_step(doc: dict, length: int) -> None:
+    for name, (ok, what) in _STEP_FIELDS.items():
+        if not ok(doc[name]):
+            raise ValueError(f"{name} must be {what}")
+    if doc["step"] > doc["max_steps"]:
+        raise ValueError(f"step {doc['step']} is past max_steps {doc['max_steps']}")
+    if doc["n_accepted"] > length:
+        raise ValueError(f"n_accepted {doc['n_accepted']} is more than the canvas's {length} tokens")
+
+
 def _check_result(doc: dict) -> None:
     for name, (ok, what) in _RESULT_FIELDS.items():
         if name in doc and not ok(doc[name]):
@@ -171,6 +191,7 @@ def _add_line(trace: Trace, doc: dict) -> None:
         accepted = np.asarray(doc["accepted"], dtype=bool)
         if canvas.ndim != 1 or canvas.shape != accepted.shape:
             raise ValueError("argmax_canvas and accepted must be lists of one length")
+        _check_step(doc, len(canvas))
         pieces = doc.get("pieces", {})
         if not isinstance(pieces, dict):
             raise ValueError("pieces must be an object of token id: text")

@@ -48,6 +48,13 @@ def test_a_well_formed_hand_written_trace_replays(tmp_path):
     (dict(header={**HEADER, "pad_token_id": "x"}), ":1:", "pad_token_id must be a token id"),
     (dict(step={**STEP, "argmax_canvas": [10**30] * 4}), ":2:", "malformed step line"),
     (dict(step={**STEP, "pieces": ["B", "A"]}), ":2:", "pieces must be an object"),
+    # a step line's figures were shown as they were: "T=nan", "accepted 99/4", "step 1/0", "canvas -4"
+    (dict(step={**STEP, "temperature": float("nan")}), ":2:", "temperature must be a finite number >= 0"),
+    (dict(step={**STEP, "n_accepted": 99}), ":2:", "n_accepted 99 is more than the canvas's 4 tokens"),
+    (dict(step={**STEP, "max_steps": 0}), ":2:", "max_steps must be an integer >= 1"),
+    (dict(step={**STEP, "step": 49}), ":2:", "step 49 is past max_steps 48"),
+    (dict(step={**STEP, "canvas": -5}), ":2:", "canvas must be an integer >= 0"),
+    (dict(step={**STEP, "step": "1"}), ":2:", "step must be an integer >= 1"),
     (dict(result={**RESULT, "steps_per_canvas": 1}), ":4:", "steps_per_canvas must be a list of integers"),
     (dict(result={**RESULT, "total_s": None}), ":4:", "total_s must be a finite number"),
     # JSON as Python reads it takes NaN and Infinity: the recorded summary showed "nan tok/s"
