@@ -1002,6 +1002,20 @@ def convert_checkpoint(hf_dir: str | Path, out_path: str | Path | OutputFile, ou
     return write_layout_gguf(out, params, arch, vocab.add_to_gguf, reader.chunks, outtype)
 
 
+def _check_not_a_checkpoint_name(hf_dir: str | Path, path: Path, what: str) -> None:
+    """A GGUF written into the checkpoint under a name a conversion reads (x.safetensors, and a text
+    file it does not have yet, chat_template.jinja) would make the checkpoint fail to convert next time."""
+    if not (path.suffix == ".safetensors" or path.name in CHECKPOINT_TEXT_FILES):
+        return
+    try:
+        inside = path.absolute().parent.resolve() == Path(hf_dir).resolve()
+    except OSError:
+        return
+    if inside:
+        raise DgError(f"cannot write {what} {path}: a conversion of {hf_dir} reads that name as part of the "
+                      "checkpoint (give the GGUF a .gguf name, or write it elsewhere)")
+
+
 def convert_main(hf_dir: str | Path, out_path: str | Path, outtype: str = "bf16",
                  ar_twin: str | Path | None = None, echo: Callable[[str], None] | None = None,
                  force: bool = False) -> list[Path]:
@@ -1015,6 +1029,9 @@ def convert_main(hf_dir: str | Path, out_path: str | Path, outtype: str = "bf16"
     if ar_twin is not None:
         outs.append(gguf_output(ar_twin, force=force, inputs=inputs, what="--ar-twin"))
     check_distinct(outs)
+    for path, what in ((out_path, "OUT"), (ar_twin, "--ar-twin")):  # after the checks of existing inputs
+        if path is not None:
+            _check_not_a_checkpoint_name(hf_dir, Path(path), what)
     written = [convert_checkpoint(hf_dir, outs[0], outtype, DIFFUSION_ARCH)]
     say(f"wrote {written[-1]} ({DIFFUSION_ARCH}, {outtype}, {format_bytes(written[-1].stat().st_size)})")
     if ar_twin is not None:

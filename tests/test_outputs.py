@@ -309,6 +309,21 @@ def test_convert_refuses_every_file_of_its_checkpoint_as_output(reference_checkp
     assert {f: f.read_bytes() for f in sorted(ckpt.iterdir())} == before
 
 
+@needs_torch
+def test_convert_refuses_an_output_its_checkpoint_would_read_back(reference_checkpoint, tmp_path):
+    # OUT = CKPT/x.safetensors (or chat_template.jinja, which the checkpoint lacked) was written, exit 0,
+    # and the next conversion of CKPT failed on it ("x.safetensors is not a safetensors file")
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(reference_checkpoint, ckpt)
+    before = sorted(p.name for p in ckpt.iterdir())
+    for out in (ckpt / "x.safetensors", ckpt / "chat_template.jinja", tmp_path / "." / "ckpt" / "y.safetensors"):
+        one_line_error(run("convert", ckpt, out, "--outtype", "f32"), "reads that name as part of the checkpoint")
+    one_line_error(run("convert", ckpt, tmp_path / "m.gguf", "--ar-twin", ckpt / "ar.safetensors"),
+                   "--ar-twin", "reads that name as part of the checkpoint")
+    assert sorted(p.name for p in ckpt.iterdir()) == before and not (tmp_path / "m.gguf").exists()
+    assert run("convert", ckpt, ckpt / "m.gguf", "--outtype", "f32").exit_code == 0  # a .gguf there is fine
+
+
 def test_is_stdout_names_the_process_stdout_however_spelled(tmp_path):
     # bench -o PATH with --json prints the report once when PATH is stdout (`-`, /dev/stdout, or the file
     # stdout is piped to)
