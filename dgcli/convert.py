@@ -895,7 +895,12 @@ def vocab_from_hf_dir(hf_dir: Path, vocab_size: int) -> GgufVocab:
     model = data.get("model")
     if not isinstance(model, dict) or model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
         raise DgError("tokenizer.json must hold a BPE model with a vocab (the gemma4 tokenizer)")
-    by_id = {_token_id(idx, text, vocab_size): text for text, idx in model["vocab"].items()}
+    by_id: dict[int, str] = {}
+    for text, idx in model["vocab"].items():
+        token = _token_id(idx, text, vocab_size)
+        if token in by_id:  # one of the two texts would vanish from the vocabulary
+            raise DgError(f"tokenizer.json gives id {token} to both {by_id[token]!r} and {text!r}")
+        by_id[token] = text
     bpe_ids = set(by_id)
     added_tokens = data.get("added_tokens") or []
     if not isinstance(added_tokens, list):

@@ -120,6 +120,9 @@ CASES = {
     "tokenizer id negative": (edit_json("tokenizer.json", _add_token({"id": -1, "content": "<x>"})),
                               "expected an integer >= 0"),
     "added token without id": (edit_json("tokenizer.json", _add_token({"content": "<x>"})), "the id None"),
+    # the dict kept the last text: the other one silently left the GGUF's vocabulary
+    "two vocab texts with one id": (edit_json("tokenizer.json", lambda d: d["model"]["vocab"].update({"zzq": 7})),
+                                    "tokenizer.json gives id 7 to both"),
     "merges of ints": (edit_json("tokenizer.json", lambda d: d["model"].update(merges=[[1, 2]])), "merge"),
     "chat_template an int": (edit_json("tokenizer_config.json", _set("chat_template", 5)), "chat_template"),
     # a named special token the vocabulary lacks: was written as the default id (1, 4: some other token)
