@@ -317,7 +317,8 @@ def speedup(diff: GenerationResult, ar: GenerationResult) -> float | None:
 
 def compare_table(diff: GenerationResult, ar: GenerationResult, diff_rss: int | None, ar_rss: int | None,
                   diff_name: str = "diffusion", ar_name: str = "autoregressive") -> Table:
-    table = Table(title=f"{diff_name} (diffusion) vs {ar_name} (AR)")
+    # the names are the models' (file names): text, not markup ("m[/x]" raised MarkupError)
+    table = Table(title=escape(f"{diff_name} (diffusion) vs {ar_name} (AR)"))
     # narrow terminals fold long values rather than cut them to `end_tok…`
     table.add_column("metric", overflow="fold")
     table.add_column("diffusion", justify="right", overflow="fold")

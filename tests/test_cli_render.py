@@ -83,6 +83,14 @@ def test_a_live_view_title_with_brackets_is_shown_as_it_is():
     assert "autoregressive: [/]" in to_text(ar)
 
 
+def test_compare_table_title_with_brackets_is_shown_as_it_is():
+    # `dg compare -m "m[/x].gguf"`: the table's title names both models and ended in MarkupError
+    diff = GenerationResult(mode="diffusion", text="x", token_ids=[5], n_prompt_tokens=3)
+    ar = GenerationResult(mode="autoregressive", text="x", token_ids=[5], n_prompt_tokens=3)
+    table = render.compare_table(diff, ar, None, None, diff_name="m[/x]", ar_name="[bold]a")
+    assert "m[/x] (diffusion) vs [bold]a (AR)" in to_text(table)
+
+
 def test_live_view_counts_the_seconds_of_a_slow_forward():
     """A step of the real model takes tens of seconds on a CPU: past render.SLOW_FORWARD_S the status
     says how long the engine has been working, so the screen does not look hung; a fast forward adds
