@@ -157,9 +157,26 @@ def test_a_command_s_reply_quoting_brackets_is_text_not_rich_markup():
     from dgcli import cli
 
     r = CliRunner().invoke(cli.app, ["chat"], input="/system [/red] be [bold]brief\n/system\n/foo[/b]\n")
-    assert r.exit_code == 0, (r.stderr, r.exception)
+    assert r.exit_code == 1, (r.stderr, r.exception)  # piped, the unknown /foo[/b] was a lost message
     assert r.stderr.splitlines() == ["system prompt set", "system prompt: [/red] be [bold]brief",
-                                     "unknown command /foo[/b]; /help lists them"]
+                                     "unknown command /foo[/b]; /help lists them (//TEXT sends /TEXT as a message)",
+                                     "error: 1 message of 1 got no answer (see the errors above)"]
+
+
+def test_a_piped_message_starting_with_a_slash_is_sent_with_two_and_never_lost_silently():
+    # "/usr/lib explain" piped was taken for an unknown command: skipped, and the run exited 0
+    from typer.testing import CliRunner
+
+    from dgcli import cli
+
+    runner = CliRunner()
+    escaped = runner.invoke(cli.app, ["chat", "--seed", "1"], input="//reverse: HELLO\n")
+    alone = runner.invoke(cli.app, ["generate", "/reverse: HELLO", "--seed", "1"])
+    assert escaped.exit_code == 0 and alone.exit_code == 0, (escaped.stderr, alone.stderr)
+    assert escaped.stdout == alone.stdout  # the message "/reverse: HELLO", answered as generate answers it
+    lost = runner.invoke(cli.app, ["chat", "--seed", "1"], input="/usr/lib explain\nreverse: HELLO\n")
+    assert lost.exit_code == 1 and lost.stdout.split() == ["OLLEH"], lost.stderr
+    assert lost.stderr.splitlines()[-1] == "error: 1 message of 2 got no answer (see the errors above)"
 
 
 @needs_native

@@ -35,7 +35,7 @@ def chat(
     """Talk with DiffusionGemma, turn after turn, the earlier turns kept in the KV cache.
 
     Only each new message is prefilled. Messages come from the terminal, or one per line from a pipe."""
-    from dgcli.engine.chat import ChatSession, is_command
+    from dgcli.engine.chat import ChatSession, is_command, message_text
 
     with shared.user_errors():
         shared.check_thinking(thinking)
@@ -69,9 +69,11 @@ def chat(
                     shared.notice(outcome.message, style="dim")  # not markup: it may quote the user's text
                     if outcome.exit:
                         break
+                    if outcome.unknown and not interactive:  # a piped "/usr/lib ..." was a message, lost
+                        turns, failed = turns + 1, failed + 1
                     continue
                 turns += 1
-                failed += not _turn(session, line, live=live, thinking=thinking, pace=pace,
+                failed += not _turn(session, message_text(line), live=live, thinking=thinking, pace=pace,
                                     title=resolved.display_name)
         finally:
             engine.close()

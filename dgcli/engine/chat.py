@@ -25,6 +25,7 @@ COMMANDS = {
     "/clear": "forget the conversation (the system prompt stays)",
     "/system TEXT": "set the system prompt (no TEXT: show it; /system - : remove it)",
     "/help": "this list",
+    "//TEXT": "send /TEXT as a message",
 }
 EXIT_WORDS = ("/exit", "/quit", "/bye")
 
@@ -33,6 +34,7 @@ EXIT_WORDS = ("/exit", "/quit", "/bye")
 class CommandOutcome:
     message: str  # what to tell the user
     exit: bool = False
+    unknown: bool = False  # no such command: piped, the line was meant as a message and got no answer
 
 
 class ChatSession:
@@ -103,8 +105,17 @@ class ChatSession:
             return CommandOutcome("system prompt removed" if self.system is None else "system prompt set")
         if name == "/help":
             return CommandOutcome("\n".join(f"{cmd:<14} {what}" for cmd, what in COMMANDS.items()))
-        return CommandOutcome(f"unknown command {name}; /help lists them")
+        return CommandOutcome(f"unknown command {name}; /help lists them (//TEXT sends /TEXT as a message)",
+                              unknown=True)
 
 
 def is_command(line: str) -> bool:
-    return line.lstrip().startswith("/")
+    """A /command; `//TEXT` is the message /TEXT (message_text)."""
+    text = line.lstrip()
+    return text.startswith("/") and not text.startswith("//")
+
+
+def message_text(line: str) -> str:
+    """The message a line sends: `//TEXT` escapes a message that starts with /."""
+    text = line.lstrip()
+    return text[1:] if text.startswith("//") else line
