@@ -79,22 +79,29 @@ const char * dg_lm_head_path(const llama_model * model) {
     return !dg->uses_gpu() && dg_lm_head::qualifies(dg->output) ? dg_lm_head::kernel_name(kernel) : "ggml";
 }
 
-int32_t dg_dense_repacked_count(const llama_model * model) {
+// How many weights one of the model's CPU GEMMs took: `decide` makes its choice on first use (a null
+// tensor asks nothing else), `taken` is the map it fills.
+template <typename Decide, typename Taken>
+static int32_t dg_count_taken(const llama_model * model, Decide decide, Taken taken) {
     const auto * dg = dg_model_of(model);
     if (!dg) {
         return 0;
     }
-    dg->dense(nullptr); // repacks on first use
-    return (int32_t) dg->dense_repacked.size();
+    (dg->*decide)(nullptr);
+    return (int32_t) (dg->*taken).size();
+}
+
+int32_t dg_dense_repacked_count(const llama_model * model) {
+    return dg_count_taken(model, &llama_model_diffusion_gemma::dense, &llama_model_diffusion_gemma::dense_repacked);
 }
 
 int32_t dg_expert_gemm_count(const llama_model * model) {
-    const auto * dg = dg_model_of(model);
-    if (!dg) {
-        return 0;
-    }
-    dg->experts(nullptr); // decides on first use
-    return (int32_t) dg->experts_gemm.size();
+    return dg_count_taken(model, &llama_model_diffusion_gemma::experts, &llama_model_diffusion_gemma::experts_gemm);
+}
+
+int32_t dg_dense_q4_K_count(const llama_model * model) {
+    return dg_count_taken(model, &llama_model_diffusion_gemma::dense_q4_K,
+                          &llama_model_diffusion_gemma::dense_q4_K_gemm);
 }
 
 int32_t dg_expert_kernel(void) {
@@ -103,15 +110,6 @@ int32_t dg_expert_kernel(void) {
 
 int32_t dg_dense_kernel(void) {
     return (int32_t) dg_lm_head::kernel_for_cpu("DG_DENSE_GEMM");
-}
-
-int32_t dg_dense_q4_K_count(const llama_model * model) {
-    const auto * dg = dg_model_of(model);
-    if (!dg) {
-        return 0;
-    }
-    dg->dense_q4_K(nullptr); // decides on first use
-    return (int32_t) dg->dense_q4_K_gemm.size();
 }
 
 ggml_backend_buffer_type_t dg_plain_cpu_buffer_type(void) {

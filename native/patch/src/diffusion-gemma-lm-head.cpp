@@ -490,10 +490,15 @@ void quantize_columns(dg_lm_head_kernel kernel, int64_t n_blocks, const float * 
 }
 
 
-// this kernel's tiles by column count, and the widest
-const tile_fn * tiles_for(dg_lm_head_kernel kernel, int64_t * n_wide) {
+// this kernel's tiles for weights of `type` by column count, and the widest (Q4_K: AVX2's only, which
+// dg_experts::make ensures)
+const tile_fn * tiles_for(dg_lm_head_kernel kernel, int64_t * n_wide, ggml_type type = GGML_TYPE_Q8_0) {
     *n_wide = kernel == dg_lm_head_kernel::avx2 ? 4 : 8;
 #ifdef DG_LMH_X86
+    if (type == GGML_TYPE_Q4_K) {
+        GGML_ASSERT(kernel == dg_lm_head_kernel::avx2);
+        return tile_q4_K_avx2_by_columns;
+    }
     if (kernel == dg_lm_head_kernel::avx512_vnni) {
         return tile_vnni_by_columns;
     }
@@ -712,12 +717,7 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
     const int64_t n_groups = (n_out_ + G - 1) / G;
     const int64_t ab       = act_bytes();
     int64_t         n_wide;
-    const tile_fn * tiles  = tiles_for(kernel_, &n_wide);
-#ifdef DG_LMH_X86
-    if (type_ == GGML_TYPE_Q4_K) {
-        tiles = tile_q4_K_avx2_by_columns; // make() allows Q4_K on AVX2 only; 4 columns wide, as tile_avx2
-    }
-#endif
+    const tile_fn * tiles  = tiles_for(kernel_, &n_wide, type_);
 
     // the (slot, token) pairs routed to each expert, in token order; every thread builds the same lists
     thread_local std::vector<int64_t> first, routed;
