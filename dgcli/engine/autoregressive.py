@@ -89,8 +89,8 @@ class AutoregressiveEngine:
         stop_reason = "length"
         try:
             prompt_ids = prompt_token_ids(self.model, prompt, chat, parse_special)
-            started = time.perf_counter()  # the chat template and the tokenizer are not generation time
-            began = time.perf_counter()
+            # the clock starts here: the chat template and the tokenizer are not generation time
+            started = began = time.perf_counter()
             self.model.reset()
             logits = self.model.prefill(prompt_ids)
             prefill_s = time.perf_counter() - began
