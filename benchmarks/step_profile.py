@@ -92,12 +92,14 @@ def group_of(node, n_vocab: int, n_embd: int) -> str:
         return "MoE gate+up (MUL_MAT_ID)" if node.shapes[1][0] == n_embd else "MoE down (MUL_MAT_ID)"
     if node.op == "CUSTOM" and base in EXPERT_GEMMS:  # the down product's name sits on its scale's MUL
         return ("MoE gate+up" if base == "ffn_moe_gate_up" else "MoE down") + " (experts on our tiles)"
+    if node.op == "CUSTOM" and base == "lm_head" and node.shapes[1][0] % 36:  # Q8_K activations: a K-quant head
+        return "LM head (K-quant tile)"
     if (node.op, base) in NAMED_GROUPS:
         return NAMED_GROUPS[(node.op, base)]
     if node.op in ("MUL_MAT", "CUSTOM") and base in DENSE_GROUPS:
         if node.op == "MUL_MAT":
             return DENSE_GROUPS[base] + " (MUL_MAT)"
-        return DENSE_GROUPS[base] + (" (repacked int8 GEMM)" if node.shapes[1][0] % 36 == 0 else " (Q4_K tile)")
+        return DENSE_GROUPS[base] + (" (repacked int8 GEMM)" if node.shapes[1][0] % 36 == 0 else " (K-quant tile)")
     if node.op == "FLASH_ATTN_EXT":
         return "attention (FLASH_ATTN_EXT)"
     if not base or base.startswith(("node_", "leaf_")) or " (" in base:
@@ -107,8 +109,8 @@ def group_of(node, n_vocab: int, n_embd: int) -> str:
 
 def gemm_width(node, n_embd: int) -> int:
     """K of one of our GEMMs (custom ops): n_embd for the experts' gate+up, else from the quantized
-    activations' row: K/32 blocks of 32 quants and a 4-byte scale, or for Q4_K weights K/256 blocks of
-    256 quants, a 4-byte scale and 8 4-byte sums (a row that is not whole 36-byte blocks)."""
+    activations' row: K/32 blocks of 32 quants and a 4-byte scale, or for Q4_K and Q6_K weights K/256
+    blocks of 256 quants, a 4-byte scale and 8 4-byte sums (a row that is not whole 36-byte blocks)."""
     if re.sub(r"-\d+$", "", node.name) == "ffn_moe_gate_up":
         return n_embd
     row = node.shapes[1][0]

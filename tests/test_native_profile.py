@@ -45,10 +45,11 @@ def test_peaks_are_measured_and_named():
         assert rate > 0.1 and name
 
 
-def test_step_profile_counts_the_experts_work_on_our_tiles(tmp_path, monkeypatch):
+def test_step_profile_counts_the_work_on_our_tiles(tmp_path, monkeypatch):
     """benchmarks/step_profile.py's groups and multiply-adds for the experts' custom ops: gate+up and
     down apart, K from the quantized row in either layout (Q8_0-like for Q5_0 / Q8_0 experts, Q8_K for
-    Q4_K ones), so their G MAC/s are right: every routed (token, expert) pair costs n_out x K."""
+    Q4_K and Q6_K ones), so their G MAC/s are right: every routed (token, expert) pair costs n_out x K.
+    And the Q6_K LM head on its tile: n_embd x vocabulary per canvas token."""
     import sys
     from pathlib import Path
 
@@ -59,7 +60,8 @@ def test_step_profile_counts_the_experts_work_on_our_tiles(tmp_path, monkeypatch
     from step_profile import group_of, multiply_adds
 
     monkeypatch.setenv("DG_EXPERT_GEMM", "auto")
-    # Q4_K gate+up in both layers; down: Q4_K in layer 0, Q6_K (ggml) in layer 1
+    monkeypatch.setenv("DG_DENSE_GEMM", "auto")
+    # Q4_K gate+up in both layers; down: Q4_K in layer 0, Q6_K in layer 1; a Q6_K LM head
     path = small_q4_k_m_gguf(tmp_path / "q4_k_m.gguf")
     profiler = NodeProfiler()
     try:
@@ -68,7 +70,8 @@ def test_step_profile_counts_the_experts_work_on_our_tiles(tmp_path, monkeypatch
             profiler.enabled = True
             m.decode_canvas(np.arange(50, 66))
             profiler.enabled = False
-            nodes = [n for n in profiler.take() if "experts on our tiles" in group_of(n, m.vocab_size, m.n_embd)]
+            every = profiler.take()
+            nodes = [n for n in every if "experts on our tiles" in group_of(n, m.vocab_size, m.n_embd)]
     finally:
         profiler.close()
     if not nodes:
@@ -76,8 +79,11 @@ def test_step_profile_counts_the_experts_work_on_our_tiles(tmp_path, monkeypatch
 
         pytest.skip("this CPU runs no Q4_K experts on our tiles (no AVX2, or AVX-512 VNNI)")
     groups = sorted(group_of(n, m.vocab_size, m.n_embd) for n in nodes)
-    assert groups == ["MoE down (experts on our tiles)"] + ["MoE gate+up (experts on our tiles)"] * 2
+    assert groups == ["MoE down (experts on our tiles)"] * 2 + ["MoE gate+up (experts on our tiles)"] * 2
     pairs = 16 * 2  # canvas tokens x experts used
     for node in nodes:
         gate_up = group_of(node, m.vocab_size, m.n_embd).startswith("MoE gate+up")
         assert multiply_adds(node, m.n_embd) == pairs * (2 * 256 if gate_up else 256) * 256
+    [head] = [n for n in every if group_of(n, m.vocab_size, m.n_embd).startswith("LM head")]
+    assert group_of(head, m.vocab_size, m.n_embd) == "LM head (K-quant tile)"
+    assert multiply_adds(head, m.n_embd) == 256 * m.vocab_size * 16

@@ -342,6 +342,7 @@ KERNELS = {"avx2": 1, "avx512-vnni": 2, "emulated": 3}
 
 
 WEIGHT_TYPES = {"q8_0": 8, "q5_0": 6}  # ggml_type
+K_QUANT_TYPES = {"q4_K": 12, "q6_K": 14}  # ggml_type: the types with tiles of their own (AVX2)
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
@@ -471,34 +472,40 @@ def test_expert_gemm_kernel_agrees_with_a_double_precision_sum(kernel, weight_ty
     (512, 100, 6, 3, 7, False, 4),      # more threads than some experts have groups
     (256, 16, 32, 8, 3, True, 5),       # most experts unused
 ])
-def test_q4_k_expert_gemm_agrees_with_a_double_precision_sum(n_in, n_out, n_expert, n_used, n_tokens, per_slot, nth):
-    """Q4_K experts (Q4_K_M files' gate+up) on their AVX2 tile: random super-blocks (6-bit scales and
-    mins, both fp16 factors) against a float64 sum of the same Q8_K-quantized activations and the
-    weights as ggml's dequantizer decodes them, the offsets included; split as `nth` threads split it."""
+@pytest.mark.parametrize("weight_type", ["q4_K", "q6_K"])
+def test_k_quant_expert_gemm_agrees_with_a_double_precision_sum(weight_type, n_in, n_out, n_expert, n_used, n_tokens,
+                                                                 per_slot, nth):
+    """Q4_K and Q6_K experts (Q4_K_M files' gate+up; their LM head and some down projections) on their
+    AVX2 tiles: random super-blocks (Q4_K: 6-bit scales and mins, both fp16 factors; Q6_K: 6-bit quants,
+    int8 scales of the whole range, the fp16 factor last) against a float64 sum of the same
+    Q8_K-quantized activations and the weights as ggml's dequantizer decodes them (Q4_K's offsets, Q6_K's
+    -32, included); split as `nth` threads split it."""
     import ctypes
 
     from dgcli.engine import native
 
     err = ctypes.c_double()
-    rc = native.lib()._lib.dg_experts_selftest(KERNELS["avx2"], 12, n_in, n_out, n_expert, n_used, n_tokens, per_slot,
-                                               nth, 13, ctypes.byref(err))
+    rc = native.lib()._lib.dg_experts_selftest(KERNELS["avx2"], K_QUANT_TYPES[weight_type], n_in, n_out, n_expert,
+                                               n_used, n_tokens, per_slot, nth, 13, ctypes.byref(err))
     if rc == 1:
-        pytest.skip("this CPU lacks AVX2, the only Q4_K tile")
+        pytest.skip("this CPU lacks AVX2, the only K-quant tiles")
     assert rc == 0
     assert err.value < 1e-5
 
 
-def test_q4_k_experts_have_no_tile_but_avx2s():
-    """The emulated (VNNI) layout has no Q4_K tile: the self-test says the kernel is missing, and a
-    Q4_K width that is not whole super-blocks is refused."""
+@pytest.mark.parametrize("weight_type", ["q4_K", "q6_K"])
+def test_k_quant_experts_have_no_tile_but_avx2s(weight_type):
+    """The emulated (VNNI) layout has no Q4_K or Q6_K tile: the self-test says the kernel is missing, and
+    a width that is not whole super-blocks is refused."""
     import ctypes
 
     from dgcli.engine import native
 
     err = ctypes.c_double()
     selftest = native.lib()._lib.dg_experts_selftest
-    assert selftest(KERNELS["emulated"], 12, 256, 16, 4, 2, 4, False, 1, 1, ctypes.byref(err)) == 1
-    assert selftest(KERNELS["avx2"], 12, 288, 16, 4, 2, 4, False, 1, 1, ctypes.byref(err)) == -1
+    type_id = K_QUANT_TYPES[weight_type]
+    assert selftest(KERNELS["emulated"], type_id, 256, 16, 4, 2, 4, False, 1, 1, ctypes.byref(err)) == 1
+    assert selftest(KERNELS["avx2"], type_id, 288, 16, 4, 2, 4, False, 1, 1, ctypes.byref(err)) == -1
 
 
 _EXPERT_NODES = {"ffn_moe_gate_up-0", "ffn_moe_down_scaled-0"}
@@ -550,10 +557,11 @@ def test_experts_on_our_tiles_give_ggml_results(tmp_path, monkeypatch, weights, 
 
 
 def test_q4_k_experts_on_our_tiles_give_ggml_results(tmp_path, monkeypatch):
-    """A Q4_K_M file's Q4_K experts on our AVX2 tile, kept out of llama.cpp's CPU repack buffers for it
-    (the `plain` override), against ggml's repacked MUL_MAT_ID (DG_EXPERT_GEMM=ggml: repacked as
-    usual): layer 0's gate+up products within float rounding (both quantize the activations as Q8_K,
-    then only the summation order differs), the logits within 1e-3, at 1 and 2 threads."""
+    """A Q4_K_M file's Q4_K experts (and layer 1's Q6_K down projections) on our AVX2 tiles, kept out of
+    llama.cpp's CPU repack buffers for them (the `plain` override), against ggml's repacked MUL_MAT_ID
+    (DG_EXPERT_GEMM=ggml: repacked as usual): layer 0's gate+up products within float rounding (both
+    quantize the activations as Q8_K, then only the summation order differs), the logits within 1e-3,
+    at 1 and 2 threads."""
     import gguf
 
     path = small_q4_k_m_gguf(tmp_path / "q4_k_m.gguf", seed=3)
@@ -566,11 +574,9 @@ def test_q4_k_experts_on_our_tiles_give_ggml_results(tmp_path, monkeypatch):
         count, _, prefill, logits, step, nodes = _run_with_expert_gemm(path, "auto", threads, False, monkeypatch)
         if count == 0:
             pytest.skip("this CPU has no AVX2 tile for Q4_K experts (or has AVX-512 VNNI, which keeps ggml's)")
-        # the down projections too where they are Q4_K (Q6_K ones stay with ggml)
-        expected = sum(1 for name, t in types.items() if "_exps.weight" in name
-                       and t in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_0,
-                                 gguf.GGMLQuantizationType.Q8_0))
-        assert count == expected >= n_layer
+        # every expert tensor: Q4_K, Q5_0, Q8_0 and Q6_K (layer 1's down projections) all have tiles
+        assert types["blk.1.ffn_down_exps.weight"] == gguf.GGMLQuantizationType.Q6_K
+        assert count == 2 * n_layer
         for name in sorted(_EXPERT_NODES):
             scale = float(np.max(np.abs(ref_nodes[name])))
             assert scale > 0 and float(np.max(np.abs(nodes[name] - ref_nodes[name]))) <= 1e-5 * scale, name
@@ -662,9 +668,10 @@ def _q8_k_dequantized(x: np.ndarray) -> np.ndarray:
     return (quants * scale[:, None]).reshape(x.shape)
 
 
-def test_q4_k_dense_weights_on_our_tile_give_ggml_products(tmp_path, monkeypatch):
-    """A Q4_K_M file's dense Q4_K weights (attention, dense FFN, self-conditioning MLP) on the experts'
-    Q4_K tile as one expert, kept out of the repack buffers for it. Each such product of a
+def test_k_quant_dense_weights_on_our_tiles_give_ggml_products(tmp_path, monkeypatch):
+    """A Q4_K_M file's dense Q4_K and Q6_K weights (attention, dense FFN, self-conditioning MLP, and the
+    Q6_K LM head, read from the input embedding) on the experts' K-quant tiles as one expert, kept out of
+    the repack buffers for them. Each such product of a
     self-conditioned canvas decode against float64 over what ggml multiplies: the weights as its
     dequantizer decodes them and the node's own input quantized as its Q8_K (so a last-bit difference
     upstream, which a requantization can turn into 1e-3, cannot hide or fake an error). Where the
@@ -678,23 +685,30 @@ def test_q4_k_dense_weights_on_our_tile_give_ggml_products(tmp_path, monkeypatch
 
     path = small_q4_k_m_gguf(tmp_path / "q4_k_m.gguf", seed=5)
     reader = gguf.GGUFReader(path)
+    k_quants = (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K)
     weights = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64) for t in reader.tensors
-               if t.tensor_type == gguf.GGMLQuantizationType.Q4_K and len(t.shape) == 2}
+               if t.tensor_type in k_quants and len(t.shape) == 2}
     # the graph's name for each projection -> its weight
     node_weight = {"Qcur-0": "blk.0.attn_q.weight", "Kcur-0": "blk.0.attn_k.weight", "Vcur-0": "blk.0.attn_v.weight",
                    "attn_output-1": "blk.1.attn_output.weight", "ffn_gate-0": "blk.0.ffn_gate.weight",
                    "ffn_up-0": "blk.0.ffn_up.weight", "ffn_down-0": "blk.0.ffn_down.weight",
+                   "ffn_down-1": "blk.1.ffn_down.weight", "lm_head": "token_embd.weight",
                    "sc_ffn_gate": "self_cond_gate.weight", "sc_ffn_up": "self_cond_up.weight",
                    "sc_signal": "self_cond_down.weight"}
     node_weight = {node: w for node, w in node_weight.items() if w in weights}
-    assert len(node_weight) >= 8
+    assert len(node_weight) >= 10
+    # the Q6_K ones: the tied LM head and a more-bits layer's down projection
+    assert {n for n, w in node_weight.items() if w in ("token_embd.weight", "blk.1.ffn_down.weight")} == \
+        {"lm_head", "ffn_down-1"}
+    assert all(t.tensor_type == gguf.GGMLQuantizationType.Q6_K for t in reader.tensors
+               if t.name in ("token_embd.weight", "blk.1.ffn_down.weight"))
     monkeypatch.setenv("DG_EXPERT_GEMM", "ggml")  # the experts' path the same in both runs
 
     def run(dense: str):
         monkeypatch.setenv("DG_DENSE_GEMM", dense)
         capture = _NodeCapture(set(node_weight) | {"tiled_in"})
         with DiffusionModel(path, n_threads=2, n_ctx=128, eval_callback=capture.callback) as m:
-            count = native.lib()._lib.dg_dense_q4_K_count(m._model)
+            count = native.lib()._lib.dg_dense_tiled_count(m._model)
             m.prefill(PROMPT)
             canvas = _canvas(20, m.vocab_size)
             sc_ids = np.stack([np.random.default_rng(i).choice(m.vocab_size, 4, replace=False) for i in range(16)])
@@ -704,8 +718,8 @@ def test_q4_k_dense_weights_on_our_tile_give_ggml_products(tmp_path, monkeypatch
 
     count, seen = run("auto")
     if count == 0:
-        pytest.skip("this CPU has no AVX2 Q4_K tile for dense weights (or has AVX-512 VNNI)")
-    assert count == sum(1 for name in weights if name != "token_embd.weight")
+        pytest.skip("this CPU has no AVX2 K-quant tiles for dense weights (or has AVX-512 VNNI)")
+    assert count == len(weights)  # the embedding's count is the LM head's
     checked = set()
     for k, (name, out) in enumerate(seen):
         if name not in node_weight:
@@ -730,9 +744,10 @@ def test_q4_k_dense_weights_on_our_tile_give_ggml_products(tmp_path, monkeypatch
 
     # which op runs: the tile for a canvas, ggml's MUL_MAT for one token
     monkeypatch.setenv("DG_DENSE_GEMM", "auto")
-    canvas_ops, token_ops = _ops_for_a_canvas_and_one_token(
-        path, 1, lambda n: n.name == "Qcur-0" and n.op in ("CUSTOM", "MUL_MAT"))
-    assert canvas_ops == {"CUSTOM"} and token_ops == {"MUL_MAT"}
+    for node in ("Qcur-0", "ffn_down-1", "lm_head"):
+        canvas_ops, token_ops = _ops_for_a_canvas_and_one_token(
+            path, 1, lambda n: n.name == node and n.op in ("CUSTOM", "MUL_MAT"))
+        assert canvas_ops == {"CUSTOM"} and token_ops == {"MUL_MAT"}, node
 
 
 def test_dense_weights_of_other_types_stay_on_ggml(tiny_gguf, monkeypatch):

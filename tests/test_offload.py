@@ -108,11 +108,13 @@ def test_ar_model_takes_the_same_override(tiny_ar_gguf):
         assert sorted(ar.load_report.overridden) == sorted((f"blk.0.{s}", "CPU") for s in EXPERT_SUFFIXES)
 
 
-def test_q4_k_weights_are_kept_out_of_the_repack_buffers_only_where_our_tile_takes_them(tmp_path, tiny_gguf,
-                                                                                      tiny_ar_gguf):
-    """Only a diffusion-gemma file's Q4_K experts and dense Q4_K weights, each on the AVX2 tile (kernel
-    1: the experts' and the dense weights' kernels apart), with no GPU or RPC worker in use: elsewhere
-    llama.cpp's repacked matmuls (or the GPU) are the faster path; other types keep their home."""
+def test_k_quant_weights_are_kept_out_of_the_repack_buffers_only_where_our_tiles_take_them(tmp_path, tiny_gguf,
+                                                                                           tiny_ar_gguf, monkeypatch):
+    """Only a diffusion-gemma file's Q4_K / Q6_K experts and dense Q4_K / Q6_K weights, each on the AVX2
+    tiles (kernel 1: the experts' and the dense weights' kernels apart), with no GPU or RPC worker in
+    use: elsewhere llama.cpp's repacked matmuls (or the GPU) are the faster path; other types keep their
+    home. The embedding never: the tied LM head's tile reads the input copy, which no repack buffer
+    takes. DG_Q6_K_TILE=0 leaves the Q6_K ones out."""
     from dgcli.engine.header import read_header
 
     header = read_header(small_q4_k_m_gguf(tmp_path / "q4_k_m.gguf"))
@@ -123,8 +125,10 @@ def test_q4_k_weights_are_kept_out_of_the_repack_buffers_only_where_our_tile_tak
         return set() if pattern is None else {name for name in types if re.search(pattern, name)}
 
     experts = {name for name in types if "_exps." in name}
-    dense = {name for name, t in types.items() if t == "Q4_K" and "_exps." not in name and name != "token_embd.weight"}
-    assert {"blk.0.attn_q.weight", "blk.1.ffn_up.weight", "self_cond_gate.weight"} <= dense
+    dense = {name for name, t in types.items() if t in ("Q4_K", "Q6_K") and "_exps." not in name
+             and name != "token_embd.weight"}
+    assert {"blk.0.attn_q.weight", "blk.1.ffn_up.weight", "self_cond_gate.weight", "blk.1.ffn_down.weight"} <= dense
+    assert types["blk.1.ffn_down.weight"] == "Q6_K" and types["token_embd.weight"] == "Q6_K"
     assert kept(1, 1) == experts | dense
     assert kept(1, 0) == experts and kept(0, 1) == dense and kept(2, 1) == dense
     assert kept(1, 1, gpu_in_use=True) == set()
@@ -132,6 +136,8 @@ def test_q4_k_weights_are_kept_out_of_the_repack_buffers_only_where_our_tile_tak
         assert kept(kernel, kernel) == set()
     for other in (tiny_gguf, tiny_ar_gguf):  # F32 weights; the AR twin
         assert tiled_weight_pattern(read_header(other), 1, 1, gpu_in_use=False) is None
+    monkeypatch.setenv("DG_Q6_K_TILE", "0")
+    assert kept(0, 1) == {name for name in dense if types[name] == "Q4_K"}
 
 
 @requires_native
@@ -158,7 +164,7 @@ def test_q4_k_experts_load_in_plain_memory_and_reports_say_only_what_was_asked(t
     overridden, count, log = load("auto")
     gate_up = [line for line in log if "ffn_gate_up_exps.weight" in line and "overridden to" in line]
     assert len(gate_up) == 2 and all(line.endswith("overridden to CPU") for line in gate_up)
-    assert count == 3  # both layers' gate+up, layer 0's Q4_K down (layer 1's is Q6_K)
+    assert count == 4  # both layers' gate+up and down (layer 1's down is Q6_K)
     assert sorted(overridden) == sorted((f"blk.{i}.{s}", "CPU") for i in reported for s in EXPERT_SUFFIXES)
 
     overridden, count, log = load("ggml")
@@ -168,7 +174,10 @@ def test_q4_k_experts_load_in_plain_memory_and_reports_say_only_what_was_asked(t
 
     monkeypatch.setenv("DG_Q4_K_TILE", "0")  # the A/B switch: every Q4_K weight left to the repack buffers
     overridden, count, log = load("auto")
-    assert count == 0 and not any("attn_q.weight" in line and "overridden" in line for line in log)
+    assert count == 1 and not any("attn_q.weight" in line and "overridden" in line for line in log)
+    monkeypatch.setenv("DG_Q6_K_TILE", "0")  # and Q6_K's: layer 1's down projections back to ggml
+    overridden, count, log = load("auto")
+    assert count == 0
 
 
 def test_load_report_reads_a_cuda_log():

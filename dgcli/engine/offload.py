@@ -17,6 +17,7 @@ llama.cpp's rules, which dg follows and predicts:
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -51,27 +52,32 @@ def expert_override_pattern(n_cpu_moe: int, n_layer: int) -> str | None:
     return rf"^blk\.({layers}){EXPERT_TENSORS}"
 
 
-# the decoder's dense weights dg's GEMMs take (native: dense() and dense_q4_K() in the graph)
+# the decoder's dense weights dg's GEMMs take (native: dense() and dense_tiled() in the graph)
 _DENSE_WEIGHT = re.compile(r"^blk\.(\d+)\.(attn_(q|k|v|output)|ffn_(gate|up|down))\.weight$|^self_cond_(gate|up|down)\.weight$")
+# the weight types dg's K-quant tiles run (AVX2)
+TILED_TYPES = ("Q4_K", "Q6_K")
 
 
 def tiled_weight_pattern(header, expert_kernel: int, dense_kernel: int, gpu_in_use: bool) -> str | None:
-    """The override pattern keeping a diffusion-gemma file's Q4_K weights that dg's own Q4_K tile runs out
-    of llama.cpp's CPU repack buffers, or None: the tile reads the file's layout, which a repack buffer
-    changes. It runs (AVX2 only: kernel 1) where no GPU is in use: the experts (native
+    """The override pattern keeping a diffusion-gemma file's Q4_K and Q6_K weights that dg's own K-quant
+    tiles run out of llama.cpp's CPU repack buffers, or None: the tiles read the file's layout, which a
+    repack buffer changes. They run (AVX2 only: kernel 1) where no GPU is in use: the experts (native
     `dg_expert_kernel()`; ggml's repacked MUL_MAT_ID runs a canvas's experts one token at a time, at
-    ~64% of the int8 peak here) and the dense weights (`dg_dense_kernel()`; its repacked GEMM ~70%)."""
+    ~64% of the int8 peak here) and the dense weights (`dg_dense_kernel()`; its repacked GEMMs ~70%).
+    The tied LM head needs no pattern: the tile reads the input embedding, which no repack buffer takes."""
     if header.architecture != "diffusion-gemma" or gpu_in_use:
         return None
-    q4_k = [t.name for t in header.tensors if t.type_name == "Q4_K"]
+    # DG_Q6_K_TILE=0 leaves the Q6_K ones to ggml, as the native side then does (A/B runs)
+    types = [t for t in TILED_TYPES if not (t == "Q6_K" and os.environ.get("DG_Q6_K_TILE") == "0")]
+    tiled = [t.name for t in header.tensors if t.type_name in types]
     parts = []
-    if expert_kernel == 1 and any(re.search(EXPERT_TENSORS, name) for name in q4_k):
+    if expert_kernel == 1 and any(re.search(EXPERT_TENSORS, name) for name in tiled):
         parts.append(EXPERT_TENSORS)
     if dense_kernel == 1:
-        # by name, Q4_K ones only (a repack buffer stays the faster home of any other type it takes), one
-        # alternation of layers per weight: llama.cpp compiles the pattern anew for every tensor
+        # by name, these types only (a repack buffer stays the faster home of any other type it takes),
+        # one alternation of layers per weight: llama.cpp compiles the pattern anew for every tensor
         layers: dict[str, list[str]] = {}
-        for name in q4_k:
+        for name in tiled:
             if m := _DENSE_WEIGHT.match(name):
                 role = name.split(".", 2)[2] if m[1] is not None else name
                 layers.setdefault(role, []).append(m[1])

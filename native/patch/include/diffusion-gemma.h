@@ -91,23 +91,24 @@ LLAMA_API int32_t dg_lm_head_selftest(int32_t kernel, int32_t weight_type, int64
                                       int64_t n_cols, uint32_t seed, double * max_rel_error);
 
 // How many of the decoder's MoE expert tensors (gate+up, down; per layer) run on that GEMM's tiles,
-// packed on the fly (0: all on ggml's MUL_MAT_ID: not Q8_0, Q5_0 or Q4_K (AVX2 only), not in plain
+// packed on the fly (0: all on ggml's MUL_MAT_ID: not Q8_0, Q5_0, Q4_K or Q6_K (the K-quants: AVX2 only), not in plain
 // host memory, a GPU in use, no kernel for this CPU, or DG_EXPERT_GEMM=ggml). Decides it if no graph
 // has yet.
 LLAMA_API int32_t dg_expert_gemm_count(const struct llama_model * model);
 
 // The kernel the experts' GEMM would take on this CPU where no GPU is in use (0: ggml's MUL_MAT_ID;
-// 1 avx2, which alone runs Q4_K experts; 3 emulated), DG_EXPERT_GEMM included. Asked before loading:
-// Q4_K experts must then stay out of ggml's CPU repack buffers, whose layout the tiles do not read.
+// 1 avx2, which alone runs Q4_K and Q6_K experts; 3 emulated), DG_EXPERT_GEMM included. Asked before
+// loading: such experts must then stay out of ggml's CPU repack buffers, whose layout the tiles do not read.
 LLAMA_API int32_t dg_expert_kernel(void);
 
-// The same for the decoder's dense weights (DG_DENSE_GEMM; 2 avx512-vnni): on 1 (avx2) their Q4_K ones
-// run on the experts' Q4_K tile, and must stay out of the CPU repack buffers too.
+// The same for the decoder's dense weights (DG_DENSE_GEMM; 2 avx512-vnni): on 1 (avx2) their Q4_K and
+// Q6_K ones (the LM head too) run on the experts' K-quant tiles, and must stay out of the CPU repack
+// buffers too.
 LLAMA_API int32_t dg_dense_kernel(void);
 
-// How many dense Q4_K weights run on that tile (0: none: not Q4_K, in a repack buffer, a GPU in use,
-// no AVX2 kernel). Decides it if no graph has yet.
-LLAMA_API int32_t dg_dense_q4_K_count(const struct llama_model * model);
+// How many dense weights run on the K-quant tiles: Q4_K and Q6_K ones, the LM head among them (0: none:
+// no such type, in a repack buffer, a GPU in use, no AVX2 kernel). Decides it if no graph has yet.
+LLAMA_API int32_t dg_dense_tiled_count(const struct llama_model * model);
 
 // A twin of ggml_backend_cpu_buffer_type() at another address, for tensor buffer-type overrides:
 // llama.cpp's loader reads an override to the CPU type itself as leave to place the tensor in a CPU

@@ -76,7 +76,10 @@ const char * dg_lm_head_path(const llama_model * model) {
         return "ggml";
     }
     const dg_lm_head_kernel kernel = dg_lm_head::kernel_for_cpu();
-    return !dg->uses_gpu() && dg_lm_head::qualifies(dg->output) ? dg_lm_head::kernel_name(kernel) : "ggml";
+    if (!dg->uses_gpu() && dg_lm_head::qualifies(dg->output)) {
+        return dg_lm_head::kernel_name(kernel);
+    }
+    return dg->dense_tiled(dg->output) ? "avx2 K-quant tile" : "ggml";
 }
 
 // How many weights one of the model's CPU GEMMs took: `decide` makes its choice on first use (a null
@@ -99,9 +102,9 @@ int32_t dg_expert_gemm_count(const llama_model * model) {
     return dg_count_taken(model, &llama_model_diffusion_gemma::experts, &llama_model_diffusion_gemma::experts_gemm);
 }
 
-int32_t dg_dense_q4_K_count(const llama_model * model) {
-    return dg_count_taken(model, &llama_model_diffusion_gemma::dense_q4_K,
-                          &llama_model_diffusion_gemma::dense_q4_K_gemm);
+int32_t dg_dense_tiled_count(const llama_model * model) {
+    return dg_count_taken(model, &llama_model_diffusion_gemma::dense_tiled,
+                          &llama_model_diffusion_gemma::dense_tiled_gemm);
 }
 
 int32_t dg_expert_kernel(void) {

@@ -96,6 +96,31 @@ constexpr int64_t Q4_K_SB_BYTES = 2 * 8 * Q4_K_GROUP * 4 + 8 * 8 * Q4_K_GROUP * 
 // 8 sub-blocks' d * (sum of their quants), which the offsets multiply.
 constexpr int64_t Q8_K_BYTES = QK_K + 4 + 8 * 4;
 
+// Q6_K (a Q4_K_M file's LM head and its attn_v / ffn_down of some layers): super-blocks of 256 values,
+// 16 sub-blocks of 16; value = d * sc_j * (q - 32) with q in 0..63 and int8 sc_j.
+struct q6_K_block {
+    uint8_t  ql[QK_K / 2];     // the quants' low 4 bits
+    uint8_t  qh[QK_K / 4];     // their high 2 bits
+    int8_t   scales[QK_K / 16];
+    uint16_t d;
+};
+static_assert(sizeof(q6_K_block) == 210, "Q6_K block layout");
+
+// quant i of a Q6_K block, minus 32, as ggml's dequantize_row_q6_K reads it: per 128, 32 low bytes hold
+// quants l and l + 64 (nibbles), 32 more l + 32 and l + 96, and 32 qh bytes their high bits 2 at a time
+int8_t q6_K_quant(const q6_K_block & blk, int64_t i) {
+    const int64_t h = i / 128, k = (i % 128) / 32, l = i % 32;
+    const int     low  = (blk.ql[64 * h + l + 32 * (k & 1)] >> (4 * (k >> 1))) & 0x0F;
+    const int     high = (blk.qh[32 * h + l] >> (2 * k)) & 3;
+    return (int8_t) ((low | (high << 4)) - 32);
+}
+
+// A Q6_K row group of 8 in the tiles' layout, per super-block: the rows' d (float [row]); their
+// corrections 128 * sum_j sc_j * (sum of sub-block j's quants) (int32 [row]), which undo the +128 that
+// makes the activations unsigned for vpmaddubsw; per sub-block the scales as int16 pairs (sc of row r
+// at 2r and 2r + 1, for vpmaddwd); then the quants minus 32 as int8, 64 x (8 x 4).
+constexpr int64_t Q6_K_SB_BYTES = 8 * 4 + 8 * 4 + 16 * 32 + 64 * 32;
+
 // rows [0, n_rows) of a Q4_K group (row r at rows + r * row_bytes) in that layout; rows past n_rows
 // are zero (scales and offsets 0), so a partial last group computes zeros
 void pack_group_q4_K(const uint8_t * rows, size_t row_bytes, int64_t n_super, int64_t n_rows, uint8_t * out) {
@@ -123,10 +148,40 @@ void pack_group_q4_K(const uint8_t * rows, size_t row_bytes, int64_t n_super, in
     }
 }
 
+// rows [0, n_rows) of a Q6_K group in that layout; rows past n_rows are zero, so they compute zeros
+void pack_group_q6_K(const uint8_t * rows, size_t row_bytes, int64_t n_super, int64_t n_rows, uint8_t * out) {
+    constexpr int64_t G = 8;
+    for (int64_t s = 0; s < n_super; ++s) {
+        uint8_t * o = out + s * Q6_K_SB_BYTES;
+        std::memset(o, 0, (size_t) Q6_K_SB_BYTES);
+        float *   d      = (float *) o;
+        int32_t * corr   = (int32_t *) (o + 32);
+        int16_t * scales = (int16_t *) (o + 64);
+        int8_t *  quants = (int8_t *) (o + 64 + 16 * 32);
+        for (int64_t r = 0; r < n_rows; ++r) {
+            const q6_K_block & blk = ((const q6_K_block *) (rows + r * row_bytes))[s];
+            d[r] = ggml_fp16_to_fp32(blk.d);
+            int32_t sum = 0;
+            for (int64_t j = 0; j < 16; ++j) {
+                scales[j * 16 + 2 * r] = scales[j * 16 + 2 * r + 1] = blk.scales[j];
+                int32_t quant_sum = 0;
+                for (int64_t k = 0; k < 16; ++k) {
+                    const int64_t i = 16 * j + k;
+                    quants[(i / 4) * 4 * G + 4 * r + i % 4] = q6_K_quant(blk, i);
+                    quant_sum += q6_K_quant(blk, i);
+                }
+                sum += blk.scales[j] * quant_sum;
+            }
+            corr[r] = 128 * sum;
+        }
+    }
+}
+
 // Columns [c0, c1) of x (n_super * 256 values each) as ggml's quantize_row_q8_K_ref writes them
 // (per 256: the value of largest magnitude, first of equals, maps to -127; round-to-even), into
-// the layout above.
-void quantize_columns_q8_K(int64_t n_super, const float * x, int64_t ld_x, int64_t c0, int64_t c1, uint8_t * act) {
+// the layout above; `flip` 0x80 stores each quant + 128 as an unsigned byte (the Q6_K tile's operand).
+void quantize_columns_q8_K(int64_t n_super, const float * x, int64_t ld_x, int64_t c0, int64_t c1, uint8_t * act,
+                          uint8_t flip = 0) {
     for (int64_t c = c0; c < c1; ++c) {
         for (int64_t s = 0; s < n_super; ++s) {
             const float * v = x + c * ld_x + s * QK_K;
@@ -143,12 +198,12 @@ void quantize_columns_q8_K(int64_t n_super, const float * x, int64_t ld_x, int64
                 const float iscale = -127.0f / max;
                 for (int64_t k = 0; k < QK_K; ++k) {
                     const int8_t q = (int8_t) std::min(127, (int) std::nearbyint(iscale * v[k]));
-                    o[k] = (uint8_t) q;
+                    o[k] = (uint8_t) q ^ flip;
                     sums[k / QK] += q;
                 }
                 d = 1.0f / iscale;
             } else {
-                std::memset(o, 0, QK_K);
+                std::memset(o, flip, QK_K);
             }
             std::memcpy(o + QK_K, &d, sizeof(d));
             for (int j = 0; j < 8; ++j) {
@@ -420,6 +475,128 @@ __attribute__((target("avx2,fma"))) void tile_q4_K_avx2(const uint8_t * group, c
         _mm256_storeu_ps(out + c * ld_out, acc[c]);
     }
 }
+
+// pack_group_q6_K for a whole group: the 6-bit quants assembled, the scales paired and the corrections
+// summed in registers
+__attribute__((target("avx2"))) void pack_group_q6_K_avx2(const uint8_t * rows, size_t row_bytes, int64_t n_super,
+                                                            uint8_t * out) {
+    constexpr int64_t G    = 8;
+    const __m256i     low  = _mm256_set1_epi8(0x0F), high = _mm256_set1_epi8(0x30), bias = _mm256_set1_epi8(32);
+    const __m256i     ones = _mm256_set1_epi8(1);
+    for (int64_t s = 0; s < n_super; ++s) {
+        uint8_t * o      = out + s * Q6_K_SB_BYTES;
+        float *   d      = (float *) o;
+        int32_t * corr   = (int32_t *) (o + 32);
+        uint8_t * quants = o + 64 + 16 * 32;
+        const q6_K_block * blk[G];
+        __m256i            pairs[2][G]; // per row, sub-blocks 0..7 and 8..15: the scale twice per int32
+        for (int64_t r = 0; r < G; ++r) {
+            blk[r] = (const q6_K_block *) (rows + r * row_bytes) + s;
+            d[r]   = ggml_fp16_to_fp32(blk[r]->d);
+            const __m128i sc = _mm_loadu_si128((const __m128i *) blk[r]->scales);
+            for (int half = 0; half < 2; ++half) {
+                const __m256i sc32 = _mm256_cvtepi8_epi32(half ? _mm_srli_si128(sc, 8) : sc);
+                pairs[half][r] = _mm256_or_si256(_mm256_and_si256(sc32, _mm256_set1_epi32(0xFFFF)),
+                                                 _mm256_slli_epi32(sc32, 16));
+            }
+        }
+        // the 8 x 8 transpose of 32-bit words that interleaves the quants puts sub-block j's pair of every
+        // row in one vector
+        store_interleaved_avx2(pairs[0], o + 64);
+        store_interleaved_avx2(pairs[1], o + 64 + 8 * 32);
+
+        __m256i weighted[G]; // per row: sum_j sc_j * (quants of sub-block j), in 8 partial lanes
+        for (int64_t r = 0; r < G; ++r) {
+            weighted[r] = _mm256_setzero_si256();
+        }
+        for (int h = 0; h < 2; ++h) {
+            __m256i q[4][G]; // quants 128h + 32k .. +31 of each row
+            for (int64_t r = 0; r < G; ++r) {
+                const __m256i l0 = _mm256_loadu_si256((const __m256i *) (blk[r]->ql + 64 * h));
+                const __m256i l1 = _mm256_loadu_si256((const __m256i *) (blk[r]->ql + 64 * h + 32));
+                const __m256i hb = _mm256_loadu_si256((const __m256i *) (blk[r]->qh + 32 * h));
+                q[0][r] = _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_and_si256(_mm256_slli_epi16(hb, 4), high));
+                q[1][r] = _mm256_or_si256(_mm256_and_si256(l1, low), _mm256_and_si256(_mm256_slli_epi16(hb, 2), high));
+                q[2][r] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low), _mm256_and_si256(hb, high));
+                q[3][r] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
+                                          _mm256_and_si256(_mm256_srli_epi16(hb, 2), high));
+                for (int k = 0; k < 4; ++k) {
+                    q[k][r] = _mm256_sub_epi8(q[k][r], bias);
+                    // sub-blocks j and j + 1 of these 32 quants: their pair sums, times each one's scale
+                    const int     j     = 8 * h + 2 * k;
+                    const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(blk[r]->scales[j + 1]),
+                                                           _mm_set1_epi16(blk[r]->scales[j]));
+                    weighted[r] = _mm256_add_epi32(weighted[r],
+                                                   _mm256_madd_epi16(_mm256_maddubs_epi16(ones, q[k][r]), scale));
+                }
+            }
+            for (int k = 0; k < 4; ++k) {
+                store_interleaved_avx2(q[k], quants + (32 * h + 8 * k) * 4 * G);
+            }
+        }
+        for (int64_t r = 0; r < G; ++r) {
+            int32_t lanes[8];
+            _mm256_storeu_si256((__m256i *) lanes, weighted[r]);
+            int32_t sum = 0;
+            for (int32_t lane : lanes) {
+                sum += lane;
+            }
+            corr[r] = 128 * sum;
+        }
+    }
+}
+
+// 8 Q6_K rows x NC columns on AVX2: per 4 quants, vpmaddubsw of the activation + 128 (unsigned) against
+// the quants minus 32; two such pair sums stay within int16 (2 x 2 x 255 x 32), then vpmaddwd by the
+// sub-block's scale into int32 over the super-block, less the row's correction for the +128.
+template <int NC>
+__attribute__((target("avx2,fma"))) void tile_q6_K_avx2(const uint8_t * group, const uint8_t * act,
+                                                         int64_t act_bytes, int64_t n_blocks, float * out,
+                                                         int64_t ld_out) {
+    constexpr int64_t G       = 8;
+    const int64_t     n_super = n_blocks / 8;
+
+    __m256 acc[NC];
+    _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+        acc[c] = _mm256_setzero_ps();
+    }
+    for (int64_t s = 0; s < n_super; ++s) {
+        const uint8_t * w      = group + s * Q6_K_SB_BYTES;
+        const uint8_t * quants = w + 64 + 16 * 32;
+        const uint8_t * a      = act + s * Q8_K_BYTES;
+        __m256i         dot[NC];
+        _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+            dot[c] = _mm256_setzero_si256();
+        }
+        for (int j = 0; j < 16; ++j) {
+            const __m256i scale = _mm256_loadu_si256((const __m256i *) (w + 64 + j * 32));
+            _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h) {
+                const int64_t word = 4 * j + 2 * h; // quants 4 * word ..
+                const __m256i w0   = _mm256_loadu_si256((const __m256i *) (quants + word * 4 * G));
+                const __m256i w1   = _mm256_loadu_si256((const __m256i *) (quants + (word + 1) * 4 * G));
+                _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+                    int32_t a0, a1;
+                    std::memcpy(&a0, a + c * act_bytes + 4 * word, sizeof(a0));
+                    std::memcpy(&a1, a + c * act_bytes + 4 * word + 4, sizeof(a1));
+                    const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_set1_epi32(a0), w0),
+                                                          _mm256_maddubs_epi16(_mm256_set1_epi32(a1), w1));
+                    dot[c] = _mm256_add_epi32(dot[c], _mm256_madd_epi16(pair, scale));
+                }
+            }
+        }
+        const __m256  d    = _mm256_loadu_ps((const float *) w);
+        const __m256i corr = _mm256_loadu_si256((const __m256i *) (w + 32));
+        _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+            float d8;
+            std::memcpy(&d8, a + c * act_bytes + QK_K, sizeof(d8));
+            acc[c] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(d8)),
+                                     _mm256_cvtepi32_ps(_mm256_sub_epi32(dot[c], corr)), acc[c]);
+        }
+    }
+    _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+        _mm256_storeu_ps(out + c * ld_out, acc[c]);
+    }
+}
 #endif
 
 typedef void (*tile_fn)(const uint8_t *, const uint8_t *, int64_t, int64_t, float *, int64_t);
@@ -435,6 +612,8 @@ DG_LMH_TILES(tile_vnni)
 const tile_fn tile_avx2_by_columns[5] = { nullptr, tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4> };
 const tile_fn tile_q4_K_avx2_by_columns[5] = { nullptr, tile_q4_K_avx2<1>, tile_q4_K_avx2<2>, tile_q4_K_avx2<3>,
                                               tile_q4_K_avx2<4> };
+const tile_fn tile_q6_K_avx2_by_columns[5] = { nullptr, tile_q6_K_avx2<1>, tile_q6_K_avx2<2>, tile_q6_K_avx2<3>,
+                                              tile_q6_K_avx2<4> };
 #endif
 
 bool cpu_has(const char * feature) {
@@ -490,14 +669,14 @@ void quantize_columns(dg_lm_head_kernel kernel, int64_t n_blocks, const float * 
 }
 
 
-// this kernel's tiles for weights of `type` by column count, and the widest (Q4_K: AVX2's only, which
-// dg_experts::make ensures)
+// this kernel's tiles for weights of `type` by column count, and the widest (Q4_K, Q6_K: AVX2's only,
+// which dg_experts::make ensures)
 const tile_fn * tiles_for(dg_lm_head_kernel kernel, int64_t * n_wide, ggml_type type = GGML_TYPE_Q8_0) {
     *n_wide = kernel == dg_lm_head_kernel::avx2 ? 4 : 8;
 #ifdef DG_LMH_X86
-    if (type == GGML_TYPE_Q4_K) {
+    if (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K) {
         GGML_ASSERT(kernel == dg_lm_head_kernel::avx2);
-        return tile_q4_K_avx2_by_columns;
+        return type == GGML_TYPE_Q4_K ? tile_q4_K_avx2_by_columns : tile_q6_K_avx2_by_columns;
     }
     if (kernel == dg_lm_head_kernel::avx512_vnni) {
         return tile_vnni_by_columns;
@@ -637,8 +816,18 @@ void dg_lm_head_gemm_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
 
 namespace {
 
+bool is_k_quant(ggml_type type) {
+    return type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K;
+}
+
 bool expert_type_fits(ggml_type type, int64_t n_in, dg_lm_head_kernel kernel) {
-    if (type == GGML_TYPE_Q4_K) { // its tile exists for AVX2 only
+    if (type == GGML_TYPE_Q6_K) { // DG_Q6_K_TILE=0 leaves Q6_K weights to ggml (A/B runs)
+        const char * env = std::getenv("DG_Q6_K_TILE");
+        if (env && !std::strcmp(env, "0")) {
+            return false;
+        }
+    }
+    if (is_k_quant(type)) { // their tiles exist for AVX2 only
         return n_in % QK_K == 0 && kernel == dg_lm_head_kernel::avx2;
     }
     return (type == GGML_TYPE_Q8_0 || type == GGML_TYPE_Q5_0) && n_in % QK == 0;
@@ -652,7 +841,7 @@ dg_lm_head_kernel dg_experts::kernel_for_cpu() {
 }
 
 bool dg_experts::qualifies(const ggml_tensor * w) {
-    return w && (w->type == GGML_TYPE_Q8_0 || w->type == GGML_TYPE_Q5_0 || w->type == GGML_TYPE_Q4_K) &&
+    return w && (w->type == GGML_TYPE_Q8_0 || w->type == GGML_TYPE_Q5_0 || is_k_quant(w->type)) &&
            w->extra == nullptr && w->buffer && ggml_backend_buffer_is_host(w->buffer) && ggml_is_contiguous(w) &&
            ggml_n_dims(w) <= 3 && w->ne[3] == 1 && w->ne[0] % ggml_blck_size(w->type) == 0;
 }
@@ -676,16 +865,19 @@ dg_experts::dg_experts(dg_lm_head_kernel kernel, const void * data, ggml_type ty
     n_blocks_(n_in / QK), group_(kernel == dg_lm_head_kernel::avx2 ? 8 : 16), row_bytes_(ggml_row_size(type, n_in)) {}
 
 int64_t dg_experts::act_bytes() const {
-    return type_ == GGML_TYPE_Q4_K ? n_in_ / QK_K * Q8_K_BYTES : n_blocks_ * (QK + 4);
+    return is_k_quant(type_) ? n_in_ / QK_K * Q8_K_BYTES : n_blocks_ * (QK + 4);
 }
 
 int64_t dg_experts::group_bytes() const {
-    return type_ == GGML_TYPE_Q4_K ? n_in_ / QK_K * Q4_K_SB_BYTES : n_blocks_ * dg_lm_head_group_block_bytes(group_);
+    if (is_k_quant(type_)) {
+        return n_in_ / QK_K * (type_ == GGML_TYPE_Q4_K ? Q4_K_SB_BYTES : Q6_K_SB_BYTES);
+    }
+    return n_blocks_ * dg_lm_head_group_block_bytes(group_);
 }
 
 void dg_experts::quantize(const float * x, int64_t ld_x, int64_t r0, int64_t r1, uint8_t * act) const {
-    if (type_ == GGML_TYPE_Q4_K) {
-        quantize_columns_q8_K(n_in_ / QK_K, x, ld_x, r0, r1, act);
+    if (is_k_quant(type_)) {
+        quantize_columns_q8_K(n_in_ / QK_K, x, ld_x, r0, r1, act, type_ == GGML_TYPE_Q6_K ? 0x80 : 0);
     } else {
         quantize_columns(kernel_, n_blocks_, x, ld_x, r0, r1, act);
     }
@@ -700,6 +892,16 @@ void dg_experts::pack(const uint8_t * first_row, int64_t rows, uint8_t * group) 
         }
 #endif
         pack_group_q4_K(first_row, row_bytes_, n_in_ / QK_K, rows, group);
+        return;
+    }
+    if (type_ == GGML_TYPE_Q6_K) {
+#ifdef DG_LMH_X86
+        if (rows == 8) {
+            pack_group_q6_K_avx2(first_row, row_bytes_, n_in_ / QK_K, group);
+            return;
+        }
+#endif
+        pack_group_q6_K(first_row, row_bytes_, n_in_ / QK_K, rows, group);
         return;
     }
 #ifdef DG_LMH_X86
@@ -844,6 +1046,11 @@ std::vector<uint8_t> random_blocks(ggml_type type, int64_t n_blocks, std::mt1993
         for (size_t i = first_quant; i < block_bytes; ++i) {
             w[off + i] = type == GGML_TYPE_Q8_0 ? (uint8_t) (int8_t) q8(rng) : (uint8_t) byte(rng);
         }
+        if (type == GGML_TYPE_Q6_K) { // its scale is the block's last field: quants and int8 scales first
+            w[off] = (uint8_t) byte(rng);
+            w[off + 1] = (uint8_t) byte(rng);
+            std::memcpy(&w[off + block_bytes - 2], &d, 2);
+        }
     }
     return w;
 }
@@ -862,7 +1069,7 @@ double relative_error(const float * row, const uint8_t * column, int64_t n_block
             for (int64_t j = 0; j < 8; ++j) {
                 double dot = 0.0;
                 for (int64_t i = 0; i < QK; ++i) {
-                    dot += (double) row[s * QK_K + j * QK + i] * (int8_t) block[j * QK + i];
+                    dot += (double) row[s * QK_K + j * QK + i] * (int8_t) (block[j * QK + i] ^ offset);
                 }
                 sum += d * dot;
                 magnitude += std::fabs(d * dot);
@@ -944,8 +1151,8 @@ int32_t dg_experts_selftest(int32_t kernel, int32_t weight_type, int64_t n_in, i
     const auto type = (ggml_type) weight_type;
     if (n_in <= 0 || n_in % QK || n_out <= 0 || n_expert <= 0 || n_used <= 0 || n_used > n_expert || n_tokens <= 0 ||
         nth <= 0 || !max_rel_error || kernel < 1 || kernel > 3 ||
-        (type != GGML_TYPE_Q8_0 && type != GGML_TYPE_Q5_0 && type != GGML_TYPE_Q4_K) ||
-        (type == GGML_TYPE_Q4_K && n_in % QK_K)) {
+        (type != GGML_TYPE_Q8_0 && type != GGML_TYPE_Q5_0 && !is_k_quant(type)) ||
+        (is_k_quant(type) && n_in % QK_K)) {
         return -1;
     }
     const auto k = (dg_lm_head_kernel) kernel;
@@ -978,7 +1185,7 @@ int32_t dg_experts_selftest(int32_t kernel, int32_t weight_type, int64_t n_in, i
     }
     auto experts = dg_experts::make(w.data(), type, n_in, n_out, n_expert, k);
     if (!experts) {
-        return type == GGML_TYPE_Q4_K ? 1 : -1; // Q4_K: AVX2's tile only
+        return is_k_quant(type) ? 1 : -1; // Q4_K, Q6_K: AVX2's tiles only
     }
     const int64_t n_rows = n_act_slots * n_tokens;
     std::vector<uint8_t> act((size_t) (experts->act_bytes() * n_rows));
@@ -989,7 +1196,8 @@ int32_t dg_experts_selftest(int32_t kernel, int32_t weight_type, int64_t n_in, i
                       n_out * sizeof(float), n_out * n_used * sizeof(float), ith, nth);
     }
 
-    const int8_t offset = k == dg_lm_head_kernel::avx2 ? 0 : -128;
+    // the activations' stored bias: the VNNI layout's and the Q6_K tile's operand is unsigned
+    const int8_t offset = (k == dg_lm_head_kernel::avx2 && type != GGML_TYPE_Q6_K) ? 0 : -128;
     double worst = 0.0;
     for (int64_t t = 0; t < n_tokens; ++t) {
         for (int64_t u = 0; u < n_used; ++u) {
@@ -998,7 +1206,7 @@ int32_t dg_experts_selftest(int32_t kernel, int32_t weight_type, int64_t n_in, i
             for (int64_t r = 0; r < n_out; ++r) {
                 worst = std::max(worst, relative_error(decoded.data() + (e * n_out + r) * n_in, column, nb, offset,
                                                        out[(size_t) ((t * n_used + u) * n_out + r)],
-                                                       type == GGML_TYPE_Q4_K));
+                                                       is_k_quant(type)));
             }
         }
     }

@@ -14,8 +14,8 @@
 //   avx512-vnni  16-row groups, vpdpbusd zmm on (activation + 128) x quant, minus 128 x quant sum
 //   avx2         8-row groups, vpmaddubsw on |quant| x sign-adjusted activation, vpmaddwd
 //   emulated     the avx512-vnni layout and arithmetic in portable code (tests, any CPU)
-// Other CPUs, other types (Q6_K of Q4_K_M files, F16, ...), and LM heads not in plain host memory
-// keep ggml's matmul. Nothing here is specific to the vocabulary: the decoder's other dense Q8_0
+// Other CPUs, other types (F16, ...), and LM heads not in plain host memory keep ggml's matmul; a Q4_K
+// or Q6_K LM head (Q4_K_M files) runs on dg_experts' K-quant tiles below. Nothing here is specific to the vocabulary: the decoder's other dense Q8_0
 // projections (attention, dense FFN, self-conditioning MLP) run through the same class, and so do
 // its Q5_0 ones (Q4_K_M files store the down projections, whose rows are not whole 256-wide
 // super-blocks, as Q5_0; ggml's Q5_0 matmul runs at about 40% of the int8 rate here).
@@ -91,7 +91,7 @@ private:
 void dg_lm_head_quantize_op(ggml_tensor * dst, int ith, int nth, void * userdata);
 void dg_lm_head_gemm_op(ggml_tensor * dst, int ith, int nth, void * userdata);
 
-// MUL_MAT_ID of Q8_0, Q5_0 or Q4_K experts [n_in, n_out, n_expert] (every expert of a Q8_0 file; the
+// MUL_MAT_ID of Q8_0, Q5_0, Q4_K or Q6_K experts [n_in, n_out, n_expert] (every expert of a Q8_0 file; the
 // gate+up and down projections of a Q4_K_M one) on the same tiles, without a copy of the experts: a
 // thread packs one row group of one expert at a time into the tiles' layout (n_in / 32 x 288 bytes on
 // AVX2: 6 KiB for the real down projection, in L1) and runs it against every token routed to that
@@ -102,6 +102,9 @@ void dg_lm_head_gemm_op(ggml_tensor * dst, int ith, int nth, void * userdata);
 // each sub-block's scale d * sc and offset dmin * m as floats (n_in / 256 x 2560 bytes), against
 // activations quantized as ggml quantizes them for Q4_K (Q8_K: one scale per 256) with each
 // sub-block's quant sum, which the offsets multiply.
+// Q6_K too (AVX2): per super-block the quants minus 32 as int8, each 16-wide sub-block's int8 scale, and
+// per row a correction; the activations (Q8_K, as ggml quantizes them for Q6_K) are stored + 128, the
+// unsigned operand of vpmaddubsw, and the correction (128 x the row's scaled quant sums) takes that back.
 // The values are the same quantized products as ggml's (its activation quantization, the file's
 // quants and scales); only the float summation order differs.
 class dg_experts {
@@ -112,7 +115,7 @@ public:
     // there (unmeasured: no such CPU here).
     static dg_lm_head_kernel kernel_for_cpu();
 
-    // Q8_0, Q5_0 or Q4_K, [n_in, n_out, n_expert] (or a 2-D weight: one expert) in plain host memory
+    // Q8_0, Q5_0, Q4_K or Q6_K, [n_in, n_out, n_expert] (or a 2-D weight: one expert) in plain host memory
     // (not in a CPU repack buffer), n_in whole blocks
     static bool qualifies(const ggml_tensor * w);
     // null if `w` does not qualify or the CPU lacks the kernel; keeps a pointer to w's data

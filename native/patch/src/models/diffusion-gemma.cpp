@@ -243,7 +243,7 @@ bool llama_model_diffusion_gemma::uses_gpu() const {
     return false;
 }
 
-// The decoder's dense weights our GEMMs may take (dense(), dense_q4_K()): each layer's attention
+// The decoder's dense weights our GEMMs may take (dense(), dense_tiled()): each layer's attention
 // projections and dense FFN, and the self-conditioning MLP; the router stays with ggml
 static std::vector<const ggml_tensor *> dg_dense_weights(const llama_model_diffusion_gemma & model) {
     std::vector<const ggml_tensor *> out;
@@ -337,36 +337,44 @@ const dg_experts * llama_model_diffusion_gemma::experts(const ggml_tensor * w) c
     return it == experts_gemm.end() ? nullptr : it->second.get();
 }
 
-// The decoder's dense Q4_K weights (a Q4_K_M file's attention projections, dense FFN gate and up,
-// self-conditioning MLP) on the experts' Q4_K tile as one expert that every token is routed to,
-// packed on the fly: a canvas's 256 columns pay for a group's packing many times over, and ggml's
-// repacked Q4_K GEMM runs at ~70% of the int8 rate here. AVX2 only (the tile's only form), not where a
-// GPU is in use, and only outside ggml's CPU repack buffers, which the loader keeps these tensors out of
-// where this runs (dgcli.engine.offload.tiled_weight_pattern). DG_DENSE_GEMM=ggml keeps ggml's matmul.
-const dg_experts * llama_model_diffusion_gemma::dense_q4_K(const ggml_tensor * w) const {
-    std::call_once(dense_q4_K_once, [this] {
+// The decoder's dense Q4_K and Q6_K weights (a Q4_K_M file's attention projections, dense FFN gate and
+// up, self-conditioning MLP, and its Q6_K LM head) on the experts' K-quant tiles as one expert that every
+// token is routed to, packed on the fly: a canvas's 256 columns pay for a group's packing many times
+// over, and ggml's repacked Q4_K / Q6_K GEMMs run at ~70% of the int8 rate here. AVX2 only (the tiles'
+// only form), not where a GPU is in use, and only outside ggml's CPU repack buffers, which the loader
+// keeps these tensors out of where this runs (dgcli.engine.offload.tiled_weight_pattern).
+// DG_DENSE_GEMM=ggml keeps ggml's matmul.
+const dg_experts * llama_model_diffusion_gemma::dense_tiled(const ggml_tensor * w) const {
+    std::call_once(dense_tiled_once, [this] {
         const dg_lm_head_kernel kernel = dg_lm_head::kernel_for_cpu("DG_DENSE_GEMM");
         if (kernel != dg_lm_head_kernel::avx2 || uses_gpu()) {
             return;
         }
-        auto add = [&](const ggml_tensor * t) {
-            if (t == nullptr || t->type != GGML_TYPE_Q4_K || ggml_n_dims(t) != 2 || !dg_experts::qualifies(t)) {
+        // `weights` runs as `t` (the same values)
+        auto add = [&](const ggml_tensor * t, const ggml_tensor * weights) {
+            if (t == nullptr || (t->type != GGML_TYPE_Q4_K && t->type != GGML_TYPE_Q6_K) || ggml_n_dims(t) != 2 ||
+                !dg_experts::qualifies(weights)) {
                 return;
             }
-            std::shared_ptr<const dg_experts> gemm = dg_experts::make(t, kernel);
+            std::shared_ptr<const dg_experts> gemm = dg_experts::make(weights, kernel);
             if (gemm) {
-                dense_q4_K_gemm.emplace(t, std::move(gemm));
+                dense_tiled_gemm.emplace(t, std::move(gemm));
             }
         };
         for (const ggml_tensor * t : dg_dense_weights(*this)) {
-            add(t);
+            add(t, t);
         }
-        if (!dense_q4_K_gemm.empty()) {
-            LLAMA_LOG_INFO("%s: %zu dense Q4_K weights on the avx2 kernel\n", __func__, dense_q4_K_gemm.size());
+        // A tied LM head is the loader's second copy of the embedding, placed for a matmul (a CPU repack
+        // buffer where ggml has one for its type); the input copy holds the same rows in the file's
+        // layout, mapped, where the tile reads them without a third copy.
+        const bool tied = output && tok_embd && output != tok_embd && std::strcmp(output->name, tok_embd->name) == 0;
+        add(output, tied && !dg_experts::qualifies(output) ? tok_embd : output);
+        if (!dense_tiled_gemm.empty()) {
+            LLAMA_LOG_INFO("%s: %zu dense K-quant weights on the avx2 kernel\n", __func__, dense_tiled_gemm.size());
         }
     });
-    const auto it = dense_q4_K_gemm.find(w);
-    return it == dense_q4_K_gemm.end() ? nullptr : it->second.get();
+    const auto it = dense_tiled_gemm.find(w);
+    return it == dense_tiled_gemm.end() ? nullptr : it->second.get();
 }
 
 // gelu_tanh from F32 ops: ggml's CPU gelu/geglu read an F16 lookup table (~1e-3 relative error)
@@ -661,11 +669,11 @@ ggml_tensor * llama_model_diffusion_gemma::graph::build_step_ops(ggml_tensor * l
     return ggml_concat(ctx0, record, p_out, 0);
 }
 
-// logits = output weights x hidden states: our repacked int8 GEMM where the CPU has a kernel for
-// it, else ggml's matmul
+// logits = output weights x hidden states: our repacked int8 GEMM (Q8_0, Q5_0) or K-quant tile
+// (Q4_K, Q6_K) where the CPU has a kernel for it, else ggml's matmul
 ggml_tensor * llama_model_diffusion_gemma::graph::build_lm_head(const llama_model_diffusion_gemma & model, ggml_tensor * cur) {
     const dg_lm_head * head = (loras == nullptr || loras->empty()) ? model.lm_head() : nullptr;
-    return head ? build_repacked_mm(head, cur) : build_lora_mm(model.output, cur);
+    return head ? build_repacked_mm(head, cur) : build_mm(model, model.output, cur);
 }
 
 // w x cur for the decoder's dense weights: the repacked GEMM where `w` has one, else ggml's matmul
@@ -677,14 +685,14 @@ ggml_tensor * llama_model_diffusion_gemma::graph::build_mm(const llama_model_dif
         return build_repacked_mm(packed, cur);
     }
     // as the experts: a group's packing costs about three columns, so a one-token decode keeps ggml's
-    const dg_experts * tiled = no_lora ? model.dense_q4_K(w) : nullptr;
+    const dg_experts * tiled = no_lora ? model.dense_tiled(w) : nullptr;
     if (tiled && ggml_n_dims(cur) == 2 && cur->ne[1] >= 4) {
         return build_tiled_mm(tiled, cur);
     }
     return build_lora_mm(w, cur);
 }
 
-// the same two ops over the Q4_K tile (dg_experts with one expert)
+// the same two ops over a K-quant tile (dg_experts with one expert)
 ggml_tensor * llama_model_diffusion_gemma::graph::build_tiled_mm(const dg_experts * gemm, ggml_tensor * cur) {
     void * userdata = const_cast<dg_experts *>(gemm); // the ops only read it
     cur = ggml_cont(ctx0, cur);
