@@ -670,9 +670,8 @@ def _q8_k_dequantized(x: np.ndarray) -> np.ndarray:
 
 def test_k_quant_dense_weights_on_our_tiles_give_ggml_products(tmp_path, monkeypatch):
     """A Q4_K_M file's dense Q4_K and Q6_K weights (attention, dense FFN, self-conditioning MLP, and the
-    Q6_K LM head, read from the input embedding) on the experts' K-quant tiles as one expert, kept out of
-    the repack buffers for them. Each such product of a
-    self-conditioned canvas decode against float64 over what ggml multiplies: the weights as its
+    Q6_K LM head) on the experts' K-quant tiles as one expert, kept out of the repack buffers for them.
+    Each such product of a self-conditioned canvas decode against float64 over what ggml multiplies: the weights as its
     dequantizer decodes them and the node's own input quantized as its Q8_K (so a last-bit difference
     upstream, which a requantization can turn into 1e-3, cannot hide or fake an error). Where the
     inputs are the same on both paths (layer 0's Q, K, V, the self-conditioning MLP's gate and up),

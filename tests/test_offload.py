@@ -113,8 +113,8 @@ def test_k_quant_weights_are_kept_out_of_the_repack_buffers_only_where_our_tiles
     """Only a diffusion-gemma file's Q4_K / Q6_K experts and dense Q4_K / Q6_K weights, each on the AVX2
     tiles (kernel 1: the experts' and the dense weights' kernels apart), with no GPU or RPC worker in
     use: elsewhere llama.cpp's repacked matmuls (or the GPU) are the faster path; other types keep their
-    home. The embedding never: the tied LM head's tile reads the input copy, which no repack buffer
-    takes. DG_Q6_K_TILE=0 leaves the Q6_K ones out."""
+    home. The embedding never: llama.cpp's CPU repack does not take the tied Q6_K LM head anyway.
+    DG_Q6_K_TILE=0 leaves the Q6_K ones out."""
     from dgcli.engine.header import read_header
 
     header = read_header(small_q4_k_m_gguf(tmp_path / "q4_k_m.gguf"))

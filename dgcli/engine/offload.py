@@ -64,7 +64,7 @@ def tiled_weight_pattern(header, expert_kernel: int, dense_kernel: int, gpu_in_u
     repack buffer changes. They run (AVX2 only: kernel 1) where no GPU is in use: the experts (native
     `dg_expert_kernel()`; ggml's repacked MUL_MAT_ID runs a canvas's experts one token at a time, at
     ~64% of the int8 peak here) and the dense weights (`dg_dense_kernel()`; its repacked GEMMs ~70%).
-    The tied LM head needs no pattern: the tile reads the input embedding, which no repack buffer takes."""
+    The tied Q6_K LM head needs no pattern: llama.cpp's CPU repack does not take it."""
     if header.architecture != "diffusion-gemma" or gpu_in_use:
         return None
     # DG_Q6_K_TILE=0 leaves the Q6_K ones to ggml, as the native side then does (A/B runs)

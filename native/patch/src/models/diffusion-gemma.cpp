@@ -350,25 +350,21 @@ const dg_experts * llama_model_diffusion_gemma::dense_tiled(const ggml_tensor * 
         if (kernel != dg_lm_head_kernel::avx2 || uses_gpu()) {
             return;
         }
-        // `weights` runs as `t` (the same values)
-        auto add = [&](const ggml_tensor * t, const ggml_tensor * weights) {
+        auto add = [&](const ggml_tensor * t) {
             if (t == nullptr || (t->type != GGML_TYPE_Q4_K && t->type != GGML_TYPE_Q6_K) || ggml_n_dims(t) != 2 ||
-                !dg_experts::qualifies(weights)) {
+                !dg_experts::qualifies(t)) {
                 return;
             }
-            std::shared_ptr<const dg_experts> gemm = dg_experts::make(weights, kernel);
+            std::shared_ptr<const dg_experts> gemm = dg_experts::make(t, kernel);
             if (gemm) {
                 dense_tiled_gemm.emplace(t, std::move(gemm));
             }
         };
         for (const ggml_tensor * t : dg_dense_weights(*this)) {
-            add(t, t);
+            add(t);
         }
-        // A tied LM head is the loader's second copy of the embedding, placed for a matmul (a CPU repack
-        // buffer where ggml has one for its type); the input copy holds the same rows in the file's
-        // layout, mapped, where the tile reads them without a third copy.
-        const bool tied = output && tok_embd && output != tok_embd && std::strcmp(output->name, tok_embd->name) == 0;
-        add(output, tied && !dg_experts::qualifies(output) ? tok_embd : output);
+        // the tied Q6_K LM head: ggml's CPU repack does not take it, so its copy is the mapped file's
+        add(output);
         if (!dense_tiled_gemm.empty()) {
             LLAMA_LOG_INFO("%s: %zu dense K-quant weights on the avx2 kernel\n", __func__, dense_tiled_gemm.size());
         }
