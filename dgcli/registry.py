@@ -191,15 +191,16 @@ class Registry:
                 "(or pass a path to a .gguf file)"
             ) from None
 
-    def resolve(self, spec: str, *, locate=None) -> ResolvedModel:
+    def resolve(self, spec: str, *, locate=None, what: str = "--model value") -> ResolvedModel:
         """Resolve `name`, `name:QUANT` or a file path.
 
         `locate(repo, filename) -> Path | None` finds an already-downloaded file (the hub cache);
         injected so that resolving never needs the network and tests can stub the cache.
+        `what` names the value in errors, as the user typed it (an option or an argument).
         """
         spec = spec.strip()
         if not spec:
-            raise UnknownModel("empty --model value")
+            raise UnknownModel(f"empty {what}")
         if looks_like_path(spec):
             path = Path(spec).expanduser()
             try:
@@ -213,6 +214,8 @@ class Registry:
                 raise ModelLoadError(f"cannot use model path {_shorten(spec)}: {err.strerror or err}") from None
             return ResolvedModel(spec=spec, role=None, path=path)
         name, _, quant = spec.partition(":")
+        if not name:
+            raise UnknownModel(f"no model name before ':' in {_shorten(spec)!r}: expected NAME or NAME:QUANT (see `dg list`)")
         entry = self.get(name)
         if entry.shipped is not None:
             if quant:

@@ -171,3 +171,18 @@ def test_a_closed_standard_stream_reads_as_dev_null(closed, args, code, stderr):
                        preexec_fn=lambda: os.close(closed),
                        env=dict(os.environ, PYTHONPATH=str(repo)), cwd=repo, timeout=120, text=True)
     assert (r.returncode, r.stderr) == (code, stderr)
+
+
+@pytest.mark.parametrize("args, named", [
+    (("pull", ""), "empty MODEL argument: `dg pull` takes NAME"),
+    (("pull", "  "), "empty MODEL argument: `dg pull` takes NAME"),
+    (("info", ""), "empty MODEL argument: `dg info` takes"),
+    (("compare", "hi", "--ar-model", ""), "empty --ar-model value"),
+    (("bench", "--ar-model", " "), "empty --ar-model value"),
+    (("pull", ":Q8_0"), "no model name before ':' in ':Q8_0'"),
+    (("generate", "hi", "-m", ":"), "no model name before ':' in ':'"),
+])
+def test_an_empty_model_name_names_the_argument_given(no_engine, args, named):
+    # `dg pull ""` spoke of --model; `--ar-model ""` silently took the registry pair
+    line = error_line(*args)
+    assert named in line and (args[0] in ("generate",) or "--model" not in line), line

@@ -137,8 +137,9 @@ def ensure_local(resolved: ResolvedModel, *, yes: bool) -> Path:
     return download_with_progress(resolved)
 
 
-def resolve_model(spec: Optional[str], *, yes: bool, want: str) -> tuple[ResolvedModel, Path]:
-    resolved = registry().resolve(DEFAULT_MODEL if spec is None else spec)
+def resolve_model(spec: Optional[str], *, yes: bool, want: str,
+                  option: str = "--model") -> tuple[ResolvedModel, Path]:
+    resolved = registry().resolve(DEFAULT_MODEL if spec is None else spec, what=f"{option} value")
     if resolved.role is not None and resolved.role != want:
         raise DgError(f"{resolved.display_name} is {ROLE_NAMES[resolved.role]} model; this needs "
                       f"{ROLE_NAMES[want]} model (see `dg list`)")
@@ -146,8 +147,8 @@ def resolve_model(spec: Optional[str], *, yes: bool, want: str) -> tuple[Resolve
 
 
 def resolve_pair(diff: ResolvedModel, ar_spec: Optional[str], *, yes: bool) -> tuple[ResolvedModel, Path]:
-    if ar_spec:
-        return resolve_model(ar_spec, yes=yes, want="ar")
+    if ar_spec is not None:  # --ar-model "" is an error, not the registry pair
+        return resolve_model(ar_spec, yes=yes, want="ar", option="--ar-model")
     pair = registry().pair_of(diff)
     if pair is None:
         raise DgError(f"{diff.display_name} has no registry pair; pass --ar-model NAME|PATH")

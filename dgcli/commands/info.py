@@ -32,7 +32,7 @@ def info_cmd(model: str = typer.Argument(..., help="A .gguf path or a registry n
         gpu_layers, n_cpu_moe = shared.resolve_offload(gpu_layers, n_cpu_moe, cpu_moe)
         if gpu_memory is not None and gpu_layers == 0:
             gpu_layers = -1  # a fit against a GPU means something offloaded
-        resolved = shared.registry().resolve(model)
+        resolved = shared.registry().resolve(model, what="MODEL argument: `dg info` takes a .gguf path or a registry name")
         if resolved.path is None:
             if resolved.entry is not None and resolved.entry.shipped is not None:
                 raise DgError(missing_shipped_message(resolved))

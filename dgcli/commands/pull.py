@@ -12,7 +12,7 @@ from dgcli.commands import _shared as shared
 def pull(model: str = typer.Argument(..., help="NAME or NAME:QUANT (see `dg list`).")) -> None:
     """Download a registry model into the huggingface-hub cache (resumes an interrupted download)."""
     with shared.user_errors():
-        resolved = shared.registry().resolve(model)
+        resolved = shared.registry().resolve(model, what="MODEL argument: `dg pull` takes NAME or NAME:QUANT (see `dg list`)")
         if resolved.entry is None:
             raise DgError(f"{model} is a path; `dg pull` takes a registry name (see `dg list`)")
         if resolved.entry.shipped is not None:
