@@ -202,7 +202,11 @@ class Registry:
         if not spec:
             raise UnknownModel(f"empty {what}")
         if looks_like_path(spec):
-            path = Path(spec).expanduser()
+            try:
+                path = Path(spec).expanduser()
+            except RuntimeError:  # '~name' of a user that does not exist: pathlib raises, not OSError
+                raise ModelLoadError(f"cannot use model path {_shorten(spec)}: no home folder for "
+                                     f"{_shorten(spec.split('/')[0])}") from None
             try:
                 if not path.exists():
                     raise ModelLoadError(f"model file not found: {_shorten(spec)}")

@@ -186,3 +186,10 @@ def test_an_empty_model_name_names_the_argument_given(no_engine, args, named):
     # `dg pull ""` spoke of --model; `--ar-model ""` silently took the registry pair
     line = error_line(*args)
     assert named in line and (args[0] in ("generate",) or "--model" not in line), line
+
+
+@pytest.mark.parametrize("args", [("info", "~no-such-user-dg/m.gguf"), ("generate", "hi", "-m", "~no-such-user-dg"),
+                                  ("pull", "~no-such-user-dg")])
+def test_a_home_folder_of_no_user_is_one_line(no_engine, args):
+    # pathlib's expanduser raised RuntimeError: a traceback from every command taking a model
+    assert "no home folder for ~no-such-user-dg" in error_line(*args)
