@@ -360,6 +360,18 @@ def _pull_locked(remote: RemoteFile, blob: Path, approx_size: int | None,
         return pointer  # another pull finished it while this one waited for the lock
     blob.parent.mkdir(parents=True, exist_ok=True)
     marker.touch()
+    try:
+        return _fill_blob(remote, blob, approx_size, on_progress, on_verify)
+    except BaseException:
+        if not blob.exists():  # a mark without its blob (refused for disk space, Ctrl-C) would outlive the pull
+            marker.unlink(missing_ok=True)
+        raise
+
+
+def _fill_blob(remote: RemoteFile, blob: Path, approx_size: int | None,
+               on_progress: ProgressCallback | None, on_verify: ProgressCallback | None) -> Path:
+    """The blob verified and linked, from what is there (a blob, a partial download) or the Hub."""
+    folder = blob.parent.parent
     partial = blob.with_name(blob.name + PARTIAL_SUFFIX)
     if blob.is_file():  # left by a pull that stopped before linking it, or by another tool
         if _mismatch(blob, remote, on_verify) is None:

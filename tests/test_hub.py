@@ -124,6 +124,23 @@ def test_not_enough_disk_space_stops_before_downloading(fake_hub, monkeypatch):
     assert hub.cached_path("org/model-GGUF", "m.gguf") is None
 
 
+def test_a_pull_refused_for_disk_space_leaves_no_unverified_mark(fake_hub, monkeypatch):
+    # the refusal left an empty blobs/<sha256>.dg-unverified: once the file was in the cache
+    # (fetched by huggingface-hub itself), dg took it for unfinished and said it was not downloaded
+    from huggingface_hub import hf_hub_download
+
+    repo, name = "org/model-GGUF", "m.gguf"
+    fake_hub.files[(repo, name)] = PAYLOAD
+    Usage = namedtuple("Usage", "total used free")
+    with monkeypatch.context() as m:
+        m.setattr(hub.shutil, "disk_usage", lambda p: Usage(10**9, 10**9 - 1000, 1000))
+        with pytest.raises(DgError, match=r"not enough disk space"):
+            hub.download(repo, name)
+    assert list(hub.blobs_dir(repo).iterdir()) == []
+    path = hf_hub_download(repo, name, cache_dir=str(hub.cache_dir()), endpoint=hub.hub_endpoint())
+    assert hub.cached_path(repo, name) == Path(path)
+
+
 
 def test_disk_space_message_never_says_more_is_free_than_needed(fake_hub, monkeypatch):
     # free space between the file's size and its size plus the margin read "needs 1.0 MB, 34.6 MB free"
