@@ -413,13 +413,28 @@ def _transfer(remote: RemoteFile, partial: Path, have: int, on_progress: Progres
 
     partial.parent.mkdir(parents=True, exist_ok=True)
     try:
-        with open(partial, "ab") as out:
+        with open(partial, "ab") as out, _pieces_as_they_arrive():
             http_get(remote.url, _CappedFile(out, remote), resume_size=have, headers=build_hf_headers(),
                      expected_size=remote.size, displayed_filename=remote.filename, tqdm_class=tqdm_class)
     except (KeyboardInterrupt, HubError):
         raise  # the partial file stays; the next `dg pull` continues it (or drops it, if too long)
     except Exception as err:  # noqa: BLE001
         raise _network_or(err, remote.repo, remote.filename) from None
+
+
+@contextmanager
+def _pieces_as_they_arrive() -> Iterator[None]:
+    """http_get gathers the response into DOWNLOAD_CHUNK_SIZE (10 MB) pieces and writes each once it
+    is whole: a Ctrl-C threw away up to 10 MB already received, which the next pull fetched again.
+    With no chunk size, each piece is written as it arrives, so the partial file keeps all of it."""
+    from huggingface_hub import constants
+
+    saved = constants.DOWNLOAD_CHUNK_SIZE
+    constants.DOWNLOAD_CHUNK_SIZE = None
+    try:
+        yield
+    finally:
+        constants.DOWNLOAD_CHUNK_SIZE = saved
 
 
 class _CappedFile:

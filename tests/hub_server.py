@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import http.server
 import json
+import signal
 import socket
 import threading
 import time
@@ -22,12 +23,17 @@ class FakeHub:
     A hostile or broken hub: `etag`, `commit` and `api_sha256` replace what would be sent for every
     file, `served` replaces the bytes of a GET (not the metadata), `lfs=False` describes files as
     small git files (no LFS), `seconds_per_chunk` slows each 64 kB of a GET down.
+
+    `interrupt_first_get_at`: the first full GET sends that many bytes, gives the client a second
+    to read them, then sends SIGINT to the main thread (a Ctrl-C mid-download) and stops.
     """
 
     def __init__(self):
         self.files: dict[tuple[str, str], bytes] = {}
         self.requests: list[tuple[str, str, str | None]] = []  # (method, path, Range header)
         self.cut_first_get_at: int | None = None
+        self.interrupt_first_get_at: int | None = None
+        main_thread = threading.main_thread().ident
         self._cut_done = False
         self.etag: str | None = None
         self.commit: str | None = None
@@ -131,6 +137,15 @@ class FakeHub:
                     self._headers(headers_for, 206, len(body),
                                   [("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")])
                     self._send(body)
+                    return
+                if hub_ref.interrupt_first_get_at is not None and not hub_ref._cut_done:
+                    hub_ref._cut_done = True
+                    self._headers(headers_for, 200, len(data))
+                    self.wfile.write(data[: hub_ref.interrupt_first_get_at])
+                    self.wfile.flush()
+                    time.sleep(1.0)  # the client reads what was sent, then waits for more
+                    signal.pthread_kill(main_thread, signal.SIGINT)
+                    self.close_connection = True
                     return
                 if hub_ref.cut_first_get_at is not None and not hub_ref._cut_done:
                     hub_ref._cut_done = True

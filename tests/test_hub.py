@@ -34,14 +34,16 @@ def test_download_fetches_file_into_cache_and_reports_progress(fake_hub):
 def test_dropped_connection_resumes_with_range_request(fake_hub):
     from huggingface_hub import constants
 
-    # huggingface-hub writes in DOWNLOAD_CHUNK_SIZE pieces: drop the connection after the first one.
+    # past huggingface-hub's DOWNLOAD_CHUNK_SIZE: dg writes each piece as it arrives, so the retry
+    # continues from the last byte received (it used to restart from the last whole 10 MB chunk)
     chunk = constants.DOWNLOAD_CHUNK_SIZE
     payload = PAYLOAD * (chunk // len(PAYLOAD) + 2)
     fake_hub.files[("org/model-GGUF", "m.gguf")] = payload
     fake_hub.cut_first_get_at = chunk + 1000
     path = hub.download("org/model-GGUF", "m.gguf")
     assert path.read_bytes() == payload
-    assert [r for _, _, r in fake_hub.gets()] == [None, f"bytes={chunk}-"]
+    assert [r for _, _, r in fake_hub.gets()] == [None, f"bytes={chunk + 1000}-"]
+    assert constants.DOWNLOAD_CHUNK_SIZE == chunk  # huggingface-hub's own setting is back
 
 
 def test_partial_left_in_cache_is_never_loaded_and_is_replaced(fake_hub):
@@ -82,6 +84,23 @@ def test_interrupted_download_is_never_loaded_and_the_next_pull_continues_it(fak
     assert fake_hub.gets()[-1][2] == "bytes=1000-"  # continued, not restarted
     assert seen[0][0] == 1000 and seen[-1] == (len(PAYLOAD), len(PAYLOAD))
     assert hub.partial_files(repo) == [] and hub.cached_path(repo, name) == path
+
+
+def test_ctrl_c_mid_stream_keeps_every_byte_received_for_the_next_pull(fake_hub):
+    # http_get wrote in 10 MB pieces: a Ctrl-C 3 MB into a download left an empty partial file
+    repo, name = "org/model-GGUF", "m.gguf"
+    payload = PAYLOAD * 4
+    fake_hub.files[(repo, name)] = payload
+    received = 3 * len(PAYLOAD) + 12345
+    fake_hub.interrupt_first_get_at = received
+    seen = []
+    with pytest.raises(KeyboardInterrupt):
+        hub.download(repo, name, on_progress=lambda done, total: seen.append(done))
+    [partial] = hub.partial_files(repo)
+    assert partial.read_bytes() == payload[:received] and seen[-1] == received
+    path = hub.download(repo, name)
+    assert path.read_bytes() == payload
+    assert fake_hub.gets()[-1][2] == f"bytes={received}-"
 
 
 def test_corrupt_partial_is_caught_by_the_checksum_and_removed(fake_hub):
