@@ -138,6 +138,13 @@ def params_from_hf_config(config: dict[str, Any], generation: dict[str, Any] | N
     text = config.get("text_config")
     if not isinstance(text, dict):
         raise DgError("config.json has no text_config object")
+    tied = config.get("tie_word_embeddings")  # Transformers' default: true
+    if tied is not None and tied is not True:
+        # false unties the LM head from the embedding and the encoder from the decoder (Transformers'
+        # DiffusionGemmaConfig); the layout has one copy of each: the LM head is token_embd
+        raise DgError(f"config.json has tie_word_embeddings = {json.dumps(tied)}: a separate LM head and encoder "
+                      "weights are not supported (the GGUF layout ties the LM head to token_embd and shares "
+                      "the encoder's weights with the decoder)")
 
     def need(key: str) -> Any:
         if text.get(key) is None:
@@ -743,6 +750,24 @@ class CheckpointReader:
             return self._tied(f"layers.{i}.{HF_LAYER_SUFFIX[spec.role]}", f"layer {i} {HF_LAYER_SUFFIX[spec.role]}")
         raise DgError(f"internal: no checkpoint mapping for {spec.name}")
 
+    def check_tied_lm_head(self, rows: int = 4096) -> None:
+        """An lm_head.weight beside the embedding must be the embedding (the layout has no separate
+        LM head: token_embd is it); one that differs would be dropped in silence."""
+        if "lm_head.weight" not in self.st:
+            return
+        embd = self.hf_name(TensorSpec("token_embd.weight", (), "token_embd"))
+        if embd == "lm_head.weight":
+            return
+        if self.st.shape("lm_head.weight") != self.st.shape(embd):
+            raise DgError(f"checkpoint has an lm_head.weight of shape {list(self.st.shape('lm_head.weight'))} beside "
+                          f"{embd} {list(self.st.shape(embd))}: a separate LM head is not supported (the GGUF "
+                          "layout ties it to token_embd)")
+        for start in range(0, self.st.shape(embd)[0], rows):
+            part = slice(start, start + rows)
+            if not np.array_equal(self.st.load("lm_head.weight", part), self.st.load(embd, part), equal_nan=True):
+                raise DgError(f"checkpoint has an lm_head.weight that differs from {embd} (from row {start}): "
+                              "a separate LM head is not supported (the GGUF layout ties it to token_embd)")
+
     def chunks(self, spec: TensorSpec) -> Iterator[np.ndarray]:
         if spec.role == "rope_freqs":
             yield self.params.rope_freq_factors()
@@ -1004,6 +1029,7 @@ def convert_checkpoint(hf_dir: str | Path, out_path: str | Path | OutputFile, ou
     for spec in plan:  # fail before writing anything if a tensor is missing
         if spec.role != "rope_freqs":
             reader.hf_name(spec)
+    reader.check_tied_lm_head()
     return write_layout_gguf(out, params, arch, vocab.add_to_gguf, reader.chunks, outtype)
 
 

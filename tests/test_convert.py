@@ -589,6 +589,37 @@ def test_config_that_does_not_match_the_weights(reference_checkpoint, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["mismatch"]  # no output, no temporary
 
 
+def test_untied_word_embeddings_are_refused():
+    # the layout's LM head is token_embd: an untied checkpoint was converted with the wrong head
+    from dgcli.tiny import tiny_hf_config_dict
+
+    with pytest.raises(DgError, match="tie_word_embeddings = false: a separate LM head"):
+        params_from_hf_config({**tiny_hf_config_dict(), "tie_word_embeddings": False})
+    params_from_hf_config({**tiny_hf_config_dict(), "tie_word_embeddings": True})
+
+
+@needs_torch
+@pytest.mark.parametrize("same", [True, False])
+def test_an_lm_head_other_than_the_embedding_is_refused(reference_checkpoint, tmp_path, same):
+    from safetensors.numpy import save_file
+
+    from dgcli.convert import SafetensorsIndex
+
+    ckpt = tmp_path / "head"
+    shutil.copytree(reference_checkpoint, ckpt)
+    embd = SafetensorsIndex([ckpt / "model.safetensors"]).load("model.decoder.embed_tokens.weight")
+    head = embd.copy()
+    if not same:
+        head[-1, 0] += 1.0  # one weight of the last row
+    save_file({"lm_head.weight": head}, str(ckpt / "lm_head.safetensors"))
+    if same:  # a saved copy of the tied head is fine
+        assert convert_checkpoint(ckpt, tmp_path / "x.gguf").is_file()
+        return
+    with pytest.raises(DgError, match=r"lm_head.weight that differs from model.decoder.embed_tokens.weight"):
+        convert_checkpoint(ckpt, tmp_path / "x.gguf")
+    assert [p.name for p in tmp_path.iterdir()] == ["head"]
+
+
 @needs_torch
 def test_truncated_weights(reference_checkpoint, tmp_path):
     ckpt = tmp_path / "trunc"
