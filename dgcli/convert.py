@@ -350,33 +350,39 @@ def _layer_shapes(p: LayoutParams, i: int) -> dict[str, tuple[int, ...]]:
     }
 
 
+def layout_tensors(is_swa: Sequence[bool], arch: str = DIFFUSION_ARCH) -> Iterator[tuple[str, str, int | None]]:
+    """(name, role, layer) of every tensor of the published layout (or of the AR twin), in file order,
+    for layers of these kinds (True = sliding)."""
+    yield "token_embd.weight", "token_embd", None
+    yield "rope_freqs.weight", "rope_freqs", None
+    for i, swa in enumerate(is_swa):
+        for role, suffix, _ in _LAYER_TENSORS:
+            if role == "attn_v" and not swa:
+                continue  # k_eq_v
+            yield f"blk.{i}.{suffix}", role, i
+        if arch == DIFFUSION_ARCH:
+            yield f"blk.{i}.layer_output_scale.weight", "layer_scalar_decoder", i
+            yield f"blk.{i}.enc_layer_output_scale.weight", "layer_scalar_encoder", i
+        else:
+            yield f"blk.{i}.layer_output_scale.weight", "layer_scalar_encoder", i
+    yield "output_norm.weight", "output_norm", None
+    if arch == DIFFUSION_ARCH:
+        for role, name, _ in _SELF_COND:
+            yield name, role, None
+
+
 def tensor_plan(p: LayoutParams, arch: str = DIFFUSION_ARCH) -> list[TensorSpec]:
     """Every tensor of the published layout (or of the AR twin), in file order."""
     if arch not in (DIFFUSION_ARCH, AR_ARCH):
         raise DgError(f"unknown architecture {arch!r} (expected {DIFFUSION_ARCH!r} or {AR_ARCH!r})")
     H = p.n_embd
-    plan = [
-        TensorSpec("token_embd.weight", (p.vocab_size, H), "token_embd"),
-        TensorSpec("rope_freqs.weight", (p.head_dim_full // 2,), "rope_freqs"),
-    ]
-    for i in range(p.n_layer):
-        shapes = _layer_shapes(p, i)
-        for role, suffix, _ in _LAYER_TENSORS:
-            if role == "attn_v" and not p.is_swa[i]:
-                continue  # k_eq_v
-            plan.append(TensorSpec(f"blk.{i}.{suffix}", shapes[role], role, i))
-        if arch == DIFFUSION_ARCH:
-            plan.append(TensorSpec(f"blk.{i}.layer_output_scale.weight", (1,), "layer_scalar_decoder", i))
-            plan.append(TensorSpec(f"blk.{i}.enc_layer_output_scale.weight", (1,), "layer_scalar_encoder", i))
-        else:
-            plan.append(TensorSpec(f"blk.{i}.layer_output_scale.weight", (1,), "layer_scalar_encoder", i))
-    plan.append(TensorSpec("output_norm.weight", (H,), "output_norm"))
-    if arch == DIFFUSION_ARCH:
-        sc_shapes = {"self_cond_pre_norm": (H,), "self_cond_gate": (p.n_ff, H),
-                     "self_cond_up": (p.n_ff, H), "self_cond_down": (H, p.n_ff)}
-        for role, name, _ in _SELF_COND:
-            plan.append(TensorSpec(name, sc_shapes[role], role))
-    return plan
+    shapes = {"token_embd": (p.vocab_size, H), "rope_freqs": (p.head_dim_full // 2,), "output_norm": (H,),
+              "layer_scalar_decoder": (1,), "layer_scalar_encoder": (1,),
+              "self_cond_pre_norm": (H,), "self_cond_gate": (p.n_ff, H), "self_cond_up": (p.n_ff, H),
+              "self_cond_down": (H, p.n_ff)}
+    layer_shapes = [_layer_shapes(p, i) for i in range(p.n_layer)]
+    return [TensorSpec(name, layer_shapes[i][role] if role in HF_LAYER_SUFFIX else shapes[role], role, i)
+            for name, role, i in layout_tensors(p.is_swa, arch)]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from typing import Any
 
 from dgcli.engine.cpu import cpu_flags, is_x86_64
 from dgcli.engine.header import GgufHeader, read_header
-from dgcli.engine.hparams import DIFFUSION_ARCH, check_model_header, sampler_defaults
+from dgcli.engine.hparams import AR_ARCH, DIFFUSION_ARCH, check_model_header, sampler_defaults
 from dgcli.engine.offload import PlacementPlan, plan_placement
 from dgcli.engine.types import DIFFUSION_PARAM_KEYS, REFERENCE_DEFAULTS_KEY, DgError, DiffusionParams, ModelLoadError
 
@@ -322,7 +322,7 @@ def read_info(path: Path | str, *, n_gpu_layers: int = 0, n_cpu_moe: int = 0,
             source[name] = (FROM_DEFAULT if not in_file else
                             FROM_GGUF_REFERENCE_DEFAULT if key in filled else FROM_GGUF)
     try:
-        check_model_header(header)
+        check_tensors(check_model_header(header))
         problem = None
     except ModelLoadError as err:
         problem = str(err).removeprefix(f"{header.path}: ")
@@ -381,8 +381,54 @@ def check_architecture(path: Path | str, *, diffusion: bool, command: str) -> st
         )
     if not diffusion and arch == DIFFUSION_ARCH:
         raise ModelLoadError(f"{path} is a diffusion model; the autoregressive side needs a stock gemma4 GGUF")
-    check_model_header(header)
+    check_tensors(check_model_header(header))
     return arch
+
+
+# What llama.cpp's stock gemma4 loader takes as optional, or in another form, of the AR twin's layout
+# (vendor/llama.cpp/src/models/gemma4.cpp): its tensors the loader requires are the rest.
+_GEMMA4_OPTIONAL_ROLES = ("attn_v", "layer_scalar_encoder", "ffn_down_exps_scale")
+_MOE_ROLES = ("ffn_gate_inp", "ffn_gate_inp_scale", "pre_ffw_norm_2", "post_ffw_norm_1", "post_ffw_norm_2",
+              "ffn_gate_up_exps", "ffn_down_exps", "ffn_down_exps_scale")
+
+
+def missing_tensors(header: GgufHeader) -> list[str]:
+    """The tensors of the file's layout (dg's converter: dgcli.convert.layout_tensors) that it lacks,
+    in file order; for a gemma4 file, only those llama.cpp's stock loader requires. The header must
+    have passed check_model_header (block_count and the sliding pattern are read from it)."""
+    from dgcli.convert import layout_tensors
+
+    arch = header.architecture
+    if arch not in (DIFFUSION_ARCH, AR_ARCH):
+        return []
+    pattern = [bool(v) for v in header.arch("attention.sliding_window_pattern")]
+    have = {t.name for t in header.tensors}
+    n_layer, shared = len(pattern), header.arch("attention.shared_kv_layers") or 0
+    missing = []
+    for name, role, il in layout_tensors(pattern, arch):
+        if name in have or (role == "rope_freqs" and all(pattern)):  # only full layers use rope_freqs
+            continue
+        if arch == AR_ARCH:
+            blk = f"blk.{il}."
+            if (role in _GEMMA4_OPTIONAL_ROLES
+                    or (role in ("attn_q", "attn_k") and blk + "attn_qkv.weight" in have)
+                    or (role in ("attn_k", "attn_k_norm") and il >= n_layer - shared)  # shares an earlier KV cache
+                    or (role in _MOE_ROLES and not header.arch("expert_count"))  # a dense gemma4
+                    or (role == "ffn_gate_up_exps" and {blk + "ffn_gate_exps.weight", blk + "ffn_up_exps.weight"} <= have)):
+                continue
+        missing.append(name)
+    return missing
+
+
+def check_tensors(header: GgufHeader, shown: int = 4) -> None:
+    """Refuse a GGUF without every tensor its layout needs (a converter that stopped early, a file
+    edited by hand): llama.cpp would refuse it at load, or, for an optional one such as
+    ffn_down_exps.scale, run without it."""
+    missing = missing_tensors(header)
+    if missing:
+        more = f" and {len(missing) - shown} more" if len(missing) > shown else ""
+        raise ModelLoadError(f"{header.path}: incomplete GGUF: {len(missing)} of its layout's tensors "
+                             f"{'is' if len(missing) == 1 else 'are'} missing: {', '.join(missing[:shown])}{more}")
 
 
 def check_fits_memory(path: Path | str, *, n_gpu_layers: int = 0, n_cpu_moe: int = 0,

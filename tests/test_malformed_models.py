@@ -467,3 +467,30 @@ def test_a_vector_tensor_not_in_f32_is_refused(tiny_gguf, tmp_path, name, qtype)
         # through the CLI: was SIGABRT ("binary_op: unsupported types ... src1: f16") and a gdb backtrace
         proc = _dg("generate", "hi", "-m", str(path), "-n", "4", "--seed", "0", "--no-live")
         _assert_one_line(proc, "must be F32")
+
+
+@pytest.mark.parametrize("arch,dropped,named", [
+    (D, ("blk.1.ffn_down_exps.weight", "self_cond_gate.weight"),
+     "2 of its layout's tensors are missing: blk.1.ffn_down_exps.weight, self_cond_gate.weight"),
+    # llama.cpp loads a file without the per-expert scale and runs it without: wrong logits, no error
+    (D, ("blk.0.ffn_down_exps.scale",), "1 of its layout's tensors is missing: blk.0.ffn_down_exps.scale"),
+    (D, tuple(f"blk.{i}.attn_q.weight" for i in range(6)),
+     "6 of its layout's tensors are missing: blk.0.attn_q.weight, blk.1.attn_q.weight, blk.2.attn_q.weight, "
+     "blk.3.attn_q.weight and 2 more"),
+    ("gemma4", ("blk.1.ffn_down_exps.weight",), "1 of its layout's tensors is missing: blk.1.ffn_down_exps.weight"),
+    # optional in llama.cpp's stock gemma4 loader: a gemma4 file without them is complete
+    ("gemma4", ("blk.1.layer_output_scale.weight", "blk.0.ffn_down_exps.scale", "blk.0.attn_v.weight"), None),
+])
+def test_info_names_the_tensors_an_incomplete_file_lacks(tiny_gguf, tiny_ar_gguf, tmp_path, arch, dropped, named):
+    # dg info showed no problem for a GGUF without some of its tensors; only the load failed
+    src = tiny_gguf if arch == D else tiny_ar_gguf
+    path = rewrite_gguf(src, tmp_path / "m.gguf", drop_tensors=dropped)
+    problem = info.read_info(path).problem
+    if named is None:
+        assert problem is None and info.check_architecture(path, diffusion=False, command="compare") == arch
+        return
+    assert problem == f"incomplete GGUF: {named}"
+    with pytest.raises(ModelLoadError, match=f"incomplete GGUF: {named}"):
+        info.check_architecture(path, diffusion=arch == D, command="generate")
+    proc = _dg("info", str(path))
+    assert proc.returncode == 0 and "incomplete GGUF" in proc.stdout and dropped[0] in proc.stdout, proc.stdout
