@@ -378,6 +378,8 @@ def _fill_blob(remote: RemoteFile, blob: Path, approx_size: int | None,
             return _link_into_cache(folder, blob, remote)
         blob.unlink()
     _remove_stale_partials(remote.repo, keep=partial)
+    if partial.is_symlink():  # replaced, never appended through: it may lead anywhere, outside the cache too
+        partial.unlink()
     have = partial.stat().st_size if partial.exists() else 0
     if have > remote.size:
         partial.unlink()

@@ -204,3 +204,16 @@ def test_refs_main_symlink_is_replaced_not_written_through(fake_hub, tmp_path):
     assert hub.download(repo, name).read_bytes() == PAYLOAD
     assert victim.read_text() == "keep me"
     assert not refs.is_symlink() and len(refs.read_text()) == 40
+
+
+def test_a_partial_file_that_is_a_symlink_is_replaced_not_written_through(fake_hub, tmp_path):
+    # the download was appended to the symlink's target (a file outside the cache grew by 1 MB)
+    repo, name = "org/model-GGUF", "m.gguf"
+    fake_hub.files[(repo, name)] = PAYLOAD
+    blobs = hub.blobs_dir(repo)
+    blobs.mkdir(parents=True)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    (blobs / f"{hashlib.sha256(PAYLOAD).hexdigest()}{hub.PARTIAL_SUFFIX}").symlink_to(victim)
+    assert hub.download(repo, name).read_bytes() == PAYLOAD
+    assert victim.read_text() == "keep me"
