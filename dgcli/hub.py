@@ -359,6 +359,8 @@ def _pull_locked(remote: RemoteFile, blob: Path, approx_size: int | None,
     if pointer.is_file() and blob.is_file() and not marker.exists() and _same_file(pointer, blob):
         return pointer  # another pull finished it while this one waited for the lock
     blob.parent.mkdir(parents=True, exist_ok=True)
+    if marker.is_symlink():  # touch() would create the link's target, wherever it leads
+        marker.unlink()
     marker.touch()
     try:
         return _fill_blob(remote, blob, approx_size, on_progress, on_verify)

@@ -217,3 +217,16 @@ def test_a_partial_file_that_is_a_symlink_is_replaced_not_written_through(fake_h
     (blobs / f"{hashlib.sha256(PAYLOAD).hexdigest()}{hub.PARTIAL_SUFFIX}").symlink_to(victim)
     assert hub.download(repo, name).read_bytes() == PAYLOAD
     assert victim.read_text() == "keep me"
+
+
+def test_an_unverified_mark_that_is_a_symlink_creates_nothing_where_it_leads(fake_hub, tmp_path):
+    # touch() followed a dangling link and created an empty file outside the cache
+    repo, name = "org/model-GGUF", "m.gguf"
+    fake_hub.files[(repo, name)] = PAYLOAD
+    blobs = hub.blobs_dir(repo)
+    blobs.mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere" / "created"
+    elsewhere.parent.mkdir()
+    (blobs / f"{hashlib.sha256(PAYLOAD).hexdigest()}{hub.UNVERIFIED_SUFFIX}").symlink_to(elsewhere)
+    assert hub.download(repo, name).read_bytes() == PAYLOAD
+    assert not elsewhere.exists() and hub.cached_path(repo, name) is not None
