@@ -141,14 +141,15 @@ class RunRecord:
     run: int
     n_new_tokens: int
     total_s: float
-    tokens_per_second: float
+    tokens_per_second: Optional[float]  # None: every answer token came from the prefill (AR at -n 1)
     tokens_per_forward: float
     decoder_forwards: int
     steps_per_canvas: list[int]
     mean_forward_s: Optional[float]  # mean decoder forward: a canvas forward (diffusion) or one decode (AR); None: none ran
     stop_reason: str
     correct: Optional[bool] = None  # the answer equals the prompt's expected answer (None: no answer given)
-    prefill_s: float = 0.0  # tokens_per_second = n_new_tokens / (total_s - prefill_s)
+    prefill_s: float = 0.0  # tokens_per_second = (n_new_tokens - prefill_answer_tokens) / (total_s - prefill_s)
+    prefill_answer_tokens: int = 0  # AR: 1 when its first answer token came from the prefill's logits
 
     @property
     def mean_steps_per_canvas(self) -> Optional[float]:
@@ -255,7 +256,7 @@ def _record(mode: str, prompt: BenchPrompt, run: int, res: GenerationResult) -> 
                      tokens_per_second=res.tokens_per_second, tokens_per_forward=res.tokens_per_forward,
                      decoder_forwards=res.decoder_forwards, steps_per_canvas=list(res.steps_per_canvas),
                      mean_forward_s=res.mean_forward_s, stop_reason=res.stop_reason, correct=correct,
-                     prefill_s=res.prefill_s)
+                     prefill_s=res.prefill_s, prefill_answer_tokens=res.prefill_answer_tokens)
 
 
 def summarize(runs: Sequence[RunRecord]) -> list[PromptSummary]:
@@ -537,7 +538,7 @@ def report_tables(report: BenchReport):
     for prompt, modes in by_prompt.items():
         d, a = modes.get("diffusion"), modes.get("autoregressive")
         sp = "-"
-        # as compare's: none when a side produced no answer tokens (not "0.00x" for diffusion's, "-" for AR's)
+        # as compare's: none when a side has no rate (no answer tokens, or only the prefill's): not "0.00x"
         if d and a and d.tokens_per_second and a.tokens_per_second and d.tokens_per_second.median > 0 \
                 and a.tokens_per_second.median > 0:
             sp = f"{format_figure(d.tokens_per_second.median / a.tokens_per_second.median)}x"

@@ -280,7 +280,7 @@ def result_summary(res: GenerationResult) -> str:
     flag = "  (interrupted)" if res.interrupted else ""
     seed = f"  seed {res.seed}" if res.seed is not None else ""
     return (
-        f"{plural(res.n_new_tokens, 'new token')} in {format_figure(res.total_s, 2, significant=1)}s  {format_figure(res.tokens_per_second, 1)} tok/s  "
+        f"{plural(res.n_new_tokens, 'new token')} in {format_figure(res.total_s, 2, significant=1)}s  {_fmt(res.tokens_per_second, 1)} tok/s  "
         f"{plural(res.decoder_forwards, 'forward')}  {format_figure(res.tokens_per_forward)} tokens/forward{steps}  "
         f"stop={res.stop_reason}{seed}{flag}"
     )
@@ -310,7 +310,7 @@ def compare_rows(diff: GenerationResult, ar: GenerationResult,
 
 
 def speedup(diff: GenerationResult, ar: GenerationResult) -> float | None:
-    if diff.tokens_per_second > 0 and ar.tokens_per_second > 0:
+    if diff.tokens_per_second and ar.tokens_per_second:  # None: no rate (AR: its only token came from the prefill)
         return diff.tokens_per_second / ar.tokens_per_second
     return None
 
@@ -327,7 +327,7 @@ def compare_table(diff: GenerationResult, ar: GenerationResult, diff_rss: int | 
         table.add_row(*row)
     s = speedup(diff, ar)
     table.caption = (f"speedup (diffusion tok/s ÷ AR tok/s): {_fmt(s)}x" if s is not None
-                     else "speedup: n/a (a side produced no answer tokens)") + f"; seed {diff.seed}"
+                     else "speedup: n/a (a side has no tok/s)") + f"; seed {diff.seed}"
     return table
 
 

@@ -225,6 +225,21 @@ def test_slow_rates_keep_two_significant_digits_and_never_read_zero():
     assert render.result_summary(_result("diffusion", 0, 1.0, 2, [2])).count(" 0.0 tok/s") == 1  # none is none
 
 
+def test_an_ar_side_whose_only_token_came_from_the_prefill_has_no_rate():
+    # dg compare -n 1: the AR token's logits come from the prefill, so tok/s divided it by its sampling
+    # time alone and the table read "5413.75" (and a speedup of "0.0049x")
+    d = _result("diffusion", 1, 0.04, 4, [4])
+    a = GenerationResult(mode="autoregressive", text="x", token_ids=[5], n_prompt_tokens=3, decoder_forwards=1,
+                         tokens_per_forward=1.0, prefill_s=0.005, total_s=0.0052, stop_reason="length",
+                         timed_forwards=0, prefill_answer_tokens=1)
+    rows = {r[0]: r[1:] for r in render.compare_rows(d, a, 1, 1)}
+    assert rows["tok/s"] == ("25.00", "-")
+    assert render.speedup(d, a) is None
+    assert " - tok/s" in render.result_summary(a)
+    caption = " ".join(to_text(render.compare_table(d, a, 1, 1), width=120).split())
+    assert "speedup: n/a (a side has no tok/s)" in caption
+
+
 def test_a_run_faster_than_the_printed_precision_does_not_read_zero_seconds():
     # the demo's AR side answers in a few ms: "5 new tokens in 0.00s  1250.0 tok/s"
     summary = render.result_summary(_result("autoregressive", 5, 0.004, 5))

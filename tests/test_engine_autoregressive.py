@@ -141,3 +141,18 @@ def test_the_chat_template_and_tokenizer_are_not_generation_time():
     result = AutoregressiveEngine(SlowTemplate(end_after=2)).generate("hi", max_new_tokens=8)
     assert result.token_ids == [6, 8]
     assert result.total_s < 0.3 and result.tokens_per_second > 2 / 0.3
+
+
+@pytest.mark.parametrize("end_after, max_new_tokens, made", [(None, 1, 0), (None, 2, 1), (None, 4, 3), (1, 50, 0),
+                                                             (3, 50, 2)])
+def test_tok_s_counts_only_the_tokens_made_after_the_prefill(end_after, max_new_tokens, made):
+    # the first token's logits come from the prefill, whose time tok/s leaves out: at -n 1 the rate divided
+    # one token by its sampling time (3434 tok/s on the demo), at -n 2 it was twice the decode rate
+    result = AutoregressiveEngine(SlowDecodeArModel(end_after=end_after)).generate([2, 3], max_new_tokens=max_new_tokens)
+    assert result.prefill_answer_tokens == 1 and result.n_new_tokens == made + 1
+    if made == 0:
+        assert result.tokens_per_second is None
+        assert result.to_json()["tokens_per_second"] is None
+    else:
+        assert result.tokens_per_second == pytest.approx(made / result.generation_s)
+        assert made / (0.02 * result.timed_forwards * 1.5 + 0.01) < result.tokens_per_second <= 1 / 0.02

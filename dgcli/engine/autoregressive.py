@@ -84,7 +84,7 @@ class AutoregressiveEngine:
         pad_id = getattr(self.model, "pad_token_id", GEMMA_PAD_TOKEN_ID)
         prompt_ids: list[int] = []
         new_tokens: list[int] = []
-        forwards = decodes = 0
+        forwards = decodes = from_prefill = 0
         forward_s = sampling_s = prefill_s = 0.0
         stop_reason = "length"
         try:
@@ -106,6 +106,8 @@ class AutoregressiveEngine:
                 forwards += 1
                 if token != pad_id:
                     new_tokens.append(token)
+                    if index == 0:  # its logits came from the prefill
+                        from_prefill = 1
                     event = TokenEvent(index=len(new_tokens) - 1, token_id=token, piece=self._piece(token),
                                        forward_s=step_forward_s, sampling_s=step_sampling_s)
                     if events(event) is False:
@@ -139,6 +141,7 @@ class AutoregressiveEngine:
             interrupted=stop_reason == "interrupted",
             seed=seed,
             display_s=events.seconds,
+            prefill_answer_tokens=from_prefill,
         )
 
     def _piece(self, token: int) -> str:

@@ -276,6 +276,9 @@ class GenerationResult:
     seed: int | None = None  # the seed the run used (picked at random when none was given)
     display_s: float = 0.0  # time spent in the caller's on_event (drawing, pacing): not in total_s
     n_cached_prompt_tokens: int = 0  # prompt tokens found in the KV cache already (chat turns), not prefilled
+    # answer tokens whose logits came from the prefill (AR: the first token, when it is an answer token): made
+    # before the time tok/s divides by, so not counted in it
+    prefill_answer_tokens: int = 0
     # diffusion: every finalized canvas as the reference returns it (end token and padding kept)
     canvas_token_ids: list[int] = field(default_factory=list, repr=False)
 
@@ -295,9 +298,14 @@ class GenerationResult:
         return self.forward_s / timed if timed > 0 else None
 
     @property
-    def tokens_per_second(self) -> float:
+    def tokens_per_second(self) -> float | None:
+        """Answer tokens made after the prefill over the time after the prefill; None when every answer token
+        came from the prefill (AR at -n 1: no decode step made one, so there is no rate to show)."""
+        made = self.n_new_tokens - self.prefill_answer_tokens
+        if self.n_new_tokens and made <= 0:
+            return None
         gen_s = self.generation_s
-        return self.n_new_tokens / gen_s if gen_s > 0 else 0.0
+        return made / gen_s if gen_s > 0 else 0.0
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
