@@ -302,6 +302,24 @@ def test_a_chat_template_that_does_not_parse_is_refused_at_start(tmp_path):
     assert r.stderr.startswith("error: the chat template of bad-template.gguf does not parse: ")
 
 
+def test_a_model_without_a_chat_template_serves_completions_and_says_chat_is_refused(tmp_path):
+    """Such a server started silently, then answered every chat request with advice to pass --raw, a
+    flag no HTTP client has. It says at start that chat is refused, and a chat request's error names
+    /v1/completions, which still answers."""
+    from dgcli.tiny import write_tiny_random_gguf
+
+    path = write_tiny_random_gguf(tmp_path / "plain.gguf", chat_template=None)
+    with ServeProcess("-m", path) as server:
+        assert wait_until(lambda: any("/v1/chat/completions answers 400" in line for line in server.stderr_lines),
+                          timeout=10), server.stderr_lines
+        status, body = fetch_json("POST", server.url + "/chat/completions",
+                                  {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert status == 400 and body["error"]["code"] == "no_chat_template", body
+        assert "/v1/completions" in body["error"]["message"] and "--raw" not in body["error"]["message"]
+        status, body = fetch_json("POST", server.url + "/completions", {"prompt": "hi", "max_tokens": 4, "seed": 0})
+        assert status == 200 and body["usage"]["completion_tokens"] >= 1, body
+
+
 def test_a_context_the_machine_cannot_hold_is_refused_before_loading(monkeypatch):
     # --ctx-size 10000000 --parallel 64 asked the demo for 164 GB of KV cache: llama.cpp cleared it page
     # by page until the OOM killer ended the process; and a context past int32 named n_ctx, not --ctx-size

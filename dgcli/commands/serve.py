@@ -129,6 +129,9 @@ def _run(uvicorn, listener: socket.socket, name: str, path, *, parallel: int, qu
             shared.stdout.print(banner, markup=False, highlight=False)
         else:
             typer.echo(banner)
+        if model.chat_template is None:  # completions still work: the prompt as it is
+            shared.notice(f"dg serve: {path.name} has no chat template (tokenizer.chat_template): "
+                          "/v1/chat/completions answers 400; send the prompt text to /v1/completions")
         if rpc_servers:
             shared.notice(f"dg serve: layers on RPC workers {', '.join(rpc_servers)}")
         if not shared.is_loopback(host) and api_key is None:

@@ -85,6 +85,11 @@ class DgService:
         canvas = self.model.canvas_length
         return max(1, (self.scheduler.kv_capacity - 1) // canvas * canvas)
 
+    @property
+    def has_chat_template(self) -> bool:
+        """False for a GGUF without tokenizer.chat_template (a model with no such attribute brings chat_tokens)."""
+        return getattr(self.model, "chat_template", True) is not None
+
     def default_max_tokens(self, n_prompt: int) -> int:
         """The configured default, in whole canvases that fit after the prompt (at least one canvas:
         a prompt too long even for that gets the context error)."""
@@ -324,6 +329,11 @@ def create_app(service: DgService) -> Starlette:
 
     async def generate(request: Request, kind: str) -> Response:
         check_key(request)
+        if kind == "chat" and not service.has_chat_template:
+            # not the engine's advice to pass --raw: a client has no flags, but it has /v1/completions
+            raise ApiError(400, f"{config.model_name} has no chat template (tokenizer.chat_template): this server "
+                                "answers /v1/completions only (the prompt text as it is)", param="messages",
+                           code="no_chat_template")
         body = await read_json(request, config.max_body_bytes)
         req = parse_request(body, kind, service.engine.default_params, config.default_max_tokens,
                             service.max_tokens_limit)
