@@ -36,6 +36,17 @@ def test_sampler_parameters_and_openai_fields():
     assert (req.max_new_tokens, req.seed, req.stop, req.include_usage, req.dg_steps) == (64, 7, ["\n\n"], True, True)
 
 
+def test_a_null_max_completion_tokens_leaves_max_tokens_in_charge():
+    # a client that sends every field, unset ones as null: max_tokens 5 was ignored and the answer ran to
+    # the server's default of 256 tokens
+    req = parse(chat(max_completion_tokens=None, max_tokens=5))
+    assert (req.max_new_tokens, req.max_tokens_given) == (5, True)
+    with pytest.raises(ApiError, match="'max_tokens' must be an integer >= 1"):
+        parse(chat(max_completion_tokens=None, max_tokens=0))
+    assert parse(chat(max_completion_tokens=3, max_tokens=5)).max_new_tokens == 3
+    assert parse(chat(max_completion_tokens=None, max_tokens=None)).max_new_tokens == 256
+
+
 def test_message_forms():
     req = parse({"messages": [{"role": "developer", "content": "be brief"},
                               {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},

@@ -134,8 +134,9 @@ def parse_request(body: Any, kind: str, defaults: DiffusionParams, default_max_t
     if req.dg_steps and not req.stream:
         raise _bad("'dg_steps' streams the canvas per step: it needs stream: true", param="dg_steps")
 
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    # a null field is an unset one: max_completion_tokens null beside max_tokens 5 leaves max_tokens in charge
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = body.get(name)
     if max_tokens is None:
         req.max_new_tokens = default_max_tokens
     elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
