@@ -284,6 +284,8 @@ def test_serve_usage_errors_are_one_line():
     assert len(r.stderr.strip().splitlines()) == 1
     r = runner.invoke(cli.app, ["serve", "--parallel", "0"])
     assert r.exit_code == 1 and "invalid parallel=0" in r.stderr
+    r = runner.invoke(cli.app, ["serve", "--max-tokens", "0"])  # it named max_new_tokens, generate's flag
+    assert r.exit_code == 1 and r.stderr.startswith("error: invalid max_tokens=0: must be an integer >= 1")
 
 
 def test_a_chat_template_that_does_not_parse_is_refused_at_start(tmp_path):

@@ -42,6 +42,8 @@ def serve(
 ) -> None:
     """Serve a diffusion model over HTTP: OpenAI-compatible /v1/chat/completions, /v1/completions, /v1/models, /health."""
     with shared.user_errors():
+        if max_tokens < 1:  # the flag's name, not generate's max_new_tokens
+            raise InvalidParameter("max_tokens", max_tokens, "an integer >= 1")
         shared.check_generation_args(max_tokens, threads, gpu_layers)
         rpc_servers, gpu_layers = shared.rpc_placement(rpc, gpu_layers)
         if not 1 <= parallel <= MAX_PARALLEL:
