@@ -415,6 +415,19 @@ def test_thinking_is_reasoning_content_not_content(thinking_server):
     assert reasoning == ["I", " think"] and content == ["The", " answer."]  # one delta per committed canvas
 
 
+def test_json_that_python_cannot_read_is_a_400_not_a_500(thinking_server):
+    # 100000 nested arrays (RecursionError) and a 5000-digit integer (ValueError) got "500 internal server
+    # error" and a traceback in the server's log
+    auth = {"Authorization": "Bearer sesame"}
+    for raw, fragment in [(b"[" * 100000 + b"]" * 100000, "nested too deeply"),
+                          (b'{"prompt": "hi", "max_tokens": ' + b"1" * 5000 + b"}", "number too long")]:
+        status, body = fetch_json("POST", thinking_server.url + "/completions", raw=raw, headers=auth)
+        assert status == 400 and fragment in body["error"]["message"], (status, body)
+    status, body = fetch_json("POST", thinking_server.url + "/chat/completions",
+                              {"messages": [{"role": "user", "content": "q"}]}, headers=auth)
+    assert status == 200, body  # the server is still up
+
+
 def test_stop_strings_cut_the_answer_and_end_the_request(thinking_server):
     client = client_for(thinking_server.url, api_key="sesame")
     r = client.chat.completions.create(model="thinker", messages=[{"role": "user", "content": "q"}], stop=["he"])
