@@ -304,6 +304,24 @@ def test_a_chat_template_that_does_not_parse_is_refused_at_start(tmp_path):
     assert r.stderr.startswith("error: the chat template of bad-template.gguf does not parse: ")
 
 
+def test_an_empty_api_key_is_refused_at_start(monkeypatch):
+    # `--api-key "$KEY"` with KEY unset started a server that let in 'Authorization: Bearer ', without the
+    # warning a keyless server on another interface gives
+    from typer.testing import CliRunner
+
+    from dgcli import cli
+    from dgcli.engine import model as model_module
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(model_module, "DiffusionModel", no_load)
+    for key in ("", " "):
+        r = CliRunner().invoke(cli.app, ["serve", "--api-key", key, "--host", "0.0.0.0", "--port", "0"])
+        assert r.exit_code == 1 and r.stderr.startswith("error: --api-key is empty"), (r.stderr, r.exception)
+        assert len(r.stderr.strip().splitlines()) == 1
+
+
 def test_a_model_without_a_chat_template_serves_completions_and_says_chat_is_refused(tmp_path):
     """Such a server started silently, then answered every chat request with advice to pass --raw, a
     flag no HTTP client has. It says at start that chat is refused, and a chat request's error names

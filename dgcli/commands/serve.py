@@ -52,6 +52,9 @@ def serve(
             raise InvalidParameter("queue", queue_size, "an integer >= 0")
         if not 0 <= port <= 65535:
             raise InvalidParameter("port", port, "an integer in [0, 65535]")
+        if api_key is not None and not api_key.strip():  # `--api-key "$KEY"` with KEY unset
+            raise DgError("--api-key is empty: an empty key lets in any client that sends 'Authorization: "
+                          "Bearer '; give a key, or leave the option out to serve without one")
         if self_cond_top_k is not None and self_cond_top_k < 0:
             raise InvalidParameter("self_cond_top_k", self_cond_top_k, "an integer >= 0 (0 = all tokens)")
         if ctx_size is not None and not 1 <= ctx_size <= INT32_MAX // parallel:
