@@ -243,8 +243,8 @@ class AutoregressiveLiveView:
             return "waiting for the diffusion side…"
         if not self.fit:  # printed once the run is over: the table has the rates
             return plural(len(self.pieces), "token") + (f"  {self.note}" if self.note else "")
-        rate = self.timed / self.forward_s if self.forward_s > 0 else 0.0
-        status = f"{plural(len(self.pieces), 'token')}, one forward each  {format_figure(rate, 1)} tok/s (forwards only)"
+        rate = self.timed / self.forward_s if self.forward_s > 0 else None  # None: only the prefill's token yet
+        status = f"{plural(len(self.pieces), 'token')}, one forward each  {_fmt(rate, 1)} tok/s (forwards only)"
         return status + (f"  {self.note}" if self.note else "")
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:

@@ -191,6 +191,13 @@ def test_ar_view_rate_counts_the_tokens_its_forwards_made():
     assert "3 tokens, one forward each  2.0 tok/s (forwards only)" in view.status()
 
 
+def test_ar_view_has_no_rate_before_a_decode_ran():
+    # at -n 1 (and until the second token) the only token came from the prefill: the status read "0.0 tok/s"
+    view = render.AutoregressiveLiveView()
+    view.on_event(TokenEvent(index=0, token_id=0, piece="x", forward_s=0.0, sampling_s=0.0))
+    assert "1 token, one forward each  - tok/s (forwards only)" in view.status()
+
+
 def _result(mode, n, total, forwards, spc=()):
     return GenerationResult(mode=mode, text="x", token_ids=list(range(n)), n_prompt_tokens=3,
                             steps_per_canvas=list(spc), decoder_forwards=forwards, tokens_per_forward=n / forwards,
