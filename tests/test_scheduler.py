@@ -247,6 +247,38 @@ def test_queue_limit_and_requests_that_can_never_fit(tiny_gguf):
         model.close()
 
 
+def test_queue_full_counts_the_requests_taking_free_slots_as_running(tiny_gguf):
+    # with 2 slots, 1 running and 3 just submitted, the 503 said "1 request running, 3 waiting (queue
+    # limit 2)": more waiting than the limit allows; one of the three has the free slot
+    from dgcli.server.scheduler import GenerationRequest, QueueFull
+
+    scheduler, model = open_scheduler(tiny_gguf, slots=2, max_queue=2)
+    params = DiffusionParams(max_denoising_steps=4)
+    in_step, release = threading.Event(), threading.Event()
+
+    def running_sink(event):  # holds the engine thread (no admissions) inside the running request's first step
+        if isinstance(event, StepEvent):
+            in_step.set()
+            release.wait(WAIT_S)
+
+    try:
+        scheduler.submit(GenerationRequest(prompt_ids=[2, 3], params=params, max_new_tokens=16, seed=0,
+                                           sink=running_sink, want_steps=True))
+        assert in_step.wait(WAIT_S)
+        sinks = [Collector() for _ in range(3)]
+        for s in sinks:
+            scheduler.submit(GenerationRequest(prompt_ids=[2, 3], params=params, max_new_tokens=16, seed=0, sink=s))
+        with pytest.raises(QueueFull, match=r"busy: 2 requests running, 2 waiting \(queue limit 2\)"):
+            scheduler.submit(GenerationRequest(prompt_ids=[2, 3], params=params, max_new_tokens=16, sink=Collector()))
+        release.set()
+        for s in sinks:
+            assert s.done.wait(WAIT_S)
+    finally:
+        release.set()
+        scheduler.close()
+        model.close()
+
+
 def test_a_request_cancelled_while_queued_gives_back_its_place_in_the_queue(tiny_gguf):
     """A client that gave up waiting (a timeout, a closed connection) no longer counts against --queue:
     the next request is queued, not refused with 503, even while the engine is busy in a long step."""

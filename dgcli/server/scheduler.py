@@ -172,8 +172,9 @@ class BatchScheduler:
             free_slots = max(0, self.slots - len(self._active))
             waiting = self.n_waiting  # a request cancelled while queued gives its place back at once
             if waiting >= self.max_queue + free_slots:
-                raise QueueFull(f"the server is busy: {plural(len(self._active), 'request')} running, "
-                                f"{waiting} waiting (queue limit {self.max_queue}); retry later")
+                starting = min(waiting, free_slots)  # queued, but theirs are the free slots: not the queue
+                raise QueueFull(f"the server is busy: {plural(len(self._active) + starting, 'request')} running, "
+                                f"{waiting - starting} waiting (queue limit {self.max_queue}); retry later")
             request.id = request.id or f"req-{next(self._ids)}"
             request.submitted_at = time.perf_counter()
             self._waiting.append(request)
