@@ -63,7 +63,9 @@ def test_message_forms():
     (chat(max_tokens=0), "max_tokens", ">= 1"),
     (chat(max_tokens=True), "max_tokens", ">= 1"),
     (chat(max_tokens=5000), "max_tokens", "limit of 4000"),
-    (chat(seed=-1), "seed", "[0, 2^63)"),
+    (chat(seed=-1), "seed", "[0, 4294967295]"),
+    # past the engine's 32 bits the request was queued and failed when it ran: a stream got 200, then an error
+    (chat(seed=2**32), "seed", "[0, 4294967295]"),
     (chat(seed="1"), "seed", "an integer"),
     (chat(stream="yes"), "stream", "true or false"),
     (chat(stream_options={"include_usage": True}), "stream_options", "stream: true"),
@@ -205,3 +207,7 @@ def test_usage_counts_the_tokens_up_to_the_one_that_completes_the_stop_string():
 def test_without_thinking_split_the_markers_are_plain_text():
     r, c, _ = run_stream(THOUGHTFUL, [4], thinking=False)
     assert r == "" and c == detok(THOUGHTFUL)
+
+
+def test_the_largest_seed_the_engine_takes_is_accepted():
+    assert parse(chat(seed=2**32 - 1)).seed == 2**32 - 1 and parse(chat(seed=0)).seed == 0

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from dgcli.engine.rng import SEED_LIMIT
 from dgcli.engine.types import DgError, DiffusionParams, GenerationResult, InvalidParameter, StepEvent, check_utf8
 
 MAX_STOP_STRINGS = 4
@@ -148,8 +149,8 @@ def parse_request(body: Any, kind: str, defaults: DiffusionParams, default_max_t
         req.max_new_tokens, req.max_tokens_given = max_tokens, True
 
     seed = _get(body, "seed", (int,), "an integer")
-    if seed is not None and not 0 <= seed < 2**63:
-        raise _bad("'seed' must be an integer in [0, 2^63)", param="seed")
+    if seed is not None and not 0 <= seed < SEED_LIMIT:  # the engine's range: checked only once the request ran
+        raise _bad(f"'seed' must be an integer in [0, {SEED_LIMIT - 1}]", param="seed")
     req.seed = seed
     req.stop = parse_stop(body.get("stop"))
     req.params = parse_sampler(body, defaults)
