@@ -211,3 +211,13 @@ def test_without_thinking_split_the_markers_are_plain_text():
 
 def test_the_largest_seed_the_engine_takes_is_accepted():
     assert parse(chat(seed=2**32 - 1)).seed == 2**32 - 1 and parse(chat(seed=0)).seed == 0
+
+
+def test_steps_past_the_served_canvas_are_refused_when_the_request_is_read():
+    # steps=4000 passed (at most 4096 "for any canvas"), then failed once the request ran on the demo's
+    # 32-token canvas (at most 128): a stream got 200 and an error event naming max_denoising_steps
+    req = parse_request(chat(steps=128), "chat", DEFAULTS, 256, 4000, canvas_length=32)
+    assert req.params.max_denoising_steps == 128
+    with pytest.raises(ApiError) as info:
+        parse_request(chat(steps=4000), "chat", DEFAULTS, 256, 4000, canvas_length=32)
+    assert info.value.param == "steps" and "32-token canvas" in info.value.message

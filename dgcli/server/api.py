@@ -100,8 +100,9 @@ def _get(body: dict, name: str, kinds: tuple[type, ...], what: str) -> Any:
 
 
 def parse_request(body: Any, kind: str, defaults: DiffusionParams, default_max_tokens: int,
-                  max_tokens_limit: int) -> CompletionRequest:
-    """Validate a request body of /v1/chat/completions (kind "chat") or /v1/completions ("completion")."""
+                  max_tokens_limit: int, canvas_length: int | None = None) -> CompletionRequest:
+    """Validate a request body of /v1/chat/completions (kind "chat") or /v1/completions ("completion");
+    canvas_length: the served model's, which bounds the steps a canvas may take."""
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object")
     req = CompletionRequest(kind=kind)
@@ -153,7 +154,7 @@ def parse_request(body: Any, kind: str, defaults: DiffusionParams, default_max_t
         raise _bad(f"'seed' must be an integer in [0, {SEED_LIMIT - 1}]", param="seed")
     req.seed = seed
     req.stop = parse_stop(body.get("stop"))
-    req.params = parse_sampler(body, defaults)
+    req.params = parse_sampler(body, defaults, canvas_length)
     return req
 
 
@@ -222,7 +223,7 @@ def parse_stop(stop: Any) -> list[str]:
     return [s for s in stops if s]
 
 
-def parse_sampler(body: dict, defaults: DiffusionParams) -> DiffusionParams:
+def parse_sampler(body: dict, defaults: DiffusionParams, canvas_length: int | None = None) -> DiffusionParams:
     values: dict[str, Any] = {}
     for name, target in SAMPLER_FIELDS.items():
         value = body.get(name)
@@ -236,7 +237,8 @@ def parse_sampler(body: dict, defaults: DiffusionParams) -> DiffusionParams:
             raise _bad(f"'{name}' contradicts another field setting {target}", param=name)
         values[target] = value
     try:
-        return defaults.replace(**values).validate()
+        # with the canvas, as the engine validates them once the request runs (too late for a 400)
+        return defaults.replace(**values).validate(canvas_length)
     except InvalidParameter as err:
         field_name = next((n for n, t in SAMPLER_FIELDS.items() if t == err.name and n in body), err.name)
         raise _bad(f"invalid {field_name}={err.value!r}: must be {err.allowed}", param=field_name) from None

@@ -340,7 +340,7 @@ def create_app(service: DgService) -> Starlette:
                            code="no_chat_template")
         body = await read_json(request, config.max_body_bytes)
         req = parse_request(body, kind, service.engine.default_params, config.default_max_tokens,
-                            service.max_tokens_limit)
+                            service.max_tokens_limit, service.model.canvas_length)
         try:
             prompt_ids = await anyio.to_thread.run_sync(service.prompt_ids, req)
         except DgError as err:
