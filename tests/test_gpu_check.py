@@ -6,6 +6,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("dg_gpu_check", ROOT / "benchmarks" / "gpu_check.py")
 gpu_check = importlib.util.module_from_spec(_spec)
@@ -64,3 +66,18 @@ def test_sigterm_mid_check_writes_the_table_and_stops_the_writers(tmp_path):
     assert "stopped" in sections and sections[-1] == "total"
     assert "stopped" in doc["failed"]
     assert set(Path("/tmp").glob("dg-gpu-check-*")) <= workdirs_before  # its temp dir is gone
+
+
+def test_the_sampler_rate_says_which_seconds_it_divides_by(tiny_gguf, tmp_path, monkeypatch):
+    # the row read "tok/s (one canvas, prefill + steps + commit)" beside "N tokens in total_s", but the
+    # rate leaves the prefill out: over the seconds the note gave, the figure was too high
+    from dgcli.engine.model import DiffusionModel
+
+    monkeypatch.setattr(gpu_check, "CANVAS", 16)
+    check = gpu_check.Check(out=tmp_path, budget_s=60)
+    with DiffusionModel(str(tiny_gguf)) as model:
+        gpu_check.generate_once(check, model, "numpy")
+    row = next(r for r in check.rows if r.quantity.startswith("tok/s"))
+    assert "after the prefill" in row.quantity and "prefill +" not in row.quantity
+    tokens, seconds = row.note.split(" tokens in ")[0], row.note.split(" tokens in ")[1].split(" s")[0]
+    assert float(row.value) == pytest.approx(int(tokens) / float(seconds), rel=0.2, abs=0.2)
