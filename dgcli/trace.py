@@ -139,6 +139,7 @@ _RESULT_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     **{name: (lambda v: isinstance(v, str), "a string") for name in ("mode", "text", "stop_reason")},
     **{name: (_is_int_list, "a list of integers") for name in ("token_ids", "steps_per_canvas")},
     **{name: (is_int, "an integer") for name in ("n_prompt_tokens", "decoder_forwards", "n_cached_prompt_tokens")},
+    "prefill_answer_tokens": (lambda v: is_int(v) and v >= 0, "an integer >= 0"),  # tok/s subtracts it
     **{name: (is_real, "a finite number") for name in ("tokens_per_forward", "prefill_s", "total_s", "forward_s",
                                                    "sampling_s", "display_s")},
     "interrupted": (lambda v: isinstance(v, bool), "true or false"),

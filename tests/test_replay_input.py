@@ -61,6 +61,8 @@ def test_a_well_formed_hand_written_trace_replays(tmp_path):
     (dict(result={**RESULT, "tokens_per_forward": float("nan")}), ":4:", "tokens_per_forward must be a finite number"),
     (dict(result={**RESULT, "total_s": float("inf")}), ":4:", "total_s must be a finite number"),
     (dict(result={**RESULT, "token_ids": ["B"]}), ":4:", "token_ids must be a list of integers"),
+    # the recorded summary's tok/s subtracts it: a string ended replay in a TypeError
+    (dict(result={**RESULT, "prefill_answer_tokens": "1"}), ":4:", "prefill_answer_tokens must be an integer >= 0"),
 ])
 def test_a_malformed_field_is_one_error_line_naming_the_line(tmp_path, change, where, fragment):
     r = replay(write(tmp_path, **change))
