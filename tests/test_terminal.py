@@ -16,6 +16,7 @@ pytest.importorskip("pexpect", reason="the terminal tests need pexpect and pyte 
 pytest.importorskip("pyte", reason="the terminal tests need pexpect and pyte (pip install -e '.[test]')")
 
 import pty_screen  # noqa: E402
+from pyte import modes as pyte_modes  # noqa: E402
 
 from dgcli.engine import native  # noqa: E402
 
@@ -196,6 +197,42 @@ def test_ctrl_c_in_replay_shows_the_text_it_had_reached(tmp_path):
     assert "QUEBEC WHISKEY ECHO ROMEO TANGO" in screen and "interrupted: the replay stopped here" in screen
 
 
+# 96 denoising steps (stability and confidence out of reach), each on screen a while
+SLOW_STEPS = ("--seed", "0", "--stability-threshold", "20", "--confidence-threshold", "1e-30")
+
+
+@pytest.mark.parametrize("command", ["generate", "compare", "replay"])
+def test_a_terminal_made_narrower_mid_run_keeps_no_old_frame(command, tmp_path):
+    """The window made narrower under a live view: a terminal that reflows (tmux, VTE, kitty, ...)
+    rewraps each line of the frame on screen onto two rows, and Rich's next frame, moving up as many
+    lines as it had drawn, left the top half of every frame above it for good. No COLUMNS/LINES: dg
+    follows the terminal's size. (The screen is full of a session's lines, as a terminal's usually
+    is: the rows a reflow adds push them into the history. A frame at the top of an empty screen
+    would lose its top rows to the history instead, where no one can erase them.)"""
+    args = [command, "Tell me a story", *SLOW_STEPS, "--pace", "0.2"]
+    if command == "replay":
+        trace = tmp_path / "run.jsonl"
+        rc, _ = pty_screen.run("generate", "Tell me a story", *SLOW_STEPS, "--trace", str(trace))
+        assert rc == 0
+        args = ["replay", str(trace), "--pace", "0.2"]
+    term = pty_screen.Terminal(80, 24)
+    term._feed(b"".join(b"$ earlier command %d\r\n" % i for i in range(30)))
+    term.spawn(*args, env={"COLUMNS": None, "LINES": None})
+    term.read_until("2/48")
+    term.resize(40)
+    term.read_until("8/48")
+    # a frame or two drawn for the old width arrive after the resize (dg learns of it a moment later)
+    term.resize(30, 20, tell=False)
+    term.read_until("10/48")
+    term.tell_size()
+    assert term.wait() in (0, 1), term.all_text()  # compare: 1 when the AR side is missing
+    text = term.all_text()
+    assert_clean(term)
+    assert "$ earlier command 29" in text
+    whole = 2 if command == "compare" else 0  # compare prints both panels whole once the run is over
+    assert text.count("╭") == text.count("╰") == whole, text
+
+
 def test_sigterm_under_a_live_view_gives_the_terminal_back():
     import pexpect
     import signal
@@ -209,6 +246,7 @@ def test_sigterm_under_a_live_view_gives_the_terminal_back():
     assert term.child.getecho() is True  # echo back on
     term._feed(term.child.before)
     assert b"\x1b[?25h" in term.raw[-200:]  # the cursor shown again
+    assert pyte_modes.DECAWM in term.screen.mode  # long lines wrap again (the live view cuts them)
     term.child.close()
     assert term.child.signalstatus is None and term.child.exitstatus == 143
 
@@ -243,13 +281,14 @@ def test_ctrl_z_gives_the_shell_a_cursor_and_fg_draws_the_live_view_again():
     lines (the "fg" line). Now the cursor shows while dg is stopped and `fg` draws a new frame below."""
     term = _live_view_in_a_shell()
     assert not term.screen.cursor.hidden, term.raw[-300:]  # the shell's prompt has its cursor
+    assert pyte_modes.DECAWM in term.screen.mode  # and its long lines wrap
     term.send("fg\r")
     term.read_until(r"step \d+/48")
-    assert term.screen.cursor.hidden
+    assert term.screen.cursor.hidden and pyte_modes.DECAWM not in term.screen.mode
     term.send("exit\r")  # typed ahead: bash reads it once dg is done
     assert term.wait() == 0
     screen = term.all_text()
-    assert not term.screen.cursor.hidden
+    assert not term.screen.cursor.hidden and pyte_modes.DECAWM in term.screen.mode
     assert "$ fg" in screen, screen  # not erased by the first frame after `fg`
     tail = screen[screen.index("$ fg"):]
     assert "I can reverse" in tail and "new tokens" in tail and "Traceback" not in screen, tail

@@ -13,8 +13,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import typer
-from rich.console import Console
+from rich.console import Console, ConsoleOptions, RenderResult
+from rich.control import Control
 from rich.live import Live
+from rich.live_render import LiveRender
+from rich.segment import ControlType, Segment
 
 from dgcli import hub, info as ginfo, render, textfile
 from dgcli.commands import _signals
@@ -495,12 +498,91 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
+# DECAWM: a line longer than the terminal is cut at its right edge instead of wrapping onto the next
+# row. Under a live view, a frame drawn for the width from before a resize (dg learns of the new one a
+# moment later) then still takes as many rows as it has lines, and the next frame erases it whole.
+NO_AUTOWRAP, AUTOWRAP = "\x1b[?7l", "\x1b[?7h"
+# The cursor's line and every line below it erased: deleted (DL), as many as the screen has. Not CSI J:
+# from the top-left corner tmux takes that for a clear screen and keeps the screen in its history.
+ERASE_BELOW = "\r\x1b[9999M"
+
+
+class _AnchoredRender(LiveRender):
+    """Rich's live region with the cursor left at its top-left corner between frames.
+
+    Rich leaves the cursor after a frame's last line and erases the frame by going up as many lines
+    as it drew. A terminal made narrower rewraps those lines (tmux, VTE, kitty, xterm.js reflow each
+    line longer than the new width onto more rows; xterm cuts them): the count no longer matches, and
+    the top of the frame on screen stayed above every later one. The start of a line stays the start
+    of a line however a terminal resizes, and the cursor moves with it: each frame is drawn from
+    there over whatever is below (ERASE_BELOW), then the cursor goes back there.
+    `anchor` False (the last frame, when the live view stops): the cursor stays after it, as Rich's."""
+
+    anchor = True
+    _at_top = False
+
+    def position_cursor(self) -> Control:
+        return _codes(ERASE_BELOW) if self._shape is not None and self._at_top else super().position_cursor()
+
+    def restore_cursor(self) -> Control:
+        return _codes(ERASE_BELOW) if self._shape is not None and self._at_top else super().restore_cursor()
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        yield from super().__rich_console__(console, options)
+        height = self.last_render_height
+        self._at_top = self.anchor and height > 0
+        down = f"\x1b[{height - 1}B" if self._at_top and height > 1 else ""
+        _signals.live_view_exit[0] = (down + AUTOWRAP).encode()
+        if self._at_top:
+            yield Control(ControlType.CARRIAGE_RETURN, *([(ControlType.CURSOR_UP, height - 1)] if height > 1 else []))
+
+    def leave(self) -> Control:
+        """The cursor after the frame's last line (where Rich's own would be), autowrap on: the
+        terminal as the shell wants it at a Ctrl-Z."""
+        width, height = self._shape or (0, 0)
+        moves = [(ControlType.CURSOR_DOWN, height - 1)] if self._at_top and height > 1 else []
+        if self._at_top:
+            moves.append((ControlType.CURSOR_MOVE_TO_COLUMN, width))
+        self._at_top = False
+        return Control(*moves) if moves else Control()
+
+
+def _codes(text: str) -> Control:
+    """Control codes Rich has no name for (delete lines, autowrap), written as they are, only to a
+    terminal."""
+    control = Control()
+    control.segment = Segment(text, None, [(ControlType.CARRIAGE_RETURN,)])
+    return control
+
+
+class _AnchoredLive(Live):
+    """Rich's Live, drawn by an _AnchoredRender with autowrap off: it survives the terminal's resizing."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._live_render = _AnchoredRender(self.get_renderable(), vertical_overflow=self.vertical_overflow)
+
+    def start(self, refresh: bool = False) -> None:
+        _signals.live_view_exit[0] = AUTOWRAP.encode()
+        self.console.control(_codes(NO_AUTOWRAP))
+        super().start(refresh)
+
+    def stop(self) -> None:
+        self._live_render.anchor = False  # the last frame ends where Rich's does: stop erases it from there
+        try:
+            super().stop()
+        finally:
+            self.console.control(_codes(AUTOWRAP))
+            _signals.live_view_exit[0] = b""
+
+
 @contextmanager
 def live_view(renderable: Any) -> Iterator[Live]:
-    """A transient Rich Live on stdout (auto-refresh off: the caller refreshes), keys not echoed.
-    Ctrl-Z stops it with the terminal given back to the shell; `fg` draws it again (_signals.suspend)."""
+    """A transient Rich Live on stdout (auto-refresh off: the caller refreshes), keys not echoed, that
+    a resized terminal does not leave old frames of (_AnchoredRender). Ctrl-Z stops it with the
+    terminal given back to the shell; `fg` draws it again (_signals.suspend)."""
     with echo_off() as quiet:
-        live = Live(renderable, console=stdout, auto_refresh=False, transient=True)
+        live = _AnchoredLive(renderable, console=stdout, auto_refresh=False, transient=True)
         live.start()
         try:
             with _signals.suspendable(_suspended_live(live, quiet)):
@@ -516,6 +598,9 @@ def _suspended_live(live: Live, quiet: Optional[tuple[int, Any]]) -> Callable[[]
     @contextmanager
     def hold() -> Iterator[None]:
         with live._lock:
+            anchored = isinstance(live._live_render, _AnchoredRender) and live.is_started
+            if anchored:  # the shell's lines go below the frame, and wrap
+                live.console.control(live._live_render.leave(), _codes(AUTOWRAP))
             yield
             if not live.is_started:  # it ended while the stop waited for it: the terminal is given back
                 return
@@ -527,6 +612,8 @@ def _suspended_live(live: Live, quiet: Optional[tuple[int, Any]]) -> Callable[[]
 
                 termios.tcsetattr(quiet[0], termios.TCSANOW, quiet[1])
             live.console.show_cursor(False)
+            if anchored:
+                live.console.control(_codes(NO_AUTOWRAP))
             live.refresh()
     return hold
 

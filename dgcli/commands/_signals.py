@@ -31,6 +31,9 @@ EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
 SHOW_CURSOR = b"\x1b[?25h"
 # (fd, termios settings) a live view changed (echo off) and gives back when it ends; restored on exit too
 terminal_settings: list[tuple[int, Any]] = []
+# what gives the terminal back from a live view: autowrap on, the cursor from where the view left it
+# (its top line) to its last line (an exit at once leaves the frame on screen, the shell's prompt after it)
+live_view_exit = [b""]
 # held around a stop for Ctrl-Z (see suspend): a live view draws nothing meanwhile and takes the
 # terminal again when the process continues
 on_suspend: list[Callable[[], ContextManager]] = []
@@ -43,7 +46,7 @@ def exit_now(code: int) -> None:
         if outputs is not None:
             outputs.remove_temporaries()
     finally:
-        _give_terminal_back(b"\n" + SHOW_CURSOR)
+        _give_terminal_back(live_view_exit[0] + b"\n" + SHOW_CURSOR)
         os._exit(code)
 
 
