@@ -193,3 +193,28 @@ def test_an_empty_model_name_names_the_argument_given(no_engine, args, named):
 def test_a_home_folder_of_no_user_is_one_line(no_engine, args):
     # pathlib's expanduser raised RuntimeError: a traceback from every command taking a model
     assert "no home folder for ~no-such-user-dg" in error_line(*args)
+
+
+def _under_the_c_locale(*args, input: bytes = b""):
+    """dg with LC_ALL=C and Python's UTF-8 mode off: argv is decoded as ASCII (a byte that is not
+    ASCII arrives as a lone surrogate) and the standard streams are ASCII."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    return subprocess.run([sys.executable, "-m", "dgcli.cli", *args], capture_output=True, input=input,
+                          env=dict(os.environ, PYTHONPATH=str(repo), LC_ALL="C", PYTHONUTF8="0"), cwd=repo,
+                          timeout=120)
+
+
+def test_utf8_arguments_are_taken_under_the_c_locale():
+    # "the prompt from the command line is not UTF-8 text (byte 1)" for "héllo", a valid UTF-8 argument
+    r = _under_the_c_locale("generate", "reverse: HÉLLO".encode(), "--system", "Sé brief".encode(), "-n", "8",
+                            "--seed", "1")
+    assert r.returncode == 0 and b"error" not in r.stderr, r.stderr
+    r = _under_the_c_locale("generate", b"h\xc3\xa9\xffllo", "-n", "8")
+    assert (r.returncode, r.stderr) == (1, b"error: the prompt from the command line is not UTF-8 text (byte 3)\n")
+    r = _under_the_c_locale("generate", "hi", "--system", b"\xc3\xa9\xff")
+    assert (r.returncode, r.stderr) == (1, b"error: the --system text is not UTF-8 text (byte 2)\n")
+

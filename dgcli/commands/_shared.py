@@ -288,7 +288,7 @@ def read_prompt(argument: Optional[str], option: Optional[str] = None, file: Opt
         raise DgError("the prompt was given twice: pass it as an argument, with -p/--prompt, or with -f/--file")
     text = argument if argument is not None else option
     if text is not None and text != "-":
-        check_utf8(text, "the prompt from the command line")
+        text = argument_text(text, "the prompt from the command line")
     if file is not None and str(file) != "-":
         text = read_text_file(file, "prompt file").rstrip("\r\n")
     elif text is None or text == "-" or file is not None:
@@ -297,6 +297,20 @@ def read_prompt(argument: Optional[str], option: Optional[str] = None, file: Opt
         text = decode_prompt(sys.stdin.buffer.read(MAX_PROMPT_BYTES + 1), "stdin").rstrip("\r\n")
     if not text.strip():
         raise DgError("empty prompt")
+    return text
+
+
+def argument_text(text: str, what: str) -> str:
+    """A command-line argument as the UTF-8 text its bytes spell, whatever the locale: Python decodes
+    argv with the locale's encoding, so under LC_ALL=C (without its UTF-8 mode) "héllo" arrives as
+    lone surrogates, one per byte, and was refused as not UTF-8. Bytes that are not UTF-8 are refused,
+    naming the first."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        text = os.fsencode(text).decode("utf-8", "surrogateescape")  # the bytes as given, then as UTF-8
+    check_utf8(text, what)
     return text
 
 
@@ -330,13 +344,13 @@ def echo_text(text: str, *, nl: bool = True, err: bool = False) -> None:
     typer.echo(text, nl=nl, err=err, color=True)
 
 
-def check_prompt_options(system: Optional[str], raw: bool) -> None:
+def check_prompt_options(system: Optional[str], raw: bool) -> Optional[str]:
+    """--system checked against --raw; returns its text (argument_text)."""
     if raw and system:
         raise DgError("--system needs the chat template; with --raw, write the system text into the prompt")
     if system is not None and not system.strip():
         raise DgError("empty --system text")
-    if system is not None:
-        check_utf8(system, "the --system text")
+    return argument_text(system, "the --system text") if system is not None else None
 
 
 def prompt_ids(model, text: str, *, system: Optional[str], raw: bool, parse_special: bool) -> list[int]:

@@ -41,7 +41,7 @@ def chat(
         shared.check_thinking(thinking)
         shared.check_generation_args(max_new_tokens, threads, gpu_layers, ctx_size, pace)
         gpu_layers, n_cpu_moe = shared.resolve_offload(gpu_layers, n_cpu_moe, cpu_moe)
-        shared.check_prompt_options(system, False)
+        system = shared.check_prompt_options(system, False)
         resolved, path = shared.resolve_model(model, yes=yes, want="diffusion")
         shared.preflight(path, diffusion=True, command="chat", gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe,
                          ctx_size=ctx_size)

@@ -53,7 +53,7 @@ def generate(
         shared.check_generation_args(max_new_tokens, threads, gpu_layers, ctx_size, pace)
         gpu_layers, n_cpu_moe = shared.resolve_offload(gpu_layers, n_cpu_moe, cpu_moe)
         rpc_servers, gpu_layers = shared.rpc_placement(rpc, gpu_layers)
-        shared.check_prompt_options(system, raw)
+        system = shared.check_prompt_options(system, raw)
         run_seed = shared.seed_of(seed)
         text = shared.read_prompt(prompt, prompt_opt, file)
         resolved, path = shared.resolve_model(model, yes=yes, want="diffusion")
