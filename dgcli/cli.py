@@ -27,7 +27,27 @@ def _reopen_closed_standard_streams() -> None:
             setattr(sys, name, open(fd, mode, closefd=False, encoding="utf-8", errors="surrogateescape"))
 
 
+def _utf8_standard_streams() -> None:
+    """Under the C/POSIX locale without Python's UTF-8 mode (LC_ALL=C PYTHONUTF8=0) the standard streams
+    are ASCII: the first non-ASCII character dg printed (an answer, the live view's ⟨end⟩ and ▪) ended
+    it in UnicodeEncodeError, and a message typed in UTF-8 at `dg chat`'s prompt was refused as not
+    UTF-8. They read and write UTF-8 then, as click's echo already does on such a stream (and Python's
+    UTF-8 mode would), each keeping its error handler."""
+    import codecs
+    import sys
+
+    for name in ("stdin", "stdout", "stderr"):
+        stream = getattr(sys, name)
+        try:
+            ascii_only = codecs.lookup(getattr(stream, "encoding", None) or "utf-8").name == "ascii"
+        except LookupError:
+            continue
+        if ascii_only and hasattr(stream, "reconfigure"):
+            stream.reconfigure(encoding="utf-8", errors=stream.errors)
+
+
 _reopen_closed_standard_streams()
+_utf8_standard_streams()
 
 with _signals.quiet_startup():
     import sys

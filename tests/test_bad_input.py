@@ -218,3 +218,9 @@ def test_utf8_arguments_are_taken_under_the_c_locale():
     r = _under_the_c_locale("generate", "hi", "--system", b"\xc3\xa9\xff")
     assert (r.returncode, r.stderr) == (1, b"error: the --system text is not UTF-8 text (byte 2)\n")
 
+
+def test_non_ascii_output_under_the_c_locale_is_utf8():
+    # compare's table caption says "÷": UnicodeEncodeError ('ascii' codec) and a traceback, piped
+    r = _under_the_c_locale("compare", "reverse: HELLO", "--seed", "1", "--no-live")
+    assert r.returncode == 0 and b"Traceback" not in r.stderr, r.stderr
+    assert "tok/s ÷ AR tok/s" in r.stdout.decode("utf-8")

@@ -112,6 +112,19 @@ def test_chat_keeps_the_session_across_turns_commands_and_ctrl_c(columns):
     assert cached[0] == 0 and 0 < cached[1] < prompts[0]
 
 
+def test_chat_takes_a_utf8_message_under_the_c_locale():
+    # LC_ALL=C without Python's UTF-8 mode: stdin is ASCII, and "héllo" typed in UTF-8 came back from
+    # input() as lone surrogates: "the message is not UTF-8 text"
+    term = pty_screen.Terminal(80, 24).spawn("chat", "--seed", "1", env={"LC_ALL": "C", "PYTHONUTF8": "0"})
+    term.read_until(">>> ")
+    type_line(term, "reverse: héllo")
+    term.read_until(">>> ")
+    type_line(term, "/exit")
+    assert term.wait() == 0
+    assert_clean(term)
+    assert "reverse: héllo" in term.all_text() and "stop=end_token" in term.all_text().replace("\n", "")
+
+
 @pytest.mark.parametrize("columns", WIDTHS)
 def test_chat_ctrl_c_stops_an_answer_not_the_session(columns):
     term = pty_screen.Terminal(columns, 24).spawn("chat", "--seed", "1", "--pace", "0.5")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import locale
 import sys
 from typing import Optional
 
@@ -93,7 +94,14 @@ def _messages(interactive: bool):
             if line.strip():
                 yield line.rstrip("\r\n")
         return
-    import readline  # noqa: F401 (line editing and history for input())
+    import readline  # line editing and history for input()
+
+    if "libedit" not in (readline.__doc__ or "") and "utf" not in locale.nl_langinfo(locale.CODESET).lower():
+        # a locale that is not UTF-8 (LC_ALL=C): readline took each byte of a typed "é" for Meta and a
+        # key, and the message went without it ("héllo" sent as "hllo"). Bytes pass as they are typed
+        # now (stdin decodes them as UTF-8: see cli._utf8_standard_streams)
+        for setting in ("input-meta on", "output-meta on", "convert-meta off"):
+            readline.parse_and_bind("set " + setting)
 
     while True:
         _signals.interrupt_handled()  # a Ctrl-C before this one has been acted on
