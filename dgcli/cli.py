@@ -46,8 +46,26 @@ def _utf8_standard_streams() -> None:
             stream.reconfigure(encoding="utf-8", errors=stream.errors)
 
 
+# The most columns or lines dg takes COLUMNS or LINES to mean.
+MAX_TERMINAL_CELLS = 10_000
+
+
+def _terminal_size_variables() -> None:
+    """COLUMNS and LINES that are no terminal's size are ignored, as Rich ignores a word there: a digit
+    that is not ASCII (COLUMNS=² ended every command in a traceback from Rich's int()), 0, or more
+    than MAX_TERMINAL_CELLS (COLUMNS=1000000000 had Rich pad each line of a live view to a billion
+    cells: gigabytes of memory, growing). Rich then asks the terminal (piped: see _shared._pipe_width)."""
+    import os
+
+    for name in ("COLUMNS", "LINES"):
+        value = os.environ.get(name)
+        if value is not None and not (value.isascii() and value.isdigit() and 0 < int(value) <= MAX_TERMINAL_CELLS):
+            del os.environ[name]
+
+
 _reopen_closed_standard_streams()
 _utf8_standard_streams()
+_terminal_size_variables()
 
 with _signals.quiet_startup():
     import sys

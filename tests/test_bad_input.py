@@ -224,3 +224,24 @@ def test_non_ascii_output_under_the_c_locale_is_utf8():
     r = _under_the_c_locale("compare", "reverse: HELLO", "--seed", "1", "--no-live")
     assert r.returncode == 0 and b"Traceback" not in r.stderr, r.stderr
     assert "tok/s ÷ AR tok/s" in r.stdout.decode("utf-8")
+
+
+@pytest.mark.parametrize("value", ["²", "0", "1000000000"])
+@pytest.mark.parametrize("args", [["list"], ["generate", "reverse: HELLO", "--seed", "1"],
+                                  ["compare", "reverse: HELLO", "--seed", "1"], ["generate", "--help"]])
+def test_columns_and_lines_that_are_no_terminal_size_are_ignored(args, value):
+    # COLUMNS=² ended every command in a traceback (ValueError from Rich's int()), before anything ran
+    import resource
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def bounded_memory():
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+
+    repo = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "dgcli.cli", *args], capture_output=True, text=True, timeout=120,
+                       preexec_fn=bounded_memory, stdin=subprocess.DEVNULL, cwd=repo,
+                       env=dict(os.environ, PYTHONPATH=str(repo), COLUMNS=value, LINES=value))
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert max(map(len, r.stdout.splitlines())) < 400  # no line padded to a billion columns

@@ -7,6 +7,7 @@ CliRunner never takes (the compare crash of issue 8 only happened there).
 
 from __future__ import annotations
 
+import os
 import re
 import time
 
@@ -47,6 +48,29 @@ def test_generate_live(columns):
     assert "OLLEH" in lines
     assert "stop=end_token" in term.screen_text().replace("\n", "")
     assert "╭" not in term.screen_text()  # the live panel is gone, the answer stays
+
+
+@pytest.mark.parametrize("value", ["²", "0", "1000000000"])
+def test_columns_that_is_no_terminal_size_leaves_the_terminal_s_own(value):
+    # COLUMNS=² was a traceback from Rich's int(); COLUMNS=1000000000 had Rich pad every line of the
+    # live view to a billion cells (gigabytes, growing): now Rich asks the terminal
+    import resource
+
+    import pexpect
+
+    def bounded():
+        pty_screen._default_signals()
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+
+    term = pty_screen.Terminal(40, 24)
+    exe, argv = pty_screen.dg_command("generate", "reverse: HELLO", "--seed", "1", "--pace", "0.05")
+    env = dict(os.environ, TERM="xterm-256color", COLUMNS=value, LINES=value,
+               PYTHONPATH=pty_screen.REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    term.child = pexpect.spawn(exe, argv, env=env, dimensions=(24, 40), timeout=120, cwd=pty_screen.REPO,
+                               preexec_fn=bounded)
+    assert term.wait() == 0
+    assert_clean(term)
+    assert "OLLEH" in term.screen_text() and "╭" not in term.screen_text()
 
 
 def test_a_dumb_terminal_shows_the_progress_as_status_lines():
