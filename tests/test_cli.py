@@ -457,7 +457,8 @@ def test_bench_json_and_tables(tiny_gguf, tiny_ar_gguf, scripted, tmp_path, monk
     assert table.exit_code == 0, table.stderr
     for col in ("prompt", "diffusion", "AR", "speedup", "steps/canvas", "tokens/forward", "answer tokens"):
         assert col in table.stdout
-    assert max(len(line) for line in table.stdout.splitlines()) <= 80  # COLUMNS=80: no column cut to `diffu…`
+    # COLUMNS=80: no column cut to `diffu…` (the titles and captions are one line each, piped)
+    assert max(len(line) for line in table.stdout.splitlines() if line[:1] in "┏┃┡│└") <= 80
     assert "…" not in table.stdout
 
 
@@ -485,6 +486,23 @@ def test_bench_with_stderr_piped_writes_nothing_there(tiny_gguf, tiny_ar_gguf, s
             "--no-speed-model")
     assert r.exit_code == 0, r.stderr
     assert "steps/canvas" in r.stdout and r.stderr == ""
+
+
+def test_tables_piped_have_their_title_and_caption_on_lines_of_their_own(tiny_gguf, tiny_ar_gguf, scripted):
+    # piped, Rich centred each title and caption on its table's width (padded with spaces) and wrapped
+    # a caption at that width, mid-sentence
+    scripted()
+    r = run("bench", "-m", tiny_gguf, "--ar-model", tiny_ar_gguf, "--repeat", "1", "--batch-sizes", "1,2",
+            "--max-new-tokens", "8")
+    assert r.exit_code == 0, r.stderr
+    lines = r.stdout.splitlines()
+    for title in ("diffusion sampler per prompt", "speed model: one canvas forward vs one decode step", "batch sweep"):
+        assert title in lines, r.stdout
+    assert "tokens/forward: answer tokens per decoder forward (AR: 1.00); answer tokens: diffusion/AR" in lines
+    sweep = next(line for line in lines if "canvas fwd, decode: one forward of `batch` canvases" in line)
+    assert sweep.endswith("@16 steps: the implied speedup without the commit pass"), r.stdout
+    info = run("info", tiny_gguf).stdout.splitlines()
+    assert "tensor types" in info and "sampler defaults (diffusion.eb_*)" in info, info
 
 
 def test_bench_speed_model_over_batch_sizes(tiny_gguf, tiny_ar_gguf, scripted):

@@ -223,6 +223,26 @@ def notice(text: str, style: Optional[str] = None) -> None:
     stderr.print(text, style=style, markup=False, highlight=False, soft_wrap=not stderr.is_terminal)
 
 
+def print_table(table: Any, console: Optional[Console] = None) -> None:
+    """A Rich table on stdout (or `console`): on a terminal as Rich lays it out; piped, its title and
+    caption each one line of their own, for logs and grep (Rich centred both on the table's width,
+    padding them with spaces, and wrapped a caption at that width)."""
+    console = console or stdout
+    if console.is_terminal:
+        console.print(table)
+        return
+    title, caption = table.title, table.caption
+    table.title = table.caption = None
+    try:
+        if title:
+            console.print(title, soft_wrap=True)  # markup-escaped text, or a Text
+        console.print(table)
+        if caption:
+            console.print(caption, soft_wrap=True)
+    finally:
+        table.title, table.caption = title, caption
+
+
 def placement_of(model) -> Optional[dict]:
     """Where llama.cpp put a loaded model's weights (engine.offload.LoadReport.to_json()), for --json:
     the figures beside it are that device's."""

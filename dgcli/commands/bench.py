@@ -93,7 +93,7 @@ def bench(
         else:
             console = shared.stderr if report_on_stdout else shared.stdout
             for table in benchlib.report_tables(report):
-                console.print(table)
+                shared.print_table(table, console)
             for note in report.notes:
                 console.print(f"note: {note}", style="yellow")
         if report.interrupted:

@@ -136,8 +136,8 @@ def compare(
                 shared.echo_text(render.answer_plain(d.text, thinking))
                 typer.echo("--- autoregressive ---")
                 shared.echo_text(render.answer_plain(a.text, thinking))
-            shared.stdout.print(render.compare_table(d, a, diff_rss.peak, ar_rss.peak, diff_res.display_name,
-                                                     ar_res.display_name))
+            shared.print_table(render.compare_table(d, a, diff_rss.peak, ar_rss.peak, diff_res.display_name,
+                                                    ar_res.display_name))
         if a.interrupted:
             shared.notice("interrupted: the AR output above is what was produced")
             raise typer.Exit(shared.EXIT_INTERRUPTED)

@@ -92,20 +92,20 @@ def info_cmd(model: str = typer.Argument(..., help="A .gguf path or a registry n
             sampler.add_column("from", overflow="fold")
             for k, v in meta.sampler_defaults.items():
                 sampler.add_row(k, str(v), meta.sampler_defaults_source[k])
-            shared.stdout.print(sampler)
+            shared.print_table(sampler)
         if gpu_layers != 0 and meta.gpu_name:
             where = Table(title=f"placement ({meta.offloaded_layers}/{(meta.block_count or 0) + 1} layers offloaded)")
             for col in ("weights", "in", "tensors", "size"):
                 where.add_column(col, justify="left" if col in ("weights", "in") else "right", overflow="fold")
             for what, device, count, nbytes in meta.placement:
                 where.add_row(what, device, str(count), fmt(nbytes))
-            shared.stdout.print(where)
+            shared.print_table(where)
         types = Table(title="tensor types")
         for col in ("type", "tensors", "parameters", "size"):
             types.add_column(col, justify="left" if col == "type" else "right", overflow="fold")
         for t in meta.tensor_types:
             types.add_row(t.type, str(t.tensors), f"{t.parameters:,}", fmt(t.bytes))
-        shared.stdout.print(types)
+        shared.print_table(types)
 
 
 def _softcap(meta: ginfo.GgufInfo) -> str:

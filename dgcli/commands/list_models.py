@@ -53,12 +53,8 @@ def list_cmd(json_out: bool = typer.Option(False, "--json", help=f"Machine-reada
         out = shared.stdout
         piped = not out.is_terminal  # then the caption and each model's line stay one line, for grep
         if out.measure(table, options=out.options.update_width(10_000)).minimum <= out.width:
-            if piped:  # a table caption is wrapped at the table's width
-                out.print(table)
-                out.print(Text(caption), soft_wrap=True)
-                return
-            table.caption = caption
-            out.print(table)
+            table.caption = Text(caption)
+            shared.print_table(table)  # piped: the caption one line, for grep
             return
         # narrower than the table can fold to: one wrapped line per model (columns squeezed to nothing
         # would hide the sizes and whether each is on disk)
