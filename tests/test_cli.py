@@ -505,6 +505,29 @@ def test_tables_piped_have_their_title_and_caption_on_lines_of_their_own(tiny_gg
     assert "tensor types" in info and "sampler defaults (diffusion.eb_*)" in info, info
 
 
+def test_bench_notes_piped_are_one_line_each_and_never_markup(tiny_gguf, tiny_ar_gguf, scripted, monkeypatch):
+    # piped, a note longer than 120 columns was wrapped by Rich; its text went through Rich markup:
+    # "[...]" in an error it quotes vanished, "[/x]" ended bench in MarkupError after every run
+    from dgcli import bench as benchlib
+
+    scripted()
+    run_bench = benchlib.run_bench
+
+    def with_a_note(*args, **kwargs):
+        report = run_bench(*args, **kwargs)
+        report.notes.append("batch 8 skipped: could not load m[/x] [bold]q.gguf")
+        return report
+
+    monkeypatch.setattr(benchlib, "run_bench", with_a_note)
+    r = run("bench", "-m", tiny_gguf, "--ar-model", tiny_ar_gguf, "--repeat", "1", "--batch-sizes", "1,2",
+            "--max-new-tokens", "8")
+    assert r.exit_code == 0, r.stderr
+    notes = [line for line in r.stdout.splitlines() if line.startswith("note: ")]
+    assert "note: batch 8 skipped: could not load m[/x] [bold]q.gguf" in notes, r.stdout
+    emulated = next(line for line in notes if line.startswith("note: batch sweep emulated"))
+    assert emulated.endswith("vs b tokens (AR) on the same weights"), r.stdout
+
+
 def test_bench_speed_model_over_batch_sizes(tiny_gguf, tiny_ar_gguf, scripted):
     scripted()
     r = run("bench", "-m", tiny_gguf, "--ar-model", tiny_ar_gguf, "--repeat", "1", "--batch-sizes", "1,2,4",

@@ -94,7 +94,8 @@ def bench(
             console = shared.stderr if report_on_stdout else shared.stdout
             for table in benchlib.report_tables(report):
                 shared.print_table(table, console)
-            for note in report.notes:
-                console.print(f"note: {note}", style="yellow")
+            for note in report.notes:  # text, not markup (it may quote an error); one line when piped
+                console.print(f"note: {note}", style="yellow", markup=False, highlight=False,
+                              soft_wrap=not console.is_terminal)
         if report.interrupted:
             raise typer.Exit(shared.EXIT_INTERRUPTED)
