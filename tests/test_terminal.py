@@ -136,6 +136,23 @@ def test_chat_keeps_the_session_across_turns_commands_and_ctrl_c(columns):
     assert cached[0] == 0 and 0 < cached[1] < prompts[0]
 
 
+def test_chat_banner_names_a_model_path_with_brackets(tmp_path):
+    # the banner went through Rich markup: a model in a folder "d[/x]" ended dg chat in MarkupError
+    import shutil
+
+    from dgcli.registry import Registry
+
+    model = tmp_path / "d[" / "x]" / "m[bold]q.gguf"
+    model.parent.mkdir(parents=True)
+    shutil.copy(Registry.load().resolve("demo").path, model)
+    term = pty_screen.Terminal(120, 24).spawn("chat", "-m", str(model))
+    term.read_until(">>> ")
+    type_line(term, "/exit")
+    assert term.wait() == 0
+    assert_clean(term)
+    assert f"Chat with {model}." in term.all_text()
+
+
 def test_chat_takes_a_utf8_message_under_the_c_locale():
     # LC_ALL=C without Python's UTF-8 mode: stdin is ASCII, and "héllo" typed in UTF-8 came back from
     # input() as lone surrogates: "the message is not UTF-8 text"

@@ -62,7 +62,8 @@ def chat(
             session = ChatSession(engine, system=system, params=params, max_new_tokens=max_new_tokens,
                                   seed=None if seed == -1 else seed, parse_special=parse_special)
             if interactive:
-                shared.stderr.print(BANNER.format(name=resolved.display_name), style="dim")
+                # text, not markup: the name of a model file is its path ("d[/x]/m.gguf": MarkupError)
+                shared.stderr.print(BANNER.format(name=resolved.display_name), style="dim", markup=False)
             turns = failed = 0
             for line in _messages(interactive):
                 if is_command(line):
