@@ -83,6 +83,21 @@ def test_a_dumb_terminal_shows_the_progress_as_status_lines():
     assert "YANKEE" in text and "stop=end_token" in text.replace("\n", "")
 
 
+@pytest.mark.parametrize("args", [["compare", "reverse: HELLO", "--seed", "1"], ["list"],
+                                  ["generate", "nato: QWERTY", "--seed", "1", "-n", "4"]])
+def test_a_dumb_terminal_of_40_columns_gets_lines_of_40_columns(args):
+    # TERM=dumb: Rich took the terminal for 80x25 whatever its size, so on 40 columns every table and
+    # notice was laid out for 80 and broken up by the terminal's own wrapping (no COLUMNS: as in a
+    # terminal, where the shell does not export it)
+    from rich.cells import cell_len
+
+    rc, term = pty_screen.run(*args, columns=40, env={"TERM": "dumb", "COLUMNS": None, "LINES": None})
+    assert rc == 0
+    assert_clean(term)
+    written = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", term.raw.decode("utf-8")).split("\r\n")
+    assert max(cell_len(line) for line in written) <= 40, "\n".join(written)
+
+
 @pytest.mark.parametrize("columns", WIDTHS)
 def test_compare_live(columns):
     # issue 8: this ended with `error: model demo-diffusion.gguf is closed` on every terminal

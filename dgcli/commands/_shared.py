@@ -42,9 +42,24 @@ def _pipe_width() -> Optional[int]:
     return int(columns) if columns.isascii() and columns.isdigit() and int(columns) > 0 else 120
 
 
+def _dumb_terminal_size(stream: Any) -> tuple[Optional[int], Optional[int]]:
+    """(columns, lines) of a dumb terminal (TERM=dumb or unknown, as Rich tells one) that `stream` is,
+    else (None, None): Rich takes such a terminal for 80x25 whatever its size and COLUMNS say, so on a
+    40-column one every table and line was laid out for 80, broken up by the terminal's wrapping."""
+    if os.environ.get("TERM", "").lower() not in ("dumb", "unknown"):
+        return None, None
+    try:
+        size = os.get_terminal_size(stream.fileno())
+    except (AttributeError, OSError, ValueError):  # not a terminal
+        return None, None
+    columns, lines = os.environ.get("COLUMNS", ""), os.environ.get("LINES", "")  # checked by cli
+    return (int(columns) if columns.isdigit() else size.columns) or 80, (int(lines) if lines.isdigit() else size.lines) or 25
+
+
 _PIPE_WIDTH = _pipe_width()
-stdout = Console(highlight=False, width=_PIPE_WIDTH)
-stderr = Console(stderr=True, highlight=False)
+_STDOUT_DUMB, _STDERR_DUMB = _dumb_terminal_size(sys.stdout), _dumb_terminal_size(sys.stderr)
+stdout = Console(highlight=False, width=_PIPE_WIDTH or _STDOUT_DUMB[0], height=_STDOUT_DUMB[1])
+stderr = Console(stderr=True, highlight=False, width=_STDERR_DUMB[0], height=_STDERR_DUMB[1])
 
 
 def fail(message: str, code: int = 1) -> "typer.Exit":
