@@ -229,6 +229,17 @@ def test_a_trace_on_stdout_has_it_to_itself(tiny_gguf, tmp_path):
 
 
 @requires_native
+def test_status_lines_never_follow_streamed_text_on_its_line():
+    # a canvas's text is streamed as it is final, without a newline: the next status line on the
+    # same stream was glued to it, "QUEBEC WHISKEY ECHO ROMEO TANGO canvas 2  step 1/48 ..."
+    r = run("generate", "nato: QWERTY", "--seed", "1", "--trace", "-")  # the demo model: two canvases
+    assert r.exit_code == 0, r.stderr
+    lines = [line.strip() for line in r.stderr.splitlines()]
+    assert "QUEBEC WHISKEY ECHO ROMEO TANGO" in lines and "YANKEE" in lines, r.stderr
+    assert all(line.startswith("canvas ") for line in lines if "step" in line and "/48" in line), r.stderr
+
+
+@requires_native
 def test_generate_trace_into_an_unwritable_folder_is_one_line(tiny_gguf):
     one_line_error(run("generate", "hi", "-m", tiny_gguf, "-n", "4", "--steps", "2", "--trace", "/proc/self/t.jsonl"),
                    "cannot write --trace /proc/self/t.jsonl")

@@ -98,6 +98,27 @@ def test_a_dumb_terminal_of_40_columns_gets_lines_of_40_columns(args):
     assert max(cell_len(line) for line in written) <= 40, "\n".join(written)
 
 
+@pytest.mark.parametrize("piped", [False, True])
+def test_no_live_status_lines_start_lines_of_their_own(piped):
+    # stdout and stderr on one terminal (or stdout through `| cat` to it): a canvas's text, streamed
+    # without a newline, had the next status line glued to it and running past the edge
+    # ("...ROMEO TANGO canvas 2  step 1/48  T=0.8")
+    import shlex
+
+    import pexpect
+
+    exe, argv = pty_screen.dg_command("generate", "nato: QWERTY", "--seed", "1", "--no-live")
+    term = pty_screen.Terminal(80, 24)
+    env = dict(os.environ, TERM="xterm-256color", COLUMNS="80", LINES="24",
+               PYTHONPATH=pty_screen.REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    term.child = pexpect.spawn("sh", ["-c", shlex.join([exe, *argv]) + (" | cat" if piped else "")], env=env,
+                               dimensions=(24, 80), timeout=120, cwd=pty_screen.REPO)
+    assert term.wait() == 0
+    lines = [line.strip() for line in term.screen_lines()]
+    assert "QUEBEC WHISKEY ECHO ROMEO TANGO" in lines and "YANKEE" in lines, term.screen_text()
+    assert any(line.startswith("canvas 2  step 1/48") for line in lines), term.screen_text()
+
+
 @pytest.mark.parametrize("columns", WIDTHS)
 def test_compare_live(columns):
     # issue 8: this ended with `error: model demo-diffusion.gguf is closed` on every terminal

@@ -235,6 +235,7 @@ def report_placement(what: str, model) -> None:
 def notice(text: str, style: Optional[str] = None) -> None:
     """A line on stderr: word-wrapped at a terminal's width (a terminal cuts words), one line when piped
     (for logs and grep)."""
+    _end_text_line()
     stderr.print(text, style=style, markup=False, highlight=False, soft_wrap=not stderr.is_terminal)
 
 
@@ -377,6 +378,23 @@ def echo_text(text: str, *, nl: bool = True, err: bool = False) -> None:
     if stream is not None and stream.isatty():
         text = render.printable(text)
     typer.echo(text, nl=nl, err=err, color=True)
+    if text or nl:
+        _mid_line["stderr" if err else "stdout"] = not (nl or text.endswith("\n"))
+
+
+# echo_text left that stream in the middle of a line (plain streaming writes each canvas's text as
+# it is final, without a newline): a notice starts a line of its own (see _end_text_line)
+_mid_line = {"stdout": False, "stderr": False}
+
+
+def _end_text_line() -> None:
+    """Before a notice on stderr: end the line that streamed text left open where the notice would
+    follow it: on stderr, or on the terminal, where stdout's text shows too (directly, or through
+    `| cat`, `| tee`); stdout keeps its bytes. A status line glued to the text ("...ROMEO TANGO
+    canvas 2  step 1/48  T=0.800 ...") ran past the terminal's edge."""
+    if _mid_line["stderr"] or (_mid_line["stdout"] and stderr.is_terminal):
+        typer.echo("", err=True)
+    _mid_line.update(stdout=False, stderr=False)
 
 
 def check_prompt_options(system: Optional[str], raw: bool) -> Optional[str]:
