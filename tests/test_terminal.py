@@ -538,6 +538,32 @@ def test_ctrl_c_during_pull_leaves_one_progress_line(columns, fake_hub, tmp_path
     assert any(line.startswith("interrupted: run `dg pull big") for line in lines), term.all_text()
 
 
+def test_a_terminal_made_narrower_during_pull_keeps_one_progress_line(fake_hub, tmp_path, monkeypatch):
+    # the full-width bar, rewrapped onto two rows by the terminal, kept its first half on the screen
+    # at every resize (as the live views' frames did)
+    repo, name = "org/big-GGUF", "diffusiongemma-26B-A4B-it-Q4_K_M.gguf"
+    fake_hub.files[(repo, name)] = bytes(range(256)) * (48 << 12)
+    fake_hub.seconds_per_chunk = 0.02
+    reg = tmp_path / "models.toml"
+    reg.write_text(f'[models.big]\nrole = "diffusion"\nrepo = "{repo}"\n[models.big.files]\nQ4_K_M = {{ file = "{name}" }}\n')
+    monkeypatch.setenv("DG_REGISTRY", str(reg))
+    term = pty_screen.Terminal(100, 24)
+    term._feed(b"".join(b"$ earlier command %d\r\n" % i for i in range(30)))
+    term.spawn("pull", "big", env={"COLUMNS": None, "LINES": None}, timeout=60)
+    term.read_until(r"MB", timeout=60)
+    term.resize(70)
+    time.sleep(1.0)
+    term.resize(45, tell=False)  # a bar drawn for 70 columns arrives after the resize
+    time.sleep(0.5)
+    term.tell_size()
+    time.sleep(1.0)
+    term.sendintr()
+    assert term.wait(60) == 130
+    lines = [line for line in term.all_text().splitlines() if line.strip()]
+    assert not [line for line in lines if "diffusiongemma" in line or "MB/s" in line][1:], term.all_text()
+    assert "$ earlier command 29" in lines
+
+
 @pytest.mark.parametrize("columns", WIDTHS)
 def test_pull_interrupted_line_wraps_at_words(columns, fake_hub, tmp_path, monkeypatch):
     # typer.echo left the wrapping to the terminal, which cut words: "... download (t" / "he partial"

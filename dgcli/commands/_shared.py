@@ -112,7 +112,7 @@ def download_with_progress(resolved: ResolvedModel) -> Path:
     columns = ([name_column, BarColumn(bar_width=None), *figures, TimeRemainingColumn(table_column=fixed())]
                if width >= 60 else [name_column, *figures])
     # Started on the first byte count, so a missing repo/file or a full disk prints only its error.
-    progress = Progress(*columns, console=stderr, transient=False, expand=True)
+    progress = anchored(Progress(*columns, console=stderr, transient=False, expand=True))
     tasks: dict[str, Any] = {}
 
     def bar(description: str):
@@ -641,6 +641,17 @@ class _AnchoredLive(Live):
         finally:
             self.console.control(_codes(AUTOWRAP))
             _signals.live_view_exit[0] = b""
+
+
+def anchored(progress: Any) -> Any:
+    """A Rich Progress whose bars are drawn as the live views are (_AnchoredLive): a terminal made
+    narrower rewrapped a full-width bar onto two rows, and each redraw left a copy of its first half."""
+    live = progress.live
+    progress.live = _AnchoredLive(console=live.console, auto_refresh=live.auto_refresh,
+                                  refresh_per_second=live.refresh_per_second, transient=live.transient,
+                                  redirect_stdout=live._redirect_stdout, redirect_stderr=live._redirect_stderr,
+                                  get_renderable=progress.get_renderable)
+    return progress
 
 
 @contextmanager

@@ -67,8 +67,9 @@ def bench(
 
         report_file = shared.output_file(output, force=force, inputs=[diff_path, ar_path, prompt_file], what="--output")
         with outputs.writing(report_file) as (out,):
-            progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                                console=shared.stderr, transient=True, disable=not shared.stderr.is_interactive)
+            progress = shared.anchored(Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                                TimeElapsedColumn(), console=shared.stderr, transient=True,
+                                                disable=not shared.stderr.is_interactive))
             with progress:
                 task = progress.add_task("bench", total=benchlib.total_units(config, prompt_set))
 
