@@ -105,14 +105,23 @@ def download_with_progress(resolved: ResolvedModel) -> Path:
     def fixed() -> Column:
         return Column(no_wrap=True)
 
-    width = stderr.width
-    name_column = TextColumn("[bold]{task.description}",
-                             table_column=Column(no_wrap=True, overflow="ellipsis", max_width=max(10, width - 52)))
-    figures = [DownloadColumn(table_column=fixed()), TransferSpeedColumn(table_column=fixed())]
-    columns = ([name_column, BarColumn(bar_width=None), *figures, TimeRemainingColumn(table_column=fixed())]
-               if width >= 60 else [name_column, *figures])
+    def columns_for(width: int) -> list:
+        name_column = TextColumn("[bold]{task.description}",
+                                 table_column=Column(no_wrap=True, overflow="ellipsis", max_width=max(10, width - 52)))
+        figures = [DownloadColumn(table_column=fixed()), TransferSpeedColumn(table_column=fixed())]
+        return ([name_column, BarColumn(bar_width=None), *figures, TimeRemainingColumn(table_column=fixed())]
+                if width >= 60 else [name_column, *figures])
+
+    class FittedProgress(Progress):
+        """The columns for the terminal's width when drawn: chosen once, at the start, a terminal made
+        narrower then cut the figures ("diffusiongemma-26B-A4B-it-Q4_K_M… 0.0/50.… -…")."""
+
+        def get_renderables(self):
+            self.columns = tuple(columns_for(stderr.width))
+            yield from super().get_renderables()
+
     # Started on the first byte count, so a missing repo/file or a full disk prints only its error.
-    progress = anchored(Progress(*columns, console=stderr, transient=False, expand=True))
+    progress = anchored(FittedProgress(*columns_for(stderr.width), console=stderr, transient=False, expand=True))
     tasks: dict[str, Any] = {}
 
     def bar(description: str):
