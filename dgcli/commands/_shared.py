@@ -605,7 +605,7 @@ class _AnchoredRender(LiveRender):
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         yield from super().__rich_console__(console, options)
-        height = self.last_render_height
+        height = self._shape[1] if self._shape else 0  # last_render_height, which Rich 13.0 lacks
         self._at_top = self.anchor and height > 0
         down = f"\x1b[{height - 1}B" if self._at_top and height > 1 else ""
         _signals.live_view_exit[0] = (down + AUTOWRAP).encode()
