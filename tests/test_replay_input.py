@@ -63,6 +63,9 @@ def test_a_well_formed_hand_written_trace_replays(tmp_path):
     (dict(result={**RESULT, "token_ids": ["B"]}), ":4:", "token_ids must be a list of integers"),
     # the recorded summary's tok/s subtracts it: a string ended replay in a TypeError
     (dict(result={**RESULT, "prefill_answer_tokens": "1"}), ":4:", "prefill_answer_tokens must be an integer >= 0"),
+    # more than the answer's tokens: the recorded summary read "0 new tokens in 0.04s  -77.3 tok/s"
+    (dict(result={**RESULT, "token_ids": [], "text": "", "prefill_answer_tokens": 3}), ":4:",
+     "prefill_answer_tokens 3 is more than the answer's 0 tokens"),
 ])
 def test_a_malformed_field_is_one_error_line_naming_the_line(tmp_path, change, where, fragment):
     r = replay(write(tmp_path, **change))
