@@ -529,8 +529,10 @@ def report_tables(report: BenchReport):
     pair = f"diffusion: {cfg['diffusion_model']}, AR: {cfg['ar_model']}"
     tables = []
 
+    speed_caption = pair + "; speedup = diffusion tok/s ÷ AR tok/s"
     speed = table(f"tok/s (answer tokens), median [min–max] of {runs}", "prompt", "diffusion", "AR", "speedup",
-                  caption=pair + "; speedup = diffusion tok/s ÷ AR tok/s")
+                  caption=speed_caption)
+    partial = False  # a speedup over only some of its row's runs (*)
     sampler = table("diffusion sampler per prompt", "prompt", "steps/canvas", "tokens/forward", "answer tokens",
                     caption="tokens/forward: answer tokens per decoder forward (AR: 1.00); answer tokens: diffusion/AR")
     graded = any(s.accuracy is not None for s in report.summaries)
@@ -538,14 +540,25 @@ def report_tables(report: BenchReport):
     for prompt, modes in by_prompt.items():
         d, a = modes.get("diffusion"), modes.get("autoregressive")
         sp = "-"
-        # as compare's: none when a side has no rate (no answer tokens, or only the prefill's): not "0.00x"
-        if d and a and d.tokens_per_second and a.tokens_per_second and d.tokens_per_second.median > 0 \
-                and a.tokens_per_second.median > 0:
-            sp = f"{format_figure(d.tokens_per_second.median / a.tokens_per_second.median)}x"
+        # the medians of the same runs: run i of a prompt on each side, where both have a rate (an AR run whose
+        # only token came from the prefill has none; a row of several prompts then divided diffusion's median
+        # over all of them by AR's over the others). As compare's: none when a side has no rate, not "0.00x"
+        rates = {mode: [r.tokens_per_second for r in report.runs if r.mode == mode and r.prompt == prompt]
+                 for mode in ("diffusion", "autoregressive")}
+        both = [(dr, ar) for dr, ar in zip(rates["diffusion"], rates["autoregressive"])
+                if dr is not None and ar is not None]
+        if both:
+            d_rate, a_rate = statistics.median(x for x, _ in both), statistics.median(y for _, y in both)
+            if d_rate > 0 and a_rate > 0:
+                mark = "*" if len(both) < max(map(len, rates.values())) else ""
+                partial = partial or bool(mark)
+                sp = f"{format_figure(d_rate / a_rate)}x{mark}"
         speed.add_row(prompt, cell(d.tokens_per_second if d else None, 1), cell(a.tokens_per_second if a else None, 1), sp)
         sampler.add_row(prompt, cell(d.steps_per_canvas if d else None, 1), cell(d.tokens_per_forward if d else None),
                         f"{count(d.new_tokens if d else None)}/{count(a.new_tokens if a else None)}")
         accuracy.add_row(prompt, pct(d.accuracy if d else None), pct(a.accuracy if a else None))
+    if partial:
+        speed.caption = escape(speed_caption + "; *over only the runs where both sides have a tok/s")
     tables += [speed, sampler] + ([accuracy] if graded else [])
 
     sm = report.speed_model

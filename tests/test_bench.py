@@ -163,3 +163,29 @@ def test_the_speed_title_says_when_a_row_holds_more_than_one_prompt():
     one = runs[:3] + runs[6:9]  # one prompt: 3 runs per row
     assert [t.replace("\\[", "[") for t in _tables(one, repeat=3) if t.startswith("tok/s")][0] == \
         "tok/s (answer tokens), median [min–max] of 3 runs per prompt"
+
+
+def test_a_row_s_speedup_divides_the_medians_of_the_same_runs():
+    # a row of two prompts where AR's answer to one is a single token (from the prefill: no tok/s): the
+    # speedup divided diffusion's median over both prompts (slow 1-token runs included) by AR's over the
+    # other prompt alone, 0.26x where the same runs give 0.50x
+    short, long = bench.BenchPrompt("x", "sort: A"), bench.BenchPrompt("x", "reverse: ABCDEFGH")
+    one = GenerationResult(mode="autoregressive", text="a", token_ids=[5], n_prompt_tokens=3, decoder_forwards=1,
+                           tokens_per_forward=1.0, total_s=0.01, prefill_s=0.005, stop_reason="end_token",
+                           timed_forwards=1, prefill_answer_tokens=1)
+    eight = GenerationResult(mode="autoregressive", text="abcdefgh", token_ids=[5] * 8, n_prompt_tokens=3,
+                             decoder_forwards=8, tokens_per_forward=1.0, total_s=0.015, prefill_s=0.005,
+                             stop_reason="end_token", timed_forwards=8, prefill_answer_tokens=1)  # 700 tok/s
+    runs = [bench._record("diffusion", short, i, _timed("a", 0.02)) for i in range(3)]  # 50 tok/s
+    runs += [bench._record("diffusion", long, i, _timed("abcdefgh", 0.0228)) for i in range(3)]  # 350.9 tok/s
+    runs += [bench._record("autoregressive", short, i, one) for i in range(3)]
+    runs += [bench._record("autoregressive", long, i, eight) for i in range(3)]
+    assert [r.tokens_per_second for r in runs[6:9]] == [None] * 3
+    speed = [t for t in _tables(runs, repeat=3).values() if str(t.title).startswith("tok/s")][0]
+    assert _column(speed, "AR") == ["700.0"]
+    assert _column(speed, "speedup") == ["0.50x*"]
+    assert "*over only the runs where both sides have a tok/s" in str(speed.caption)
+    # every run with a rate on both sides: a plain speedup, no mark
+    full = runs[3:6] + runs[9:12]
+    speed = [t for t in _tables(full, repeat=3).values() if str(t.title).startswith("tok/s")][0]
+    assert _column(speed, "speedup") == ["0.50x"] and "*" not in str(speed.caption)
