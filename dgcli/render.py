@@ -327,7 +327,7 @@ def compare_table(diff: GenerationResult, ar: GenerationResult, diff_rss: int | 
         table.add_row(*row)
     s = speedup(diff, ar)
     table.caption = (f"speedup (diffusion tok/s ÷ AR tok/s): {_fmt(s)}x" if s is not None
-                     else "speedup: n/a (a side has no tok/s)") + f"; seed {diff.seed}"
+                     else "speedup: n/a (a side made no answer token after the prefill)") + f"; seed {diff.seed}"
     return table
 
 

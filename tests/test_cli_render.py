@@ -244,7 +244,20 @@ def test_an_ar_side_whose_only_token_came_from_the_prefill_has_no_rate():
     assert render.speedup(d, a) is None
     assert " - tok/s" in render.result_summary(a)
     caption = " ".join(to_text(render.compare_table(d, a, 1, 1), width=120).split())
-    assert "speedup: n/a (a side has no tok/s)" in caption
+    assert "speedup: n/a (a side made no answer token after the prefill)" in caption
+
+
+def test_an_empty_answer_reads_0_tok_s_and_the_caption_says_why_there_is_no_speedup():
+    # an AR answer that was the end token at once: its tok/s is 0.00 (no token in the time after the prefill),
+    # and the caption said "speedup: n/a (a side has no tok/s)" under that 0.00
+    d = _result("diffusion", 2, 0.04, 2, [2])
+    a = GenerationResult(mode="autoregressive", text="", token_ids=[], n_prompt_tokens=3, prefill_s=0.01,
+                         total_s=0.0101, stop_reason="end_token", timed_forwards=0)
+    rows = {r[0]: r[1:] for r in render.compare_rows(d, a, 1, 1)}
+    assert rows["tok/s"] == ("50.00", "0.00") and a.to_json()["tokens_per_second"] == 0.0
+    caption = " ".join(to_text(render.compare_table(d, a, 1, 1), width=120).split())
+    assert "speedup: n/a (a side made no answer token after the prefill)" in caption
+    assert "no tok/s" not in caption
 
 
 def test_a_run_faster_than_the_printed_precision_does_not_read_zero_seconds():
