@@ -532,7 +532,7 @@ def report_tables(report: BenchReport):
     speed_caption = pair + "; speedup = diffusion tok/s ÷ AR tok/s"
     speed = table(f"tok/s (answer tokens), median [min–max] of {runs}", "prompt", "diffusion", "AR", "speedup",
                   caption=speed_caption)
-    partial = False  # a speedup over only some of its row's runs (*)
+    partial = False  # a rate or speedup over only some of its row's runs (*)
     sampler = table("diffusion sampler per prompt", "prompt", "steps/canvas", "tokens/forward", "answer tokens",
                     caption="tokens/forward: answer tokens per decoder forward (AR: 1.00); answer tokens: diffusion/AR")
     graded = any(s.accuracy is not None for s in report.summaries)
@@ -553,12 +553,19 @@ def report_tables(report: BenchReport):
                 mark = "*" if len(both) < max(map(len, rates.values())) else ""
                 partial = partial or bool(mark)
                 sp = f"{format_figure(d_rate / a_rate)}x{mark}"
-        speed.add_row(prompt, cell(d.tokens_per_second if d else None, 1), cell(a.tokens_per_second if a else None, 1), sp)
+        tok_s = []
+        for mode, summary in (("diffusion", d), ("autoregressive", a)):
+            rate = summary.tokens_per_second if summary else None
+            # a median over only the runs with a rate (the others' only token came from the prefill)
+            mark = "*" if rate is not None and rate.n < len(rates[mode]) else ""
+            partial = partial or bool(mark)
+            tok_s.append(cell(rate, 1) + mark)
+        speed.add_row(prompt, *tok_s, sp)
         sampler.add_row(prompt, cell(d.steps_per_canvas if d else None, 1), cell(d.tokens_per_forward if d else None),
                         f"{count(d.new_tokens if d else None)}/{count(a.new_tokens if a else None)}")
         accuracy.add_row(prompt, pct(d.accuracy if d else None), pct(a.accuracy if a else None))
     if partial:
-        speed.caption = escape(speed_caption + "; *over only the runs where both sides have a tok/s")
+        speed.caption = escape(speed_caption + "; *over only the runs with a tok/s (for the speedup: on both sides)")
     tables += [speed, sampler] + ([accuracy] if graded else [])
 
     sm = report.speed_model

@@ -182,10 +182,28 @@ def test_a_row_s_speedup_divides_the_medians_of_the_same_runs():
     runs += [bench._record("autoregressive", long, i, eight) for i in range(3)]
     assert [r.tokens_per_second for r in runs[6:9]] == [None] * 3
     speed = [t for t in _tables(runs, repeat=3).values() if str(t.title).startswith("tok/s")][0]
-    assert _column(speed, "AR") == ["700.0"]
+    assert _column(speed, "AR") == ["700.0*"]
     assert _column(speed, "speedup") == ["0.50x*"]
-    assert "*over only the runs where both sides have a tok/s" in str(speed.caption)
+    assert "*over only the runs with a tok/s (for the speedup: on both sides)" in str(speed.caption)
     # every run with a rate on both sides: a plain speedup, no mark
     full = runs[3:6] + runs[9:12]
     speed = [t for t in _tables(full, repeat=3).values() if str(t.title).startswith("tok/s")][0]
     assert _column(speed, "speedup") == ["0.50x"] and "*" not in str(speed.caption)
+
+
+def test_a_tok_s_cell_over_only_some_of_its_row_s_runs_says_so():
+    # the title says "median of 3 runs per prompt, every prompt of a row's name together", but AR's
+    # cell for a row of two prompts, one answered with the prefill's token alone, was over 3 of its 6 runs
+    short, long = bench.BenchPrompt("x", "sort: A"), bench.BenchPrompt("x", "reverse: ABCD")
+    one = GenerationResult(mode="autoregressive", text="a", token_ids=[5], n_prompt_tokens=3, decoder_forwards=1,
+                           tokens_per_forward=1.0, total_s=0.01, prefill_s=0.005, stop_reason="end_token",
+                           timed_forwards=1, prefill_answer_tokens=1)
+    four = GenerationResult(mode="autoregressive", text="abcd", token_ids=[5] * 4, n_prompt_tokens=3,
+                            decoder_forwards=4, tokens_per_forward=1.0, total_s=0.011, prefill_s=0.005,
+                            stop_reason="end_token", timed_forwards=4, prefill_answer_tokens=1)  # 500 tok/s
+    runs = [bench._record("diffusion", p, i, _timed("abcd", 0.04)) for p in (short, long) for i in range(3)]
+    runs += [bench._record("autoregressive", p, i, r) for p, r in ((short, one), (long, four)) for i in range(3)]
+    speed = [t for t in _tables(runs, repeat=3).values() if str(t.title).startswith("tok/s")][0]
+    assert _column(speed, "diffusion") == ["100.0"]  # every run has a rate: no mark
+    assert _column(speed, "AR") == ["500.0*"]
+    assert "*over only the runs with a tok/s" in str(speed.caption)
