@@ -39,7 +39,8 @@ BUILTIN_PROMPTS: list[BenchPrompt] = [
 ]
 
 # 2: new tokens count answer tokens only (GenerationResult.token_ids); ratios carry their spread
-BENCH_SCHEMA = "dg-bench/2"
+# 3: AR tokens_per_second counts only the answer tokens made after the prefill (null when none were)
+BENCH_SCHEMA = "dg-bench/3"
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16)
 SPEEDUP_STEPS = (1, 2, 4, 8, 12, 16, 24, 32, 48)
 # the speed model loads one context with a sequence per canvas of the largest batch: llama.cpp refuses

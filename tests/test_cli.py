@@ -415,6 +415,8 @@ def test_compare_table_and_speedup(tiny_gguf, tiny_ar_gguf, scripted):
                 "speedup"):
         assert row in out
     doc = json.loads(run("compare", "what is 3+5", "-m", tiny_gguf, "--ar-model", tiny_ar_gguf, "--json").stdout)
+    # dg-compare/1's AR tokens_per_second counted the prefill's token: a new meaning, a new number
+    assert doc["schema"] == "dg-compare/2"
     d, a = doc["diffusion"]["result"], doc["autoregressive"]["result"]
     assert d["n_new_tokens"] == a["n_new_tokens"] == len(ANSWER)
     assert a["tokens_per_forward"] == 1.0 and d["tokens_per_forward"] > 1.0
@@ -442,7 +444,7 @@ def test_bench_json_and_tables(tiny_gguf, tiny_ar_gguf, scripted, tmp_path, monk
     assert r.exit_code == 0, r.stderr
     doc = json.loads(r.stdout)
     assert json.loads(out.read_text()) == doc
-    assert doc["schema"] == "dg-bench/2"
+    assert doc["schema"] == "dg-bench/3"
     assert [p["name"] for p in doc["config"]["prompts"]] == ["math", "prompt-2"]
     assert len(doc["runs"]) == 2 * 2 * 2
     s = {(x["mode"], x["prompt"]): x for x in doc["summaries"]}
@@ -472,7 +474,7 @@ def test_bench_report_to_stdout_is_the_only_thing_there(json_flag, tiny_gguf, ti
             "--no-speed-model", "-o", "-", *json_flag)
     assert r.exit_code == 0, r.stderr
     doc = json.loads(r.stdout)
-    assert doc["schema"] == "dg-bench/2" and len(doc["runs"]) == 2
+    assert doc["schema"] == "dg-bench/3" and len(doc["runs"]) == 2
     if not json_flag:
         assert "steps/canvas" in r.stderr  # the tables are still shown, on stderr
 

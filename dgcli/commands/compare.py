@@ -12,7 +12,8 @@ import typer
 from dgcli import render
 from dgcli.commands import _shared as shared
 
-COMPARE_SCHEMA = "dg-compare/1"
+# 2: the AR side's tokens_per_second counts only the answer tokens made after the prefill (null when none were)
+COMPARE_SCHEMA = "dg-compare/2"
 
 
 def compare(
