@@ -559,9 +559,12 @@ def main(argv: list[str] | None = None) -> int:
 def build_and_install(args: argparse.Namespace, cmake_args: list[str], key: str) -> int:
 
     from rich.console import Console
+    from rich.markup import escape
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     console = Console(stderr=True)
+    # piped (make demo in a CI log), each message stays one line: the log's path is not cut at 80 columns
+    wrap = {"soft_wrap": not console.is_terminal}
     root = cache_root()
     root.mkdir(parents=True, exist_ok=True)
     log = root / "logs" / f"build-{key}-{time.strftime('%Y%m%d-%H%M%S')}.log"
@@ -606,16 +609,17 @@ def build_and_install(args: argparse.Namespace, cmake_args: list[str], key: str)
             install_wheel(wheel, key, log)
             progress.update(t, completed=1)
     except BuildError as err:
-        console.print(f"[red]error:[/red] {err}")
+        console.print(f"[red]error:[/red] {escape(str(err))}", **wrap)
         return 1
     except KeyboardInterrupt:
-        console.print("[yellow]interrupted[/yellow]: nothing was installed; the next run resumes the build")
+        console.print("[yellow]interrupted[/yellow]: nothing was installed; the next run resumes the build", **wrap)
         return 130
     except StopRequested as stop:
         console.print(f"[yellow]stopped by {signal.Signals(stop.signum).name}[/yellow]: nothing was installed; "
-                      "the next run resumes the build")
+                      "the next run resumes the build", **wrap)
         return 128 + stop.signum
-    console.print(f"dg native: installed (key {key}, {time.monotonic() - started:.0f} s; log {log})")
+    console.print(f"dg native: installed (key {key}, {time.monotonic() - started:.0f} s; log {log})",
+                  markup=False, **wrap)
     return 0
 
 

@@ -209,3 +209,29 @@ def test_an_unfinished_wheel_build_leaves_no_partial_folder(tmp_path, monkeypatc
     with pytest.raises(build.BuildError, match="produced no wheel"):
         build.build_wheel(tmp_path / "src", ["-DGGML_NATIVE=on"], "k" * 20, tmp_path / "log", 1)
     assert not list(wheels.iterdir())
+
+
+def test_piped_messages_stay_one_line(tmp_path, monkeypatch, capsys):
+    """Piped (make demo in a CI log), "dg native: installed (key ..., log PATH)" was wrapped by Rich at 80
+    columns, cutting the log's path in two; an error's text is printed as text, one line too."""
+    cache = tmp_path / ("a-long-cache-folder-name-" * 3)
+    monkeypatch.setenv("DG_CACHE_DIR", str(cache))
+    monkeypatch.setattr(build, "fetch_sdist", lambda log: tmp_path / "sdist")
+    monkeypatch.setattr(build, "extract_pristine", lambda sdist: tmp_path / "pristine")
+    monkeypatch.setattr(build, "prepare_source", lambda pristine, log: (tmp_path / "src", 0))
+    monkeypatch.setattr(build, "ensure_build_deps", lambda log: None)
+    monkeypatch.setattr(build, "build_wheel", lambda *a, **k: tmp_path / "x.whl")
+    monkeypatch.setattr(build, "install_wheel", lambda *a, **k: None)
+    args = build.parse_args([])
+    assert build.build_and_install(args, [], "k" * 20) == 0
+    err = capsys.readouterr().err
+    [line] = [ln for ln in err.splitlines() if ln.startswith("dg native: installed")]
+    assert line.endswith(".log)") and str(build.cache_root() / "logs") in line
+
+    def fail(*a, **k):
+        raise build.BuildError("compile", "[/x] in " + str(cache), tmp_path / "build.log")
+    monkeypatch.setattr(build, "build_wheel", fail)
+    assert build.build_and_install(args, [], "k" * 20) == 1
+    err = capsys.readouterr().err
+    [line] = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert line == f"error: native build failed at step 'compile': [/x] in {cache} (full log: {tmp_path / 'build.log'})"
