@@ -240,6 +240,28 @@ def test_status_lines_never_follow_streamed_text_on_its_line():
 
 
 @requires_native
+def test_status_lines_start_lines_of_their_own_in_one_file_for_both_streams(tmp_path):
+    # `dg generate ... > run.log 2>&1` (or `2>&1 | cat`): stdout and stderr are one file, and the
+    # second canvas's status line was glued to the first canvas's text in it
+    import subprocess
+    import sys
+
+    log = tmp_path / "run.log"
+    with open(log, "wb") as f:
+        subprocess.run([sys.executable, "-m", "dgcli.cli", "generate", "nato: QWERTY", "--seed", "1"],
+                       stdout=f, stderr=subprocess.STDOUT, check=True, cwd=os.path.dirname(os.path.dirname(__file__)),
+                       env=dict(os.environ, COLUMNS="80"))
+    lines = [line.strip() for line in log.read_text().splitlines()]
+    assert "QUEBEC WHISKEY ECHO ROMEO TANGO" in lines and "YANKEE" in lines, lines
+    assert any(line.startswith("canvas 2  step 1/48") for line in lines), lines
+    # stdout and stderr apart: stdout's bytes are the model's text, nothing added
+    out = subprocess.run([sys.executable, "-m", "dgcli.cli", "generate", "nato: QWERTY", "--seed", "1"],
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, check=True,
+                         cwd=os.path.dirname(os.path.dirname(__file__))).stdout
+    assert out == b"QUEBEC WHISKEY ECHO ROMEO TANGO YANKEE\n", out
+
+
+@requires_native
 def test_generate_trace_into_an_unwritable_folder_is_one_line(tiny_gguf):
     one_line_error(run("generate", "hi", "-m", tiny_gguf, "-n", "4", "--steps", "2", "--trace", "/proc/self/t.jsonl"),
                    "cannot write --trace /proc/self/t.jsonl")

@@ -399,11 +399,21 @@ _mid_line = {"stdout": False, "stderr": False}
 def _end_text_line() -> None:
     """Before a notice on stderr: end the line that streamed text left open where the notice would
     follow it: on stderr, or on the terminal, where stdout's text shows too (directly, or through
-    `| cat`, `| tee`); stdout keeps its bytes. A status line glued to the text ("...ROMEO TANGO
-    canvas 2  step 1/48  T=0.800 ...") ran past the terminal's edge."""
-    if _mid_line["stderr"] or (_mid_line["stdout"] and stderr.is_terminal):
+    `| cat`, `| tee`), or in the one file or pipe both streams go to (`> run.log 2>&1`, `2>&1 | cat`);
+    stdout keeps its bytes. A status line glued to the text ("...ROMEO TANGO canvas 2  step 1/48
+    T=0.800 ...") ran past the terminal's edge."""
+    if _mid_line["stderr"] or (_mid_line["stdout"] and (stderr.is_terminal or _one_stream())):
         typer.echo("", err=True)
     _mid_line.update(stdout=False, stderr=False)
+
+
+def _one_stream() -> bool:
+    """stdout and stderr are the same open file or pipe (`2>&1`)."""
+    try:
+        sys.stdout.flush()
+        return os.path.sameopenfile(sys.stdout.fileno(), sys.stderr.fileno())
+    except (AttributeError, OSError, ValueError):  # no file descriptors (a test runner's buffers)
+        return False
 
 
 def check_prompt_options(system: Optional[str], raw: bool) -> Optional[str]:
