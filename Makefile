@@ -32,8 +32,9 @@ native: $(VENV)/.deps
 
 setup: native
 
+# the prompt as typed: single-quoted for the shell, $ not expanded by make ($(value ...))
 demo: setup
-	$(BIN)/dg generate "$(PROMPT)" --pace 0.3
+	$(BIN)/dg generate '$(subst ','\'',$(value PROMPT))' --pace 0.3
 
 # The experiments A-D on the demo model: tables and figures under examples/out/.
 examples: setup $(VENV)/.examples-deps

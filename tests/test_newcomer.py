@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
+import shutil
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -256,3 +259,13 @@ def test_raw_runs_a_gguf_without_a_chat_template(tmp_path):
 
     # a bos, then the text as it is
     assert json.loads(r.stdout)["result"]["n_prompt_tokens"] == len(tiny_vocab().encode("hi", add_bos=True))
+
+
+@pytest.mark.skipif(not shutil.which("make"), reason="no make")
+@pytest.mark.parametrize("prompt", ["reverse: HELLO", 'sort: "QWE"', "reverse: $HOME", "it's `id` $(id), ok"])
+def test_make_demo_passes_the_prompt_as_typed(prompt):
+    # `make demo PROMPT="..."` (README): the Makefile put it in double quotes, so the shell dropped quotes
+    # inside it and ran backticks and $(...), and make itself ate `$H` of "reverse: $HOME"
+    commands = subprocess.run(["make", "-n", "demo", f"PROMPT={prompt}"], cwd=REPO, capture_output=True,
+                              text=True, check=True).stdout.strip().splitlines()
+    assert shlex.split(commands[-1])[1:] == ["generate", prompt, "--pace", "0.3"], commands[-1]
