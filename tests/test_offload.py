@@ -452,3 +452,15 @@ def test_generate_and_compare_json_say_where_the_models_ran():
     for placed in placements:
         assert placed["offloaded_layers"] is None and placed["no_gpu_reason"] == native.no_gpu_reason()
         assert any(b["kind"] == "model" and b["buffer"].startswith("CPU") for b in placed["buffers"])
+
+
+@requires_native
+def test_bench_verbose_prints_where_each_model_went(tmp_path):
+    # bench handed the engines its config's str paths, and --verbose's report took path.name: a traceback
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("rev\treverse: AB\n")
+    result = CliRunner().invoke(app, ["bench", "--verbose", "--repeat", "1", "--max-new-tokens", "8", "--prompts",
+                                      str(prompts), "--batch-sizes", "1"])
+    assert result.exit_code == 0, result.output
+    assert "diffusion model demo-diffusion.gguf: " in result.stderr
+    assert "autoregressive model demo-ar.gguf: " in result.stderr

@@ -79,8 +79,8 @@ def bench(
                     progress.update(task, advance=1, description=desc)
 
                 report = benchlib.run_bench(config, prompt_set, on_progress=on_progress,
-                                            open_diffusion=lambda p: shared.open_diffusion_engine(p, **offload, verbose=verbose),
-                                            open_ar=lambda p: shared.open_ar_engine(p, **offload, verbose=verbose),
+                                            open_diffusion=lambda p: shared.open_diffusion_engine(Path(p), **offload, verbose=verbose),
+                                            open_ar=lambda p: shared.open_ar_engine(Path(p), **offload, verbose=verbose),
                                             open_speed_model=lambda p, n: shared.open_speed_model(p, n, **offload))
             doc = report.to_json()
             if out is not None:
