@@ -464,3 +464,13 @@ def test_bench_verbose_prints_where_each_model_went(tmp_path):
     assert result.exit_code == 0, result.output
     assert "diffusion model demo-diffusion.gguf: " in result.stderr
     assert "autoregressive model demo-ar.gguf: " in result.stderr
+
+
+@requires_native
+def test_verbose_placement_lines_are_not_wrapped_when_piped():
+    # Rich wrapped the buffers line at 80 columns on a pipe: "..., CPU \ncompute 3.2 MB", a broken line for grep
+    result = CliRunner().invoke(app, ["generate", "reverse: AB", "-n", "4", "--seed", "0", "--no-live", "--verbose"])
+    assert result.exit_code == 0, result.output
+    buffers = [line for line in result.stderr.splitlines() if line.startswith("  buffers: ")]
+    assert len(buffers) == 1 and len(buffers[0]) > 80, result.stderr
+    assert re.fullmatch(r"  buffers: (\S+ (model|KV|compute) [\d.]+ [kMG]?B(, |$))+", buffers[0].rstrip()), buffers[0]

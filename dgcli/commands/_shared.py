@@ -237,8 +237,8 @@ def report_placement(what: str, model) -> None:
     report = getattr(model, "load_report", None)
     if report is not None:
         target = "the RPC workers" if getattr(model, "rpc_devices", None) is not None else "the GPU"
-        for line in render.placement_lines(what, report, target):
-            stderr.print(line, markup=False)
+        for line in render.placement_lines(what, report, target):  # one line each when piped, as notice()
+            stderr.print(line, markup=False, highlight=False, soft_wrap=not stderr.is_terminal)
 
 
 def notice(text: str, style: Optional[str] = None) -> None:
