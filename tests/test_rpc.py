@@ -360,3 +360,36 @@ def test_the_handshake_limit_holds_for_the_whole_reply():
         with pytest.raises(rpc.RpcError, match="did not answer within 0.5 s"):
             rpc.probe(f"127.0.0.1:{listener.getsockname()[1]}", timeout=0.5)
         peer.join(10)
+
+
+def test_ggml_s_lines_on_a_terminal_do_not_take_in_the_worker_s_own():
+    # on a terminal C's stdout was line-buffered and glibc wrote ggml's "Client connection closed" and
+    # its newline in two writes: the worker's "listening on" line, printed between them, joined it
+    # ("Client connection closeddg worker: listening on ..."). C's lines now leave at ggml's fflush, whole.
+    import pty
+
+    script = ("import ctypes, os\n"
+              "from dgcli.engine import rpc\n"
+              "rpc.native_stdout_to_stderr()\n"
+              "libc = ctypes.CDLL(None)\n"
+              "libc.printf(b'Client connection closed\\n')\n"
+              "os.write(2, b'dg worker: listening\\n')\n"
+              "libc.fflush(None)\n")
+    main, sub = pty.openpty()
+    try:
+        proc = subprocess.run([sys.executable, "-c", script], stdin=subprocess.DEVNULL, stdout=sub, stderr=sub,
+                              env=env(), timeout=60)
+        os.close(sub)
+        out = b""
+        while True:
+            try:
+                chunk = os.read(main, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            out += chunk
+    finally:
+        os.close(main)
+    assert proc.returncode == 0, out
+    assert out.replace(b"\r\n", b"\n") == b"dg worker: listening\nClient connection closed\n"

@@ -419,11 +419,35 @@ def check_bindable(host: str, port: int) -> str:
 def native_stdout_to_stderr() -> None:
     """ggml's RPC server logs with printf (its banner, a line per client) from its own thread; sent
     to stderr, it cannot interleave with what this process prints on stdout. Python's sys.stdout
-    keeps the original stdout."""
+    keeps the original stdout.
+
+    C's stdout is made fully buffered: on a terminal it is line-buffered, and glibc writes a printf'd
+    line's text and its newline in two writes, so a line this process printed between them joined it
+    ("Client connection closeddg worker: listening on ..."). ggml flushes after each of its lines."""
     sys.stdout.flush()
+    _c_stdout_fully_buffered()
     own_stdout = os.dup(1)
     os.dup2(2, 1)
     sys.stdout = open(own_stdout, "w", buffering=1, encoding=sys.stdout.encoding or "utf-8", closefd=True)
+
+
+_c_stdout_buffer: Any = None  # C's stdout buffer: lives as long as the process
+
+
+def _c_stdout_fully_buffered() -> None:
+    global _c_stdout_buffer
+    libc = ctypes.CDLL(None)
+    for name in ("stdout", "__stdoutp"):  # glibc/musl, BSD/macOS
+        try:
+            stream = ctypes.c_void_p.in_dll(libc, name)
+        except ValueError:
+            continue
+        libc.fflush(stream)
+        # a buffer of our own: glibc's setvbuf(_IOFBF) with NULL left a used stream unbuffered
+        _c_stdout_buffer = ctypes.create_string_buffer(1 << 16)
+        libc.setvbuf.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_size_t]
+        libc.setvbuf(stream, _c_stdout_buffer, 0, len(_c_stdout_buffer))  # _IOFBF
+        return
 
 
 class Worker:
