@@ -474,3 +474,21 @@ def test_verbose_placement_lines_are_not_wrapped_when_piped():
     buffers = [line for line in result.stderr.splitlines() if line.startswith("  buffers: ")]
     assert len(buffers) == 1 and len(buffers[0]) > 80, result.stderr
     assert re.fullmatch(r"  buffers: (\S+ (model|KV|compute) [\d.]+ [kMG]?B(, |$))+", buffers[0].rstrip()), buffers[0]
+
+
+@requires_native
+def test_cpu_moe_with_gpu_layers_0_offloads_nothing_as_asked():
+    # --n-cpu-moe/--cpu-moe offload every layer "unless --gpu-layers says how many": `--gpu-layers 0` was
+    # taken for "not given", so -v and the warning spoke of --gpu-layers -1, which nobody typed
+    for flags in (["--cpu-moe", "--gpu-layers", "0"], ["--n-cpu-moe", "2", "-ngl", "0"]):
+        result = CliRunner().invoke(app, ["generate", "reverse: AB", "-n", "4", "--seed", "0", "--no-live", "-v", *flags])
+        assert result.exit_code == 0, result.output
+        assert "--gpu-layers -1" not in result.stderr, result.stderr
+        assert re.search(r"diffusion model \S+: 0/\d+ layers offloaded to the GPU", result.stderr), result.stderr
+    # not given: every layer (here: the warning that there is no GPU to offload to)
+    result = CliRunner().invoke(app, ["generate", "reverse: AB", "-n", "4", "--seed", "0", "--no-live", "--cpu-moe"])
+    assert result.exit_code == 0, result.output
+    from dgcli.engine import native
+
+    if not native.gpu_devices():
+        assert "warning: --gpu-layers -1: " in result.stderr, result.stderr

@@ -393,3 +393,17 @@ def test_ggml_s_lines_on_a_terminal_do_not_take_in_the_worker_s_own():
         os.close(main)
     assert proc.returncode == 0, out
     assert out.replace(b"\r\n", b"\n") == b"dg worker: listening\nClient connection closed\n"
+
+
+def test_gpu_layers_0_with_rpc_keeps_the_layers_here_as_asked():
+    # --rpc offloads every layer "unless --gpu-layers says how many": `--gpu-layers 0` was taken for
+    # "not given" and every layer went to the worker anyway
+    worker = Worker()
+    try:
+        for extra, offloaded in ((["--gpu-layers", "0"], "0/7"), ([], "7/7"), (["-ngl", "2"], "2/7")):
+            p = dg("generate", "reverse: HELLO", "-n", "4", "--seed", "0", "--no-live", "-v", "--rpc", worker.endpoint,
+                   *extra)
+            assert p.returncode == 0, p.stderr[-2000:]
+            assert f": {offloaded} layers offloaded to the RPC workers" in p.stderr, (extra, p.stderr[-2000:])
+    finally:
+        worker.kill()

@@ -200,9 +200,22 @@ def resolve_offload(gpu_layers: int, n_cpu_moe: Optional[int], cpu_moe: bool) ->
     if n_cpu_moe is not None and n_cpu_moe < 0:
         raise DgError(f"invalid --n-cpu-moe {n_cpu_moe}: must be an integer >= 0 (--cpu-moe keeps every layer's experts)")
     experts = -1 if cpu_moe else (n_cpu_moe or 0)
-    if experts and gpu_layers == 0:
+    if experts and gpu_layers == 0 and not typed_option("gpu_layers"):
         gpu_layers = -1
     return gpu_layers, experts
+
+
+def typed_option(name: str) -> bool:
+    """Whether the user gave the running command's parameter `name` (e.g. `--gpu-layers 0`), rather than
+    it holding its default; False outside a command."""
+    try:  # typer >= 0.20 vendors click
+        from typer._click.core import ParameterSource
+        from typer._click.globals import get_current_context
+    except ImportError:  # pragma: no cover - older typer on real click
+        from click.core import ParameterSource
+        from click.globals import get_current_context
+    ctx = get_current_context(silent=True)
+    return ctx is not None and ctx.get_parameter_source(name) not in (None, ParameterSource.DEFAULT)
 
 
 def rpc_placement(rpc: Optional[str], gpu_layers: int) -> tuple[Optional[list[str]], int]:
@@ -215,7 +228,7 @@ def rpc_placement(rpc: Optional[str], gpu_layers: int) -> tuple[Optional[list[st
     # a worker lost mid-run ends the process from ggml's thread: as a signal would, not leaving a
     # half-written --trace/--output behind or the terminal's cursor hidden
     rpc_backend.exit_process = _signals.exit_now
-    return rpc_backend.parse_endpoints(rpc), gpu_layers or -1
+    return rpc_backend.parse_endpoints(rpc), gpu_layers or (0 if typed_option("gpu_layers") else -1)
 
 
 def rpc_option(rpc_servers: Optional[list[str]]) -> dict:
