@@ -29,6 +29,9 @@ def info_cmd(model: str = typer.Argument(..., help="A .gguf path or a registry n
     Architecture, quant, params and sampler defaults; the fit is judged with the given offload
     (--gpu-layers, --n-cpu-moe, --cpu-moe)."""
     with shared.user_errors():
+        from dgcli.engine.model import check_gpu_layers
+
+        check_gpu_layers(gpu_layers)  # as every command that loads: info must not call "fits" what they refuse
         gpu_layers, n_cpu_moe = shared.resolve_offload(gpu_layers, n_cpu_moe, cpu_moe)
         if gpu_memory is not None and gpu_layers == 0:
             gpu_layers = -1  # a fit against a GPU means something offloaded
