@@ -407,3 +407,10 @@ def test_gpu_layers_0_with_rpc_keeps_the_layers_here_as_asked():
             assert f": {offloaded} layers offloaded to the RPC workers" in p.stderr, (extra, p.stderr[-2000:])
     finally:
         worker.kill()
+
+
+def test_a_worker_refuses_more_threads_than_ggml_s_pool_takes():
+    # --threads 100000 started a worker that died of a native std::bad_alloc at a client's first graph
+    for threads in ("100000", "513", "100000000000"):
+        assert_one_line_error(dg("worker", "--port", "0", "--threads", threads, timeout=30),
+                              f"invalid threads={threads}: must be an integer from 1 to 512")

@@ -25,12 +25,12 @@ def worker(
 ) -> None:
     """Serve this machine's devices (its GPUs, else its CPU) to `dg ... --rpc HOST:PORT` over llama.cpp's RPC."""
     from dgcli.engine import rpc
+    from dgcli.engine.model import MAX_THREADS, check_threads
 
     with shared.user_errors():
         if not 0 <= port <= 65535:
             raise InvalidParameter("port", port, "an integer in [0, 65535]")
-        if threads is not None and threads < 1:
-            raise InvalidParameter("threads", threads, "an integer >= 1")
+        check_threads(threads)  # ggml's thread pool takes at most 512: 100000 was a native bad_alloc at a client's first graph
         rpc.parse_endpoint(f"{host}:{port or 1}")
         if port == 0:
             port = rpc.free_port(host)
@@ -39,7 +39,8 @@ def worker(
             cache_dir = Path(os.environ.get("DG_CACHE_DIR") or Path.home() / ".cache" / "dg") / "rpc"
             cache_dir.mkdir(parents=True, exist_ok=True)
         rpc.native_stdout_to_stderr()
-        server = rpc.Worker(host, port, n_threads=threads or max(1, os.cpu_count() or 1), cache_dir=cache_dir)
+        server = rpc.Worker(host, port, n_threads=threads or min(MAX_THREADS, max(1, os.cpu_count() or 1)),
+                            cache_dir=cache_dir)
         if not shared.is_loopback(host):
             shared.notice(f"warning: listening on {host}: llama.cpp's RPC protocol has no authentication and no "
                           "encryption; whoever reaches this port can use this machine's memory and compute. "

@@ -455,8 +455,10 @@ class Worker:
     returns, so the main thread stays free to notice Ctrl-C)."""
 
     def __init__(self, host: str, port: int, n_threads: int, cache_dir: Path | None = None):
-        if not isinstance(n_threads, int) or n_threads < 1:
-            raise RpcError(f"invalid threads={n_threads}: must be an integer >= 1")
+        from dgcli.engine.model import MAX_THREADS
+
+        if isinstance(n_threads, bool) or not isinstance(n_threads, int) or not 1 <= n_threads <= MAX_THREADS:
+            raise RpcError(f"invalid threads={n_threads}: must be an integer from 1 to {MAX_THREADS}")
         self.host, self.port = check_bindable(host, port), port
         lib = ggml()
         self.devices = worker_devices()
