@@ -414,3 +414,12 @@ def test_a_worker_refuses_more_threads_than_ggml_s_pool_takes():
     for threads in ("100000", "513", "100000000000"):
         assert_one_line_error(dg("worker", "--port", "0", "--threads", threads, timeout=30),
                               f"invalid threads={threads}: must be an integer from 1 to 512")
+
+
+def test_a_cache_directory_that_cannot_be_made_is_one_line(tmp_path):
+    # DG_CACHE_DIR naming a file: `dg worker --cache` ended in a NotADirectoryError traceback
+    (tmp_path / "file").write_text("")
+    p = subprocess.run([sys.executable, "-m", "dgcli.cli", "worker", "--port", "0", "--cache"], cwd=REPO,
+                       env=dict(env(), DG_CACHE_DIR=str(tmp_path / "file")), capture_output=True, text=True,
+                       stdin=subprocess.DEVNULL, timeout=60)
+    assert_one_line_error(p, f"cannot use {tmp_path / 'file' / 'rpc'} for --cache", "Not a directory")

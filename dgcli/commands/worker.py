@@ -37,7 +37,10 @@ def worker(
         cache_dir = None
         if cache:
             cache_dir = Path(os.environ.get("DG_CACHE_DIR") or Path.home() / ".cache" / "dg") / "rpc"
-            cache_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                cache_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                raise shared.fail(f"cannot use {cache_dir} for --cache (DG_CACHE_DIR): {err.strerror or err}") from None
         rpc.native_stdout_to_stderr()
         server = rpc.Worker(host, port, n_threads=threads or min(MAX_THREADS, max(1, os.cpu_count() or 1)),
                             cache_dir=cache_dir)
