@@ -358,8 +358,9 @@ def placement_lines(what: str, report, target: str = "the GPU") -> list[str]:
     else:
         lines = [f"{what}: {report.offloaded_layers}/{report.total_layers} layers offloaded to {target}"]
     if report.buffers:
-        lines.append("  buffers: " + ", ".join(f"{name} {kind} {format_bytes(mib * 2**20)}"  # llama.cpp logs MiB
-                                               for name, kind, mib in report.buffers))
+        # as llama.cpp logs them, in MiB to 2 decimals: in kB or MB they read as more precise than they are
+        # (0.12 MiB became "125.8 kB" beside `dg info`'s 128.0 kB, and 0.00 MiB "0 B")
+        lines.append("  buffers: " + ", ".join(f"{name} {kind} {mib:.2f} MiB" for name, kind, mib in report.buffers))
     runs: dict[tuple[str, str], set[int]] = {}
     for tensor, buft in report.overridden:
         layer, _, rest = tensor.removeprefix("blk.").partition(".")

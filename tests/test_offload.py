@@ -476,7 +476,17 @@ def test_verbose_placement_lines_are_not_wrapped_when_piped():
     assert result.exit_code == 0, result.output
     buffers = [line for line in result.stderr.splitlines() if line.startswith("  buffers: ")]
     assert len(buffers) == 1 and len(buffers[0]) > 80, result.stderr
-    assert re.fullmatch(r"  buffers: (\S+ (model|KV|compute) [\d.]+ [kMG]?B(, |$))+", buffers[0].rstrip()), buffers[0]
+    assert re.fullmatch(r"  buffers: (\S+ (model|KV|compute) \d+\.\d\d MiB(, |$))+", buffers[0].rstrip()), buffers[0]
+
+
+def test_verbose_buffer_sizes_are_llama_cpp_s_mib_not_more_precise_than_it_said():
+    from dgcli.render import placement_lines
+
+    report = LoadReport.from_log(["load_tensors:   CPU_Mapped model buffer size =     0.12 MiB",
+                                  "llama_kv_cache:        CPU KV buffer size =     0.00 MiB",
+                                  "llama_context:       CUDA0 compute buffer size =  1024.50 MiB"])
+    # they read "125.8 kB" (the file's 128.0 kB embedding, rounded by llama.cpp and blown up), "0 B", "1.1 GB"
+    assert placement_lines("m", report)[1] == "  buffers: CPU_Mapped model 0.12 MiB, CPU KV 0.00 MiB, CUDA0 compute 1024.50 MiB"
 
 
 @requires_native
