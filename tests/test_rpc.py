@@ -256,6 +256,9 @@ def test_worker_usage_errors_and_ctrl_c():
         port = taken.getsockname()[1]
         assert_one_line_error(dg("worker", "--port", str(port)), f"cannot listen on 127.0.0.1:{port}")
     assert_one_line_error(dg("worker", "--port", "70000"), "invalid port=70000")
+    # --host's own words, not the --rpc parser's "invalid RPC worker address '::1:50052': expected HOST:PORT"
+    for host in ("", "::1"):
+        assert_one_line_error(dg("worker", "--host", host, timeout=30), f"invalid host={host!r}: must be an IPv4 address")
     worker = Worker()
     worker.proc.send_signal(signal.SIGINT)
     assert worker.proc.wait(30) == 130
