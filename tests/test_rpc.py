@@ -213,6 +213,29 @@ def test_unreachable_busy_and_malformed_workers_are_one_line_errors(tiny_gguf):
                               f"RPC worker 127.0.0.1:{port} accepted the connection but did not answer")
 
 
+
+def test_a_server_that_is_no_worker_is_named_by_what_it_sent():
+    # an HTTP server's answer read as "a 3543824036068086856-byte message" (the bytes 'HTTP/1.1' as a size)
+    from dgcli.engine import rpc
+
+    with socket.socket() as http:
+        http.bind(("127.0.0.1", 0))
+        http.listen(1)
+
+        def answer() -> None:
+            conn, _ = http.accept()
+            with conn:
+                conn.recv(1024)
+                conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+
+        threading.Thread(target=answer, daemon=True).start()
+        endpoint = f"127.0.0.1:{http.getsockname()[1]}"
+        with pytest.raises(rpc.RpcError) as err:
+            rpc.probe(endpoint, timeout=10)
+    assert str(err.value) == (f"{endpoint} answered the RPC handshake with something else (b'HTTP/1.1'...); "
+                              "not a llama.cpp RPC worker of a compatible version")
+
+
 def test_one_worker_under_two_addresses_is_one_line_error_not_a_hang(tiny_gguf):
     # ggml's client opens one connection per address: the second one to the same worker (which
     # serves one at a time) waited forever during the model's load, and Ctrl-C did not end it

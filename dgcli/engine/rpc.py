@@ -118,7 +118,9 @@ def _handshake(endpoint: str, timeout: float, held: Sequence[str] = ()) -> tuple
                            f"({err.strerror or err}); is it a dg worker (llama.cpp rpc-server)?") from None
         size, major, minor, patch = struct.unpack_from("<QBBB", reply)
         if size != _HELLO_REPLY:
-            raise RpcError(f"{endpoint} answered the RPC handshake with a {size}-byte message; not a llama.cpp RPC "
+            # a size past any reply is not one: an HTTP server's "HTTP/1.1" read as a 3543824036068086856-byte message
+            what = f"a {size}-byte message" if size <= 1 << 20 else f"something else ({reply[:8]!r}...)"
+            raise RpcError(f"{endpoint} answered the RPC handshake with {what}; not a llama.cpp RPC "
                            "worker of a compatible version")
         if major != RPC_PROTO_MAJOR:
             raise RpcError(f"RPC worker {endpoint} speaks protocol {major}.{minor}.{patch}; this dg speaks "
