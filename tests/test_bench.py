@@ -165,17 +165,19 @@ def test_the_speed_title_says_when_a_row_holds_more_than_one_prompt():
         "tok/s (answer tokens), median [min–max] of 3 runs per prompt"
 
 
+def _ar_answer(n_tokens: int, total_s: float) -> GenerationResult:
+    """An AR answer of n_tokens after a 5 ms prefill, its first token from the prefill's logits."""
+    return GenerationResult(mode="autoregressive", text="a" * n_tokens, token_ids=[5] * n_tokens, n_prompt_tokens=3,
+                            decoder_forwards=n_tokens, tokens_per_forward=1.0, total_s=total_s, prefill_s=0.005,
+                            stop_reason="end_token", timed_forwards=n_tokens, prefill_answer_tokens=1)
+
+
 def test_a_row_s_speedup_divides_the_medians_of_the_same_runs():
     # a row of two prompts where AR's answer to one is a single token (from the prefill: no tok/s): the
     # speedup divided diffusion's median over both prompts (slow 1-token runs included) by AR's over the
     # other prompt alone, 0.26x where the same runs give 0.50x
     short, long = bench.BenchPrompt("x", "sort: A"), bench.BenchPrompt("x", "reverse: ABCDEFGH")
-    one = GenerationResult(mode="autoregressive", text="a", token_ids=[5], n_prompt_tokens=3, decoder_forwards=1,
-                           tokens_per_forward=1.0, total_s=0.01, prefill_s=0.005, stop_reason="end_token",
-                           timed_forwards=1, prefill_answer_tokens=1)
-    eight = GenerationResult(mode="autoregressive", text="abcdefgh", token_ids=[5] * 8, n_prompt_tokens=3,
-                             decoder_forwards=8, tokens_per_forward=1.0, total_s=0.015, prefill_s=0.005,
-                             stop_reason="end_token", timed_forwards=8, prefill_answer_tokens=1)  # 700 tok/s
+    one, eight = _ar_answer(1, 0.01), _ar_answer(8, 0.015)  # no tok/s; 700 tok/s
     runs = [bench._record("diffusion", short, i, _timed("a", 0.02)) for i in range(3)]  # 50 tok/s
     runs += [bench._record("diffusion", long, i, _timed("abcdefgh", 0.0228)) for i in range(3)]  # 350.9 tok/s
     runs += [bench._record("autoregressive", short, i, one) for i in range(3)]
@@ -195,12 +197,7 @@ def test_a_tok_s_cell_over_only_some_of_its_row_s_runs_says_so():
     # the title says "median of 3 runs per prompt, every prompt of a row's name together", but AR's
     # cell for a row of two prompts, one answered with the prefill's token alone, was over 3 of its 6 runs
     short, long = bench.BenchPrompt("x", "sort: A"), bench.BenchPrompt("x", "reverse: ABCD")
-    one = GenerationResult(mode="autoregressive", text="a", token_ids=[5], n_prompt_tokens=3, decoder_forwards=1,
-                           tokens_per_forward=1.0, total_s=0.01, prefill_s=0.005, stop_reason="end_token",
-                           timed_forwards=1, prefill_answer_tokens=1)
-    four = GenerationResult(mode="autoregressive", text="abcd", token_ids=[5] * 4, n_prompt_tokens=3,
-                            decoder_forwards=4, tokens_per_forward=1.0, total_s=0.011, prefill_s=0.005,
-                            stop_reason="end_token", timed_forwards=4, prefill_answer_tokens=1)  # 500 tok/s
+    one, four = _ar_answer(1, 0.01), _ar_answer(4, 0.011)  # no tok/s; 500 tok/s
     runs = [bench._record("diffusion", p, i, _timed("abcd", 0.04)) for p in (short, long) for i in range(3)]
     runs += [bench._record("autoregressive", p, i, r) for p, r in ((short, one), (long, four)) for i in range(3)]
     speed = [t for t in _tables(runs, repeat=3).values() if str(t.title).startswith("tok/s")][0]
