@@ -8,6 +8,7 @@ are in test_terminal.py.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
@@ -266,6 +267,9 @@ def test_raw_runs_a_gguf_without_a_chat_template(tmp_path):
 def test_make_demo_passes_the_prompt_as_typed(prompt):
     # `make demo PROMPT="..."` (README): the Makefile put it in double quotes, so the shell dropped quotes
     # inside it and ran backticks and $(...), and make itself ate `$H` of "reverse: $HOME"
-    commands = subprocess.run(["make", "-n", "demo", f"PROMPT={prompt}"], cwd=REPO, capture_output=True,
-                              text=True, check=True).stdout.strip().splitlines()
+    # --no-print-directory and no inherited make settings: under `make test` this make is a sub-make,
+    # which would print "Leaving directory" after the command
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    commands = subprocess.run(["make", "--no-print-directory", "-n", "demo", f"PROMPT={prompt}"], cwd=REPO,
+                              capture_output=True, text=True, check=True, env=env).stdout.strip().splitlines()
     assert shlex.split(commands[-1])[1:] == ["generate", prompt, "--pace", "0.3"], commands[-1]
