@@ -503,5 +503,10 @@ def test_cpu_moe_with_gpu_layers_0_offloads_nothing_as_asked():
     assert result.exit_code == 0, result.output
     from dgcli.engine import native
 
-    if not native.gpu_devices():
-        assert "warning: --gpu-layers -1: " in result.stderr, result.stderr
+    if not native.gpu_devices():  # named by the flag typed, not the --gpu-layers -1 it implies
+        assert "warning: --cpu-moe (which offloads every layer but the experts it keeps): " in result.stderr, \
+            result.stderr
+        assert "--gpu-layers" not in result.stderr, result.stderr
+        result = CliRunner().invoke(app, ["generate", "reverse: AB", "-n", "4", "--seed", "0", "--no-live",
+                                          "--n-cpu-moe", "1"])
+        assert result.exit_code == 0 and "warning: --n-cpu-moe (which offloads" in result.stderr, result.stderr

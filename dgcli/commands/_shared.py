@@ -294,7 +294,18 @@ def warn_if_not_offloaded(what: str, model, gpu_layers: int) -> None:
     report = getattr(model, "load_report", None)
     missed = report.offload_missed(gpu_layers) if report is not None else None
     if missed:
-        notice(f"warning: --gpu-layers {gpu_layers}: {missed}; the {what} runs on the CPU")
+        notice(f"warning: {_offload_asked_by(gpu_layers)}: {missed}; the {what} runs on the CPU")
+
+
+def _offload_asked_by(gpu_layers: int) -> str:
+    """The flag that asked for the offload, as the user typed it: --cpu-moe / --n-cpu-moe offload every
+    layer when --gpu-layers is not given (resolve_offload), and a warning about --gpu-layers -1 named a
+    flag nobody had typed."""
+    if not typed_option("gpu_layers"):
+        for name, flag in (("cpu_moe", "--cpu-moe"), ("n_cpu_moe", "--n-cpu-moe")):
+            if typed_option(name):
+                return f"{flag} (which offloads every layer but the experts it keeps)"
+    return f"--gpu-layers {gpu_layers}"
 
 
 # ---------------------------------------------------------------- engines (seams for tests)
