@@ -159,7 +159,8 @@ def test_a_command_s_reply_quoting_brackets_is_text_not_rich_markup():
     r = CliRunner().invoke(cli.app, ["chat"], input="/system [/red] be [bold]brief\n/system\n/foo[/b]\n")
     assert r.exit_code == 1, (r.stderr, r.exception)  # piped, the unknown /foo[/b] was a lost message
     assert r.stderr.splitlines() == ["system prompt set", "system prompt: [/red] be [bold]brief",
-                                     "unknown command /foo[/b]; /help lists them (//TEXT sends /TEXT as a message)",
+                                     "error: unknown command /foo[/b]; /help lists them (//TEXT sends /TEXT as a "
+                                     "message)",
                                      "error: 1 message of 1 got no answer (see the errors above)"]
 
 
@@ -177,6 +178,7 @@ def test_a_piped_message_starting_with_a_slash_is_sent_with_two_and_never_lost_s
     lost = runner.invoke(cli.app, ["chat", "--seed", "1"], input="/usr/lib explain\nreverse: HELLO\n")
     assert lost.exit_code == 1 and lost.stdout.split() == ["OLLEH"], lost.stderr
     assert lost.stderr.splitlines()[-1] == "error: 1 message of 2 got no answer (see the errors above)"
+    assert lost.stderr.splitlines()[0].startswith("error: unknown command /usr/lib;")  # one of "the errors above"
 
 
 @needs_native

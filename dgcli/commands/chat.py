@@ -68,10 +68,13 @@ def chat(
             for line in _messages(interactive):
                 if is_command(line):
                     outcome = session.command(line)
-                    shared.notice(outcome.message, style="dim")  # not markup: it may quote the user's text
+                    # piped, an unknown /command is a message lost (a "/usr/lib ..."): an error, as the count says
+                    lost = outcome.unknown and not interactive
+                    # not markup: it may quote the user's text
+                    shared.notice(("error: " if lost else "") + outcome.message, style="dim")
                     if outcome.exit:
                         break
-                    if outcome.unknown and not interactive:  # a piped "/usr/lib ..." was a message, lost
+                    if lost:
                         turns, failed = turns + 1, failed + 1
                     continue
                 turns += 1
