@@ -583,7 +583,10 @@ def build_and_install(args: argparse.Namespace, cmake_args: list[str], key: str)
 
             t = step("applying the diffusion-gemma patch")
             source, changed = prepare_source(pristine, log)
-            progress.update(t, completed=1, description=f"applied the diffusion-gemma patch ({changed} files changed)")
+            # the count is of files rewritten in the cached source tree since its last build, not the patch's size
+            progress.update(t, completed=1, description="applied the diffusion-gemma patch (" + (
+                f"{changed} files rewritten since the cached tree's last build" if changed
+                else "the cached source tree already had it") + ")")
 
             t = step("build tools")
             ensure_build_deps(log)
