@@ -585,8 +585,7 @@ def build_and_install(args: argparse.Namespace, cmake_args: list[str], key: str)
             source, changed = prepare_source(pristine, log)
             # the count is of files rewritten in the cached source tree since its last build, not the patch's size
             progress.update(t, completed=1, description="applied the diffusion-gemma patch (" + (
-                f"{changed} files rewritten since the cached tree's last build" if changed
-                else "the cached source tree already had it") + ")")
+                f"cached source: {changed} files updated" if changed else "cached source already patched") + ")")
 
             t = step("build tools")
             ensure_build_deps(log)
