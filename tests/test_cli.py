@@ -637,12 +637,12 @@ def test_pull_missing_file_and_offline(tmp_path, monkeypatch, fake_hub):
 LONG_FILE = "diffusiongemma-26B-A4B-it-Q4_K_M.gguf"  # the registry's longest file name
 
 
-def _pull_with_fake_download(tmp_path, monkeypatch, download):
+def _pull_with_fake_download(tmp_path, monkeypatch, download, file: str = LONG_FILE):
     from dgcli import hub
 
     reg = tmp_path / "models.toml"
     reg.write_text(f'[models.big]\nrole = "diffusion"\nrepo = "org/big-GGUF"\n'
-                   f'[models.big.files]\nQ4_K_M = {{ file = "{LONG_FILE}", size_gb = 16 }}\n')
+                   f'[models.big.files]\nQ4_K_M = {{ file = "{file}", size_gb = 16 }}\n')
     monkeypatch.setenv("DG_REGISTRY", str(reg))
     monkeypatch.setattr(hub, "download", download)
     return run("pull", "big")
@@ -683,6 +683,22 @@ def test_pull_progress_bars_fit_the_width(tmp_path, monkeypatch, columns):
     assert all(len(line.rstrip()) <= columns for line in lines), r.stderr
     assert all("16.0/16.0 GB" in line for line in lines), r.stderr
     assert lines[1].startswith("sha256 check"), r.stderr
+
+
+def test_pull_progress_bar_shows_a_file_name_as_text(tmp_path, monkeypatch):
+    # the bar's name column read the registry's file name as Rich markup: "[/x]" ended the pull in a
+    # MarkupError, "[b]" vanished
+    done = tmp_path / "done.gguf"
+    done.write_bytes(b"GGUF")
+
+    def download(repo, filename, *, on_progress=None, **_):
+        on_progress(10, 10)
+        return done
+
+    monkeypatch.setenv("COLUMNS", "120")
+    r = _pull_with_fake_download(tmp_path, monkeypatch, download, file="m[/x][b]-Q4_K_M.gguf")
+    assert r.exit_code == 0, (r.stderr, r.exception)
+    assert "m[/x][b]-Q4_K_M.gguf" in r.stderr, r.stderr
 
 
 # ------------------------------------------------------------------------------------------ console script

@@ -97,6 +97,7 @@ def download_with_progress(resolved: ResolvedModel) -> Path:
     """hub.download with a progress bar for the transfer and one for the sha256 pass after it.
     Ctrl-C keeps the partial file for the next `dg pull` and exits 130."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+    from rich.markup import escape
     from rich.table import Column
 
     # One line per bar at any width (a fixed 40-cell bar beside the registry's file names pushed a
@@ -128,7 +129,8 @@ def download_with_progress(resolved: ResolvedModel) -> Path:
         def update(done: int, total: int | None) -> None:
             if description not in tasks:
                 progress.start()
-                tasks[description] = progress.add_task(description, total=total)
+                # text, not markup: the name column formats "[bold]{task.description}" (a "[/x]" was a MarkupError)
+                tasks[description] = progress.add_task(escape(description), total=total)
             progress.update(tasks[description], completed=done, total=total)
         return update
 
