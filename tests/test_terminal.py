@@ -517,16 +517,23 @@ def test_dg_worker_wraps_its_notices_between_words_on_a_narrow_terminal():
         assert re.search(rf"(^|\s){re.escape(word)}(\s|$)", screen, re.M), (word, screen)
 
 
+def _slow_registry_model(fake_hub, tmp_path, monkeypatch, model: str, name: str) -> None:
+    """A registry model `model` whose one file, 48 MiB (a few 10 MiB writes), the fake Hub sends in ~15 s:
+    a Ctrl-C or a resize lands mid-transfer."""
+    repo = "org/big-GGUF"
+    fake_hub.files[(repo, name)] = bytes(range(256)) * (48 << 12)
+    fake_hub.seconds_per_chunk = 0.02
+    reg = tmp_path / "models.toml"
+    reg.write_text(f'[models.{model}]\nrole = "diffusion"\nrepo = "{repo}"\n[models.{model}.files]\n'
+                   f'Q4_K_M = {{ file = "{name}" }}\n')
+    monkeypatch.setenv("DG_REGISTRY", str(reg))
+
+
 @pytest.mark.parametrize("columns", WIDTHS)
 def test_ctrl_c_during_pull_leaves_one_progress_line(columns, fake_hub, tmp_path, monkeypatch):
     # the kernel's `^C` echo pushed the cursor off a full-width bar, and stopping the bar then left
     # a second copy of it on the screen above the "interrupted" line
-    repo, name = "org/big-GGUF", "diffusiongemma-26B-A4B-it-Q4_K_M.gguf"
-    fake_hub.files[(repo, name)] = bytes(range(256)) * (48 << 12)  # 48 MiB: a few 10 MiB writes
-    fake_hub.seconds_per_chunk = 0.02  # ~15 s in all: Ctrl-C lands mid-transfer
-    reg = tmp_path / "models.toml"
-    reg.write_text(f'[models.big]\nrole = "diffusion"\nrepo = "{repo}"\n[models.big.files]\nQ4_K_M = {{ file = "{name}" }}\n')
-    monkeypatch.setenv("DG_REGISTRY", str(reg))
+    _slow_registry_model(fake_hub, tmp_path, monkeypatch, "big", "diffusiongemma-26B-A4B-it-Q4_K_M.gguf")
     term = pty_screen.Terminal(columns, 24).spawn("pull", "big", timeout=60)
     term.read_until(r"MB", timeout=60)  # the bar is drawn
     time.sleep(1.0)
@@ -541,12 +548,7 @@ def test_ctrl_c_during_pull_leaves_one_progress_line(columns, fake_hub, tmp_path
 def test_a_terminal_made_narrower_during_pull_keeps_one_progress_line(fake_hub, tmp_path, monkeypatch):
     # the full-width bar, rewrapped onto two rows by the terminal, kept its first half on the screen
     # at every resize (as the live views' frames did)
-    repo, name = "org/big-GGUF", "diffusiongemma-26B-A4B-it-Q4_K_M.gguf"
-    fake_hub.files[(repo, name)] = bytes(range(256)) * (48 << 12)
-    fake_hub.seconds_per_chunk = 0.02
-    reg = tmp_path / "models.toml"
-    reg.write_text(f'[models.big]\nrole = "diffusion"\nrepo = "{repo}"\n[models.big.files]\nQ4_K_M = {{ file = "{name}" }}\n')
-    monkeypatch.setenv("DG_REGISTRY", str(reg))
+    _slow_registry_model(fake_hub, tmp_path, monkeypatch, "big", "diffusiongemma-26B-A4B-it-Q4_K_M.gguf")
     term = pty_screen.Terminal(100, 24)
     term._feed(b"".join(b"$ earlier command %d\r\n" % i for i in range(30)))
     term.spawn("pull", "big", env={"COLUMNS": None, "LINES": None}, timeout=60)
@@ -571,12 +573,7 @@ def test_a_terminal_made_narrower_during_pull_keeps_one_progress_line(fake_hub, 
 @pytest.mark.parametrize("columns", WIDTHS)
 def test_pull_interrupted_line_wraps_at_words(columns, fake_hub, tmp_path, monkeypatch):
     # typer.echo left the wrapping to the terminal, which cut words: "... download (t" / "he partial"
-    repo, name = "org/big-GGUF", "big.gguf"
-    fake_hub.files[(repo, name)] = bytes(range(256)) * (48 << 12)
-    fake_hub.seconds_per_chunk = 0.02
-    reg = tmp_path / "models.toml"
-    reg.write_text(f'[models.bigger]\nrole = "diffusion"\nrepo = "{repo}"\n[models.bigger.files]\nQ4_K_M = {{ file = "{name}" }}\n')
-    monkeypatch.setenv("DG_REGISTRY", str(reg))
+    _slow_registry_model(fake_hub, tmp_path, monkeypatch, "bigger", "big.gguf")
     term = pty_screen.Terminal(columns, 24).spawn("pull", "bigger", timeout=60)
     term.read_until(r"MB", timeout=60)
     time.sleep(1.0)
