@@ -6,8 +6,8 @@
   cache), its shared libraries stripped of symbols and the wheel re-zipped at the highest
   compression, so that it travels within the limit;
 - dg's Python dependencies that machine lacks, as wheels for CPython 3.12 on x86-64 Linux: gguf,
-  diskcache (llama_cpp imports it) and Transformers 5.23.0 (the reference; the machine has an
-  older one without DiffusionGemma).
+  diskcache (llama_cpp imports it), Transformers 5.23.0 (the reference; the machine has an
+  older one without DiffusionGemma) and the regex it checks for at import.
 
 `.whl/` is git-ignored; carry it. On the GPU machine, from the repo root:
 
@@ -34,7 +34,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLE = ROOT / ".whl"
-PY_DEPS = ["gguf==0.19.0", "diskcache==5.6.3", "transformers==5.23.0"]
+# regex: Transformers 5.23 checks for regex>=2025.10.22 at import; the machine's own may be older
+PY_DEPS = ["gguf==0.19.0", "diskcache==5.6.3", "transformers==5.23.0", "regex==2026.11.19"]
 PLATFORM_ARGS = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
                  *[a for p in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
                    for a in ("--platform", p)]]
