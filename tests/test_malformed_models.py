@@ -359,6 +359,26 @@ def test_the_renderer_outlives_a_runaway_and_one_process_serves_many_renders():
     assert template_sandbox._worker is worker  # the same child, not one per render
 
 
+def test_the_renderer_finds_llama_cpp_installed_only_on_pythonpath(tmp_path):
+    """dg's dependencies installed with `pip install --target` and found through PYTHONPATH (how the GPU
+    check's machine gets them): the child runs with `-I`, which ignores PYTHONPATH, and it had ended
+    at its first import ("its renderer ended (exit status 1)")."""
+    import site
+    import venv
+
+    bare = tmp_path / "bare"  # an interpreter whose own path holds neither llama_cpp nor jinja2
+    venv.create(bare, with_pip=False, symlinks=True)
+    python = bare / "bin" / "python"
+    assert subprocess.run([str(python), "-c", "import llama_cpp"], capture_output=True).returncode != 0
+    repo = Path(__file__).resolve().parents[1]
+    code = ("from dgcli.engine.template_sandbox import render_chat_template\n"
+            "print(render_chat_template('{{ bos_token }}{{ messages[0][\"content\"] }}', "
+            "messages=[{'role': 'user', 'content': 'hi'}], bos_token='<bos>'))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo), *site.getsitepackages()]))
+    out = subprocess.run([str(python), "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stdout.strip()) == (0, "<bos>hi"), out.stderr[-500:]
+
+
 # -- files of prompts ----------------------------------------------------------------------------
 
 

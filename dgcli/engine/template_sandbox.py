@@ -11,6 +11,7 @@ the next renders, so a render costs what Jinja does; a render seen before is not
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import json
 import os
 import select
@@ -58,6 +59,23 @@ class _Timeout(Exception):
     """No answer in time."""
 
 
+def _worker_import_dirs() -> list[str]:
+    """Where this process finds what the child imports (llama_cpp, jinja2, markupsafe). `-I` leaves out
+    PYTHONPATH and the user's site folder, where they may be installed (`pip install --target` and
+    PYTHONPATH, a GPU machine's bundle): the child appends these after its standard library."""
+    dirs = []
+    for name in ("llama_cpp", "jinja2", "markupsafe"):
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        for location in (spec.submodule_search_locations or []) if spec else []:
+            parent = str(Path(location).resolve().parent)
+            if parent not in dirs:
+                dirs.append(parent)
+    return dirs
+
+
 class _WorkerGone(Exception):
     """The child ended before it answered (a crash inside the renderer, or it was killed)."""
 
@@ -68,7 +86,8 @@ class _Worker:
     def __init__(self) -> None:
         # a session of its own: a Ctrl-C at the terminal is dg's to handle, not the child's
         self.proc = subprocess.Popen(
-            [sys.executable, "-I", "-c", _WORKER_SOURCE.read_text(encoding="utf-8"), str(TEMPLATE_MEMORY_BYTES)],
+            [sys.executable, "-I", "-c", _WORKER_SOURCE.read_text(encoding="utf-8"), str(TEMPLATE_MEMORY_BYTES),
+             *_worker_import_dirs()],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
         self.buffer = b""
         self.ready = False
