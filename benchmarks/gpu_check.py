@@ -17,17 +17,21 @@ Steps, each timed; a failed step is a row in the table and the rest still run:
              an H100 in FP8), then one canvas on the default sampler: steps, tok/s and the share of the
              step spent outside the GPU, per step backend ("native": logits to the host sampler;
              "graph": the one-graph step, when this build has it)
-5. offload   --n-cpu-moe N and --cpu-moe: where llama.cpp put the weights, and the step time
-6. ar        the AR twin (stock gemma4 graph), every layer offloaded: decode ms per token, tok/s
+5. profile   every node of the canvas forward and of the one-graph step timed on the device, grouped
+             (the costliest --profile groups), and the scheduler's splits (DIR/splits.txt)
+6. offload   --n-cpu-moe N and --cpu-moe: where llama.cpp put the weights, and the step time
+7. ar        the AR twin (stock gemma4 graph), every layer offloaded: decode ms per token, tok/s
 
-Prints one table and writes DIR/gpu-check.md, DIR/gpu-check.json and DIR/pytest.log.
+Prints one table and writes DIR/gpu-check.md, DIR/gpu-check.json, DIR/pytest.log and DIR/splits.txt.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -43,6 +47,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # step_profile's node groups
 
 REPORTED_RATIO = 3.2  # DiffusionGemma report: a canvas forward costs 3.2x a one-token decode (H100, FP8)
 CANVAS = 256
@@ -203,7 +208,6 @@ def step_backends(requested: str) -> list[str]:
 
 
 def measure_diffusion(check: Check, path: Path, backends: list[str], reps: int) -> None:
-    from dgcli.engine.diffusion import DiffusionEngine
     from dgcli.engine.model import DiffusionModel
 
     t0 = time.monotonic()
@@ -227,7 +231,13 @@ def measure_diffusion(check: Check, path: Path, backends: list[str], reps: int) 
         decode = decode[2:]
         step_ms, first_ms, decode_ms = (statistics.median(v) for v in (step, first, decode))
         check.add("diffusion", "decoder step, 256-token canvas + top-64 SC (median)", ms(step_ms),
-                  f"min {ms(min(step))}, {reps} reps; includes the [256, 262144] logits to the host")
+                  f"min {ms(min(step))}, {reps} reps; includes the [256, {model.vocab_size}] logits to the host")
+        if hasattr(model, "denoise_step"):
+            graph = timed(lambda: model.denoise_step(np.asarray([canvas]), np.float32(0.6), rng.random((1, CANVAS)),
+                                                     sc_topk=(ids[None], probs[None]), top_k=64), reps, warmup=2)
+            check.add("diffusion", "one-graph step, same canvas + top-64 SC (median)", ms(statistics.median(graph)),
+                      f"min {ms(min(graph))}; the sampler's pass in the graph, only per-position results to the host")
+            check.data["diffusion_graph_step_s"] = graph
         check.add("diffusion", "canvas forward, first step (no SC)", ms(first_ms), f"min {ms(min(first))}")
         check.add("diffusion", "one-token decode, same weights", ms(decode_ms), f"min {ms(min(decode))}")
         check.add("diffusion", "canvas forward / one-token decode", f"{first_ms / decode_ms:.2f}x",
@@ -265,6 +275,101 @@ def generate_once(check: Check, model, backend: str) -> None:
                                             forward_s=forward, host_s=host)
 
 
+SPLIT_INPUT = re.compile(r"\[(\S+) \(\s*(\d+)([MK])\)\]")
+
+
+@contextlib.contextmanager
+def sched_debug():
+    """Models made inside list their scheduler's splits in llama.cpp's log (GGML_SCHED_DEBUG=1, read
+    when a context's scheduler is made)."""
+    saved = os.environ.get("GGML_SCHED_DEBUG")
+    os.environ["GGML_SCHED_DEBUG"] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop("GGML_SCHED_DEBUG") if saved is None else os.environ.__setitem__("GGML_SCHED_DEBUG", saved)
+
+
+def first_run_splits(fn: Callable[[], Any]) -> list[str]:
+    """fn()'s graph as the scheduler split it ("## SPLIT #i: BACKEND # n inputs: [name (size)] ..."),
+    from its first run (later runs reuse the graph and log nothing)."""
+    from dgcli.engine import native
+
+    with native.collect_log() as log:
+        fn()
+    lines = [line for line in log if line.startswith("## SPLIT")]
+    starts = [i for i, line in enumerate(lines) if line.startswith("## SPLIT #0:")]
+    return lines[starts[-1]:] if starts else lines
+
+
+def split_summary(lines: list[str]) -> str:
+    """'N splits (CPU k), X MiB copied in': what crosses between the backends each run."""
+    backends = [line.split(": ", 1)[1].split(" #", 1)[0] if ": " in line else "?" for line in lines]
+    mib = sum(int(n) / (1 if unit == "M" else 1024) for line in lines for _, n, unit in SPLIT_INPUT.findall(line))
+    on_cpu = sum(1 for b in backends if b.startswith("CPU"))
+    return f"{len(lines)} splits ({on_cpu} on the CPU), {mib:,.0f} MiB of split inputs"
+
+
+def profile_forward(check: Check, path: Path, top: int) -> None:
+    """Every node of the canvas forward and of the one-graph step timed on the device (llama.cpp's
+    eval callback: the scheduler syncs after each node, so the totals run a little above the
+    uninterrupted step), grouped as benchmarks/step_profile.py groups them; and the scheduler's
+    splits (GGML_SCHED_DEBUG=1), which name any part of the graph that runs off the GPU."""
+    from dgcli.engine import native
+    from dgcli.engine.model import DiffusionModel
+    from dgcli.engine.profile import NodeProfiler
+    from step_profile import group_of
+
+    profiler = NodeProfiler()
+    with sched_debug(), native.collect_log() as load_log:
+        model = DiffusionModel(path, n_gpu_layers=-1, eval_callback=profiler.eval_callback)
+    reserved = [line for line in load_log if "splits =" in line]
+    try:
+        rng = np.random.default_rng(3)
+        model.prefill([2, 105] + [int(t) for t in rng.integers(200, 400, PROMPT_TOKENS - 2)])
+        canvas = np.asarray([rng.integers(200, 400, CANVAS)], dtype=np.int32)
+        ids = np.stack([rng.choice(model.vocab_size, 64, replace=False) for _ in range(CANVAS)]).astype(np.int32)
+        probs = np.full((CANVAS, 64), 1 / 64, dtype=np.float32)
+        graphs = {
+            "canvas forward (logits out)": lambda: model.decode_canvas(canvas[0]),
+            "one-graph step + top-64 SC": lambda: model.denoise_step(
+                canvas, np.float32(0.6), rng.random((1, CANVAS)), sc_topk=(ids[None], probs[None]), top_k=64),
+        }
+        splits: list[str] = [f"# at load: {line}" for line in reserved]
+        if reserved:
+            check.add("profile", "scheduler at load", reserved[-1].split(": ", 1)[-1][:120])
+        for label, fn in graphs.items():
+            split_lines = first_run_splits(fn)  # also the warm-up: kernels loaded, graph reserved
+            splits += [f"# {label}", *split_lines[:200]]
+            best: dict[str, list] = {}
+            totals = []
+            for _ in range(3):
+                profiler.enabled = True
+                fn()
+                profiler.enabled = False
+                groups: dict[str, list] = {}
+                for node in profiler.take():
+                    g = groups.setdefault(group_of(node, model.vocab_size, model.n_embd), [0.0, 0, 0])
+                    g[0] += node.seconds
+                    g[1] += node.multiply_adds()
+                    g[2] += 1
+                totals.append(sum(g[0] for g in groups.values()))
+                for name, g in groups.items():
+                    if name not in best or g[0] < best[name][0]:
+                        best[name] = g
+            check.add("profile", f"{label}: nodes timed one by one (min of 3)", ms(min(totals)),
+                      f"{split_summary(split_lines)}; per-node sync adds to the total")
+            for name, (secs, macs, count) in sorted(best.items(), key=lambda kv: -kv[1][0])[:top]:
+                rate = f", {2 * macs / secs / 1e12:.1f} TFLOP/s" if macs and secs else ""
+                check.add("profile", f"  {name}", ms(secs), f"{secs / min(totals):.1%}, {count} nodes{rate}")
+            check.data.setdefault("profile", {})[label] = {k: dict(s=v[0], macs=v[1], nodes=v[2]) for k, v in best.items()}
+        with open(check.out / "splits.txt", "a") as f:
+            f.write("\n".join(splits) + "\n")
+    finally:
+        model.close()
+        profiler.close()
+
+
 def placement_note(report) -> str:
     devices = ", ".join(f"{d} {mib / 1024:.1f} GiB" for d, mib in report.mib_by_device().items())
     layers = f"{report.offloaded_layers}/{report.total_layers} layers" if report.offloaded_layers is not None else "no offload"
@@ -282,7 +387,8 @@ def measure_partial(check: Check, path: Path, n_cpu_moe: int, reps: int) -> None
     from dgcli.engine.model import DiffusionModel
 
     t0 = time.monotonic()
-    model = DiffusionModel(path, n_gpu_layers=-1, n_cpu_moe=n_cpu_moe)
+    with sched_debug():
+        model = DiffusionModel(path, n_gpu_layers=-1, n_cpu_moe=n_cpu_moe)
     label = "--cpu-moe" if n_cpu_moe < 0 else f"--n-cpu-moe {n_cpu_moe}"
     try:
         report = model.load_report
@@ -292,7 +398,12 @@ def measure_partial(check: Check, path: Path, n_cpu_moe: int, reps: int) -> None
         rng = np.random.default_rng(1)
         model.prefill([2, 105] + [int(t) for t in rng.integers(200, 400, PROMPT_TOKENS - 2)])
         canvas = [int(t) for t in rng.integers(200, 400, CANVAS)]
-        step = timed(lambda: model.decode_canvas(canvas), reps, warmup=1)
+        split_lines = first_run_splits(lambda: model.decode_canvas(canvas))  # the warm-up
+        with open(check.out / "splits.txt", "a") as f:
+            f.write("\n".join([f"# {label}: canvas forward", *split_lines[:200]]) + "\n")
+        check.add("offload", f"{label}: canvas forward's graph", split_summary(split_lines),
+                  "split inputs: what is copied to a backend each run (op offload streams CPU experts to the GPU)")
+        step = timed(lambda: model.decode_canvas(canvas), reps, warmup=0)
         decode = timed(lambda: model.prefill([int(rng.integers(200, 400))], return_logits=True), reps, warmup=1)
         check.add("offload", f"{label}: canvas forward / one-token decode",
                   f"{ms(statistics.median(step))} / {ms(statistics.median(decode))}", f"{reps} reps, medians")
@@ -357,12 +468,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="step backends to time: native (host sampler), graph (one-graph step); auto: both when present")
     parser.add_argument("--n-cpu-moe", default="15,-1", help="partial-offload settings to time (-1: --cpu-moe)")
     parser.add_argument("--reps", type=int, default=8)
+    parser.add_argument("--profile", type=int, default=12, metavar="N",
+                        help="time every node of the forward on the device and list the N costliest groups (0: off)")
     parser.add_argument("--cpu-dry-run", action="store_true",
                         help="no GPU needed: every step on a small model, to test this script on a CPU machine")
     args = parser.parse_args(argv)
     if args.n_layer < 2:
         parser.error("--n-layer must be at least 2 (the layout needs a sliding and a full-attention layer)")
     args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "splits.txt").unlink(missing_ok=True)  # appended to by the steps
     check = Check(out=args.out, budget_s=args.budget)
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, raise_stopped)
@@ -392,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
                 check.add("diffusion", "step backends not in this build", ", ".join(missing),
                           "the one-graph step (issue 10) adds 'graph'")
             check.step("diffusion", lambda: measure_diffusion(check, paths["diffusion"], backends, args.reps), need_s=40)
+            if args.profile:
+                check.step("profile", lambda: profile_forward(check, paths["diffusion"], args.profile), need_s=30)
             for n in partial_settings(args.n_cpu_moe, args.n_layer):
                 check.step("offload", lambda n=n: measure_partial(check, paths["diffusion"], n, max(2, args.reps // 2)),
                            need_s=40)

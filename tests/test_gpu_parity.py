@@ -19,12 +19,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from native_helpers import requires_gpu
+from native_helpers import GPU_LOGIT_TOL, requires_gpu
 from test_native_model import DEFAULT_TOL, PROMPT, _maxdiff, _run_native, scenario, vocab_size  # noqa: F401
 
 pytestmark = requires_gpu
 
-GPU_TOL = (1.5, 5e-2)
+GPU_TOL = GPU_LOGIT_TOL
 ARGMAX_AGREEMENT = 0.97
 
 

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(not NATIVE_OK, reason=f"patched llama.cpp not bu
 import numpy as np  # noqa: E402
 
 from dgcli.engine.rng import RngStream  # noqa: E402
-from native_helpers import GPU_LAYERS  # noqa: E402
+from native_helpers import GPU_LAYERS, GPU_LOGIT_TOL  # noqa: E402
 from dgcli.engine.sampler import NumpyStepSampler, entropy_bound_accept_mask  # noqa: E402
 from test_replay_torch import (  # noqa: E402
     END_TOKEN_IDS,
@@ -132,9 +132,11 @@ def decision_margins(logits: np.ndarray, temperature, uniforms, entropy_bound: f
 
 
 # Exact-mode logits agree with torch to 1e-4 on a single forward (test_native_model); on a whole
-# trajectory up to 1.4e-4 was measured, hence LOGIT_TOL. A decision may only differ where it is
-# within rounding of its boundary: TIE_FACTOR x max|d logits| / t.
-LOGIT_TOL = 5e-4
+# trajectory up to 1.4e-4 was measured, hence LOGIT_TOL. With layers on a GPU, exact mode carries
+# TF32 rounding (tests/test_gpu_parity.py): 0.07-0.08 was measured per step on an H200, so the GPU
+# parity budget applies. A decision may only differ where it is within rounding of its boundary:
+# TIE_FACTOR x max|d logits| / t, which grows with the measured difference.
+LOGIT_TOL = GPU_LOGIT_TOL[0] if GPU_LAYERS else 5e-4
 TIE_FACTOR = 10.0
 
 
