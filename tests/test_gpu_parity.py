@@ -96,3 +96,31 @@ def test_partial_offload_keeps_experts_in_ram_and_agrees(reference_gguf, scenari
     assert "CPU" in devices and any(d.startswith("CUDA") for d in devices), report.buffers
     for key in ("first", "self_cond", "second"):
         _compare(f"--n-cpu-moe 3 vs reference, {key}", got[key], scenario[key])
+
+
+def test_self_conditioning_rows_are_gathered_on_the_gpu(reference_gguf, monkeypatch):
+    """Every layer offloaded: the step's self-conditioning rows of E are gathered from the tied output
+    copy in GPU memory. From tok_embd (host memory) the k x C x n_embd gathered floats crossed to the
+    GPU every step (176 MiB on a real canvas, 40% of an H200's step): no split input may be that big."""
+    import re
+
+    from dgcli.engine import native
+    from dgcli.engine.model import DiffusionModel
+
+    monkeypatch.setenv("GGML_SCHED_DEBUG", "1")  # the scheduler lists its splits and their inputs
+    with DiffusionModel(reference_gguf, n_threads=2, n_ctx=256, n_gpu_layers=-1) as gpu:
+        _offloaded_everything(gpu)
+        C, V, k = gpu.canvas_length, gpu.vocab_size, min(64, gpu.vocab_size)
+        rng = np.random.default_rng(0)
+        gpu.prefill(PROMPT[:8])
+        ids = np.stack([rng.choice(V, k, replace=False) for _ in range(C)]).astype(np.int32)
+        probs = np.full((C, k), 1 / k, dtype=np.float32)
+        with native.collect_log() as log:
+            gpu.denoise_step(rng.integers(0, V, (1, C)), np.float32(0.7), rng.random((1, C)),
+                             sc_topk=(ids[None], probs[None]), top_k=k)
+    splits = [line for line in log if line.startswith("## SPLIT")]
+    assert splits, "GGML_SCHED_DEBUG listed no splits"
+    rows_kib = k * C * gpu.n_embd * 4 / 1024
+    inputs = [(name, int(n) * (1024 if unit == "M" else 1))
+              for line in splits for name, n, unit in re.findall(r"\[(\S*) ?[^\[]*?\(\s*(\d+)([MK])\)\]", line)]
+    assert all(kib < rows_kib for _, kib in inputs), (rows_kib, inputs)

@@ -731,8 +731,22 @@ ggml_tensor * llama_model_diffusion_gemma::graph::build_self_cond_input(const ll
     // tokens, so the caller keeps the top k per position (k = n_vocab reproduces the dense sum).
     // get_rows dequantizes only the k rows of E needed (F32 out); the batched out_prod then
     // contracts over the k rows of each position: [n_embd, k, C] x [1, k, C] -> [n_embd, 1, C].
-    // note: tok_embd, not the tied output: the output copy may sit in a repacked CPU buffer
-    ggml_tensor * rows = ggml_get_rows(ctx0, model.tok_embd, inp->ids);      // [n_embd, k*C]
+    // The rows come from the tied output copy where it sits in a device's memory: llama.cpp keeps
+    // tok_embd in host memory, and the gathered rows (k x C x n_embd floats: 176 MiB for a real
+    // canvas at k = 64) then crossed to the GPU every step, 40% of an H200's step. Not from a host
+    // buffer: the output copy may be repacked there (CPU_REPACK), which get_rows cannot read.
+    ggml_tensor * rows = nullptr;
+    if (model.output && model.output->buffer && !ggml_backend_buffer_is_host(model.output->buffer)) {
+        ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(model.output->buffer));
+        rows = ggml_get_rows(ctx0, model.output, inp->ids);
+        if (!dev || !ggml_backend_dev_supports_op(dev, rows)) {
+            rows = nullptr; // that device cannot gather this type: the host copy does
+        }
+    }
+    if (!rows) {
+        rows = ggml_get_rows(ctx0, model.tok_embd, inp->ids);
+    }
+    cb(rows, "sc_rows", -1);                                                 // [n_embd, k*C]
     rows = ggml_reshape_3d(ctx0, rows, n_embd, k, n_tokens);
     ggml_tensor * weights = ggml_reshape_3d(ctx0, inp->probs, 1, k, n_tokens);
     res->add_input(std::move(inp));
