@@ -223,6 +223,29 @@ def test_batched_canvases_equal_single(reference_gguf, scenario):
     assert _maxdiff(both[0], s["self_cond"]) < EXACT_TOL
 
 
+def test_a_multi_canvas_forward_needs_room_for_every_canvas(tiny_gguf):
+    """A unified cache holds every canvas of a forward at once, shared context or not. The room
+    check counted one canvas, so a forward that did not fit ended in llama.cpp's "failed to find a
+    memory slot" (bench: "batch 16 skipped: decoder forward failed (status 1)"); it is a
+    ContextFull now, and a model opened for n canvases gets their room on top of the default context."""
+    from dgcli.engine.model import DiffusionModel
+    from dgcli.engine.types import ContextFull
+
+    with DiffusionModel(tiny_gguf, n_threads=1, n_ctx=64, n_seq_max=4) as m:
+        C = m.canvas_length
+        m.prefill([10 + i % 400 for i in range(m.n_ctx - 3 * C)])  # room for three canvases, not four
+        canvases = np.random.default_rng(0).integers(0, m.vocab_size, (4, C))
+        m.decode_canvases(canvases[:3])
+        with pytest.raises(ContextFull, match=f"context full: .* 4 canvases of {C} tokens"):
+            m.decode_canvases(canvases)
+    # bench's batch sweep at 16 real canvases (16 x 256 = the whole default context): here 256 x 16
+    with DiffusionModel(tiny_gguf, n_threads=2, n_seq_max=256) as wide:
+        C = wide.canvas_length
+        assert wide.n_ctx >= 4096 + 255 * C
+        wide.prefill([2, 10, 11, 12])
+        wide.decode_canvases(np.random.default_rng(1).integers(0, wide.vocab_size, (256, C)))
+
+
 def test_encoder_logits_match_reference_causal(exact_model, reference_model):
     from dgcli.reference import reference_causal_logits
 

@@ -465,6 +465,9 @@ class DiffusionModel(_LlamaModel):
         canvas = canvas if isinstance(canvas, int) and 0 < canvas <= MAX_CANVAS_LENGTH else 0
         # a canvas must be one micro-batch (the decoder is non-causal over it); prompts are chunked
         need = canvas * (n_seq_max if isinstance(n_seq_max, int) else 1)
+        # the default context gets a canvas's room for each further sequence: a unified cache holds
+        # every canvas of a multi-canvas forward at once, on top of the prompt
+        self._extra_default_cells = need - canvas if kv_unified else 0
         if n_ubatch is None:
             n_ubatch = max(ENCODE_CHUNK, need)
         elif not isinstance(n_ubatch, int) or n_ubatch < max(need, 1):
@@ -477,6 +480,9 @@ class DiffusionModel(_LlamaModel):
             self.close()
             raise ModelLoadError(f"{self.path} has no valid diffusion.canvas_length")
         self.default_params = self._read_default_params()
+
+    def _default_n_ctx(self) -> int:
+        return super()._default_n_ctx() + self._extra_default_cells
 
     def _read_default_params(self) -> DiffusionParams:
         try:
@@ -610,9 +616,12 @@ class DiffusionModel(_LlamaModel):
             raise DgError("decode_canvases: sequences 1..n-1 hold their own tokens; pass per_sequence=True")
         for s in range(n if per_sequence else 1):
             used, room = self._room(s)
-            extra = length * (n if self.kv_unified and per_sequence else 1)
+            # in a unified cache every canvas of the forward takes cells for its duration, borrowed
+            # (shared context) or not; "failed to find a memory slot" was all llama.cpp said
+            extra = length * (n if self.kv_unified else 1)
             if used + extra > room:
-                raise ContextFull(f"context full: {used} cached + a {length}-token canvas exceed n_ctx = {room}")
+                what = f"{extra // length} canvases of {length} tokens" if extra > length else f"a {length}-token canvas"
+                raise ContextFull(f"context full: {used} cached + {what} exceed n_ctx = {room}")
         if sc_logits is not None and sc_topk is not None:
             raise DgError("pass sc_logits or sc_topk, not both")
         ids = probs = None
