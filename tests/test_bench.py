@@ -139,8 +139,8 @@ def test_the_batch_sweep_says_its_times_are_whole_batches():
                              speedup_vs_steps=[], batch_method="native",
                              batch_sweep=[bench.BatchPoint(4, 0.0273, 0.002, 13.6, 0.5)])
     sweep = _tables([], speed_model=speed)["batch sweep"]
-    assert _column(sweep, "canvas fwd") == ["27.30 ms"]
-    assert "one forward of `batch` canvases" in " ".join(str(sweep.caption).split())
+    assert _column(sweep, "canvas step") == ["27.30 ms"]
+    assert "one step of `batch` canvases" in " ".join(str(sweep.caption).split())
 
 
 def test_a_run_record_holds_what_its_tok_s_divides_by():
@@ -204,3 +204,56 @@ def test_a_tok_s_cell_over_only_some_of_its_row_s_runs_says_so():
     assert _column(speed, "diffusion") == ["100.0"]  # every run has a rate: no mark
     assert _column(speed, "AR") == ["500.0*"]
     assert "*over only the runs with a tok/s" in str(speed.caption)
+
+
+class _ClockedModel:
+    """A diffusion model on a fake clock: a call costs its warm time, plus 100 when its shape differs
+    from the previous call's (a graph rebuilt, as llama.cpp does between shapes)."""
+
+    canvas_length, vocab_size, n_seq_max = 4, 50, 2
+    WARM = {"denoise_step": 3.0, "decode_canvas": 7.0, "decode_canvases": 1.0, "prefill": 0.5, "commit": 2.0}
+
+    def __init__(self, graph_step: bool):
+        self.now, self.last = 0.0, None
+        if not graph_step:
+            self.denoise_step = None
+
+    def _call(self, name, shape=()):
+        self.now += self.WARM[name] + (100.0 if (name, shape) != self.last else 0.0)
+        self.last = (name, shape)
+
+    def chat_prompt(self, text):
+        return [2, 3, 4]
+
+    def reset(self):
+        pass
+
+    def prefill(self, tokens, return_logits=False):
+        self._call("prefill")
+
+    def commit(self, canvas):
+        self._call("commit")
+
+    def decode_canvas(self, canvas, sc_logits=None, sc_topk=None):
+        self._call("decode_canvas")
+
+    def decode_canvases(self, canvases, sc_logits=None, sc_topk=None):
+        self._call("decode_canvases", canvases.shape)
+
+    def denoise_step(self, canvases, temperatures, uniforms, sc_logits=None, sc_topk=None, top_k=0):
+        assert (sc_logits is None) != (sc_topk is None)  # a later step's self-conditioning input
+        self._call("denoise_step", canvases.shape)
+
+
+@pytest.mark.parametrize("graph_step", [True, False])
+def test_the_speed_model_times_warm_steps_as_the_engine_runs_them(monkeypatch, graph_step):
+    # On an H200 the one-token decode read 17.4 ms (the first run after a prefill rebuilt the graph)
+    # against 4.7 ms back to back, and the canvas side was the forward with 1 GB of logits copied
+    # out, 1.9x the one-graph step the engine runs: the ratio read 8.0 where it is 14.
+    model = _ClockedModel(graph_step)
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: model.now)
+    speed, notes = bench.measure_speed_model(model, batch_sizes=[1, 2], repeat=3)
+    canvas = 3.0 if graph_step else 7.0
+    assert (speed.canvas_forward_s, speed.decode_s, speed.commit_s, speed.ratio) == (canvas, 1.0, 2.0, canvas)
+    assert speed.batch_sweep[1].canvas_s == (3.0 if graph_step else 1.0) and speed.batch_sweep[1].decode_s == 1.0
+    assert speed.canvas_step.startswith("one-graph step" if graph_step else "decoder forward, logits")

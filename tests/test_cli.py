@@ -444,7 +444,7 @@ def test_bench_json_and_tables(tiny_gguf, tiny_ar_gguf, scripted, tmp_path, monk
     assert r.exit_code == 0, r.stderr
     doc = json.loads(r.stdout)
     assert json.loads(out.read_text()) == doc
-    assert doc["schema"] == "dg-bench/3"
+    assert doc["schema"] == "dg-bench/4"
     assert [p["name"] for p in doc["config"]["prompts"]] == ["math", "prompt-2"]
     assert len(doc["runs"]) == 2 * 2 * 2
     s = {(x["mode"], x["prompt"]): x for x in doc["summaries"]}
@@ -474,7 +474,7 @@ def test_bench_report_to_stdout_is_the_only_thing_there(json_flag, tiny_gguf, ti
             "--no-speed-model", "-o", "-", *json_flag)
     assert r.exit_code == 0, r.stderr
     doc = json.loads(r.stdout)
-    assert doc["schema"] == "dg-bench/3" and len(doc["runs"]) == 2
+    assert doc["schema"] == "dg-bench/4" and len(doc["runs"]) == 2
     if not json_flag:
         assert "steps/canvas" in r.stderr  # the tables are still shown, on stderr
 
@@ -498,7 +498,7 @@ def test_tables_piped_have_their_title_and_caption_on_lines_of_their_own(tiny_gg
             "--max-new-tokens", "8")
     assert r.exit_code == 0, r.stderr
     lines = r.stdout.splitlines()
-    for title in ("diffusion sampler per prompt", "speed model: one canvas forward vs one decode step", "batch sweep"):
+    for title in ("diffusion sampler per prompt", "speed model: one canvas step vs one decode step", "batch sweep"):
         assert title in lines, r.stdout
     assert "tokens/forward: answer tokens per decoder forward (AR: 1.00); answer tokens: diffusion/AR" in lines
     sweep = next(line for line in lines if "canvas fwd, decode: one forward of `batch` canvases" in line)
