@@ -382,13 +382,15 @@ def measure_speed_model(model, *, batch_sizes: Sequence[int], repeat: int = 5, s
     sc_k = resolve_self_cond_top_k(None, V)  # the engine's default self-conditioning width
 
     def canvas_step(b: int) -> Callable[[], Any]:
-        """One denoising step of b canvases in one forward, as the engine runs it (see above)."""
+        """One denoising step of b canvases in one forward, as the engine runs it (see above), with
+        the engine's self-conditioning form: top-k, or dense over a small vocabulary (a batch whose
+        dense input the graph cannot hold is skipped, as the engine would refuse it)."""
         if not graph_step:
             return (lambda: model.decode_canvas(tokens(C))) if b == 1 else (lambda: multi(tokens(b, C)))
         if sc_k:
             self_cond = {"sc_topk": (rng.integers(0, V, (b, C, sc_k)).astype(np.int32),
                                      np.full((b, C, sc_k), 1.0 / sc_k, np.float32)), "top_k": sc_k}
-        else:  # small vocabularies: the dense form
+        else:
             self_cond = {"sc_logits": np.zeros((b, C, V), np.float32)}
         return lambda: model.denoise_step(tokens(b, C), np.float32(0.6), rng.random((b, C)), **self_cond)
 

@@ -210,7 +210,7 @@ class _ClockedModel:
     """A diffusion model on a fake clock: a call costs its warm time, plus 100 when its shape differs
     from the previous call's (a graph rebuilt, as llama.cpp does between shapes)."""
 
-    canvas_length, vocab_size, n_seq_max = 4, 50, 2
+    canvas_length, vocab_size, n_seq_max = 4, 50, 2  # 50 tokens: dense self-conditioning
     WARM = {"denoise_step": 3.0, "decode_canvas": 7.0, "decode_canvases": 1.0, "prefill": 0.5, "commit": 2.0}
 
     def __init__(self, graph_step: bool):
