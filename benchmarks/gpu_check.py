@@ -21,6 +21,7 @@ Steps, each timed; a failed step is a row in the table and the rest still run:
              (the costliest --profile groups), and the scheduler's splits (DIR/splits.txt)
 6. offload   --n-cpu-moe N and --cpu-moe: where llama.cpp put the weights, and the step time
 7. ar        the AR twin (stock gemma4 graph), every layer offloaded: decode ms per token, tok/s
+8. cli       with --cli: `dg bench` and `dg compare` on the pair as a user runs them
 
 Prints one table and writes DIR/gpu-check.md, DIR/gpu-check.json, DIR/pytest.log and DIR/splits.txt.
 """
@@ -373,6 +374,35 @@ def profile_forward(check: Check, path: Path, top: int) -> None:
         profiler.close()
 
 
+def run_cli(check: Check, paths: dict[str, Path], timeout_s: float) -> None:
+    """`dg bench` and `dg compare` on the written pair, every layer offloaded, as a user runs them:
+    their tables in DIR/bench.txt and DIR/compare.txt, bench's JSON in DIR/bench.json."""
+    env = dict(os.environ, COLUMNS="110", PYTHONPATH=os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    models = ["-m", str(paths["diffusion"]), "--ar-model", str(paths["ar"]), "-ngl", "-1"]
+    bench_json = check.out / "bench.json"
+    bench_json.unlink(missing_ok=True)
+    runs = {"bench": ["bench", *models, "-r", "1", "-o", str(bench_json)],
+            "compare": ["compare", *models, "Explain KV caching in two sentences."]}
+    for name, args in runs.items():
+        with open(check.out / f"{name}.txt", "w") as f:
+            code = subprocess.run([sys.executable, "-m", "dgcli.cli", *args], cwd=ROOT, env=env, stdout=f,
+                                  stderr=subprocess.STDOUT, timeout=max(timeout_s, 30)).returncode
+        check.add("cli", f"dg {name} (exit status)", code, f"{name}.txt")
+    doc = json.loads(bench_json.read_text())
+    sm = doc["speed_model"]
+    check.add("cli", "dg bench: canvas step / one-token decode", f"{sm['canvas_forward_s'] * 1e3:.2f} / "
+              f"{sm['decode_s'] * 1e3:.2f} ms = {sm['ratio']:.2f}x", sm.get("canvas_step", ""))
+    for point in sm["batch_sweep"]:
+        check.add("cli", f"dg bench: batch {point['batch']} canvas step / decode",
+                  "-" if point["ratio"] is None else f"{point['canvas_s'] * 1e3:.2f} / {point['decode_s'] * 1e3:.2f} ms",
+                  point["error"] or "")
+    for summary in doc["summaries"]:
+        tps = summary["tokens_per_second"]
+        check.add("cli", f"dg bench: {summary['mode']} {summary['prompt']} tok/s",
+                  "-" if tps is None else f"{tps['median']:.1f}")
+
+
 def placement_note(report) -> str:
     devices = ", ".join(f"{d} {mib / 1024:.1f} GiB" for d, mib in report.mib_by_device().items())
     layers = f"{report.offloaded_layers}/{report.total_layers} layers" if report.offloaded_layers is not None else "no offload"
@@ -477,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=8)
     parser.add_argument("--profile", type=int, default=12, metavar="N",
                         help="time every node of the forward on the device and list the N costliest groups (0: off)")
+    parser.add_argument("--cli", action="store_true",
+                        help="then `dg bench` and `dg compare` on the pair (DIR/bench.txt, bench.json, compare.txt)")
     parser.add_argument("--cpu-dry-run", action="store_true",
                         help="no GPU needed: every step on a small model, to test this script on a CPU machine")
     args = parser.parse_args(argv)
@@ -520,6 +552,8 @@ def main(argv: list[str] | None = None) -> int:
                            need_s=40)
         if "ar" in paths:
             check.step("ar", lambda: measure_ar(check, paths["ar"], args.reps), need_s=20)
+        if args.cli and {"diffusion", "ar"} <= paths.keys():
+            check.step("cli", lambda: run_cli(check, paths, check.left()), need_s=60)
     except Stopped as stop:
         check.failed.append("stopped")
         check.add("stopped", f"by signal {signal.Signals(stop.signum).name}", "-", "the steps after it did not run")
