@@ -48,13 +48,13 @@ def test_system_text_that_is_not_utf8(tiny_gguf, tiny_ar_gguf, no_engine):
 @pytest.mark.parametrize("seed", ["-2", str(2**32)])  # -1: a random seed, as llama-cli's -s -1
 def test_seed_outside_its_range(seed, tiny_gguf, tiny_ar_gguf, no_engine):
     for command in (["generate", "hi"], ["compare", "hi", "--ar-model", tiny_ar_gguf], ["bench", "--ar-model", tiny_ar_gguf]):
-        assert f"invalid seed={seed}" in error_line(*command, "-m", tiny_gguf, "--seed", seed)
+        assert f"invalid --seed {seed}" in error_line(*command, "-m", tiny_gguf, "--seed", seed)
 
 
-@pytest.mark.parametrize("flag,value,name", [("--threads", 2**31, "threads"), ("--threads", 513, "threads"),
-                                             ("--gpu-layers", 2**70, "gpu_layers"), ("--gpu-layers", -2, "gpu_layers")])
-def test_threads_and_gpu_layers_that_would_wrap_in_a_c_int(flag, value, name, tiny_gguf, no_engine):
-    assert f"invalid {name}={value}" in error_line("generate", "hi", "-m", tiny_gguf, flag, value)
+@pytest.mark.parametrize("flag,value", [("--threads", 2**31), ("--threads", 513), ("--gpu-layers", 2**70),
+                                        ("--gpu-layers", -2)])
+def test_threads_and_gpu_layers_that_would_wrap_in_a_c_int(flag, value, tiny_gguf, no_engine):
+    assert f"invalid {flag} {value}" in error_line("generate", "hi", "-m", tiny_gguf, flag, value)
 
 
 def test_library_refuses_them_too(tiny_gguf):
@@ -245,3 +245,13 @@ def test_columns_and_lines_that_are_no_terminal_size_are_ignored(args, value):
                        env=dict(os.environ, PYTHONPATH=str(repo), COLUMNS=value, LINES=value))
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     assert max(map(len, r.stdout.splitlines())) < 400  # no line padded to a billion columns
+
+
+def test_an_engine_limit_on_a_typed_flag_names_the_flag(tiny_gguf):
+    # "invalid n_cpu_moe=1000" and "invalid max_denoising_steps=0" named the engine's parameters,
+    # which nobody typed
+    assert "invalid --n-cpu-moe 1000: must be -1 (all) or at most the model's" in error_line(
+        "generate", "hi", "-m", tiny_gguf, "--n-cpu-moe", 1000)
+    assert "invalid --n-cpu-moe 1000" in error_line("info", tiny_gguf, "--n-cpu-moe", 1000)
+    assert "invalid --steps 0: must be an integer between 1 and" in error_line("generate", "hi", "-m", tiny_gguf,
+                                                                                "--steps", 0)

@@ -252,17 +252,17 @@ def test_unknown_registry_name_and_quant():
 
 
 @pytest.mark.parametrize("flags,fragment", [
-    (["--steps", "0"], "invalid max_denoising_steps=0"),
-    (["--steps", "-3"], "invalid max_denoising_steps=-3"),
-    (["--t-min", "0.9", "--t-max", "0.5"], "invalid t_max=0.5: must be at least t_min (0.9)"),
+    (["--steps", "0"], "invalid --steps 0"),
+    (["--steps", "-3"], "invalid --steps -3"),
+    (["--t-min", "0.9", "--t-max", "0.5"], "invalid --t-max 0.5: must be at least t_min (0.9)"),
     (["--temp", "0.5", "--t-min", "0.4"], "pass --temp or --t-min/--t-max, not both"),
     (["--temp", "0"], "invalid t_max=0.0"),
-    (["--entropy-bound", "0"], "invalid entropy_bound=0.0"),
-    (["--entropy-bound", "-1"], "invalid entropy_bound=-1.0"),
-    (["--confidence-threshold", "0"], "invalid confidence_threshold=0.0"),
-    (["--stability-threshold", "-1"], "invalid stability_threshold=-1"),
-    (["--max-new-tokens", "0"], "invalid max_new_tokens=0"),
-    (["--threads", "0"], "invalid threads=0"),
+    (["--entropy-bound", "0"], "invalid --entropy-bound 0.0"),
+    (["--entropy-bound", "-1"], "invalid --entropy-bound -1.0"),
+    (["--confidence-threshold", "0"], "invalid --confidence-threshold 0.0"),
+    (["--stability-threshold", "-1"], "invalid --stability-threshold -1"),
+    (["--max-new-tokens", "0"], "invalid --max-new-tokens 0"),
+    (["--threads", "0"], "invalid --threads 0"),
     (["--thinking", "maybe"], "invalid --thinking 'maybe'"),
     (["--steps", "many"], "Invalid value for '--steps'"),
 ])
@@ -582,7 +582,7 @@ def test_bench_batch_sweep_uses_multi_sequence_forward(tiny_gguf, tiny_ar_gguf, 
 
 
 @pytest.mark.parametrize("flags,fragment", [
-    (["--repeat", "0"], "invalid repeat=0"),
+    (["--repeat", "0"], "invalid --repeat 0"),
     (["--batch-sizes", "1,x"], "invalid --batch-sizes"),
     (["--batch-sizes", "0"], "sizes must be integers >= 1"),
     # llama.cpp's limit: refused up front, not by the speed model's load after every generation run
@@ -724,7 +724,7 @@ def test_installed_console_script_info_and_errors(tiny_gguf, tmp_path):
     bad.write_bytes(b"GGUF\x03\x00\x00\x00garbage")
     for args, fragment in ((["generate", "hi", "-m", str(bad)], "truncated"),
                            (["generate", "hi", "-m", "nope"], "unknown model 'nope'"),
-                           (["generate", "hi", "-m", str(tiny_gguf), "--steps", "0"], "invalid max_denoising_steps=0")):
+                           (["generate", "hi", "-m", str(tiny_gguf), "--steps", "0"], "invalid --steps 0")):
         p = subprocess.run([dg, *args], capture_output=True, text=True, env=env, timeout=120, stdin=subprocess.DEVNULL)
         assert p.returncode == 1, (args, p.stderr)
         assert p.stderr.count("\n") == 1 and p.stderr.startswith("error: ") and fragment in p.stderr, p.stderr

@@ -111,7 +111,7 @@ def test_a_run_without_a_seed_reports_the_seed_that_reproduces_it():
     assert again["answer"] == first["answer"] and canvases(again) == canvases(first)
     r = dg("generate", "sort: QWERTY", "--seed", "-1")  # llama-cli's "random" seed
     assert re.search(r"seed \d+", r.stderr)
-    one_line_error(dg("generate", "hi", "--seed", "-5"), "invalid seed=-5")
+    one_line_error(dg("generate", "hi", "--seed", "-5"), "invalid --seed -5")
 
 
 # ------------------------------------------------------------------------------------ defect 8: pace, replay

@@ -308,8 +308,8 @@ def test_info_answers_for_a_given_gpu(tiny_diff, monkeypatch):
     (["--gpu-layers", "-1", "--gpu-memory", "2000000TiB"], "expected from 1 byte to 1 EiB"),
     (["--gpu-layers", "-1", "--gpu-memory", "0.5"], "expected from 1 byte to 1 EiB"),
     # what every command that loads refuses (info answered "fits" for it)
-    (["--gpu-layers", "99999999999", "--gpu-memory", "16GB"], "invalid gpu_layers=99999999999"),
-    (["--gpu-layers", "-2"], "invalid gpu_layers=-2"),
+    (["--gpu-layers", "99999999999", "--gpu-memory", "16GB"], "invalid --gpu-layers 99999999999"),
+    (["--gpu-layers", "-2"], "invalid --gpu-layers -2"),
 ])
 def test_bad_offload_flags_are_one_line_errors(tiny_diff, args, message):
     result = CliRunner().invoke(app, ["info", str(tiny_diff), *args])

@@ -278,10 +278,10 @@ def test_worker_usage_errors_and_ctrl_c():
         taken.listen(1)
         port = taken.getsockname()[1]
         assert_one_line_error(dg("worker", "--port", str(port)), f"cannot listen on 127.0.0.1:{port}")
-    assert_one_line_error(dg("worker", "--port", "70000"), "invalid port=70000")
+    assert_one_line_error(dg("worker", "--port", "70000"), "invalid --port 70000")
     # --host's own words, not the --rpc parser's "invalid RPC worker address '::1:50052': expected HOST:PORT"
     for host in ("", "::1"):
-        assert_one_line_error(dg("worker", "--host", host, timeout=30), f"invalid host={host!r}: must be an IPv4 address")
+        assert_one_line_error(dg("worker", "--host", host, timeout=30), f"invalid --host {host!r}: must be an IPv4 address")
     worker = Worker()
     worker.proc.send_signal(signal.SIGINT)
     assert worker.proc.wait(30) == 130
@@ -439,7 +439,7 @@ def test_a_worker_refuses_more_threads_than_ggml_s_pool_takes():
     # --threads 100000 started a worker that died of a native std::bad_alloc at a client's first graph
     for threads in ("100000", "513", "100000000000"):
         assert_one_line_error(dg("worker", "--port", "0", "--threads", threads, timeout=30),
-                              f"invalid threads={threads}: must be an integer from 1 to 512")
+                              f"invalid --threads {threads}: must be an integer from 1 to 512")
 
 
 def test_a_cache_directory_that_cannot_be_made_is_one_line(tmp_path):

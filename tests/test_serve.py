@@ -283,9 +283,9 @@ def test_serve_usage_errors_are_one_line():
     assert r.exit_code == 1 and r.stderr.startswith(f"error: cannot listen on 127.0.0.1:{port}")
     assert len(r.stderr.strip().splitlines()) == 1
     r = runner.invoke(cli.app, ["serve", "--parallel", "0"])
-    assert r.exit_code == 1 and "invalid parallel=0" in r.stderr
+    assert r.exit_code == 1 and "invalid --parallel 0" in r.stderr
     r = runner.invoke(cli.app, ["serve", "--max-tokens", "0"])  # it named max_new_tokens, generate's flag
-    assert r.exit_code == 1 and r.stderr.startswith("error: invalid max_tokens=0: must be an integer >= 1")
+    assert r.exit_code == 1 and r.stderr.startswith("error: invalid --max-tokens 0: must be an integer >= 1")
 
 
 def test_a_chat_template_that_does_not_parse_is_refused_at_start(tmp_path):
@@ -363,7 +363,7 @@ def test_a_context_the_machine_cannot_hold_is_refused_before_loading(monkeypatch
     assert "64 sequences of 10000000 tokens needs about 164.2 GB of RAM" in r.stderr
     assert "use a smaller --ctx-size or --parallel" in r.stderr
     r = runner.invoke(cli.app, ["serve", "--port", "0", "--ctx-size", "999999999999"])
-    assert r.exit_code == 1 and "invalid ctx_size=999999999999: must be an integer from 1 to 536870911" in r.stderr
+    assert r.exit_code == 1 and "invalid --ctx-size 999999999999: must be an integer from 1 to 536870911" in r.stderr
 
 
 # ---- the thinking channel, through a scripted model in-process ---------------------------------------------

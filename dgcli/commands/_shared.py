@@ -23,7 +23,8 @@ from dgcli import hub, info as ginfo, render, textfile
 from dgcli.commands import _signals
 from dgcli.engine.header import read_header
 from dgcli.engine.hparams import sampler_defaults
-from dgcli.engine.types import CanvasEvent, DgError, DiffusionParams, GenerationResult, StepEvent, check_utf8
+from dgcli.engine.types import (CanvasEvent, DgError, DiffusionParams, GenerationResult, InvalidParameter, StepEvent,
+                               check_utf8)
 from dgcli.outputs import OutputFile
 from dgcli.registry import DEFAULT_MODEL, Registry, ResolvedModel, missing_shipped_message
 
@@ -74,6 +75,8 @@ def user_errors() -> Iterator[None]:
     """DgError (and a missing native layer) become one line on stderr and exit 1."""
     try:
         yield
+    except InvalidParameter as err:
+        raise fail(flag_message(err)) from None
     except DgError as err:
         raise fail(str(err)) from None
     except ImportError as err:
@@ -81,6 +84,20 @@ def user_errors() -> Iterator[None]:
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
         raise typer.Exit(EXIT_INTERRUPTED) from None
+
+
+# engine parameters whose flag has another name
+_FLAG_PARAMETERS = {"max_denoising_steps": "steps"}
+
+
+def flag_message(err: InvalidParameter) -> str:
+    """An engine parameter the user typed as a flag, named as that flag: "invalid --n-cpu-moe 1000"
+    rather than the engine's "invalid n_cpu_moe=1000"."""
+    parameter = _FLAG_PARAMETERS.get(err.name, err.name)
+    if not typed_option(parameter):
+        return str(err)
+    value = err.value if isinstance(err.value, (int, float)) and not isinstance(err.value, bool) else repr(err.value)
+    return f"invalid --{parameter.replace('_', '-')} {value}: must be {err.allowed}"
 
 
 # ---------------------------------------------------------------- model resolution / pulling
@@ -479,13 +496,13 @@ def check_generation_args(max_new_tokens: int, threads: Optional[int], gpu_layer
     from dgcli.engine.model import check_gpu_layers, check_threads
 
     if max_new_tokens < 1:
-        raise DgError(f"invalid max_new_tokens={max_new_tokens}: must be an integer >= 1")
+        raise InvalidParameter("max_new_tokens", max_new_tokens, "an integer >= 1")
     check_threads(threads)
     check_gpu_layers(gpu_layers)
     if ctx_size is not None and ctx_size < 0:
-        raise DgError(f"invalid ctx_size={ctx_size}: must be 0 (the model's training context) or a token count")
+        raise InvalidParameter("ctx_size", ctx_size, "0 (the model's training context) or a token count")
     if not 0 <= pace <= 60:
-        raise DgError(f"invalid pace={pace}: must be seconds per step between 0 and 60")
+        raise InvalidParameter("pace", pace, "seconds per step between 0 and 60")
 
 
 def seed_of(seed: Optional[int]) -> int:

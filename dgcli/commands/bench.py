@@ -10,7 +10,7 @@ import typer
 
 from dgcli import outputs
 from dgcli.engine.rng import SEED_LIMIT
-from dgcli.engine.types import DgError
+from dgcli.engine.types import DgError, InvalidParameter
 from dgcli.commands import _shared as shared
 
 
@@ -42,7 +42,7 @@ def bench(
         gpu_layers, n_cpu_moe = shared.resolve_offload(gpu_layers, n_cpu_moe, cpu_moe)
         rpc_servers, gpu_layers = shared.rpc_placement(rpc, gpu_layers)
         if repeat < 1:
-            raise DgError(f"invalid repeat={repeat}: must be an integer >= 1")
+            raise InvalidParameter("repeat", repeat, "an integer >= 1")
         seed = shared.seed_of(seed)
         if seed + repeat > SEED_LIMIT:  # run i uses seed + i
             raise DgError(f"invalid seed={seed}: with --repeat {repeat} the last run's seed would pass {SEED_LIMIT - 1}")
