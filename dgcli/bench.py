@@ -628,8 +628,8 @@ def report_tables(report: BenchReport):
             implied = speedup_model(sm.canvas_length, sm.canvas_forward_s, sm.decode_s, sm.commit_s, steps)
             c.add_row(f"implied speedup at the runs' {steps:.1f} steps*", f"{format_figure(implied)}x")
         tables.append(c)
-        b = table("batch sweep", "batch", "canvas step", "decode", "ratio", "@16 steps",
-                  caption=sm.batch_method + "; canvas step, decode: one step of `batch` canvases, of `batch` "
+        b = table("batch sweep", "batch", "canvas", "decode", "ratio", "@16 steps",
+                  caption=sm.batch_method + "; canvas, decode: one step of `batch` canvases, of `batch` "
                           "one-token rows (not per canvas); batch 1 is the speed model's sample (its decode: "
                           "the encoder's one-token step); @16 steps: the implied speedup without the commit pass")
         for p in sm.batch_sweep:

@@ -139,7 +139,7 @@ def test_the_batch_sweep_says_its_times_are_whole_batches():
                              speedup_vs_steps=[], batch_method="native",
                              batch_sweep=[bench.BatchPoint(4, 0.0273, 0.002, 13.6, 0.5)])
     sweep = _tables([], speed_model=speed)["batch sweep"]
-    assert _column(sweep, "canvas step") == ["27.30 ms"]
+    assert _column(sweep, "canvas") == ["27.30 ms"]
     assert "one step of `batch` canvases" in " ".join(str(sweep.caption).split())
 
 

@@ -105,4 +105,4 @@ def test_self_cond_top_k_flag_reaches_the_engine(tiny_gguf, tmp_path):
     assert dense_mass == [0.0, 0.0, 0.0]
     assert sparse_mass[0] == 0.0 and all(m > 0.0 for m in sparse_mass[1:])
     bad = dg("generate", "hi", "-m", tiny_gguf, "--self-cond-top-k", "-1")
-    assert bad.exit_code == 1 and "self_cond_top_k" in bad.stderr
+    assert bad.exit_code == 1 and "invalid --self-cond-top-k -1" in bad.stderr
