@@ -514,3 +514,6 @@ def test_info_names_the_tensors_an_incomplete_file_lacks(tiny_gguf, tiny_ar_gguf
         info.check_architecture(path, diffusion=arch == D, command="generate")
     proc = _dg("info", str(path))
     assert proc.returncode == 0 and "incomplete GGUF" in proc.stdout and dropped[0] in proc.stdout, proc.stdout
+    # its size is not what stops a load: the memory line had said "fits"
+    memory = next(line for line in proc.stdout.splitlines() if line.startswith("memory"))
+    assert memory.endswith("fits by size, but dg will not load it (problem below)"), memory

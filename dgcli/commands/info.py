@@ -67,7 +67,8 @@ def info_cmd(model: str = typer.Argument(..., help="A .gguf path or a registry n
             ("logit softcap", _softcap(meta)),
             ("chat template", "yes" if meta.has_chat_template else "no"),
             ("memory", f"needs ~{fmt(meta.memory_needed)}; RAM {fmt(meta.ram_total)} total, {fmt(meta.ram_available)} available: "
-                       + ("fits" if meta.fits_available_ram else "fits RAM but not what is free now" if meta.fits_ram else "DOES NOT FIT")),
+                       + unloadable_words(meta, "fits" if meta.fits_available_ram else "fits RAM but not what is free now"
+                                          if meta.fits_ram else "DOES NOT FIT")),
         ]
         if meta.reference_default_keys:
             rows.append(("added by dg", f"{_key_list(meta.reference_default_keys)}: the reference's defaults, where "
@@ -126,6 +127,11 @@ def _key_list(keys: list[str]) -> str:
     return ", ".join(keys)
 
 
+def unloadable_words(meta: ginfo.GgufInfo, verdict: str) -> str:
+    """A size verdict, unless the file has a problem: then its size is not what stops a load."""
+    return verdict if not meta.problem or verdict == "DOES NOT FIT" else f"{verdict} by size, but dg will not load it (problem below)"
+
+
 def gpu_fit_words(meta: ginfo.GgufInfo) -> str:
     fmt = hub.format_bytes
     if not meta.gpu_name:
@@ -133,4 +139,4 @@ def gpu_fit_words(meta: ginfo.GgufInfo) -> str:
     verdict = ("fits" if meta.fits_available_gpu else "fits the card but not what is free now" if meta.fits_gpu
                else "DOES NOT FIT")
     return (f"needs ~{fmt(meta.gpu_needed)}; {meta.gpu_name}: {fmt(meta.gpu_total)} total, {fmt(meta.gpu_free)} free: "
-            + verdict)
+            + unloadable_words(meta, verdict))
