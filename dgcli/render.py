@@ -10,6 +10,7 @@ import statistics
 import time
 from typing import Callable, Iterable, Sequence
 
+from rich.cells import cell_len
 from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
 from rich.markup import escape
 from rich.panel import Panel
@@ -255,7 +256,8 @@ class AutoregressiveLiveView:
 
 
 class SideBySide:
-    """Two live panels next to each other (compare)."""
+    """Two live panels next to each other (compare); one above the other where half the width cannot
+    hold a panel's title (at 40 columns "diffusion: demo" was cut to "diffusion: dem")."""
 
     def __init__(self, left, right):
         self.left, self.right = left, right
@@ -265,12 +267,22 @@ class SideBySide:
         self.left.fit = self.right.fit = False
         return self
 
-    def __rich__(self) -> RenderableType:
-        grid = Table.grid(expand=True, padding=(0, 1))
-        grid.add_column(ratio=1)
-        grid.add_column(ratio=1)
-        grid.add_row(self.left, self.right)
-        return grid
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        half = (options.max_width - 1) // 2  # the grid's two columns and the space between them
+        title = max(cell_len(str(view.title)) for view in (self.left, self.right))
+        if half >= title + 6:  # a panel's top border: "╭─ " + title + " ─╮"
+            grid = Table.grid(expand=True, padding=(0, 1))
+            grid.add_column(ratio=1)
+            grid.add_column(ratio=1)
+            grid.add_row(self.left, self.right)
+            yield grid
+            return
+        # stacked: a live panel fits half the height (fitted_panel reads max_height), so both stay in sight
+        upper = max(options.max_height // 2, 1)
+        for view, rows in ((self.left, upper), (self.right, max(options.max_height - upper, 1))):
+            view_options = options.copy()
+            view_options.max_height = rows
+            yield from console.render(view, view_options)
 
 
 def result_summary(res: GenerationResult) -> str:

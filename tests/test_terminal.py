@@ -126,8 +126,12 @@ def test_compare_live(columns):
     assert rc == 0
     assert_clean(term)
     screen = term.screen_text()
-    assert screen.count("EQRTWY") == 2  # both panels, printed whole after the run
+    # both panels, printed whole after the run (at 40 columns one above the other, the first may have
+    # scrolled off), and each once: no frame of the live view was left behind
+    assert term.all_text().count("EQRTWY") == 2
     assert "speedup" in screen and "tok/s" in screen
+    # the panels' titles whole: at 40 columns, side by side, they read "diffusion: dem" and "autoregressive:"
+    assert "diffusion: demo" in term.all_text() and "autoregressive: demo-ar" in term.all_text()
 
 
 @pytest.mark.parametrize("columns", WIDTHS)
