@@ -10,7 +10,6 @@ import statistics
 import time
 from typing import Callable, Iterable, Sequence
 
-from rich.cells import cell_len
 from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
 from rich.markup import escape
 from rich.panel import Panel
@@ -255,9 +254,13 @@ class AutoregressiveLiveView:
                            border_style="green", fit=self.fit)
 
 
+# the narrowest panel compare shows side by side; below it (a terminal under 61 columns) the panels
+# stack: at 40 columns each half held 14 characters of text and "diffusion: demo" read "diffusion: dem"
+SIDE_BY_SIDE_MIN_COLUMNS = 30
+
+
 class SideBySide:
-    """Two live panels next to each other (compare); one above the other where half the width cannot
-    hold a panel's title (at 40 columns "diffusion: demo" was cut to "diffusion: dem")."""
+    """Two live panels next to each other (compare); one above the other on a narrow terminal."""
 
     def __init__(self, left, right):
         self.left, self.right = left, right
@@ -268,9 +271,7 @@ class SideBySide:
         return self
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        half = (options.max_width - 1) // 2  # the grid's two columns and the space between them
-        title = max(cell_len(str(view.title)) for view in (self.left, self.right))
-        if half >= title + 6:  # a panel's top border: "╭─ " + title + " ─╮"
+        if (options.max_width - 1) // 2 >= SIDE_BY_SIDE_MIN_COLUMNS:  # two columns and the space between
             grid = Table.grid(expand=True, padding=(0, 1))
             grid.add_column(ratio=1)
             grid.add_column(ratio=1)
