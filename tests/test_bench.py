@@ -247,10 +247,10 @@ class _ClockedModel:
 
 @pytest.mark.parametrize("graph_step", [True, False])
 def test_the_speed_model_times_warm_steps_as_the_engine_runs_them(monkeypatch, graph_step):
-    # On an H200 the one-token decode read 17.4 ms (the first run after a prefill rebuilt the graph)
-    # against 4.7 ms back to back, and the canvas side was the forward with 1 GB of logits copied
-    # out, 1.9x the one-graph step the engine runs: the ratio read 8.0 where it is 14. (The decode
-    # side is the encoder's causal one-token step; a one-token decoder row read 13.0 ms there.)
+    # On an H200 the one-token decoder row read 17.4 ms as the first run after a prefill, 13.0 ms
+    # warm, and the canvas side was the forward with its 268 MB of logits copied out, 1.9x the
+    # one-graph step the engine runs: the ratio read 8.0 where it is 14. (The decode side is now the
+    # encoder's causal one-token step, 4.9 ms there.)
     model = _ClockedModel(graph_step)
     monkeypatch.setattr(bench.time, "perf_counter", lambda: model.now)
     speed, notes = bench.measure_speed_model(model, batch_sizes=[1, 2], repeat=3)
