@@ -5,8 +5,10 @@
 #include "../diffusion-gemma-step.h"
 
 #include "ggml-backend.h"
+#include "ggml-cuda-dg.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <unordered_set>
@@ -382,6 +384,15 @@ static ggml_tensor * dg_gelu_tanh_f32(ggml_context * ctx, ggml_tensor * x) {
     return ggml_mul(ctx, x, ggml_scale_bias(ctx, t, 0.5f, 0.5f));
 }
 
+// DG_CUDA_FUSED_STEP=1: where the logits are on a GPU whose backend has the step's kernels
+// (ggml-cuda: dg-step.cu), the step is the same custom op as on the CPU, run there in two kernels,
+// instead of the ggml ops of build_step_ops. Read at each graph build and reuse check, so a process
+// can time both.
+static bool dg_cuda_fused_step_wanted() {
+    const char * v = getenv("DG_CUDA_FUSED_STEP");
+    return v != nullptr && *v != '\0' && strcmp(v, "0") != 0;
+}
+
 // What a graph was built for, beyond what llama.cpp itself compares: a graph built with (or
 // without) self-conditioning, another top-k width, exact GELU or another step is never reused for
 // a request that differs.
@@ -392,6 +403,7 @@ struct dg_graph_key {
     int32_t step_k    = 0;
     bool    keep      = false;
     bool    portable  = false;
+    bool    fused     = false; // DG_CUDA_FUSED_STEP: the step op on a GPU that has its kernels
 
     explicit dg_graph_key(const dg_request * req) {
         if (!req) {
@@ -403,11 +415,12 @@ struct dg_graph_key {
         step_k   = step ? req->step.top_k : 0;
         keep     = step && req->step.keep_values;
         portable = step && req->step.portable;
+        fused    = step && dg_cuda_fused_step_wanted();
     }
 
     bool operator==(const dg_graph_key & o) const {
         return exact == o.exact && sc_k == o.sc_k && step == o.step && step_k == o.step_k && keep == o.keep &&
-               portable == o.portable;
+               portable == o.portable && fused == o.fused;
     }
 };
 
@@ -459,13 +472,8 @@ public:
     ggml_tensor * probs = nullptr; // F32 [k, n_tokens]: their probabilities under softmax(prev logits)
 };
 
-// The settings of one graph's step op, read by every thread of the op.
-struct dg_step_op_params {
-    int32_t top_k       = 0;
-    float   softcap     = 0.0f;  // 0: none
-    bool    exact_tanh  = false;
-    bool    keep_values = false; // leave softcap(logits) / t in the logits tensor for the caller
-};
+// The settings of one graph's step op (struct ggml_dg_step_params, ggml-cuda-dg.h: the CUDA kernels
+// read them too), read by every thread of the op.
 
 // The denoising step over the LM head's output, one row per canvas position (rows split over
 // the op's threads): softcap, / temperature, max, exp, entropy, argmax, top-k, inverse-CDF sample
@@ -473,7 +481,7 @@ struct dg_step_op_params {
 // no logits-sized buffer: values over the raw logits, then weights over the values unless the
 // caller wants the values, in which case the weights go to a per-thread row kept across steps.
 static void dg_step_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
-    const auto & p       = *(const dg_step_op_params *) userdata;
+    const auto & p       = *(const ggml_dg_step_params *) userdata;
     ggml_tensor * logits = dst->src[0];                        // F32 [n_vocab, n_rows]
     const auto *  temps  = (const float *)  dst->src[1]->data; // [n_rows]
     const auto *  unif   = (const double *) dst->src[2]->data; // [n_rows]
@@ -497,7 +505,7 @@ static void dg_step_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
         in.weights     = p.keep_values ? weights_row.data() : row;
         in.n_vocab     = n_vocab;
         in.softcap     = p.softcap;
-        in.exact_tanh  = p.exact_tanh;
+        in.exact_tanh  = p.exact_tanh != 0;
         in.temperature = temps[r];
         in.uniform     = unif + r;
         in.top_k       = p.top_k;
@@ -552,16 +560,26 @@ public:
         return temperatures->ne[1] == params.ubatch.n_tokens;
     }
 
-    dg_step_op_params op;
+    ggml_dg_step_params op = {};
     ggml_tensor * temperatures = nullptr; // F32 [1, n_rows]
     ggml_tensor * uniforms     = nullptr; // F64 [n_rows] (the step op) or F32 [1, n_rows] (ggml ops)
     ggml_tensor * record       = nullptr; // F32 [dg_step_record_width(top_k), n_rows]
     ggml_tensor * values       = nullptr; // F32 [n_vocab, n_rows], when the caller keeps them
 };
 
+// Whether the backend of `dev` runs dg_step_op itself (ggml-cuda with dg's kernels: it is told
+// which function is the step, and answers for these sizes).
+static bool dg_gpu_takes_step_op(ggml_backend_dev_t dev, int64_t n_vocab, int32_t top_k) {
+    ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(dev);
+    auto take = reg ? (ggml_cuda_dg_step_register_t) ggml_backend_reg_get_proc_address(reg, GGML_CUDA_DG_STEP_REGISTER)
+                    : nullptr;
+    return take != nullptr && take(dg_step_op, n_vocab, top_k);
+}
+
 // logits (LM head output, before the softcap) -> the step's record. Where the logits are on the
-// CPU this is one op of ours (dg_step_op); on any other backend (or when asked, to test that
-// path) ggml ops that every backend has, so the logits never leave the device.
+// CPU this is one op of ours (dg_step_op); on a GPU whose backend has its kernels, the same op
+// when DG_CUDA_FUSED_STEP asks for it; on any other backend (or when asked, to test that path)
+// ggml ops that every backend has, so the logits never leave the device.
 void llama_model_diffusion_gemma::graph::build_step(const llama_model_diffusion_gemma & model, ggml_tensor * logits) {
     const dg_request &      req   = *dg_active_request();
     const dg_step_request & step  = req.step;
@@ -576,10 +594,12 @@ void llama_model_diffusion_gemma::graph::build_step(const llama_model_diffusion_
 
     ggml_backend_dev_t dev_out = model.dev_output();
     const bool on_cpu = !dev_out || ggml_backend_dev_type(dev_out) == GGML_BACKEND_DEVICE_TYPE_CPU;
+    const bool fused  = !on_cpu && !step.portable && dg_cuda_fused_step_wanted() &&
+                        dg_gpu_takes_step_op(dev_out, logits->ne[0], k);
 
     ggml_tensor * record;
     ggml_tensor * values = nullptr;
-    if (on_cpu && !step.portable) {
+    if ((on_cpu && !step.portable) || fused) {
         inp->op.top_k       = k;
         inp->op.softcap     = cap;
         inp->op.exact_tanh  = req.exact;
