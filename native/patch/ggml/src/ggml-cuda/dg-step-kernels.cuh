@@ -161,10 +161,18 @@ dg_step_pass1(const float * __restrict__ logits, float * __restrict__ values_out
     for (int shift = 24; shift >= 0; shift -= 8) {
         hist[tid] = 0;  // DG_STEP_THREADS == 256 bins
         __syncthreads();
-        for (int i = tid; i < n; i += DG_STEP_THREADS) {
-            const uint32_t key = dg_order_key(sv[i]);
-            if ((key & mask) == prefix) {
-                atomicAdd(&hist[(key >> shift) & 255], 1);
+        // a chunk's values share their top bits: one atomic per warp and bin, not per value
+        for (int base = 0; base < n; base += DG_STEP_THREADS) {
+            const int      i      = base + tid;
+            const uint32_t key    = i < n ? dg_order_key(sv[i]) : 0u;
+            const bool     active = i < n && (key & mask) == prefix;
+            const uint32_t bin    = (key >> shift) & 255;
+            const unsigned voters = __ballot_sync(0xffffffff, active);
+            if (active) {
+                const unsigned same = __match_any_sync(voters, bin);
+                if ((int) (threadIdx.x % DG_WARP) == __ffs(same) - 1) {
+                    atomicAdd(&hist[bin], __popc(same));
+                }
             }
         }
         __syncthreads();
