@@ -278,6 +278,28 @@ def agreement_with_base(settings: dict[str, dict[str, str]], step: Callable[[], 
     return out
 
 
+def graphs_reused(model) -> int:
+    """llama.cpp's count of compute graphs reused by this model's context."""
+    return int(model._lib.llama_perf_context(model._ctx).n_reused)
+
+
+def alternating_step(model, fns: dict[str, Callable[[], Any]], restart: Callable[[], None], env: dict[str, str],
+                     n: int) -> dict[str, Any]:
+    """The step timed right after a one-token decode, as dg bench's speed model pairs them (and a
+    generation runs a commit between canvases): llama.cpp keeps one graph, so each call rebuilds."""
+    restart()
+    with switched(env):
+        seconds = []
+        before = graphs_reused(model)
+        for _ in range(n):
+            fns["decode"]()
+            t0 = time.perf_counter()
+            fns["step"]()
+            seconds.append(time.perf_counter() - t0)
+        reused = graphs_reused(model) - before
+    return {"step_ms": summary_ms(seconds), "reused": reused, "calls": 2 * n}
+
+
 def summary_ms(seconds: list[float]) -> dict[str, float]:
     return {"min": round(min(seconds) * 1e3, 3), "median": round(statistics.median(seconds) * 1e3, 3),
             "n": len(seconds)}
@@ -487,6 +509,8 @@ def step_variants(check, path: Path, quant: str, dense_shapes: list[str], rounds
         settings = variants(dense_shapes)
         agreement = agreement_with_base(settings, fns["step"], restart)
         times = time_interleaved(settings, fns, rounds, reps, restart)
+        alternating = {name: alternating_step(model, fns, restart, settings[name], rounds * reps)
+                       for name in ("base", "all")}
     finally:
         model.close()
     ms = {f: {name: summary_ms(t[f]) for name, t in times.items()} for f in fns}
@@ -500,9 +524,13 @@ def step_variants(check, path: Path, quant: str, dense_shapes: list[str], rounds
         if name != "base":
             check.add(f"variants {quant}", f"{name}: same step as base", f"argmax {a['argmax']:.3f}",
                       f"sample {a['sampled']:.3f}, top-k ids {a['topk']:.3f}, max |entropy diff| {a['entropy']:.2e}")
+    for name, a in alternating.items():
+        check.add(f"variants {quant}", f"{name}: step right after a decode (min)", f"{a['step_ms']['min']:.2f} ms",
+                  f"median {a['step_ms']['median']:.2f}; llama.cpp reused {a['reused']} of {a['calls']} graphs "
+                  "(it keeps one: a rebuilt graph also restarts ggml-cuda's CUDA graph warm-up)")
     out = {"step_ms": ms["step"], "decode_ms": ms["decode"], "decoder_row_ms": ms["decoder_row"],
-           "commit_ms": ms["commit"], "agreement_with_base": agreement, "settings": settings, "rounds": rounds,
-           "reps": reps}
+           "commit_ms": ms["commit"], "agreement_with_base": agreement, "step_after_decode": alternating,
+           "settings": settings, "rounds": rounds, "reps": reps}
     check.data.setdefault("quants", {})[quant] = out
     wrong = [name for name, a in agreement.items() if a["argmax"] < MIN_AGREEMENT]
     if wrong:
