@@ -87,7 +87,7 @@ static __device__ int dg_block_exclusive_count(bool flag, int * total) {
 // caller keeps them), the chunk's statistics, and its n_cand largest values by a radix select on
 // their order keys (8 bits at a time), ties to the lower index.
 static __global__ void __launch_bounds__(DG_STEP_THREADS)
-dg_step_pass1(const float * __restrict__ logits, float * __restrict__ values_out, int64_t row_stride, int n_vocab,
+dg_step_pass1(const float * logits, float * values_out /* logits itself, or null */, int64_t row_stride, int n_vocab,
               int chunk, int n_chunks, const float * __restrict__ temps, float softcap, int n_cand,
               dg_chunk_stats * __restrict__ stats, float * __restrict__ cand_v, int32_t * __restrict__ cand_i) {
     extern __shared__ float sv[];  // [chunk]
