@@ -780,8 +780,9 @@ def piece_of(model):
     return piece
 
 
-def diffusion_view(model, *, title: str, thinking: str) -> render.DiffusionLiveView:
-    return render.DiffusionLiveView(piece_of(model), model.detokenize, getattr(model, "end_token_ids", ()),
+def diffusion_view(model, *, title: str, thinking: str, ignore_eos: bool = False) -> render.DiffusionLiveView:
+    end_token_ids = () if ignore_eos else getattr(model, "end_token_ids", ())
+    return render.DiffusionLiveView(piece_of(model), model.detokenize, end_token_ids,
                                     title=title, thinking=thinking, pad_token_id=getattr(model, "pad_token_id", None))
 
 
@@ -878,10 +879,13 @@ def run_diffusion(engine, prompt, *, params: DiffusionParams, max_new_tokens: in
                   live: bool, thinking: str, recorder=None, stream_plain: bool = False, title: str = "diffusion",
                   live_obj: Optional[Live] = None, view: Optional[render.DiffusionLiveView] = None,
                   self_cond_top_k: Optional[int] = None, pace: float = 0.0,
-                  text_to_stderr: bool = False) -> GenerationResult:
+                  text_to_stderr: bool = False, ignore_eos: bool = False) -> GenerationResult:
     """One diffusion generation shown by a DiffusionDisplay; returns the engine's result."""
     # Only an explicit choice reaches the engine; otherwise it picks (dense for small vocabularies).
     options = {} if self_cond_top_k is None else {"self_cond_top_k": self_cond_top_k}
+    if ignore_eos:
+        options["ignore_eos"] = True
+        view = view or diffusion_view(engine.model, title=title, thinking=thinking, ignore_eos=True)
     with DiffusionDisplay(engine.model, live=live, thinking=thinking, title=title, stream_plain=stream_plain,
                           recorder=recorder, live_obj=live_obj, view=view, pace=pace,
                           text_to_stderr=text_to_stderr) as display:
