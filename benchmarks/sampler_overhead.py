@@ -67,11 +67,11 @@ class LmHeadStandIn:
 def open_model(args, workdir: Path):
     if args.forward == "lmhead":
         return LmHeadStandIn(REAL_VOCAB, REAL_HIDDEN, REAL_CANVAS), "numpy LM-head stand-in"
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     path = args.gguf
     if path is None:
-        from dgcli.tiny import write_synthetic_gguf
+        from dgcli.testing.tiny import write_synthetic_gguf
 
         path = workdir / "synthetic.gguf"
         print(f"writing synthetic GGUF (vocab {REAL_VOCAB}, hidden {REAL_HIDDEN}) to {path} ...", file=sys.stderr)

@@ -224,7 +224,7 @@ class BenchReport:
     speed_model: Optional[SpeedModel]
     notes: list[str] = field(default_factory=list)
     interrupted: bool = False  # Ctrl-C ended it early: the runs finished before it
-    # where llama.cpp put each loaded model's weights (engine.offload.LoadReport.to_json()), by role:
+    # where llama.cpp put each loaded model's weights (runtime.offload.LoadReport.to_json()), by role:
     # the figures are the devices' these say, not the ones --gpu-layers asked for
     placement: dict[str, Any] = field(default_factory=dict)
 

@@ -18,7 +18,7 @@ import signal
 
 import pytest
 
-from dgcli.tiny import tiny_vocab, write_tiny_random_gguf
+from dgcli.testing.tiny import tiny_vocab, write_tiny_random_gguf
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("transformers") is not None
 NO_TORCH_REASON = "torch/transformers not installed (the Transformers reference needs them)"
@@ -57,7 +57,7 @@ def reference_model():
     _require_reference()
     import torch
 
-    from dgcli.reference import random_model, tiny_config
+    from dgcli.testing.reference import random_model, tiny_config
 
     torch.set_num_threads(1)
     return random_model(tiny_config(), seed=0)
@@ -65,7 +65,7 @@ def reference_model():
 
 @pytest.fixture(scope="session")
 def reference_checkpoint(reference_model, tmp_path_factory):
-    from dgcli.reference import save_checkpoint
+    from dgcli.testing.reference import save_checkpoint
 
     return save_checkpoint(reference_model, tmp_path_factory.mktemp("ckpt") / "google", config_form="google")
 

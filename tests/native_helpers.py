@@ -10,7 +10,7 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 
-from dgcli.engine import native
+from dgcli.runtime import native
 
 NATIVE_OK, NATIVE_REASON = native.available()
 requires_native = pytest.mark.skipif(not NATIVE_OK, reason=f"native library unavailable: {NATIVE_REASON}")
@@ -74,10 +74,10 @@ def rewrite_gguf(src: Path, dst: Path, *, drop_keys: tuple[str, ...] = (), set_k
 
 
 def small_q4_k_m_gguf(path: Path, seed: int = 0) -> Path:
-    """A small random diffusion-gemma file with a Q4_K_M file's types (`dgcli.tiny.q4_k_m_type`): hidden
+    """A small random diffusion-gemma file with a Q4_K_M file's types (`dgcli.testing.tiny.q4_k_m_type`): hidden
     and expert widths of one 256-wide super-block, so its experts' gate+up are Q4_K and their down
     projections Q4_K (layer 0) or Q6_K (layer 1); 8 experts, top-2, a 16-token canvas."""
-    from dgcli.tiny import write_synthetic_gguf
+    from dgcli.testing.tiny import write_synthetic_gguf
 
     return write_synthetic_gguf(path, n_layer=2, vocab_size=512, hidden=256, outtype="q4_k_m", seed=seed,
                                 intermediate_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=64,

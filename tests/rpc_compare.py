@@ -13,7 +13,7 @@ import sys
 import numpy as np
 
 from dgcli.engine.diffusion import DiffusionEngine
-from dgcli.engine.model import DiffusionModel
+from dgcli.runtime.model import DiffusionModel
 from dgcli.engine.types import DiffusionParams
 
 

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dgcli import cli
-from dgcli.commands import _shared as shared
+from dgcli.cli import _shared as shared
 
 runner = CliRunner()
 
@@ -58,7 +58,7 @@ def test_threads_and_gpu_layers_that_would_wrap_in_a_c_int(flag, value, tiny_ggu
 
 
 def test_library_refuses_them_too(tiny_gguf):
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
     from dgcli.engine.rng import RngStream
     from dgcli.engine.types import InvalidParameter
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dgcli.engine import native
+from dgcli.runtime import native
 from dgcli.engine.chat import ChatSession
 from dgcli.engine.types import DgError, DiffusionParams
 
@@ -211,7 +211,7 @@ def test_a_template_that_cannot_render_is_one_error_before_the_session(tmp_path,
     from typer.testing import CliRunner
 
     from dgcli import cli
-    from dgcli.tiny import write_tiny_random_gguf
+    from dgcli.testing.tiny import write_tiny_random_gguf
 
     path = write_tiny_random_gguf(tmp_path / "t.gguf", chat_template=template)
     r = CliRunner().invoke(cli.app, ["chat", "-m", str(path), "-n", "8"], input="hi\nhello\n")

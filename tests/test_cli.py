@@ -21,7 +21,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dgcli import cli
-from dgcli.commands import _shared as shared
+from dgcli.cli import _shared as shared
 from dgcli.engine.diffusion import DiffusionEngine
 from dgcli.engine.types import DiffusionParams, GenerationResult, TokenEvent
 

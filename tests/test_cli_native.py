@@ -17,9 +17,9 @@ import pytest
 from typer.testing import CliRunner
 
 from dgcli import cli
-from dgcli.commands import _shared as shared
+from dgcli.cli import _shared as shared
 
-from dgcli.engine import native
+from dgcli.runtime import native
 
 NATIVE, WHY_NOT = native.available()
 AR_ENGINE = importlib.util.find_spec("dgcli.engine.autoregressive") is not None

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from dgcli import cli, render
-from dgcli.commands import _shared as shared
+from dgcli import cli
+from dgcli.cli import render
+from dgcli.cli import _shared as shared
 from dgcli.engine.diffusion import DiffusionEngine
 from dgcli.engine.types import CanvasEvent, GenerationResult, StepEvent, TokenEvent
 
@@ -168,7 +169,7 @@ def test_display_says_a_ctrl_c_waits_for_the_forward(monkeypatch):
     forward returns (tens of seconds on a CPU), so the ticker says the work stops after it."""
     import time
 
-    from dgcli.commands import _signals
+    from dgcli.cli import _signals
 
     view = render.DiffusionLiveView(piece, detok, end_token_ids=[1])
     live = _RecordingLive(view)

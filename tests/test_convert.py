@@ -130,7 +130,7 @@ def test_every_tensor_equals_the_checkpoint(reference_model, reference_gguf):
 
 @needs_torch
 def test_layer_scalars_are_split_and_ties_hold(reference_model, reference_gguf):
-    from dgcli.reference import check_ties
+    from dgcli.testing.reference import check_ties
 
     check_ties(reference_model)
     got = _tensors(reference_gguf)
@@ -250,7 +250,7 @@ def _add_special_tokens(tokenizer: dict, texts: list[str]) -> None:
 
 def _tokenizer_files(directory, form: str) -> None:
     """dg-tiny's Hugging Face tokenizer files, rewritten into the forms real checkpoints take."""
-    from dgcli.tiny import tiny_vocab
+    from dgcli.testing.tiny import tiny_vocab
 
     vocab = tiny_vocab()
     vocab.save_hf(directory)
@@ -353,8 +353,8 @@ def test_tokenizer_arrays_are_the_published_converters(tmp_path, form):
 @needs_torch
 @requires_native
 def test_converted_tokenizer_round_trips_text_through_llama_cpp(reference_checkpoint, tmp_path):
-    from dgcli.engine.model import DiffusionModel
-    from dgcli.tiny import tiny_vocab
+    from dgcli.runtime.model import DiffusionModel
+    from dgcli.testing.tiny import tiny_vocab
 
     ckpt = tmp_path / "bytes-special"
     shutil.copytree(reference_checkpoint, ckpt)
@@ -376,7 +376,7 @@ def test_converted_tokenizer_round_trips_text_through_llama_cpp(reference_checkp
 
 @needs_torch
 def test_both_config_forms_give_identical_ggufs(reference_model, reference_checkpoint, tmp_path):
-    from dgcli.reference import save_checkpoint
+    from dgcli.testing.reference import save_checkpoint
 
     saved = save_checkpoint(reference_model, tmp_path / "saved", config_form="saved")
     text_config = json.loads((saved / "config.json").read_text())["text_config"]
@@ -392,7 +392,7 @@ def test_both_config_forms_give_identical_ggufs(reference_model, reference_check
 def test_per_layer_kv_heads_in_both_forms(tmp_path):
     import torch
 
-    from dgcli.reference import random_model, save_checkpoint, tiny_config
+    from dgcli.testing.reference import random_model, save_checkpoint, tiny_config
 
     torch.set_num_threads(1)
     model = random_model(tiny_config(num_attention_heads=4, num_key_value_heads=2, num_global_key_value_heads=1),
@@ -409,7 +409,7 @@ def test_per_layer_kv_heads_in_both_forms(tmp_path):
 
 @needs_torch
 def test_generation_config_nulls_fall_back_to_defaults(reference_model, tmp_path):
-    from dgcli.reference import save_checkpoint
+    from dgcli.testing.reference import save_checkpoint
 
     ckpt = save_checkpoint(reference_model, tmp_path / "nulls", generation_nulls=True)
     fields = _fields(convert_checkpoint(ckpt, tmp_path / "nulls.gguf"))
@@ -445,7 +445,7 @@ def test_generation_config_values_are_carried(reference_checkpoint, tmp_path):
 
 
 def test_reference_defaults_name_only_what_the_checkpoint_left_out(tmp_path):
-    from dgcli.tiny import tiny_hf_config_dict, write_tiny_random_gguf
+    from dgcli.testing.tiny import tiny_hf_config_dict, write_tiny_random_gguf
 
     generation = {"max_denoising_steps": 12, "t_min": None, "sampler_config": {"entropy_bound": 0.3}}
     params = params_from_hf_config(tiny_hf_config_dict(final_logit_softcapping=25.0), generation)
@@ -560,7 +560,7 @@ def test_unknown_model_type(tmp_path):
 
 
 def test_config_without_experts(tmp_path):
-    from dgcli.tiny import tiny_hf_config_dict
+    from dgcli.testing.tiny import tiny_hf_config_dict
 
     config = tiny_hf_config_dict()
     del config["text_config"]["num_experts"]
@@ -569,7 +569,7 @@ def test_config_without_experts(tmp_path):
 
 
 def test_missing_weights(tmp_path):
-    from dgcli.tiny import tiny_hf_config_dict, tiny_vocab
+    from dgcli.testing.tiny import tiny_hf_config_dict, tiny_vocab
 
     d = _minimal_dir(tmp_path, tiny_hf_config_dict())
     tiny_vocab().save_hf(d)
@@ -591,7 +591,7 @@ def test_config_that_does_not_match_the_weights(reference_checkpoint, tmp_path):
 
 def test_untied_word_embeddings_are_refused():
     # the layout's LM head is token_embd: an untied checkpoint was converted with the wrong head
-    from dgcli.tiny import tiny_hf_config_dict
+    from dgcli.testing.tiny import tiny_hf_config_dict
 
     with pytest.raises(DgError, match="tie_word_embeddings = false: a separate LM head"):
         params_from_hf_config({**tiny_hf_config_dict(), "tie_word_embeddings": False})
@@ -656,7 +656,7 @@ def _set_vocab_id(text, value):
 ])
 def test_malformed_tokenizer_is_refused(tmp_path, edit, message):
     from dgcli.convert import vocab_from_hf_dir
-    from dgcli.tiny import tiny_vocab
+    from dgcli.testing.tiny import tiny_vocab
 
     tiny_vocab().save_hf(tmp_path)
     tokenizer = json.loads((tmp_path / "tokenizer.json").read_text(encoding="utf-8"))
@@ -675,7 +675,7 @@ def test_ar_twin_runs_in_llama_cpp_with_reference_logits(reference_model, refere
         from llama_cpp import Llama
     except Exception:
         pytest.skip("native build not installed (llama_cpp is not importable)")
-    from dgcli.reference import reference_causal_logits
+    from dgcli.testing.reference import reference_causal_logits
 
     # longer than the sliding window (8), so the sliding layers' window matters
     ids = tiny_vocab_obj.chat_prompt_ids("The quick brown fox jumps over the lazy dog")
@@ -704,7 +704,7 @@ def test_ar_twin_runs_in_llama_cpp_with_reference_logits(reference_model, refere
 def test_bf16_checkpoint_is_read_exactly(tmp_path):
     import torch
 
-    from dgcli.reference import random_model, save_checkpoint, tiny_config
+    from dgcli.testing.reference import random_model, save_checkpoint, tiny_config
 
     torch.set_num_threads(1)
     model = random_model(tiny_config(), seed=5).to(torch.bfloat16)
@@ -724,8 +724,8 @@ def test_sharded_checkpoint(reference_model, reference_gguf, tmp_path):
     reference_model.save_pretrained(ckpt, max_shard_size="100KB")
     assert (ckpt / "model.safetensors.index.json").is_file()
     assert len(list(ckpt.glob("*.safetensors"))) > 1
-    from dgcli.reference import to_google_config
-    from dgcli.tiny import tiny_vocab
+    from dgcli.testing.reference import to_google_config
+    from dgcli.testing.tiny import tiny_vocab
 
     (ckpt / "config.json").write_text(json.dumps(to_google_config(json.loads((ckpt / "config.json").read_text()))))
     (ckpt / "generation_config.json").unlink(missing_ok=True)
@@ -821,7 +821,7 @@ def _gemma4_causal_logits_from_gguf(path, ids):
 
 @needs_torch
 def test_ar_twin_reproduces_the_reference_encoder(reference_model, reference_ar_gguf, tiny_vocab_obj):
-    from dgcli.reference import reference_causal_logits
+    from dgcli.testing.reference import reference_causal_logits
 
     # 19 tokens: longer than the sliding window (8), so the window matters
     ids = tiny_vocab_obj.chat_prompt_ids("The quick brown fox jumps")

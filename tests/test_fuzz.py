@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dgcli.engine import native
+from dgcli.runtime import native
 
 REPO = Path(__file__).resolve().parent.parent
 NATIVE, WHY_NOT = native.available()

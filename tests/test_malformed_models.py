@@ -21,11 +21,11 @@ from pathlib import Path
 import gguf
 import pytest
 
-from dgcli import info
-from dgcli.engine import header as header_mod
-from dgcli.engine.header import read_header
-from dgcli.engine.hparams import BadHyperparameter, check_model_header
-from dgcli.engine.template_sandbox import ChatTemplateError, render_chat_template
+from dgcli.modelfile import info
+from dgcli.modelfile import header as header_mod
+from dgcli.modelfile.header import read_header
+from dgcli.modelfile.hparams import BadHyperparameter, check_model_header
+from dgcli.templates.sandbox import ChatTemplateError, render_chat_template
 from dgcli.engine.types import DiffusionParams, InvalidParameter, ModelLoadError
 from native_helpers import requires_native, rewrite_gguf
 
@@ -145,7 +145,7 @@ def test_reproducer_through_the_cli_is_one_line(reproducers, name, tiny_gguf):
 
 _LOAD_ONLY = """
 import sys
-from dgcli.engine import native
+from dgcli.runtime import native
 L = native.lib()
 native.clear_log()
 model = L.llama_model_load_from_file(sys.argv[1].encode(), L.llama_model_default_params())
@@ -264,7 +264,7 @@ def test_a_header_of_too_many_tiny_keys_is_refused_before_they_are_read(tmp_path
 
 
 def test_info_keeps_no_vocabulary_in_memory(tmp_path):
-    from dgcli.tiny import write_synthetic_gguf
+    from dgcli.testing.tiny import write_synthetic_gguf
 
     path = write_synthetic_gguf(tmp_path / "big-vocab.gguf", n_layer=1, vocab_size=65536, hidden=64, outtype="f32")
     header_mod.clear_cache()
@@ -274,7 +274,7 @@ def test_info_keeps_no_vocabulary_in_memory(tmp_path):
 
 
 def test_header_is_parsed_once_for_info_preflight_params_and_load(tiny_gguf, monkeypatch):
-    from dgcli.commands import _shared as shared
+    from dgcli.cli import _shared as shared
 
     calls = []
     real = header_mod._parse_file
@@ -345,7 +345,7 @@ def test_a_normal_template_renders_as_before(tiny_vocab_obj):
 
 
 def test_the_renderer_outlives_a_runaway_and_one_process_serves_many_renders():
-    from dgcli.engine import template_sandbox
+    from dgcli.templates import sandbox as template_sandbox
 
     with pytest.raises(ChatTemplateError):
         render_chat_template("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
@@ -371,7 +371,7 @@ def test_the_renderer_finds_llama_cpp_installed_only_on_pythonpath(tmp_path):
     python = bare / "bin" / "python"
     assert subprocess.run([str(python), "-c", "import llama_cpp"], capture_output=True).returncode != 0
     repo = Path(__file__).resolve().parents[1]
-    code = ("from dgcli.engine.template_sandbox import render_chat_template\n"
+    code = ("from dgcli.templates.sandbox import render_chat_template\n"
             "print(render_chat_template('{{ bos_token }}{{ messages[0][\"content\"] }}', "
             "messages=[{'role': 'user', 'content': 'hi'}], bos_token='<bos>'))")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo), *site.getsitepackages()]))

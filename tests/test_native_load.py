@@ -14,14 +14,14 @@ pytestmark = requires_native
 
 @pytest.fixture(scope="module")
 def tiny_model(tiny_gguf):
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     with DiffusionModel(tiny_gguf, n_threads=2, n_ctx=128) as m:
         yield m
 
 
 def _load(path, cls_name="DiffusionModel"):
-    from dgcli.engine import model
+    from dgcli.runtime import model
 
     return getattr(model, cls_name)(path, n_threads=1, n_ctx=64)
 
@@ -90,7 +90,7 @@ def test_prefill_decode_shapes_and_errors(tiny_model):
 
 
 def test_stock_gemma4_still_loads(tiny_ar_gguf):
-    from dgcli.engine.model import ArModel
+    from dgcli.runtime.model import ArModel
 
     with ArModel(tiny_ar_gguf, n_threads=1, n_ctx=64) as ar:
         logits = ar.prefill([2, 40, 41])
@@ -146,7 +146,7 @@ def test_misshaped_tensor_refused(tiny_gguf, tmp_path):
 
 
 def test_model_without_sliding_layers_refused(tmp_path):
-    from dgcli.tiny import write_tiny_random_gguf
+    from dgcli.testing.tiny import write_tiny_random_gguf
 
     path = write_tiny_random_gguf(tmp_path / "all-full.gguf", layer_types=["full_attention"] * 6)
     assert "sliding" in _refused(path)
@@ -155,7 +155,7 @@ def test_model_without_sliding_layers_refused(tmp_path):
 def test_default_threads_is_one_for_tiny_files_and_all_cores_for_big_ones(tmp_path):
     import os
 
-    from dgcli.engine.model import SINGLE_THREAD_BELOW_BYTES, default_threads
+    from dgcli.runtime.model import SINGLE_THREAD_BELOW_BYTES, default_threads
 
     small = tmp_path / "small.gguf"
     small.write_bytes(b"\0" * 1024)
@@ -171,7 +171,7 @@ def test_thinking_channel_markers_survive_detokenizing(tiny_gguf, tmp_path):
     while other control tokens are still dropped."""
     import gguf
 
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
     from native_helpers import rewrite_gguf
 
     fields = gguf.GGUFReader(str(tiny_gguf)).fields
@@ -195,11 +195,11 @@ def test_gemma4_without_a_sliding_layer_is_refused_not_aborted(tmp_path):
     import subprocess
     import sys
 
-    from dgcli.tiny import write_tiny_random_gguf
+    from dgcli.testing.tiny import write_tiny_random_gguf
 
     path = write_tiny_random_gguf(tmp_path / "full.gguf", arch="gemma4", num_hidden_layers=2,
                                   layer_types=["full_attention", "full_attention"])
-    code = ("from dgcli.engine.model import ArModel\n"
+    code = ("from dgcli.runtime.model import ArModel\n"
             "from dgcli.engine.types import ModelLoadError\n"
             f"try:\n    ArModel({str(path)!r}, n_threads=1, n_ctx=64)\n"
             "except ModelLoadError as err:\n    print('refused:', err)\n")

@@ -28,7 +28,7 @@ PROMPT = [2, 105, 40, 41, 42, 43, 44, 45, 46, 47, 48, 106, 107, 105, 60, 61]
 
 @pytest.fixture(scope="module")
 def exact_model(tiny_gguf):
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     with DiffusionModel(tiny_gguf, n_threads=2, exact=True, n_ctx=256, n_seq_max=2) as m:
         m.prefill(PROMPT)
@@ -152,7 +152,7 @@ def test_portable_ggml_ops_step_agrees_with_the_step_op(exact_model):
 def test_fast_mode_softcap_is_within_rounding_of_libm(tiny_gguf):
     """Outside exact mode the softcap's tanh is vectorised (~2 ulp): the values stay within float
     rounding of the ggml ops path, and the decisions are the same."""
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     with DiffusionModel(tiny_gguf, n_threads=2, n_ctx=128) as m:
         m.prefill(PROMPT)
@@ -209,7 +209,7 @@ def test_graph_step_checks_its_inputs(exact_model):
 @pytest.fixture(scope="module")
 def wide_vocab_gguf(tmp_path_factory):
     """Small widths, a 65536-token vocabulary: a [16, V] logits array is 4 MiB."""
-    from dgcli.tiny import write_synthetic_gguf
+    from dgcli.testing.tiny import write_synthetic_gguf
 
     return write_synthetic_gguf(tmp_path_factory.mktemp("wide") / "wide.gguf", n_layer=2, vocab_size=65536,
                                 hidden=64, outtype="f32", intermediate_size=96, num_attention_heads=2,
@@ -221,7 +221,7 @@ def wide_vocab_gguf(tmp_path_factory):
 def test_graph_step_moves_no_logits_to_the_host(wide_vocab_gguf):
     """Without return_values the step allocates nothing of the logits' size on the host (the
     forward-then-sample path copies all of them out: the check sees that)."""
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     with DiffusionModel(wide_vocab_gguf, n_threads=2, n_ctx=128) as m:
         m.prefill(PROMPT)
@@ -252,7 +252,7 @@ def test_engine_on_the_graph_step_generates_what_the_host_sampler_does(tiny_gguf
     """`dg generate`'s loop: the graph step (the default where the model has one) and the forward +
     host native sampler give the same generation, step by step."""
     from dgcli.engine.diffusion import DiffusionEngine
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
     from dgcli.engine.types import DiffusionParams
 
     params = DiffusionParams(max_denoising_steps=8)
@@ -273,7 +273,7 @@ def test_engine_on_the_graph_step_generates_what_the_host_sampler_does(tiny_gguf
 
 def test_engine_backend_choice(tiny_gguf):
     from dgcli.engine.diffusion import DiffusionEngine
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     with DiffusionModel(tiny_gguf, n_threads=1, n_ctx=128) as m:
         assert DiffusionEngine(m).step_backend == "graph"
@@ -288,7 +288,7 @@ def test_engine_backend_choice(tiny_gguf):
 
 _LOGITS_SCRIPT = """
 import sys, numpy as np
-from dgcli.engine.model import DiffusionModel
+from dgcli.runtime.model import DiffusionModel
 path, threads, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 with DiffusionModel(path, n_threads=threads, exact=True, n_ctx=256, n_seq_max=2) as m:
     m.prefill({prompt})
@@ -311,7 +311,7 @@ def _tiny_quantized(tmp_path, weights: str, seed: int):
     "q5_0" keeps the embedding (so the LM head) Q8_0, "q5_0 lm head" makes it Q5_0 too."""
     import gguf
 
-    from dgcli.tiny import q5_0_type, write_tiny_random_gguf
+    from dgcli.testing.tiny import q5_0_type, write_tiny_random_gguf
 
     def all_q5_0(spec):
         qtype = q5_0_type(spec)
@@ -354,7 +354,7 @@ def test_lm_head_kernel_agrees_with_a_double_precision_sum(kernel, weight_type, 
     decodes them: float32 rounding only, so the Q5_0 -> int8 repack loses nothing."""
     import ctypes
 
-    from dgcli.engine import native
+    from dgcli.runtime import native
 
     err = ctypes.c_double()
     rc = native.lib()._lib.dg_lm_head_selftest(KERNELS[kernel], WEIGHT_TYPES[weight_type], n_embd, n_vocab, n_cols,
@@ -368,8 +368,8 @@ def test_lm_head_kernel_agrees_with_a_double_precision_sum(kernel, weight_type, 
 def _logits_with_lm_head(path, lm_head: str, monkeypatch):
     """(LM head path, decode_canvas logits, a graph step) of a model loaded with DG_LM_HEAD=lm_head
     (read when the model's first graph is built)."""
-    from dgcli.engine import native
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime import native
+    from dgcli.runtime.model import DiffusionModel
 
     monkeypatch.setenv("DG_LM_HEAD", lm_head)
     with DiffusionModel(path, n_threads=2, n_ctx=128) as m:
@@ -414,7 +414,7 @@ class _NodeCapture:
     def __init__(self, names: set[str]):
         import ctypes
 
-        from dgcli.engine import native
+        from dgcli.runtime import native
 
         folder = os.path.dirname(native.lib()._lib._name)
         base = ctypes.CDLL(os.path.join(folder, "libggml-base.so")
@@ -455,7 +455,7 @@ def test_expert_gemm_kernel_agrees_with_a_double_precision_sum(kernel, weight_ty
     is NaN and fails; float32 rounding is all that may differ."""
     import ctypes
 
-    from dgcli.engine import native
+    from dgcli.runtime import native
 
     err = ctypes.c_double()
     rc = native.lib()._lib.dg_experts_selftest(KERNELS[kernel], WEIGHT_TYPES[weight_type], n_in, n_out, n_expert,
@@ -482,7 +482,7 @@ def test_k_quant_expert_gemm_agrees_with_a_double_precision_sum(weight_type, n_i
     -32, included); split as `nth` threads split it."""
     import ctypes
 
-    from dgcli.engine import native
+    from dgcli.runtime import native
 
     err = ctypes.c_double()
     rc = native.lib()._lib.dg_experts_selftest(KERNELS["avx2"], K_QUANT_TYPES[weight_type], n_in, n_out, n_expert,
@@ -499,7 +499,7 @@ def test_k_quant_experts_have_no_tile_but_avx2s(weight_type):
     a width that is not whole super-blocks is refused."""
     import ctypes
 
-    from dgcli.engine import native
+    from dgcli.runtime import native
 
     err = ctypes.c_double()
     selftest = native.lib()._lib.dg_experts_selftest
@@ -514,8 +514,8 @@ _EXPERT_NODES = {"ffn_moe_gate_up-0", "ffn_moe_down_scaled-0"}
 def _run_with_expert_gemm(path, experts: str, threads: int, exact: bool, monkeypatch):
     """A model loaded with DG_EXPERT_GEMM=experts: how many expert tensors run on our tiles, the
     prefill's and a decode's logits, a graph step, and layer 0's expert products of that decode."""
-    from dgcli.engine import native
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime import native
+    from dgcli.runtime.model import DiffusionModel
 
     monkeypatch.setenv("DG_EXPERT_GEMM", experts)
     capture = _NodeCapture(_EXPERT_NODES)
@@ -588,8 +588,8 @@ def test_q4_k_experts_on_our_tiles_give_ggml_results(tmp_path, monkeypatch):
 
 def test_experts_of_other_types_stay_on_ggml(tiny_gguf, monkeypatch):
     """F32 experts (the tiny test model): ggml's MUL_MAT_ID, whatever DG_EXPERT_GEMM says."""
-    from dgcli.engine import native
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime import native
+    from dgcli.runtime.model import DiffusionModel
 
     monkeypatch.setenv("DG_EXPERT_GEMM", "emulated")
     with DiffusionModel(tiny_gguf, n_threads=2, n_ctx=128) as m:
@@ -604,8 +604,8 @@ def _run_with_dense_gemm(path, dense: str, monkeypatch):
     """A model loaded with DG_DENSE_GEMM=dense (read when its first graph is built): the number of dense
     weights repacked, the prefill's and a plain decode's logits, a graph step, and the projections of a
     self-conditioned decode."""
-    from dgcli.engine import native
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime import native
+    from dgcli.runtime.model import DiffusionModel
 
     monkeypatch.setenv("DG_DENSE_GEMM", dense)
     capture = _NodeCapture(_PROJECTIONS)
@@ -626,7 +626,7 @@ def _dense_repackable_weights(path) -> int:
     native side repacks must be what the estimate counts."""
     import gguf
 
-    from dgcli.info import _REPACKED_WEIGHTS, REPACKED_TYPES
+    from dgcli.modelfile.info import _REPACKED_WEIGHTS, REPACKED_TYPES
 
     return sum(1 for t in gguf.GGUFReader(path).tensors
                if t.name != "output.weight" and _REPACKED_WEIGHTS.fullmatch(t.name)
@@ -680,8 +680,8 @@ def test_k_quant_dense_weights_on_our_tiles_give_ggml_products(tmp_path, monkeyp
     ggml's matmul."""
     import gguf
 
-    from dgcli.engine import native
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime import native
+    from dgcli.runtime.model import DiffusionModel
 
     path = small_q4_k_m_gguf(tmp_path / "q4_k_m.gguf", seed=5)
     reader = gguf.GGUFReader(path)
@@ -753,8 +753,8 @@ def test_k_quant_dense_weights_on_our_tiles_give_ggml_products(tmp_path, monkeyp
 
 def test_dense_weights_of_other_types_stay_on_ggml(tiny_gguf, monkeypatch):
     """F32 weights (the tiny test model): ggml's matmul, whatever DG_DENSE_GEMM says."""
-    from dgcli.engine import native
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime import native
+    from dgcli.runtime.model import DiffusionModel
 
     monkeypatch.setenv("DG_DENSE_GEMM", "emulated")
     with DiffusionModel(tiny_gguf, n_threads=2, n_ctx=128) as m:
@@ -764,8 +764,8 @@ def test_dense_weights_of_other_types_stay_on_ggml(tiny_gguf, monkeypatch):
 def _ops_for_a_canvas_and_one_token(path, threads: int, picked) -> tuple[set[str], set[str]]:
     """The ops of the graph nodes `picked(node)` selects, in a 16-token canvas decode and in a one-token
     prefill after a prompt: which path a batch of that size takes."""
-    from dgcli.engine.model import DiffusionModel
-    from dgcli.engine.profile import NodeProfiler
+    from dgcli.runtime.model import DiffusionModel
+    from dgcli.runtime.profile import NodeProfiler
 
     profiler = NodeProfiler()
     try:

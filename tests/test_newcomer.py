@@ -20,11 +20,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from dgcli import cli, render
-from dgcli.commands import _shared as shared
-from dgcli.engine import native
+from dgcli import cli
+from dgcli.cli import render
+from dgcli.cli import _shared as shared
+from dgcli.runtime import native
 from dgcli.engine.types import GenerationResult
-from dgcli.tiny import write_tiny_random_gguf
+from dgcli.testing.tiny import write_tiny_random_gguf
 
 REPO = Path(__file__).resolve().parents[1]
 NATIVE, WHY_NOT = native.available()
@@ -170,7 +171,7 @@ def test_the_examples_have_an_extra_and_a_make_target():
 def test_every_json_output_names_its_schema_and_the_schemas_are_documented(tiny_gguf):
     documented = (REPO / "docs" / "json.md").read_text()
     from dgcli.bench import BENCH_SCHEMA
-    from dgcli.commands import compare, generate, info, list_models
+    from dgcli.cli.commands import compare, generate, info, list_models
     from dgcli.trace import TRACE_SCHEMA
 
     for schema in (generate.GENERATE_SCHEMA, compare.COMPARE_SCHEMA, BENCH_SCHEMA, TRACE_SCHEMA,
@@ -257,7 +258,7 @@ def test_raw_runs_a_gguf_without_a_chat_template(tmp_path):
     one_line_error(dg("generate", "hi", "-m", path, "--steps", "2", "-n", "16"), "has no chat template", "--raw")
     r = dg("generate", "hi", "-m", path, "--raw", "--steps", "2", "-n", "16", "-s", "0", "--json")
     assert r.exit_code == 0, r.stderr
-    from dgcli.tiny import tiny_vocab
+    from dgcli.testing.tiny import tiny_vocab
 
     # a bos, then the text as it is
     assert json.loads(r.stdout)["result"]["n_prompt_tokens"] == len(tiny_vocab().encode("hi", add_bos=True))

@@ -30,7 +30,7 @@ RPC_EXACT_TOL = 1e-5
 
 
 def _rpc_reason() -> str | None:
-    from dgcli.engine import native, rpc
+    from dgcli.runtime import native, rpc
 
     ok, reason = native.available()
     if not ok:
@@ -176,7 +176,7 @@ def kill_a_worker_mid_run(workers, tiny_gguf, *args: str) -> tuple[int, list[str
 
 def test_a_worker_killed_mid_run_is_one_clear_error_not_a_hang(workers, tiny_gguf):
     rc, stderr, took = kill_a_worker_mid_run(workers, tiny_gguf)
-    from dgcli.engine.rpc import WORKER_LOST_EXIT
+    from dgcli.runtime.rpc import WORKER_LOST_EXIT
 
     assert rc == WORKER_LOST_EXIT, "\n".join(stderr[-5:])
     errors = [line for line in stderr if line.startswith("error:")]
@@ -189,7 +189,7 @@ def test_a_worker_lost_mid_run_leaves_no_half_written_output(workers, tiny_gguf,
     # the abort callback ended the process with os._exit: the trace's .partial temporary stayed
     trace = tmp_path / "run.jsonl"
     rc, stderr, _ = kill_a_worker_mid_run(workers, tiny_gguf, "--trace", str(trace))
-    from dgcli.engine.rpc import WORKER_LOST_EXIT
+    from dgcli.runtime.rpc import WORKER_LOST_EXIT
 
     assert rc == WORKER_LOST_EXIT, "\n".join(stderr[-5:])
     assert sorted(p.name for p in tmp_path.iterdir()) == []
@@ -216,7 +216,7 @@ def test_unreachable_busy_and_malformed_workers_are_one_line_errors(tiny_gguf):
 
 def test_a_server_that_is_no_worker_is_named_by_what_it_sent():
     # an HTTP server's answer read as "a 3543824036068086856-byte message" (the bytes 'HTTP/1.1' as a size)
-    from dgcli.engine import rpc
+    from dgcli.runtime import rpc
 
     with socket.socket() as http:
         http.bind(("127.0.0.1", 0))
@@ -301,7 +301,7 @@ def test_a_worker_listens_on_a_host_name(tiny_gguf):
 
 def test_a_worker_whose_listening_socket_closes_just_after_the_abort_is_named():
     # the broken connection can arrive before the killed worker's listening socket is closed
-    from dgcli.engine import rpc
+    from dgcli.runtime import rpc
 
     listener = socket.create_server(("127.0.0.1", 0))
     endpoint = f"127.0.0.1:{listener.getsockname()[1]}"
@@ -315,16 +315,16 @@ def test_the_layers_kept_here_run_on_dgs_cpu_gemms_beside_rpc_workers(workers, t
     such offload: the layers kept on this machine still run on the int8 GEMMs. The experts' GEMM is
     forced to the AVX2 kernel, which every x86 CPU this suite runs on has: the automatic choice
     depends on the CPU family (an AVX-512 VNNI CPU may leave them to ggml)."""
-    from dgcli.tiny import write_tiny_random_gguf
+    from dgcli.testing.tiny import write_tiny_random_gguf
 
     kernel_env = dict(env(), DG_VERBOSE="1", DG_EXPERT_GEMM="avx2")
-    probe = subprocess.run([sys.executable, "-c", "from dgcli.engine import native; print(native.lib()._lib.dg_expert_kernel())"],
+    probe = subprocess.run([sys.executable, "-c", "from dgcli.runtime import native; print(native.lib()._lib.dg_expert_kernel())"],
                            cwd=REPO, env=kernel_env, capture_output=True, text=True, timeout=TIMEOUT_S)
     if probe.stdout.strip() != "1":
         pytest.skip("this CPU has no AVX2: dg's expert GEMM does not run here")
 
     q8 = write_tiny_random_gguf(tmp_path / "q8.gguf", seed=4, outtype="q8_0")
-    script = ("import sys; from dgcli.engine import native; from dgcli.engine.model import DiffusionModel\n"
+    script = ("import sys; from dgcli.runtime import native; from dgcli.runtime.model import DiffusionModel\n"
               "m = DiffusionModel(sys.argv[1], n_threads=2, n_ctx=128, n_gpu_layers=2, rpc_servers=[sys.argv[2]])\n"
               "lib = native.lib()._lib\n"
               "print(lib.dg_dense_repacked_count(m._model), lib.dg_expert_gemm_count(m._model))\n")
@@ -372,7 +372,7 @@ def test_the_handshake_limit_holds_for_the_whole_reply():
     for as many limits as it sent bytes, while the error said 'within 5 s')."""
     import struct
 
-    from dgcli.engine import rpc
+    from dgcli.runtime import rpc
 
     reply = struct.pack("<QBBBB", rpc._HELLO_REPLY, rpc.RPC_PROTO_MAJOR, 0, 0, 0) + bytes(rpc._CONN_CAPS)
     with socket.socket() as listener:
@@ -403,7 +403,7 @@ def test_ggml_s_lines_on_a_terminal_do_not_take_in_the_worker_s_own():
     import pty
 
     script = ("import ctypes, os\n"
-              "from dgcli.engine import rpc\n"
+              "from dgcli.runtime import rpc\n"
               "rpc.native_stdout_to_stderr()\n"
               "libc = ctypes.CDLL(None)\n"
               "libc.printf(b'Client connection closed\\n')\n"

@@ -17,7 +17,7 @@ import pytest
 from native_helpers import requires_native
 from serve_helpers import InProcessServer, ServeProcess, fetch_json, wait_until
 
-from dgcli import render
+from dgcli.cli import render
 from dgcli.engine.types import DiffusionParams, StepEvent
 
 SERVE_DEPS = all(importlib.util.find_spec(m) for m in ("starlette", "uvicorn", "openai"))
@@ -97,7 +97,7 @@ def test_concurrent_requests_share_forwards_and_each_equals_generate_alone(demo_
     extras = [{"steps": 48, "confidence_threshold": 1e-9}, {"steps": 30, "confidence_threshold": 1e-9},
               {"t_max": 1.0}, {"entropy_bound": 0.3, "confidence_threshold": 1e-9}, {}, {"steps": 40}]
     base = DiffusionParams(max_denoising_steps=48)  # the demo's own defaults, but for the extras
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     with DiffusionModel(str(DEMO)) as m:
         base = m.default_params
@@ -294,7 +294,7 @@ def test_a_chat_template_that_does_not_parse_is_refused_at_start(tmp_path):
     import subprocess
     import sys
 
-    from dgcli.tiny import write_tiny_random_gguf
+    from dgcli.testing.tiny import write_tiny_random_gguf
 
     bad = write_tiny_random_gguf(tmp_path / "bad-template.gguf", chat_template="{% for %}")
     r = subprocess.run([sys.executable, "-m", "dgcli.cli", "serve", "-m", str(bad), "--port", "0"],
@@ -310,7 +310,7 @@ def test_an_empty_api_key_is_refused_at_start(monkeypatch):
     from typer.testing import CliRunner
 
     from dgcli import cli
-    from dgcli.engine import model as model_module
+    from dgcli.runtime import model as model_module
 
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded")
@@ -326,7 +326,7 @@ def test_a_model_without_a_chat_template_serves_completions_and_says_chat_is_ref
     """Such a server started silently, then answered every chat request with advice to pass --raw, a
     flag no HTTP client has. It says at start that chat is refused, and a chat request's error names
     /v1/completions, which still answers."""
-    from dgcli.tiny import write_tiny_random_gguf
+    from dgcli.testing.tiny import write_tiny_random_gguf
 
     path = write_tiny_random_gguf(tmp_path / "plain.gguf", chat_template=None)
     with ServeProcess("-m", path) as server:
@@ -348,7 +348,7 @@ def test_a_context_the_machine_cannot_hold_is_refused_before_loading(monkeypatch
     from typer.testing import CliRunner
 
     from dgcli import cli
-    from dgcli.engine import model as model_module
+    from dgcli.runtime import model as model_module
 
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded")

@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from dgcli.engine.types import DiffusionParams
-from dgcli.render import split_thinking
+from dgcli.cli.render import split_thinking
 from dgcli.server.api import ApiError, chunk_body, parse_request
 from dgcli.server.text import AnswerStream
 

@@ -171,7 +171,7 @@ STUCK = """
 import signal, sys, tempfile, time
 from pathlib import Path
 from dgcli import outputs
-from dgcli.commands import _signals
+from dgcli.cli import _signals
 _signals.install()
 signal.signal(signal.SIGINT, lambda *a: None)
 out = outputs.OutputFile(Path(sys.argv[1]) / "report.json").open()

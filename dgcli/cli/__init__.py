@@ -1,9 +1,9 @@
-"""`dg`: the Typer app. Each command is a thin function in `dgcli/commands/` (parse, call the
+"""`dg`: the Typer app. Each command is a thin function in `dgcli/cli/commands/` (parse, call the
 library, render); this module only assembles them and turns usage errors into one line."""
 
 from __future__ import annotations
 
-from dgcli.commands import _signals
+from dgcli.cli import _signals
 
 
 def _reopen_closed_standard_streams() -> None:
@@ -79,7 +79,7 @@ with _signals.quiet_startup():
     except ImportError:  # pragma: no cover - older typer on real click
         from click.exceptions import ClickException
 
-    from dgcli.commands import bench, chat, compare, convert, generate, info, list_models, pull, replay, serve, worker
+    from dgcli.cli.commands import bench, chat, compare, convert, generate, info, list_models, pull, replay, serve, worker
 
 
 def _flags_without_metavar(command: Any) -> None:
@@ -169,6 +169,3 @@ def main() -> None:
     finally:
         _signals.finishing()
 
-
-if __name__ == "__main__":
-    main()

@@ -19,10 +19,12 @@ from rich.live import Live
 from rich.live_render import LiveRender
 from rich.segment import ControlType, Segment
 
-from dgcli import hub, info as ginfo, render, textfile
-from dgcli.commands import _signals
-from dgcli.engine.header import read_header
-from dgcli.engine.hparams import sampler_defaults
+from dgcli import hub, textfile
+from dgcli.modelfile import info as ginfo
+from dgcli.cli import render
+from dgcli.cli import _signals
+from dgcli.modelfile.header import read_header
+from dgcli.modelfile.hparams import sampler_defaults
 from dgcli.engine.types import (CanvasEvent, DgError, DiffusionParams, GenerationResult, InvalidParameter, StepEvent,
                                check_utf8)
 from dgcli.outputs import OutputFile
@@ -242,7 +244,7 @@ def rpc_placement(rpc: Optional[str], gpu_layers: int) -> tuple[Optional[list[st
     every layer goes to them."""
     if rpc is None:
         return None, gpu_layers
-    from dgcli.engine import rpc as rpc_backend
+    from dgcli.runtime import rpc as rpc_backend
 
     # a worker lost mid-run ends the process from ggml's thread: as a signal would, not leaving a
     # half-written --trace/--output behind or the terminal's cursor hidden
@@ -301,7 +303,7 @@ def print_table(table: Any, console: Optional[Console] = None) -> None:
 
 
 def placement_of(model) -> Optional[dict]:
-    """Where llama.cpp put a loaded model's weights (engine.offload.LoadReport.to_json()), for --json:
+    """Where llama.cpp put a loaded model's weights (runtime.offload.LoadReport.to_json()), for --json:
     the figures beside it are that device's."""
     report = getattr(model, "load_report", None)
     return report.to_json() if report is not None else None
@@ -345,7 +347,7 @@ def open_diffusion_engine(path: Path, *, threads: Optional[int], gpu_layers: int
 def open_speed_model(path: Path, n_seq_max: int, *, threads: Optional[int], gpu_layers: int, n_cpu_moe: int = 0,
                      rpc: Optional[list[str]] = None):
     """The diffusion weights loaded with room for `n_seq_max` canvases in one forward (bench's batch sweep)."""
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     model = DiffusionModel(str(path), n_threads=threads, n_gpu_layers=gpu_layers, n_seq_max=n_seq_max,
                            n_cpu_moe=n_cpu_moe, rpc_servers=rpc)
@@ -493,7 +495,7 @@ def diffusion_params(path: Path, temp: Optional[float] = None, **flags: Any) -> 
 
 def check_generation_args(max_new_tokens: int, threads: Optional[int], gpu_layers: int,
                           ctx_size: Optional[int] = None, pace: float = 0.0) -> None:
-    from dgcli.engine.model import check_gpu_layers, check_threads
+    from dgcli.runtime.model import check_gpu_layers, check_threads
 
     if max_new_tokens < 1:
         raise InvalidParameter("max_new_tokens", max_new_tokens, "an integer >= 1")

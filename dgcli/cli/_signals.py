@@ -2,7 +2,7 @@
 
 The first Ctrl-C stops the work in progress and prints what it produced (exit 130; `dg chat` stops
 the answer and goes on, see `interrupt_handled`): the engines return their partial result (see
-`dgcli.engine.native.deferred_interrupts`). Beyond that:
+`dgcli.runtime.native.deferred_interrupts`). Beyond that:
 - a second Ctrl-C exits at once (130);
 - SIGTERM and SIGHUP exit at once (143 and 129);
 each after removing the temporary files of unfinished outputs (`dgcli.outputs`) and showing the

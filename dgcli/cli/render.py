@@ -361,10 +361,10 @@ def fmt_spread(values: Sequence[float], digits: int = 2) -> str:
 
 
 def placement_lines(what: str, report, target: str = "the GPU") -> list[str]:
-    """An engine.offload.LoadReport as a few lines: layers offloaded (to `target`: the GPU, or the RPC
+    """A runtime.offload.LoadReport as a few lines: layers offloaded (to `target`: the GPU, or the RPC
     workers), buffers per device, and the tensors an override kept in system memory (layer runs merged:
     blk.{0-9}.ffn_down_exps.weight)."""
-    from dgcli.engine.offload import layer_ranges
+    from dgcli.runtime.offload import layer_ranges
 
     if report.offloaded_layers is None:
         lines = [f"{what}: every weight is in system memory: {report.why_cpu_only()}"]

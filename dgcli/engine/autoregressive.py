@@ -50,7 +50,7 @@ class AutoregressiveEngine:
     def __init__(self, model: str | os.PathLike | Any, n_threads: int | None = None, n_gpu_layers: int = 0,
                  n_ctx: int | None = None, n_cpu_moe: int = 0, rpc_servers: Sequence[str] | None = None):
         if isinstance(model, (str, os.PathLike)):
-            from dgcli.engine.model import ArModel
+            from dgcli.runtime.model import ArModel
 
             self.model = ArModel(os.fspath(model), n_threads=n_threads, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx,
                                  n_cpu_moe=n_cpu_moe, rpc_servers=rpc_servers)

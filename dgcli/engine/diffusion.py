@@ -385,7 +385,7 @@ def batched_self_cond(self_conds: Sequence[_SelfCond | None]) -> tuple[np.ndarra
     """Several canvases' self-conditioning inputs as one top-k pair (ids [n, C, k], probs [n, C, k]).
     A canvas on its first step (None) gets all-zero probabilities: the graph then adds exactly zero,
     as when no input is passed. Dense inputs become k = V: every id, softmax probabilities."""
-    from dgcli.engine.model import dense_self_cond_probs
+    from dgcli.runtime.model import dense_self_cond_probs
 
     present = [sc for sc in self_conds if sc is not None]
     if not present:
@@ -466,7 +466,7 @@ class DiffusionEngine:
                  self_cond_top_k: int | str | None = None, n_cpu_moe: int = 0,
                  rpc_servers: Sequence[str] | None = None):
         if isinstance(model, (str, os.PathLike)):
-            from dgcli.engine.model import DiffusionModel
+            from dgcli.runtime.model import DiffusionModel
 
             self.model = DiffusionModel(os.fspath(model), n_threads=n_threads, n_gpu_layers=n_gpu_layers,
                                         exact=exact, n_ctx=n_ctx, n_cpu_moe=n_cpu_moe, rpc_servers=rpc_servers)

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from dgcli.engine.header import FLOAT_TYPE_NAMES, INTEGER_TYPE_NAMES, GgufHeader
+from dgcli.modelfile.header import FLOAT_TYPE_NAMES, INTEGER_TYPE_NAMES, GgufHeader
 from dgcli.engine.types import DIFFUSION_PARAM_KEYS, MAX_CANVAS_LENGTH, DiffusionParams, InvalidParameter, ModelLoadError
 
 DIFFUSION_ARCH = "diffusion-gemma"

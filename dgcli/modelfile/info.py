@@ -2,7 +2,7 @@
 
 Also the pre-flight checks the CLI runs before loading a model: is it a readable GGUF, is it the
 right architecture for the command with hyperparameters llama.cpp can take, does it fit in this
-machine's memory. All of them share one parse of the header (dgcli/engine/header.py).
+machine's memory. All of them share one parse of the header (dgcli/modelfile/header.py).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dgcli.engine.cpu import cpu_flags, is_x86_64
-from dgcli.engine.header import GgufHeader, read_header
-from dgcli.engine.hparams import AR_ARCH, DIFFUSION_ARCH, check_model_header, sampler_defaults
-from dgcli.engine.offload import PlacementPlan, plan_placement
+from dgcli.runtime.cpu import cpu_flags, is_x86_64
+from dgcli.modelfile.header import GgufHeader, read_header
+from dgcli.modelfile.hparams import AR_ARCH, DIFFUSION_ARCH, check_model_header, sampler_defaults
+from dgcli.runtime.offload import PlacementPlan, plan_placement
 from dgcli.engine.types import DIFFUSION_PARAM_KEYS, REFERENCE_DEFAULTS_KEY, DgError, DiffusionParams, ModelLoadError
 
 # llama.cpp mmaps the weights; KV cache, compute buffers and the process itself come on top.
@@ -30,7 +30,7 @@ FROM_GGUF, FROM_GGUF_REFERENCE_DEFAULT, FROM_DEFAULT = "gguf", "gguf: reference 
 # workspace, and a compute buffer holding a micro-batch of logits (and their softcapped copy).
 GPU_RUNTIME_BYTES = 512 * 1024**2
 N_UBATCH = 512
-KV_CONTEXT = 4096  # dg's default context (engine.model.DEFAULT_N_CTX)
+KV_CONTEXT = 4096  # dg's default context (runtime.model.DEFAULT_N_CTX)
 
 
 
@@ -72,7 +72,7 @@ def parse_size(text: str) -> int:
 def detect_gpus() -> list[GpuMemory]:
     """The GPUs the installed llama.cpp can offload to; none when it is CPU-only or missing."""
     try:
-        from dgcli.engine import native
+        from dgcli.runtime import native
 
         return [GpuMemory(f"{d.name} ({d.description})", d.total, d.free) for d in native.gpu_devices()]
     except DgError:

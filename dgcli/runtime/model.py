@@ -34,13 +34,13 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from dgcli.engine import native
-from dgcli.engine.cpu import cpu_flags
-from dgcli.engine.header import END_TOKEN_TEXTS, VISIBLE_CONTROL_TEXTS, read_header
-from dgcli.engine.hparams import AR_ARCH, DIFFUSION_ARCH, check_model_header, sampler_defaults
-from dgcli.engine.offload import LoadReport, check_offload, expert_override_pattern, tiled_weight_pattern
+from dgcli.runtime import native
+from dgcli.runtime.cpu import cpu_flags
+from dgcli.modelfile.header import END_TOKEN_TEXTS, VISIBLE_CONTROL_TEXTS, read_header
+from dgcli.modelfile.hparams import AR_ARCH, DIFFUSION_ARCH, check_model_header, sampler_defaults
+from dgcli.runtime.offload import LoadReport, check_offload, expert_override_pattern, tiled_weight_pattern
 from dgcli.engine.sampler import StepStats
-from dgcli.engine.template_sandbox import start_renderer
+from dgcli.templates.sandbox import start_renderer
 from dgcli.engine.types import (
     MAX_CANVAS_LENGTH,
     ContextFull,
@@ -52,7 +52,7 @@ from dgcli.engine.types import (
 from dgcli.units import format_bytes
 
 if TYPE_CHECKING:
-    from dgcli.engine.chat_template import ChatTemplate
+    from dgcli.templates.chat_template import ChatTemplate
 
 DEFAULT_N_CTX = 4096
 # Prompts go through the encoder in chunks of this many tokens (the default n_ubatch): a caller that
@@ -173,7 +173,7 @@ class _LlamaModel:
         # RPC workers' devices instead of this machine's accelerators: n_gpu_layers layers go to them
         self.rpc_devices = None
         if rpc_servers:
-            from dgcli.engine import rpc  # noqa: PLC0415
+            from dgcli.runtime import rpc  # noqa: PLC0415
 
             self.rpc_devices = rpc.rpc_devices(rpc_servers)
             mparams.devices = self.rpc_devices.pointer
@@ -212,7 +212,7 @@ class _LlamaModel:
         cparams.swa_full = False
         cparams.no_perf = True
         if eval_callback is not None:
-            # llama.cpp's per-node callback (dgcli.engine.profile.NodeProfiler.eval_callback)
+            # llama.cpp's per-node callback (dgcli.runtime.profile.NodeProfiler.eval_callback)
             self._eval_callback = eval_callback  # the ctypes objects must outlive the context
             cparams.cb_eval, cparams.cb_eval_user_data = eval_callback
         if self.exact:
@@ -317,7 +317,7 @@ class _LlamaModel:
     def chat_template(self) -> "ChatTemplate | None":
         """The GGUF's tokenizer.chat_template, or None when it has none (use raw prompts then)."""
         if not hasattr(self, "_chat_template"):
-            from dgcli.engine.chat_template import ChatTemplate  # noqa: PLC0415
+            from dgcli.templates.chat_template import ChatTemplate  # noqa: PLC0415
 
             template = self.header.get("tokenizer.chat_template")
             self._chat_template = None
@@ -337,7 +337,7 @@ class _LlamaModel:
                     parse_special: bool = False) -> list[int]:
         """The chat template over `messages` ({"role", "content"}; roles system/user/assistant) as token
         ids. Control-token text in user and system messages stays text unless parse_special."""
-        from dgcli.engine.chat_template import tokenize_chat  # noqa: PLC0415
+        from dgcli.templates.chat_template import tokenize_chat  # noqa: PLC0415
 
         template = self.chat_template
         if template is None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
-from dgcli.engine import native
+from dgcli.runtime import native
 
 
 @dataclass(frozen=True)

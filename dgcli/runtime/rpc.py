@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from dgcli.engine import native
+from dgcli.runtime import native
 from dgcli.engine.types import DgError
 
 DEFAULT_PORT = 50052
@@ -457,7 +457,7 @@ class Worker:
     returns, so the main thread stays free to notice Ctrl-C)."""
 
     def __init__(self, host: str, port: int, n_threads: int, cache_dir: Path | None = None):
-        from dgcli.engine.model import MAX_THREADS
+        from dgcli.runtime.model import MAX_THREADS
 
         if isinstance(n_threads, bool) or not isinstance(n_threads, int) or not 1 <= n_threads <= MAX_THREADS:
             raise RpcError(f"invalid threads={n_threads}: must be an integer from 1 to {MAX_THREADS}")

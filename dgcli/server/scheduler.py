@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from dgcli.engine.diffusion import DiffusionEngine, DiffusionSequence, denoising_step, validate_max_new_tokens
-from dgcli.engine.model import ENCODE_CHUNK
+from dgcli.runtime.model import ENCODE_CHUNK
 from dgcli.engine.types import CanvasEvent, DgError, DiffusionParams, GenerationResult, StepEvent
-from dgcli.render import plural
+from dgcli.cli.render import plural
 
 
 class QueueFull(DgError):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from dgcli.render import THINK_CLOSE, THINK_OPEN, split_thinking
+from dgcli.cli.render import THINK_CLOSE, THINK_OPEN, split_thinking
 
 REPLACEMENT_CHAR = "\ufffd"  # what detokenizing a cut UTF-8 sequence ends with
 

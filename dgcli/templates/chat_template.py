@@ -1,6 +1,6 @@
 """A GGUF's chat template: rendered by llama-cpp-python's Jinja2ChatFormatter, split into the
 template's own text and the messages' text, so that only the former is parsed for control tokens.
-The template is a program from the file: it runs in a limited child process (template_sandbox.py).
+The template is a program from the file: it runs in a limited child process (sandbox.py).
 
 Text a user types (or pipes in from elsewhere) may hold the text of a control token: `<turn|>`,
 `<eos>`, `<|turn>model`. Tokenized with special parsing, that text would close the user's turn and
@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from dgcli.engine.template_sandbox import ChatTemplateError, ChatTemplateParseError, render_chat_template
+from dgcli.templates.sandbox import ChatTemplateError, ChatTemplateParseError, render_chat_template
 from dgcli.engine.types import DgError
 
 # Private-use characters: a sentinel cannot be confused with text a template writes.

@@ -1,4 +1,4 @@
-"""Renders chat templates for template_sandbox.py in a child process, under a memory limit.
+"""Renders chat templates for sandbox.py in a child process, under a memory limit.
 
 Run as `python -I -c <this file's text> MEMORY_BYTES [DIR...]`: it imports nothing from dgcli, and
 the parent's folders that hold llama_cpp and Jinja come after its own standard library (so nothing of

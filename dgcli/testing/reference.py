@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from dgcli.engine.types import DgError
-from dgcli.tiny import TINY_CANVAS_LENGTH, TINY_TEXT_CONFIG
+from dgcli.testing.tiny import TINY_CANVAS_LENGTH, TINY_TEXT_CONFIG
 
 # The vision tower is never converted; it only has to exist, so it is as small as it can be.
 TINY_VISION = dict(model_type="gemma4_vision", hidden_size=16, intermediate_size=16, num_hidden_layers=1,
@@ -44,7 +44,7 @@ def tiny_config(**overrides: Any):
     _require_torch()
     from transformers import DiffusionGemmaConfig
 
-    from dgcli.tiny import tiny_vocab
+    from dgcli.testing.tiny import tiny_vocab
 
     text = dict(TINY_TEXT_CONFIG, vocab_size=tiny_vocab().vocab_size)
     top: dict[str, Any] = {"canvas_length": TINY_CANVAS_LENGTH}
@@ -141,7 +141,7 @@ def save_checkpoint(model, directory: str | Path, config_form: str = "google", v
     _require_torch()
     if config_form not in ("google", "saved"):
         raise DgError(f"config_form must be 'google' or 'saved', got {config_form!r}")
-    from dgcli.tiny import tiny_vocab
+    from dgcli.testing.tiny import tiny_vocab
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -314,7 +314,7 @@ def tiny_vocab() -> TinyVocab:
 # Tiny random GGUFs (no torch)
 # ---------------------------------------------------------------------------------------------
 
-# The tiny model's text config, shared with dgcli.reference (which builds the same shapes in torch).
+# The tiny model's text config, shared with dgcli.testing.reference (which builds the same shapes in torch).
 TINY_LAYER_TYPES = ("sliding_attention", "sliding_attention", "full_attention",
                     "sliding_attention", "sliding_attention", "full_attention")
 TINY_TEXT_CONFIG: dict[str, Any] = dict(
@@ -338,7 +338,7 @@ TINY_CANVAS_LENGTH = 16
 
 
 def tiny_hf_config_dict(**overrides: Any) -> dict[str, Any]:
-    """A Google-form config.json dict for the tiny model (what `dgcli.reference.tiny_config` builds)."""
+    """A Google-form config.json dict for the tiny model (what `dgcli.testing.reference.tiny_config` builds)."""
     text = dict(TINY_TEXT_CONFIG, vocab_size=tiny_vocab().vocab_size)
     top: dict[str, Any] = {"model_type": "diffusion_gemma", "canvas_length": TINY_CANVAS_LENGTH}
     if "num_hidden_layers" in overrides and "layer_types" not in overrides:

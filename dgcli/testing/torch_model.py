@@ -1,4 +1,4 @@
-"""The step-level model API (as dgcli.engine.model.DiffusionModel) over a Transformers DiffusionGemma.
+"""The step-level model API (as dgcli.runtime.model.DiffusionModel) over a Transformers DiffusionGemma.
 
 It exists so the block-diffusion loop can be checked against the reference with the very same
 forward: prefill and commit run the encoder into a DynamicCache, decode_canvas runs the decoder,

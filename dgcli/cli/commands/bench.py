@@ -11,7 +11,7 @@ import typer
 from dgcli import outputs
 from dgcli.engine.rng import SEED_LIMIT
 from dgcli.engine.types import DgError, InvalidParameter
-from dgcli.commands import _shared as shared
+from dgcli.cli import _shared as shared
 
 
 def bench(

@@ -8,8 +8,8 @@ from typing import Optional
 
 import typer
 
-from dgcli import render
-from dgcli.commands import _shared as shared, _signals
+from dgcli.cli import render
+from dgcli.cli import _shared as shared, _signals
 from dgcli.engine.types import DgError
 
 BANNER = "Chat with {name}. /help lists the commands; /exit or Ctrl-D leaves; Ctrl-C stops an answer."

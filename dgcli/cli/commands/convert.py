@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from dgcli.commands import _shared as shared
+from dgcli.cli import _shared as shared
 
 
 def convert(

@@ -8,9 +8,10 @@ from typing import Optional
 
 import typer
 
-from dgcli import outputs, render
+from dgcli import outputs
+from dgcli.cli import render
 from dgcli.engine.types import DgError, InvalidParameter
-from dgcli.commands import _shared as shared
+from dgcli.cli import _shared as shared
 
 GENERATE_SCHEMA = "dg-generate/1"
 

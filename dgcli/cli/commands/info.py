@@ -9,10 +9,12 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from dgcli import hub, info as ginfo, render
+from dgcli import hub
+from dgcli.modelfile import info as ginfo
+from dgcli.cli import render
 from dgcli.engine.types import DIFFUSION_PARAM_KEYS, DgError
 from dgcli.registry import missing_shipped_message
-from dgcli.commands import _shared as shared
+from dgcli.cli import _shared as shared
 
 INFO_SCHEMA = "dg-info/1"
 
@@ -29,7 +31,7 @@ def info_cmd(model: str = typer.Argument(..., help="A .gguf path or a registry n
     Architecture, quant, params and sampler defaults; the fit is judged with the given offload
     (--gpu-layers, --n-cpu-moe, --cpu-moe)."""
     with shared.user_errors():
-        from dgcli.engine.model import check_gpu_layers
+        from dgcli.runtime.model import check_gpu_layers
 
         check_gpu_layers(gpu_layers)  # as every command that loads: info must not call "fits" what they refuse
         gpu_layers, n_cpu_moe = shared.resolve_offload(gpu_layers, n_cpu_moe, cpu_moe)

@@ -9,7 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dgcli import hub
-from dgcli.commands import _shared as shared
+from dgcli.cli import _shared as shared
 
 LIST_SCHEMA = "dg-list/1"
 

@@ -6,7 +6,7 @@ import typer
 
 from dgcli.engine.types import DgError
 from dgcli.registry import missing_shipped_message
-from dgcli.commands import _shared as shared
+from dgcli.cli import _shared as shared
 
 
 def pull(model: str = typer.Argument(..., help="NAME or NAME:QUANT (see `dg list`).")) -> None:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import typer
 
-from dgcli import render
-from dgcli.commands import _shared as shared
+from dgcli.cli import render
+from dgcli.cli import _shared as shared
 from dgcli.engine.types import CanvasEvent, GenerationResult
 
 

@@ -10,8 +10,8 @@ from typing import Optional
 
 import typer
 
-from dgcli import render
-from dgcli.commands import _shared as shared, _signals
+from dgcli.cli import render
+from dgcli.cli import _shared as shared, _signals
 from dgcli.engine.types import DgError, InvalidParameter
 
 STOPPED = "dg serve: stopped"  # the log's last line, whichever signal stopped it
@@ -106,7 +106,7 @@ def _run(uvicorn, listener: socket.socket, name: str, path, *, parallel: int, qu
          max_tokens: int, api_key: Optional[str], self_cond_top_k: Optional[int], threads: Optional[int],
          gpu_layers: int, rpc_servers: Optional[list[str]]) -> None:
     from dgcli.engine.diffusion import DiffusionEngine
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
     from dgcli.server.app import DgService, ServeConfig, create_app
     from dgcli.server.scheduler import BatchScheduler
 
@@ -168,8 +168,8 @@ def _run(uvicorn, listener: socket.socket, name: str, path, *, parallel: int, qu
 
 def default_ctx_size(path) -> int:
     """Each request's context without --ctx-size: min(training context, 4096)."""
-    from dgcli.engine.header import read_header
-    from dgcli.engine.model import DEFAULT_N_CTX
+    from dgcli.modelfile.header import read_header
+    from dgcli.runtime.model import DEFAULT_N_CTX
 
     n_ctx_train = read_header(path).arch("context_length")
     n_ctx_train = n_ctx_train if isinstance(n_ctx_train, int) and n_ctx_train > 0 else DEFAULT_N_CTX

@@ -1,5 +1,5 @@
 """`dg worker`: llama.cpp's RPC server in this process, lending this machine's devices to a dg process
-that runs with `--rpc HOST:PORT` (dgcli/engine/rpc.py)."""
+that runs with `--rpc HOST:PORT` (dgcli/runtime/rpc.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from dgcli.commands import _shared as shared
+from dgcli.cli import _shared as shared
 from dgcli.engine.types import InvalidParameter
 
 
@@ -24,8 +24,8 @@ def worker(
                                                       "the next load of the same model sends less over the network."),
 ) -> None:
     """Serve this machine's devices (its GPUs, else its CPU) to `dg ... --rpc HOST:PORT` over llama.cpp's RPC."""
-    from dgcli.engine import rpc
-    from dgcli.engine.model import MAX_THREADS, check_threads
+    from dgcli.runtime import rpc
+    from dgcli.runtime.model import MAX_THREADS, check_threads
 
     with shared.user_errors():
         if not 0 <= port <= 65535:
