@@ -41,7 +41,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dgcli.engine.types import DgError  # noqa: E402
+from dgcli.errors import DgError  # noqa: E402
 
 
 def cache_dir() -> Path:
@@ -95,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
-    from dgcli.runtime.model import ArModel, DiffusionModel
     from dgcli.engine.sampler import make_step_sampler
+    from dgcli.runtime.model import ArModel, DiffusionModel
 
     try:
         batches = [int(b) for b in args.batch.split(",") if b.strip()]

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dgcli.engine.diffusion import DiffusionEngine  # noqa: E402
 from dgcli.engine.sampler import native_library  # noqa: E402
-from dgcli.engine.types import DiffusionParams  # noqa: E402
+from dgcli.params import DiffusionParams  # noqa: E402
 
 REAL_VOCAB, REAL_HIDDEN, REAL_CANVAS = 262144, 2816, 256
 

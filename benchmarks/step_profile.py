@@ -44,7 +44,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dgcli.engine.types import DgError  # noqa: E402
+from dgcli.errors import DgError  # noqa: E402
 
 PROMPT_TOKENS = 64
 
@@ -152,8 +152,8 @@ def open_model(path: Path, threads: int, ggml: tuple[str, ...] = (), eval_callba
 
 
 def measure_dg(path: Path, threads: int, reps: int, sc_top_k: int, peaks: dict) -> dict:
-    from dgcli.runtime.profile import NodeProfiler
     from dgcli.engine.sampler import make_step_sampler
+    from dgcli.runtime.profile import NodeProfiler
 
     profiler = NodeProfiler()
     new = open_model(path, threads, eval_callback=profiler.eval_callback)

@@ -18,7 +18,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from dgcli.engine.types import DgError, DiffusionParams, GenerationResult
+from dgcli.engine.types import GenerationResult
+from dgcli.errors import DgError
+from dgcli.params import DiffusionParams
 from dgcli.textfile import read_text_file
 from dgcli.units import format_bytes, format_figure
 

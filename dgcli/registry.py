@@ -12,7 +12,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dgcli.engine.types import DgError, ModelLoadError
+from dgcli.errors import DgError, ModelLoadError
 from dgcli.hub import REPO_ID
 from dgcli.textfile import read_text_file
 

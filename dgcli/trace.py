@@ -20,7 +20,9 @@ from typing import Any, BinaryIO, Callable, Iterator
 
 import numpy as np
 
-from dgcli.engine.types import CanvasEvent, DgError, StepEvent, is_int, is_real
+from dgcli.engine.types import CanvasEvent, StepEvent
+from dgcli.errors import DgError
+from dgcli.params import is_int, is_real
 
 TRACE_SCHEMA = "dg-trace/1"
 # A trace line is one canvas of ids and flags: 256 tokens of the real model is ~10 kB.

@@ -405,7 +405,7 @@ hub_srv.files[("org/model-GGUF", "m.gguf")] = payload
 for k, v in json.loads({knobs!r}).items():
     setattr(hub_srv, k, bytes(reversed(payload)) if k == "served" else v)  # served: the same size, other bytes
 from dgcli import hub
-from dgcli.engine.types import DgError
+from dgcli.errors import DgError
 try:
     path = hub.download({repo!r}, {name!r})
     print("downloaded", Path(path).read_bytes() == payload)

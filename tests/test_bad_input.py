@@ -58,9 +58,9 @@ def test_threads_and_gpu_layers_that_would_wrap_in_a_c_int(flag, value, tiny_ggu
 
 
 def test_library_refuses_them_too(tiny_gguf):
-    from dgcli.runtime.model import DiffusionModel
     from dgcli.engine.rng import RngStream
-    from dgcli.engine.types import InvalidParameter
+    from dgcli.errors import InvalidParameter
+    from dgcli.runtime.model import DiffusionModel
 
     with pytest.raises(InvalidParameter, match="invalid threads"):
         DiffusionModel(tiny_gguf, n_threads=2**31)

@@ -9,9 +9,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dgcli.runtime import native
 from dgcli.engine.chat import ChatSession
-from dgcli.engine.types import DgError, DiffusionParams
+from dgcli.errors import DgError
+from dgcli.params import DiffusionParams
+from dgcli.runtime import native
 
 NATIVE, WHY_NOT = native.available()
 needs_native = pytest.mark.skipif(not NATIVE, reason=f"native layer unavailable: {WHY_NOT}")

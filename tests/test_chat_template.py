@@ -12,9 +12,9 @@ import pytest
 
 pytest.importorskip("llama_cpp", reason="Jinja2ChatFormatter comes with llama-cpp-python (python native/build.py)")
 
+from dgcli.errors import DgError  # noqa: E402
 from dgcli.runtime import native  # noqa: E402
 from dgcli.templates.chat_template import STRUCTURE, ChatTemplate, tokenize_chat  # noqa: E402
-from dgcli.engine.types import DgError  # noqa: E402
 from dgcli.testing.tiny import CHAT_TEMPLATE, tiny_vocab, write_tiny_random_gguf  # noqa: E402
 
 VOCAB = tiny_vocab()

@@ -23,7 +23,8 @@ from typer.testing import CliRunner
 from dgcli import cli
 from dgcli.cli import _shared as shared
 from dgcli.engine.diffusion import DiffusionEngine
-from dgcli.engine.types import DiffusionParams, GenerationResult, TokenEvent
+from dgcli.engine.types import GenerationResult, TokenEvent
+from dgcli.params import DiffusionParams
 
 runner = CliRunner()
 
@@ -364,7 +365,7 @@ def test_trace_file_holds_one_json_line_per_event(tiny_gguf, scripted, tmp_path)
 
 
 def test_failure_mid_run_leaves_no_trace_file(tiny_gguf, tmp_path, monkeypatch):
-    from dgcli.engine.types import DgError
+    from dgcli.errors import DgError
 
     class Failing(ScriptedModel):
         def decode_canvas(self, canvas, sc_logits=None):

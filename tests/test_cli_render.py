@@ -10,8 +10,7 @@ import pytest
 from rich.console import Console
 
 from dgcli import cli
-from dgcli.cli import render
-from dgcli.cli import _shared as shared
+from dgcli.cli import _shared as shared, render
 from dgcli.engine.diffusion import DiffusionEngine
 from dgcli.engine.types import CanvasEvent, GenerationResult, StepEvent, TokenEvent
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from dgcli.convert import convert_checkpoint, convert_main, params_from_hf_config
-from dgcli.engine.types import DgError, DiffusionParams
+from dgcli.errors import DgError
+from dgcli.params import DiffusionParams
 from native_helpers import requires_native
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("transformers") is not None

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from dgcli import hub
-from dgcli.engine.types import DgError
+from dgcli.errors import DgError
 
 REPO, NAME = "org/model-GGUF", "m.gguf"
 PAYLOAD = bytes(range(256)) * 4096  # 1 MiB

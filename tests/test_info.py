@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from dgcli.errors import ModelLoadError
 from dgcli.modelfile import info
-from dgcli.engine.types import ModelLoadError
 from dgcli.testing.tiny import write_tiny_random_gguf
 
 

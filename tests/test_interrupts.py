@@ -55,7 +55,7 @@ def test_ctrl_c_inside_a_forward_raises_when_the_forward_returns(tiny_gguf):
 
 def test_ctrl_c_during_generation_returns_what_was_produced(tiny_gguf):
     from dgcli.engine.diffusion import DiffusionEngine
-    from dgcli.engine.types import DiffusionParams
+    from dgcli.params import DiffusionParams
 
     with DiffusionEngine(tiny_gguf, n_threads=1, n_ctx=256) as engine:
         with sigint_from_the_log_callback("set_causal_attn") as sent:

@@ -21,12 +21,12 @@ from pathlib import Path
 import gguf
 import pytest
 
-from dgcli.modelfile import info
-from dgcli.modelfile import header as header_mod
+from dgcli.errors import InvalidParameter, ModelLoadError
+from dgcli.modelfile import header as header_mod, info
 from dgcli.modelfile.header import read_header
 from dgcli.modelfile.hparams import BadHyperparameter, check_model_header
+from dgcli.params import DiffusionParams
 from dgcli.templates.sandbox import ChatTemplateError, render_chat_template
-from dgcli.engine.types import DiffusionParams, InvalidParameter, ModelLoadError
 from native_helpers import requires_native, rewrite_gguf
 
 REPO = Path(__file__).resolve().parent.parent
@@ -384,7 +384,7 @@ def test_the_renderer_finds_llama_cpp_installed_only_on_pythonpath(tmp_path):
 
 def test_bench_prompts_must_be_a_regular_file_of_bounded_size(tmp_path):
     from dgcli.bench import MAX_PROMPT_FILE_BYTES, load_prompts
-    from dgcli.engine.types import DgError
+    from dgcli.errors import DgError
 
     with pytest.raises(DgError, match="not a regular file"):
         load_prompts("/dev/zero")

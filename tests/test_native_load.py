@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dgcli.engine.types import DgError, DiffusionParams, InvalidParameter, ModelLoadError
+from dgcli.errors import DgError, InvalidParameter, ModelLoadError
+from dgcli.params import DiffusionParams
 from native_helpers import requires_native, rewrite_gguf
 
 pytestmark = requires_native
@@ -200,7 +201,7 @@ def test_gemma4_without_a_sliding_layer_is_refused_not_aborted(tmp_path):
     path = write_tiny_random_gguf(tmp_path / "full.gguf", arch="gemma4", num_hidden_layers=2,
                                   layer_types=["full_attention", "full_attention"])
     code = ("from dgcli.runtime.model import ArModel\n"
-            "from dgcli.engine.types import ModelLoadError\n"
+            "from dgcli.errors import ModelLoadError\n"
             f"try:\n    ArModel({str(path)!r}, n_threads=1, n_ctx=64)\n"
             "except ModelLoadError as err:\n    print('refused:', err)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -228,8 +228,8 @@ def test_a_multi_canvas_forward_needs_room_for_every_canvas(tiny_gguf):
     check counted one canvas, so a forward that did not fit ended in llama.cpp's "failed to find a
     memory slot" (bench: "batch 16 skipped: decoder forward failed (status 1)"); it is a
     ContextFull now, and a model opened for n canvases gets their room on top of the default context."""
+    from dgcli.errors import ContextFull
     from dgcli.runtime.model import DiffusionModel
-    from dgcli.engine.types import ContextFull
 
     with DiffusionModel(tiny_gguf, n_threads=1, n_ctx=64, n_seq_max=4) as m:
         C = m.canvas_length
@@ -392,7 +392,7 @@ def test_graph_is_rebuilt_when_the_top_k_width_changes(exact_model, scenario, vo
 
 
 def test_bad_top_k_input_is_refused(exact_model, scenario, vocab_size):
-    from dgcli.engine.types import DgError
+    from dgcli.errors import DgError
 
     canvas = scenario["canvas_a"]
     ids = np.zeros((len(canvas), 4), np.int32)

@@ -18,7 +18,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from dgcli.engine.types import DgError, InvalidParameter
+from dgcli.errors import DgError, InvalidParameter
 from native_helpers import requires_native, small_q4_k_m_gguf
 
 pytestmark = requires_native
@@ -252,8 +252,8 @@ def test_engine_on_the_graph_step_generates_what_the_host_sampler_does(tiny_gguf
     """`dg generate`'s loop: the graph step (the default where the model has one) and the forward +
     host native sampler give the same generation, step by step."""
     from dgcli.engine.diffusion import DiffusionEngine
+    from dgcli.params import DiffusionParams
     from dgcli.runtime.model import DiffusionModel
-    from dgcli.engine.types import DiffusionParams
 
     params = DiffusionParams(max_denoising_steps=8)
     runs = {}

@@ -21,10 +21,9 @@ import pytest
 from typer.testing import CliRunner
 
 from dgcli import cli
-from dgcli.cli import render
-from dgcli.cli import _shared as shared
-from dgcli.runtime import native
+from dgcli.cli import _shared as shared, render
 from dgcli.engine.types import GenerationResult
+from dgcli.runtime import native
 from dgcli.testing.tiny import write_tiny_random_gguf
 
 REPO = Path(__file__).resolve().parents[1]

@@ -11,9 +11,11 @@ from collections import namedtuple
 import pytest
 from typer.testing import CliRunner
 
-from dgcli.modelfile import info
 from dgcli.cli import app
 from dgcli.convert import params_from_hf_config, tensor_plan
+from dgcli.errors import InvalidParameter
+from dgcli.modelfile import info
+from dgcli.modelfile.info import GpuMemory
 from dgcli.runtime.offload import (
     LoadReport,
     expert_override_pattern,
@@ -22,8 +24,6 @@ from dgcli.runtime.offload import (
     plan_placement,
     tiled_weight_pattern,
 )
-from dgcli.engine.types import InvalidParameter
-from dgcli.modelfile.info import GpuMemory
 from dgcli.testing.tiny import q4_k_m_type
 from native_helpers import requires_native, small_q4_k_m_gguf
 

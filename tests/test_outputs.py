@@ -16,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dgcli import cli
-from dgcli.engine.types import DgError
+from dgcli.errors import DgError
 from dgcli.outputs import OutputFile, writing
 from conftest import HAVE_TORCH, NO_TORCH_REASON
 from native_helpers import requires_native

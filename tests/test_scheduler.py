@@ -16,7 +16,8 @@ import pytest
 
 from native_helpers import requires_native
 
-from dgcli.engine.types import CanvasEvent, DiffusionParams, StepEvent
+from dgcli.engine.types import CanvasEvent, StepEvent
+from dgcli.params import DiffusionParams
 
 pytestmark = requires_native
 

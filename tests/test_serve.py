@@ -18,7 +18,8 @@ from native_helpers import requires_native
 from serve_helpers import InProcessServer, ServeProcess, fetch_json, wait_until
 
 from dgcli.cli import render
-from dgcli.engine.types import DiffusionParams, StepEvent
+from dgcli.engine.types import StepEvent
+from dgcli.params import DiffusionParams
 
 SERVE_DEPS = all(importlib.util.find_spec(m) for m in ("starlette", "uvicorn", "openai"))
 pytestmark = [requires_native, pytest.mark.skipif(
@@ -380,7 +381,7 @@ class ThinkingModel:
     end_token_ids, pad_token_id = [1], 0
 
     def __init__(self):
-        from dgcli.engine.types import DiffusionParams
+        from dgcli.params import DiffusionParams
 
         self.default_params = DiffusionParams()
         self.canvas_index = 0

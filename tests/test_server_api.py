@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from dgcli.engine.types import DiffusionParams
 from dgcli.cli.render import split_thinking
+from dgcli.params import DiffusionParams
 from dgcli.server.api import ApiError, chunk_body, parse_request
 from dgcli.server.text import AnswerStream
 

@@ -10,9 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from dgcli.modelfile import info
 from dgcli.convert import PUBLISHED_TOKEN_SCORE, TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL
-from dgcli.engine.types import DgError
+from dgcli.errors import DgError
+from dgcli.modelfile import info
 from dgcli.testing.tiny import (
     BOS_ID,
     CHAT_TEMPLATE,

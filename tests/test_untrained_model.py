@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from dgcli.engine.types import DiffusionParams
+from dgcli.params import DiffusionParams
 from native_helpers import requires_native
 
 

@@ -136,8 +136,8 @@ def engine_over_reference_backend(checkpoint: Path, threads: int = 1):
     import torch
 
     from dgcli.engine import DiffusionEngine
-    from dgcli.testing.torch_model import TorchDiffusionModel
     from dgcli.testing.tiny import tiny_vocab
+    from dgcli.testing.torch_model import TorchDiffusionModel
 
     torch.set_num_threads(threads)
     vocab = tiny_vocab()

@@ -20,14 +20,14 @@ from rich.live_render import LiveRender
 from rich.segment import ControlType, Segment
 
 from dgcli import hub, textfile
+from dgcli.cli import _signals, render
+from dgcli.engine.types import CanvasEvent, GenerationResult, StepEvent
+from dgcli.errors import DgError, InvalidParameter, check_utf8
 from dgcli.modelfile import info as ginfo
-from dgcli.cli import render
-from dgcli.cli import _signals
 from dgcli.modelfile.header import read_header
 from dgcli.modelfile.hparams import sampler_defaults
-from dgcli.engine.types import (CanvasEvent, DgError, DiffusionParams, GenerationResult, InvalidParameter, StepEvent,
-                               check_utf8)
 from dgcli.outputs import OutputFile
+from dgcli.params import DiffusionParams
 from dgcli.registry import DEFAULT_MODEL, Registry, ResolvedModel, missing_shipped_message
 
 EXIT_INTERRUPTED = 130

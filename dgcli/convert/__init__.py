@@ -31,9 +31,10 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from dgcli.engine.types import DIFFUSION_PARAM_KEYS, REFERENCE_DEFAULTS_KEY, DgError, DiffusionParams
-from dgcli.units import format_bytes
+from dgcli.errors import DgError
 from dgcli.outputs import OutputFile, check_distinct, writing
+from dgcli.params import DIFFUSION_PARAM_KEYS, REFERENCE_DEFAULTS_KEY, DiffusionParams
+from dgcli.units import format_bytes
 
 DIFFUSION_ARCH = "diffusion-gemma"
 AR_ARCH = "gemma4"

@@ -1,15 +1,8 @@
 """The dg engine: a library over our patched llama.cpp. The CLI, tests and benchmarks use it."""
 
-from dgcli.engine.types import (
-    CanvasEvent,
-    DgError,
-    DiffusionParams,
-    GenerationResult,
-    InvalidParameter,
-    ModelLoadError,
-    StepEvent,
-    TokenEvent,
-)
+from dgcli.engine.types import CanvasEvent, GenerationResult, StepEvent, TokenEvent
+from dgcli.errors import DgError, InvalidParameter, ModelLoadError
+from dgcli.params import DiffusionParams
 
 # The engines and the sampler pieces import lazily-heavy modules only on use (model.py loads llama.cpp
 # when a GGUF is opened, torch_model.py needs torch), so importing them here stays cheap.

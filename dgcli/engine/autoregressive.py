@@ -16,7 +16,8 @@ import numpy as np
 
 from dgcli.engine.diffusion import GEMMA_PAD_TOKEN_ID, TimedEvents, prompt_token_ids, validate_max_new_tokens
 from dgcli.engine.rng import RngStream, inverse_cdf_sample, resolve_seed
-from dgcli.engine.types import ContextFull, DgError, GenerationResult, InvalidParameter, TokenEvent
+from dgcli.engine.types import GenerationResult, TokenEvent
+from dgcli.errors import ContextFull, DgError, InvalidParameter
 
 EventCallback = Callable[[Any], Any]
 

@@ -37,24 +37,17 @@ from dgcli.engine.rng import RngStream, resolve_seed
 from dgcli.engine.sampler import (
     StableAndConfidentStop,
     StepSampler,
+    StepStats,
     entropy_bound_accept_mask,
     finalize_canvas,
-    StepStats,
     make_step_sampler,
     mean_entropy,
     renoise_canvas,
     schedule_temperature,
 )
-from dgcli.engine.types import (
-    CanvasEvent,
-    ContextFull,
-    DgError,
-    DiffusionParams,
-    GenerationResult,
-    InvalidParameter,
-    StepEvent,
-    answer_token_ids,
-)
+from dgcli.engine.types import CanvasEvent, GenerationResult, StepEvent, answer_token_ids
+from dgcli.errors import ContextFull, DgError, InvalidParameter
+from dgcli.params import DiffusionParams
 
 EventCallback = Callable[[Any], Any]
 

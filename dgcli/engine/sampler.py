@@ -30,7 +30,7 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from dgcli.engine.rng import inverse_cdf_sample
-from dgcli.engine.types import DgError
+from dgcli.errors import DgError
 
 
 def schedule_temperature(cur_step: int, max_steps: int, t_min: float, t_max: float) -> np.float32:

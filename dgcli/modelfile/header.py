@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from dgcli.engine.types import ModelLoadError
+from dgcli.errors import ModelLoadError
 
 GGUF_MAGIC = b"GGUF"
 

@@ -17,8 +17,9 @@ from typing import Any
 
 import numpy as np
 
+from dgcli.errors import InvalidParameter, ModelLoadError
 from dgcli.modelfile.header import FLOAT_TYPE_NAMES, INTEGER_TYPE_NAMES, GgufHeader
-from dgcli.engine.types import DIFFUSION_PARAM_KEYS, MAX_CANVAS_LENGTH, DiffusionParams, InvalidParameter, ModelLoadError
+from dgcli.params import DIFFUSION_PARAM_KEYS, MAX_CANVAS_LENGTH, DiffusionParams
 
 DIFFUSION_ARCH = "diffusion-gemma"
 AR_ARCH = "gemma4"

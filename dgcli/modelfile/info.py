@@ -14,11 +14,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dgcli.runtime.cpu import cpu_flags, is_x86_64
+from dgcli.errors import DgError, ModelLoadError
 from dgcli.modelfile.header import GgufHeader, read_header
 from dgcli.modelfile.hparams import AR_ARCH, DIFFUSION_ARCH, check_model_header, sampler_defaults
+from dgcli.params import DIFFUSION_PARAM_KEYS, REFERENCE_DEFAULTS_KEY, DiffusionParams
+from dgcli.runtime.cpu import cpu_flags, is_x86_64
 from dgcli.runtime.offload import PlacementPlan, plan_placement
-from dgcli.engine.types import DIFFUSION_PARAM_KEYS, REFERENCE_DEFAULTS_KEY, DgError, DiffusionParams, ModelLoadError
 
 # llama.cpp mmaps the weights; KV cache, compute buffers and the process itself come on top.
 MEMORY_OVERHEAD_FACTOR = 1.10

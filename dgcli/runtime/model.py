@@ -34,21 +34,15 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from dgcli.runtime import native
-from dgcli.runtime.cpu import cpu_flags
+from dgcli.engine.sampler import StepStats
+from dgcli.errors import ContextFull, DgError, InvalidParameter, ModelLoadError
 from dgcli.modelfile.header import END_TOKEN_TEXTS, VISIBLE_CONTROL_TEXTS, read_header
 from dgcli.modelfile.hparams import AR_ARCH, DIFFUSION_ARCH, check_model_header, sampler_defaults
+from dgcli.params import MAX_CANVAS_LENGTH, DiffusionParams
+from dgcli.runtime import native
+from dgcli.runtime.cpu import cpu_flags
 from dgcli.runtime.offload import LoadReport, check_offload, expert_override_pattern, tiled_weight_pattern
-from dgcli.engine.sampler import StepStats
 from dgcli.templates.sandbox import start_renderer
-from dgcli.engine.types import (
-    MAX_CANVAS_LENGTH,
-    ContextFull,
-    DgError,
-    DiffusionParams,
-    InvalidParameter,
-    ModelLoadError,
-)
 from dgcli.units import format_bytes
 
 if TYPE_CHECKING:

@@ -26,7 +26,7 @@ import sys
 import threading
 from typing import Any, Iterator, Sequence
 
-from dgcli.engine.types import DgError
+from dgcli.errors import DgError
 
 BUILD_HINT = "build it with `python native/build.py`"
 

@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from dgcli.engine.types import InvalidParameter
+from dgcli.errors import InvalidParameter
 
 # llama.cpp's LLM_FFN_EXPS_REGEX (common/common.h): the expert weights of a MoE layer.
 EXPERT_TENSORS = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"

@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from dgcli.errors import DgError
 from dgcli.runtime import native
-from dgcli.engine.types import DgError
 
 DEFAULT_PORT = 50052
 # ggml-rpc.h of the vendored llama.cpp: a worker must speak the same major version

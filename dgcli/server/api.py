@@ -26,7 +26,9 @@ from typing import Any
 import numpy as np
 
 from dgcli.engine.rng import SEED_LIMIT
-from dgcli.engine.types import DgError, DiffusionParams, GenerationResult, InvalidParameter, StepEvent, check_utf8
+from dgcli.engine.types import GenerationResult, StepEvent
+from dgcli.errors import DgError, InvalidParameter, check_utf8
+from dgcli.params import DiffusionParams
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256

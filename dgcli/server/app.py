@@ -31,7 +31,8 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from dgcli.engine.diffusion import DiffusionEngine, prompt_token_ids
-from dgcli.engine.types import CanvasEvent, DgError, StepEvent
+from dgcli.engine.types import CanvasEvent, StepEvent
+from dgcli.errors import DgError
 from dgcli.server.api import (
     FINISH_REASONS,
     ApiError,

@@ -17,8 +17,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from dgcli.errors import DgError
 from dgcli.templates.sandbox import ChatTemplateError, ChatTemplateParseError, render_chat_template
-from dgcli.engine.types import DgError
 
 # Private-use characters: a sentinel cannot be confused with text a template writes.
 _SENTINEL = "\ue000{}\ue001"

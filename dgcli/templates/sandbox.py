@@ -24,7 +24,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from dgcli.engine.types import DgError
+from dgcli.errors import DgError
 
 # wall-clock seconds a render may take (a Gemma template renders in milliseconds), and the child's
 # start-up (Python, Jinja and the formatter's import; slow only on a loaded machine)

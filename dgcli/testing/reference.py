@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from dgcli.engine.types import DgError
+from dgcli.errors import DgError
 from dgcli.testing.tiny import TINY_CANVAS_LENGTH, TINY_TEXT_CONFIG
 
 # The vision tower is never converted; it only has to exist, so it is as small as it can be.

@@ -32,7 +32,7 @@ from dgcli.convert import (
     published_token_types,
     special_token_texts,
 )
-from dgcli.engine.types import DgError
+from dgcli.errors import DgError
 
 TOKENIZER_NAME = "dg-tiny"
 

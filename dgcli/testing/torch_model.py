@@ -12,7 +12,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from dgcli.engine.types import DgError, DiffusionParams
+from dgcli.errors import DgError
+from dgcli.params import DiffusionParams
 
 
 def _reference_defaults(generation_config: Any) -> DiffusionParams:

@@ -9,9 +9,9 @@ from typing import Optional
 import typer
 
 from dgcli import outputs
-from dgcli.engine.rng import SEED_LIMIT
-from dgcli.engine.types import DgError, InvalidParameter
 from dgcli.cli import _shared as shared
+from dgcli.engine.rng import SEED_LIMIT
+from dgcli.errors import DgError, InvalidParameter
 
 
 def bench(

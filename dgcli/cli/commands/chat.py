@@ -8,9 +8,8 @@ from typing import Optional
 
 import typer
 
-from dgcli.cli import render
-from dgcli.cli import _shared as shared, _signals
-from dgcli.engine.types import DgError
+from dgcli.cli import _shared as shared, _signals, render
+from dgcli.errors import DgError
 
 BANNER = "Chat with {name}. /help lists the commands; /exit or Ctrl-D leaves; Ctrl-C stops an answer."
 

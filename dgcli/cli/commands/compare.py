@@ -9,8 +9,7 @@ from typing import Optional
 
 import typer
 
-from dgcli.cli import render
-from dgcli.cli import _shared as shared
+from dgcli.cli import _shared as shared, render
 
 # 2: the AR side's tokens_per_second counts only the answer tokens made after the prefill (null when none were)
 COMPARE_SCHEMA = "dg-compare/2"

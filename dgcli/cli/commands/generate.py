@@ -9,9 +9,8 @@ from typing import Optional
 import typer
 
 from dgcli import outputs
-from dgcli.cli import render
-from dgcli.engine.types import DgError, InvalidParameter
-from dgcli.cli import _shared as shared
+from dgcli.cli import _shared as shared, render
+from dgcli.errors import DgError, InvalidParameter
 
 GENERATE_SCHEMA = "dg-generate/1"
 

@@ -10,11 +10,11 @@ from rich.table import Table
 from rich.text import Text
 
 from dgcli import hub
+from dgcli.cli import _shared as shared, render
+from dgcli.errors import DgError
 from dgcli.modelfile import info as ginfo
-from dgcli.cli import render
-from dgcli.engine.types import DIFFUSION_PARAM_KEYS, DgError
+from dgcli.params import DIFFUSION_PARAM_KEYS
 from dgcli.registry import missing_shipped_message
-from dgcli.cli import _shared as shared
 
 INFO_SCHEMA = "dg-info/1"
 

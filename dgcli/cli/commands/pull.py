@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import typer
 
-from dgcli.engine.types import DgError
-from dgcli.registry import missing_shipped_message
 from dgcli.cli import _shared as shared
+from dgcli.errors import DgError
+from dgcli.registry import missing_shipped_message
 
 
 def pull(model: str = typer.Argument(..., help="NAME or NAME:QUANT (see `dg list`).")) -> None:

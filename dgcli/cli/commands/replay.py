@@ -7,8 +7,7 @@ from pathlib import Path
 
 import typer
 
-from dgcli.cli import render
-from dgcli.cli import _shared as shared
+from dgcli.cli import _shared as shared, render
 from dgcli.engine.types import CanvasEvent, GenerationResult
 
 

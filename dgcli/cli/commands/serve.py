@@ -10,9 +10,8 @@ from typing import Optional
 
 import typer
 
-from dgcli.cli import render
-from dgcli.cli import _shared as shared, _signals
-from dgcli.engine.types import DgError, InvalidParameter
+from dgcli.cli import _shared as shared, _signals, render
+from dgcli.errors import DgError, InvalidParameter
 
 STOPPED = "dg serve: stopped"  # the log's last line, whichever signal stopped it
 

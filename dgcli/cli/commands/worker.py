@@ -11,7 +11,7 @@ from typing import Optional
 import typer
 
 from dgcli.cli import _shared as shared
-from dgcli.engine.types import InvalidParameter
+from dgcli.errors import InvalidParameter
 
 
 def worker(

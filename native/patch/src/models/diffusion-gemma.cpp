@@ -22,7 +22,7 @@
 // The dg_* functions (diffusion-gemma-api.cpp) remove the canvas from the cache after a decoder
 // forward, so from the outside the decoder never changes the cache.
 
-// the largest meaningful values (dgcli/engine/types.py and hparams.py hold the same bounds)
+// the largest meaningful values (dgcli/params.py and dgcli/modelfile/hparams.py hold the same bounds)
 static constexpr uint32_t DG_MAX_CANVAS_LENGTH  = 1024;
 static constexpr uint32_t DG_MAX_SLIDING_WINDOW = 1u << 24;
 
