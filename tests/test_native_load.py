@@ -156,7 +156,7 @@ def test_model_without_sliding_layers_refused(tmp_path):
 def test_default_threads_is_one_for_tiny_files_and_all_cores_for_big_ones(tmp_path):
     import os
 
-    from dgcli.runtime.model import SINGLE_THREAD_BELOW_BYTES, default_threads
+    from dgcli.runtime.cpu import SINGLE_THREAD_BELOW_BYTES, default_threads
 
     small = tmp_path / "small.gguf"
     small.write_bytes(b"\0" * 1024)

@@ -495,7 +495,8 @@ def diffusion_params(path: Path, temp: Optional[float] = None, **flags: Any) -> 
 
 def check_generation_args(max_new_tokens: int, threads: Optional[int], gpu_layers: int,
                           ctx_size: Optional[int] = None, pace: float = 0.0) -> None:
-    from dgcli.runtime.model import check_gpu_layers, check_threads
+    from dgcli.runtime.cpu import check_threads
+    from dgcli.runtime.model import check_gpu_layers
 
     if max_new_tokens < 1:
         raise InvalidParameter("max_new_tokens", max_new_tokens, "an integer >= 1")

@@ -37,7 +37,6 @@ from dgcli.engine.rng import RngStream, resolve_seed
 from dgcli.engine.sampler import (
     StableAndConfidentStop,
     StepSampler,
-    StepStats,
     entropy_bound_accept_mask,
     finalize_canvas,
     make_step_sampler,
@@ -48,6 +47,7 @@ from dgcli.engine.sampler import (
 from dgcli.engine.types import CanvasEvent, GenerationResult, StepEvent, answer_token_ids
 from dgcli.errors import ContextFull, DgError, InvalidParameter
 from dgcli.params import DiffusionParams
+from dgcli.runtime.forward import StepStats
 
 EventCallback = Callable[[Any], Any]
 
@@ -378,7 +378,7 @@ def batched_self_cond(self_conds: Sequence[_SelfCond | None]) -> tuple[np.ndarra
     """Several canvases' self-conditioning inputs as one top-k pair (ids [n, C, k], probs [n, C, k]).
     A canvas on its first step (None) gets all-zero probabilities: the graph then adds exactly zero,
     as when no input is passed. Dense inputs become k = V: every id, softmax probabilities."""
-    from dgcli.runtime.model import dense_self_cond_probs
+    from dgcli.runtime.forward import dense_self_cond_probs
 
     present = [sc for sc in self_conds if sc is not None]
     if not present:

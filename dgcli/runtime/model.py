@@ -18,15 +18,15 @@ so its logits are bit-identical to a single generation's.
 
 `ArModel` is the same surface for a stock `gemma4` GGUF (the AR base): prefill / decode_token.
 
-Files are checked here before llama.cpp sees them (header.py: exists, GGUF magic, header parses,
-tensor data inside the file; hparams.py: every hyperparameter the architecture uses), and a load
-llama.cpp refuses becomes a one-line ModelLoadError quoting llama.cpp's reason.
+Files are checked here before llama.cpp sees them (modelfile/header.py: exists, GGUF magic, header
+parses, tensor data inside the file; modelfile/hparams.py: every hyperparameter the architecture
+uses), and a load llama.cpp refuses becomes a one-line ModelLoadError quoting llama.cpp's reason.
+The inputs a forward takes are checked, and a step's results returned, as forward.py defines them.
 """
 
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
 import os
 import re
 from pathlib import Path
@@ -34,13 +34,13 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from dgcli.engine.sampler import StepStats
 from dgcli.errors import ContextFull, DgError, InvalidParameter, ModelLoadError
 from dgcli.modelfile.header import END_TOKEN_TEXTS, VISIBLE_CONTROL_TEXTS, read_header
 from dgcli.modelfile.hparams import AR_ARCH, DIFFUSION_ARCH, check_model_header, sampler_defaults
 from dgcli.params import MAX_CANVAS_LENGTH, DiffusionParams
 from dgcli.runtime import native
-from dgcli.runtime.cpu import cpu_flags
+from dgcli.runtime.cpu import check_threads, cpu_flags, default_threads
+from dgcli.runtime.forward import DecoderInputs, StepStats, check_tokens, dense_self_cond_probs
 from dgcli.runtime.offload import LoadReport, check_offload, expert_override_pattern, tiled_weight_pattern
 from dgcli.templates.sandbox import start_renderer
 from dgcli.units import format_bytes
@@ -53,39 +53,13 @@ DEFAULT_N_CTX = 4096
 # wants the very same K/V as another run feeds prompts in chunks of this size too
 ENCODE_CHUNK = 512
 
-
-# Below this size a forward's ops are shorter than handing work to another thread, and with a
-# busy-waiting thread pool a second thread that shares a core with anything else stalls every op
-# (the 2 MB demo model: 0.06 s per generation with one thread, 3 s with two on a busy 2-core box).
-SINGLE_THREAD_BELOW_BYTES = 64 << 20
-
-
 INT32_MAX = 2**31 - 1
-# ggml's thread pool holds at most GGML_MAX_N_THREADS workers
-MAX_THREADS = 512
-
-
-def check_threads(n_threads: Any) -> None:
-    """None (choose) or 1..MAX_THREADS: larger values would wrap in the C int of llama.cpp's params."""
-    if n_threads is not None and (isinstance(n_threads, bool) or not isinstance(n_threads, int)
-                                  or not 1 <= n_threads <= MAX_THREADS):
-        raise InvalidParameter("threads", n_threads, f"an integer from 1 to {MAX_THREADS}")
 
 
 def check_gpu_layers(n_gpu_layers: Any) -> None:
     """-1 (all) or 0..INT32_MAX (any count above the model's layers offloads them all)."""
     if isinstance(n_gpu_layers, bool) or not isinstance(n_gpu_layers, int) or not -1 <= n_gpu_layers <= INT32_MAX:
         raise InvalidParameter("gpu_layers", n_gpu_layers, f"-1 (all) or an integer from 0 to {INT32_MAX}")
-
-
-def default_threads(path: str | os.PathLike) -> int:
-    """llama.cpp threads when the caller does not choose: 1 for tiny models, else every core."""
-    try:
-        if os.path.getsize(path) < SINGLE_THREAD_BELOW_BYTES:
-            return 1
-    except OSError:
-        pass
-    return max(1, os.cpu_count() or 1)
 
 
 def cpu_repack_enabled() -> bool:
@@ -97,29 +71,6 @@ def cpu_repack_enabled() -> bool:
 
 
 # -- models ---------------------------------------------------------------------------------------
-
-
-def _check_tokens(tokens: Any, vocab_size: int, what: str) -> np.ndarray:
-    try:
-        arr = np.asarray(tokens)
-    except (TypeError, ValueError):
-        raise InvalidParameter(what, tokens, "a sequence of token ids") from None
-    if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
-        raise InvalidParameter(what, f"array of shape {arr.shape} and dtype {arr.dtype}",
-                               "a non-empty 1-D sequence of integer token ids")
-    bad = (arr < 0) | (arr >= vocab_size)
-    if bad.any():
-        raise InvalidParameter(what, int(arr[bad][0]), f"token ids in [0, {vocab_size})")
-    return np.ascontiguousarray(arr, dtype=np.int32)
-
-
-def dense_self_cond_probs(sc_logits: np.ndarray) -> np.ndarray:
-    """softmax over the last axis in float32, as the reference forms its self-conditioning input."""
-    sc = np.asarray(sc_logits, dtype=np.float32)
-    # exp(x - max) <= 1 cannot overflow
-    probs = np.exp(sc - sc.max(axis=-1, keepdims=True), dtype=np.float32)
-    probs /= probs.sum(axis=-1, keepdims=True, dtype=np.float32)
-    return probs
 
 
 class _LlamaModel:
@@ -431,7 +382,7 @@ class _LlamaModel:
     def _encode(self, tokens: Any, want_logits: bool, reserve: int = 0, seq: int = 0) -> np.ndarray | None:
         self._require_open()
         seq = self._check_seq(seq)
-        arr = _check_tokens(tokens, self.vocab_size, "tokens")
+        arr = check_tokens(tokens, self.vocab_size, "tokens")
         used, room = self._room(seq)
         if used + arr.size + reserve > room:
             raise ContextFull(f"context full: {used} cached + {arr.size} new tokens"
@@ -502,7 +453,7 @@ class DiffusionModel(_LlamaModel):
         sc_logits [C, V], the previous step's processed logits (dense: softmax over the whole
         vocabulary, the reference's computation), or sc_topk = (ids [C, k], probs [C, k]), the k
         most probable tokens per position and their softmax probabilities (the sampler's top-k)."""
-        arr = _check_tokens(canvas, self.vocab_size, "canvas")
+        arr = check_tokens(canvas, self.vocab_size, "canvas")
         sc = None if sc_logits is None else np.asarray(sc_logits)[None]
         topk = None if sc_topk is None else tuple(np.asarray(a)[None] for a in sc_topk)
         return self.decode_canvases(arr[None], sc, sc_topk=topk)[0]
@@ -596,7 +547,7 @@ class DiffusionModel(_LlamaModel):
                 for i in range(n)]
 
     def _decoder_inputs(self, canvases: Any, sc_logits: np.ndarray | None,
-                        sc_topk: tuple[np.ndarray, np.ndarray] | None, per_sequence: bool) -> "_DecoderInputs":
+                        sc_topk: tuple[np.ndarray, np.ndarray] | None, per_sequence: bool) -> "DecoderInputs":
         """The checked canvases and self-conditioning input of a decoder forward."""
         self._require_open()
         arr = np.asarray(canvases)
@@ -607,7 +558,7 @@ class DiffusionModel(_LlamaModel):
             raise InvalidParameter("canvases", f"{n} canvases", f"at most n_seq_max = {self.n_seq_max} (set at load)")
         if length < 1 or n * length > self.n_ubatch:
             raise InvalidParameter("canvas length", length, f"between 1 and {self.n_ubatch // n}")
-        flat = _check_tokens(arr.reshape(-1), self.vocab_size, "canvas")
+        flat = check_tokens(arr.reshape(-1), self.vocab_size, "canvas")
         if not per_sequence and any(self._seq_tokens[1:n]):
             raise DgError("decode_canvases: sequences 1..n-1 hold their own tokens; pass per_sequence=True")
         for s in range(n if per_sequence else 1):
@@ -629,9 +580,9 @@ class DiffusionModel(_LlamaModel):
             ids, probs = self._dense_topk(np.asarray(sc, dtype=np.float32))
         elif sc_topk is not None:
             ids, probs = self._check_topk(sc_topk, n, length)
-        return _DecoderInputs(tokens=flat, n=n, length=length, per_sequence=per_sequence, sc_ids=ids, sc_probs=probs)
+        return DecoderInputs(tokens=flat, n=n, length=length, per_sequence=per_sequence, sc_ids=ids, sc_probs=probs)
 
-    def _run_decoder(self, inputs: "_DecoderInputs", call: Any) -> int:
+    def _run_decoder(self, inputs: "DecoderInputs", call: Any) -> int:
         """`call(lib)`; without per_sequence, sequences 1..n-1 share sequence 0's cached cells for its
         duration. Ctrl-C waits until the call returns (see native.deferred_interrupts)."""
         L = self._lib
@@ -664,24 +615,6 @@ class DiffusionModel(_LlamaModel):
         if not np.isfinite(probs).all() or (probs < 0).any():
             raise InvalidParameter("sc_topk probs", "negative or non-finite values", "probabilities")
         return np.ascontiguousarray(ids, dtype=np.int32), probs
-
-
-@dataclass
-class _DecoderInputs:
-    """A decoder forward's checked inputs: canvases (flat int32) and the self-conditioning top-k."""
-
-    tokens: np.ndarray
-    n: int
-    length: int
-    per_sequence: bool  # canvas s after sequence s's own cache (else all after sequence 0's)
-    sc_ids: np.ndarray | None = None  # int32 [n, C, k]
-    sc_probs: np.ndarray | None = None  # float32 [n, C, k]
-
-    def self_cond_args(self) -> tuple[Any, Any, int]:
-        """(sc_ids, sc_probs, sc_k) as the dg_* functions take them."""
-        if self.sc_ids is None:
-            return None, None, 0
-        return native.as_token_p(self.sc_ids), native.as_float_p(self.sc_probs), int(self.sc_ids.shape[-1])
 
 
 class ArModel(_LlamaModel):

@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 
 from dgcli.errors import DgError
 from dgcli.runtime import native
+from dgcli.runtime.cpu import MAX_THREADS
 
 DEFAULT_PORT = 50052
 # ggml-rpc.h of the vendored llama.cpp: a worker must speak the same major version
@@ -457,8 +458,6 @@ class Worker:
     returns, so the main thread stays free to notice Ctrl-C)."""
 
     def __init__(self, host: str, port: int, n_threads: int, cache_dir: Path | None = None):
-        from dgcli.runtime.model import MAX_THREADS
-
         if isinstance(n_threads, bool) or not isinstance(n_threads, int) or not 1 <= n_threads <= MAX_THREADS:
             raise RpcError(f"invalid threads={n_threads}: must be an integer from 1 to {MAX_THREADS}")
         self.host, self.port = check_bindable(host, port), port

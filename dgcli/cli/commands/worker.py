@@ -25,7 +25,7 @@ def worker(
 ) -> None:
     """Serve this machine's devices (its GPUs, else its CPU) to `dg ... --rpc HOST:PORT` over llama.cpp's RPC."""
     from dgcli.runtime import rpc
-    from dgcli.runtime.model import MAX_THREADS, check_threads
+    from dgcli.runtime.cpu import MAX_THREADS, check_threads
 
     with shared.user_errors():
         if not 0 <= port <= 65535:
