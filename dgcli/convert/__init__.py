@@ -32,12 +32,12 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from dgcli.errors import DgError
+from dgcli.modelfile.hparams import AR_ARCH, DIFFUSION_ARCH
+from dgcli.modelfile.layout import layout_tensors
 from dgcli.outputs import OutputFile, check_distinct, writing
 from dgcli.params import DIFFUSION_PARAM_KEYS, REFERENCE_DEFAULTS_KEY, DiffusionParams
 from dgcli.units import format_bytes
 
-DIFFUSION_ARCH = "diffusion-gemma"
-AR_ARCH = "gemma4"
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
 NO_ROTATION_FACTOR = 1e30
 # The reference's logit softcap: a class constant of its text config, so config.json never carries it.
@@ -287,39 +287,37 @@ class TensorSpec:
     layer: int | None = None
 
 
-# role -> (gguf tensor suffix, HF suffix under the layer prefix)
-_LAYER_TENSORS: tuple[tuple[str, str, str], ...] = (
-    ("attn_norm", "attn_norm.weight", "input_layernorm.weight"),
-    ("attn_q", "attn_q.weight", "self_attn.q_proj.weight"),
-    ("attn_k", "attn_k.weight", "self_attn.k_proj.weight"),
-    ("attn_v", "attn_v.weight", "self_attn.v_proj.weight"),
-    ("attn_q_norm", "attn_q_norm.weight", "self_attn.q_norm.weight"),
-    ("attn_k_norm", "attn_k_norm.weight", "self_attn.k_norm.weight"),
-    ("attn_output", "attn_output.weight", "self_attn.o_proj.weight"),
-    ("post_attention_norm", "post_attention_norm.weight", "post_attention_layernorm.weight"),
-    ("ffn_norm", "ffn_norm.weight", "pre_feedforward_layernorm.weight"),
-    ("ffn_gate", "ffn_gate.weight", "mlp.gate_proj.weight"),
-    ("ffn_up", "ffn_up.weight", "mlp.up_proj.weight"),
-    ("ffn_down", "ffn_down.weight", "mlp.down_proj.weight"),
-    ("post_ffw_norm_1", "post_ffw_norm_1.weight", "post_feedforward_layernorm_1.weight"),
-    ("pre_ffw_norm_2", "pre_ffw_norm_2.weight", "pre_feedforward_layernorm_2.weight"),
-    ("ffn_gate_inp", "ffn_gate_inp.weight", "router.proj.weight"),
-    ("ffn_gate_inp_scale", "ffn_gate_inp.scale", "router.scale"),
-    ("ffn_gate_up_exps", "ffn_gate_up_exps.weight", "experts.gate_up_proj"),
-    ("ffn_down_exps", "ffn_down_exps.weight", "experts.down_proj"),
-    ("ffn_down_exps_scale", "ffn_down_exps.scale", "router.per_expert_scale"),
-    ("post_ffw_norm_2", "post_ffw_norm_2.weight", "post_feedforward_layernorm_2.weight"),
-    ("post_ffw_norm", "post_ffw_norm.weight", "post_feedforward_layernorm.weight"),
-)
-HF_LAYER_SUFFIX = {role: hf for role, _, hf in _LAYER_TENSORS}
-
-_SELF_COND: tuple[tuple[str, str, str], ...] = (
-    ("self_cond_pre_norm", "self_cond_pre_norm.weight", "self_conditioning.pre_norm.weight"),
-    ("self_cond_gate", "self_cond_gate.weight", "self_conditioning.gate_proj.weight"),
-    ("self_cond_up", "self_cond_up.weight", "self_conditioning.up_proj.weight"),
-    ("self_cond_down", "self_cond_down.weight", "self_conditioning.down_proj.weight"),
-)
-HF_SELF_COND = {role: hf for role, _, hf in _SELF_COND}
+# role (modelfile.layout: the GGUF's name) -> the reference checkpoint's tensor under a layer's prefix
+HF_LAYER_SUFFIX = {
+    "attn_norm": "input_layernorm.weight",
+    "attn_q": "self_attn.q_proj.weight",
+    "attn_k": "self_attn.k_proj.weight",
+    "attn_v": "self_attn.v_proj.weight",
+    "attn_q_norm": "self_attn.q_norm.weight",
+    "attn_k_norm": "self_attn.k_norm.weight",
+    "attn_output": "self_attn.o_proj.weight",
+    "post_attention_norm": "post_attention_layernorm.weight",
+    "ffn_norm": "pre_feedforward_layernorm.weight",
+    "ffn_gate": "mlp.gate_proj.weight",
+    "ffn_up": "mlp.up_proj.weight",
+    "ffn_down": "mlp.down_proj.weight",
+    "post_ffw_norm_1": "post_feedforward_layernorm_1.weight",
+    "pre_ffw_norm_2": "pre_feedforward_layernorm_2.weight",
+    "ffn_gate_inp": "router.proj.weight",
+    "ffn_gate_inp_scale": "router.scale",
+    "ffn_gate_up_exps": "experts.gate_up_proj",
+    "ffn_down_exps": "experts.down_proj",
+    "ffn_down_exps_scale": "router.per_expert_scale",
+    "post_ffw_norm_2": "post_feedforward_layernorm_2.weight",
+    "post_ffw_norm": "post_feedforward_layernorm.weight",
+}
+# role -> the reference checkpoint's tensor under the decoder's prefix
+HF_SELF_COND = {
+    "self_cond_pre_norm": "self_conditioning.pre_norm.weight",
+    "self_cond_gate": "self_conditioning.gate_proj.weight",
+    "self_cond_up": "self_conditioning.up_proj.weight",
+    "self_cond_down": "self_conditioning.down_proj.weight",
+}
 
 
 def _layer_shapes(p: LayoutParams, i: int) -> dict[str, tuple[int, ...]]:
@@ -349,27 +347,6 @@ def _layer_shapes(p: LayoutParams, i: int) -> dict[str, tuple[int, ...]]:
         "post_ffw_norm_2": (H,),
         "post_ffw_norm": (H,),
     }
-
-
-def layout_tensors(is_swa: Sequence[bool], arch: str = DIFFUSION_ARCH) -> Iterator[tuple[str, str, int | None]]:
-    """(name, role, layer) of every tensor of the published layout (or of the AR twin), in file order,
-    for layers of these kinds (True = sliding)."""
-    yield "token_embd.weight", "token_embd", None
-    yield "rope_freqs.weight", "rope_freqs", None
-    for i, swa in enumerate(is_swa):
-        for role, suffix, _ in _LAYER_TENSORS:
-            if role == "attn_v" and not swa:
-                continue  # k_eq_v
-            yield f"blk.{i}.{suffix}", role, i
-        if arch == DIFFUSION_ARCH:
-            yield f"blk.{i}.layer_output_scale.weight", "layer_scalar_decoder", i
-            yield f"blk.{i}.enc_layer_output_scale.weight", "layer_scalar_encoder", i
-        else:
-            yield f"blk.{i}.layer_output_scale.weight", "layer_scalar_encoder", i
-    yield "output_norm.weight", "output_norm", None
-    if arch == DIFFUSION_ARCH:
-        for role, name, _ in _SELF_COND:
-            yield name, role, None
 
 
 def tensor_plan(p: LayoutParams, arch: str = DIFFUSION_ARCH) -> list[TensorSpec]:

@@ -17,9 +17,11 @@ from typing import Any
 from dgcli.errors import DgError, ModelLoadError
 from dgcli.modelfile.header import GgufHeader, read_header
 from dgcli.modelfile.hparams import AR_ARCH, DIFFUSION_ARCH, check_model_header, sampler_defaults
+from dgcli.modelfile.layout import layout_tensors
 from dgcli.params import DIFFUSION_PARAM_KEYS, REFERENCE_DEFAULTS_KEY, DiffusionParams
 from dgcli.runtime.cpu import cpu_flags, is_x86_64
 from dgcli.runtime.offload import PlacementPlan, plan_placement
+from dgcli.units import format_bytes
 
 # llama.cpp mmaps the weights; KV cache, compute buffers and the process itself come on top.
 MEMORY_OVERHEAD_FACTOR = 1.10
@@ -394,11 +396,9 @@ _MOE_ROLES = ("ffn_gate_inp", "ffn_gate_inp_scale", "pre_ffw_norm_2", "post_ffw_
 
 
 def missing_tensors(header: GgufHeader) -> list[str]:
-    """The tensors of the file's layout (dg's converter: dgcli.convert.layout_tensors) that it lacks,
+    """The tensors of the file's layout (modelfile.layout: what dg's converter writes) that it lacks,
     in file order; for a gemma4 file, only those llama.cpp's stock loader requires. The header must
     have passed check_model_header (block_count and the sliding pattern are read from it)."""
-    from dgcli.convert import layout_tensors
-
     arch = header.architecture
     if arch not in (DIFFUSION_ARCH, AR_ARCH):
         return []
@@ -447,8 +447,6 @@ def check_fits_memory(path: Path | str, *, n_gpu_layers: int = 0, n_cpu_moe: int
 
     if os.environ.get("DG_SKIP_MEMORY_CHECK") == "1":
         return
-    from dgcli.hub import format_bytes
-
     if gpus is None:
         gpus = detect_gpus() if n_gpu_layers != 0 else []
     header = read_header(path)
