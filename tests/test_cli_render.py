@@ -12,6 +12,7 @@ from rich.console import Console
 from dgcli import cli
 from dgcli.cli import _shared as shared, render
 from dgcli.engine.diffusion import DiffusionEngine
+from dgcli.engine.thinking import split_thinking
 from dgcli.engine.types import CanvasEvent, GenerationResult, StepEvent, TokenEvent
 
 WORDS = {0: "<pad>", 1: "<eos>", 5: "The", 6: " cat", 7: " sat", 8: "\n", 9: "zz"}
@@ -181,9 +182,9 @@ def test_display_says_a_ctrl_c_waits_for_the_forward(monkeypatch):
 
 def test_split_thinking():
     t = "<|channel>thought\nadd 3 and 5<channel|>The answer is 8."
-    assert render.split_thinking(t) == ("add 3 and 5", "The answer is 8.")
-    assert render.split_thinking("plain answer") == (None, "plain answer")
-    assert render.split_thinking("<|channel>thought\nstill thinking") == ("still thinking", "")
+    assert split_thinking(t) == ("add 3 and 5", "The answer is 8.")
+    assert split_thinking("plain answer") == (None, "plain answer")
+    assert split_thinking("<|channel>thought\nstill thinking") == ("still thinking", "")
     assert render.answer_plain(t, "hide") == "The answer is 8."
     assert render.answer_plain(t, "show") == "[thinking] add 3 and 5\n[answer] The answer is 8."
     shown = to_text(render.answer_renderable(t, "show"))

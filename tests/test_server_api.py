@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from dgcli.cli.render import split_thinking
+from dgcli.engine.thinking import split_thinking
 from dgcli.params import DiffusionParams
 from dgcli.server.api import ApiError, chunk_body, parse_request
 from dgcli.server.text import AnswerStream

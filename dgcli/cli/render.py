@@ -16,13 +16,9 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from dgcli.engine.thinking import split_thinking
 from dgcli.engine.types import CanvasEvent, GenerationResult, StepEvent, TokenEvent
-from dgcli.units import format_bytes, format_figure
-
-# Gemma 4's thinking channel (Transformers' gemma4 response template): the model opens it with
-# `<|channel>thought\n` and closes it with `<channel|>`; the answer follows.
-THINK_OPEN = "<|channel>thought"
-THINK_CLOSE = "<channel|>"
+from dgcli.units import format_bytes, format_figure, plural
 
 ACCEPTED_STYLE = "bold bright_white"
 NOISY_STYLE = "dim"
@@ -41,23 +37,6 @@ _CONTROLS = {c: "\ufffd" for c in [*range(0x00, 0x09), *range(0x0b, 0x20), 0x7f,
 def printable(text: str) -> str:
     """Text safe to draw on a terminal: newlines and tabs kept, other control characters replaced."""
     return text.translate(_CONTROLS)
-
-
-def split_thinking(text: str) -> tuple[str | None, str]:
-    """(thinking, answer). An unclosed thinking channel is all thinking and no answer yet."""
-    start = text.find(THINK_OPEN)
-    if start < 0:
-        return None, text
-    before = text[:start]
-    rest = text[start + len(THINK_OPEN):].lstrip("\n")
-    end = rest.find(THINK_CLOSE)
-    if end < 0:
-        return rest, before
-    return rest[:end].rstrip("\n"), before + rest[end + len(THINK_CLOSE):].lstrip("\n")
-
-
-def plural(n: int, word: str, many: str | None = None) -> str:
-    return f"{n} {word if n == 1 else (many or word + 's')}"
 
 
 def answer_text(text: str, thinking: str = "show") -> Text:

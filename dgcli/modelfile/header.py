@@ -50,7 +50,7 @@ MAX_KEY_BYTES = 65535  # llama.cpp's gguf reader refuses longer keys
 
 # token texts whose ids the vocabulary scan records: the end of a generation, and Gemma 4's
 # thinking-channel markers (control tokens, which detokenizing normally drops; they stay in the text
-# so that the CLI can show the thinking dimmed or hide it: render.split_thinking)
+# so that the CLI can show the thinking dimmed or hide it: dgcli.engine.thinking)
 END_TOKEN_TEXTS = ("<eos>", "<turn|>")
 VISIBLE_CONTROL_TEXTS = ("<|channel>", "<channel|>")
 TOKEN_TEXTS_OF_INTEREST = END_TOKEN_TEXTS + VISIBLE_CONTROL_TEXTS

@@ -36,12 +36,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from dgcli.cli.render import plural
 from dgcli.engine.diffusion import DiffusionEngine, DiffusionSequence, denoising_step, validate_max_new_tokens
 from dgcli.engine.types import CanvasEvent, GenerationResult, StepEvent
 from dgcli.errors import DgError
 from dgcli.params import DiffusionParams
 from dgcli.runtime.model import ENCODE_CHUNK
+from dgcli.units import plural
 
 
 class QueueFull(DgError):

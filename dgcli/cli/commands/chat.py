@@ -10,6 +10,7 @@ import typer
 
 from dgcli.cli import _shared as shared, _signals, render
 from dgcli.errors import DgError
+from dgcli.units import plural
 
 BANNER = "Chat with {name}. /help lists the commands; /exit or Ctrl-D leaves; Ctrl-C stops an answer."
 
@@ -84,7 +85,7 @@ def chat(
         # piped messages are a script: one that got no answer makes the run a failure (at a terminal
         # the person saw the error and went on)
         if failed and not interactive:
-            raise DgError(f"{render.plural(failed, 'message')} of {turns} got no answer (see the errors above)")
+            raise DgError(f"{plural(failed, 'message')} of {turns} got no answer (see the errors above)")
 
 
 def _messages(interactive: bool):

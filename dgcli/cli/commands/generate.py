@@ -10,6 +10,7 @@ import typer
 
 from dgcli import outputs
 from dgcli.cli import _shared as shared, render
+from dgcli.engine.thinking import split_thinking
 from dgcli.errors import DgError, InvalidParameter
 
 GENERATE_SCHEMA = "dg-generate/1"
@@ -96,7 +97,7 @@ def generate(
                     recorder.result(result.to_json())
             finally:
                 engine.close()
-        thought, answer = render.split_thinking(result.text)
+        thought, answer = split_thinking(result.text)
         if json_out:
             doc = dict(schema=GENERATE_SCHEMA, **header, answer=answer.strip(),
                        thinking=thought.strip() if thought is not None else None,

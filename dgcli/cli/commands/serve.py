@@ -12,6 +12,7 @@ import typer
 
 from dgcli.cli import _shared as shared, _signals, render
 from dgcli.errors import DgError, InvalidParameter
+from dgcli.units import plural
 
 STOPPED = "dg serve: stopped"  # the log's last line, whichever signal stopped it
 
@@ -109,7 +110,7 @@ def _run(uvicorn, listener: socket.socket, name: str, path, *, parallel: int, qu
     from dgcli.server.app import DgService, ServeConfig, create_app
     from dgcli.server.scheduler import BatchScheduler
 
-    with shared.stderr.status(f"loading {name} ({render.plural(parallel, 'slot')} of {ctx_size} tokens)"):
+    with shared.stderr.status(f"loading {name} ({plural(parallel, 'slot')} of {ctx_size} tokens)"):
         # a KV-cache stream per request: each is laid out as if alone, so answers equal `dg generate`'s
         model = DiffusionModel(str(path), n_threads=threads, n_gpu_layers=gpu_layers, n_ctx=ctx_size * parallel,
                                n_seq_max=parallel, kv_unified=False, rpc_servers=rpc_servers)
@@ -128,7 +129,7 @@ def _run(uvicorn, listener: socket.socket, name: str, path, *, parallel: int, qu
         host, port = listener.getsockname()[:2]
         url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
         banner = (f"dg serve: {url}/v1  model {name} (canvas {model.canvas_length})  "
-                  f"{render.plural(parallel, 'slot')} of {model.n_ctx_seq} tokens  queue {queue_size}")
+                  f"{plural(parallel, 'slot')} of {model.n_ctx_seq} tokens  queue {queue_size}")
         if shared.stdout.is_terminal:  # wrapped between words; scripts reading stdout get one raw line
             shared.stdout.print(banner, markup=False, highlight=False)
         else:
