@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dgcli import cli
-from dgcli.cli import _shared as shared
+from dgcli.cli import _models
 
 runner = CliRunner()
 
@@ -29,7 +29,7 @@ def no_engine(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded for input that should have been refused")
     for seam in ("open_diffusion_engine", "open_ar_engine", "open_speed_model"):
-        monkeypatch.setattr(shared, seam, refuse)
+        monkeypatch.setattr(_models, seam, refuse)
 
 
 def test_prompt_that_is_not_utf8(tiny_gguf, no_engine):

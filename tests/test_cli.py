@@ -21,7 +21,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dgcli import cli
-from dgcli.cli import _shared as shared
+from dgcli.cli import _errors, _models, _output
 from dgcli.engine.diffusion import DiffusionEngine
 from dgcli.engine.types import GenerationResult, TokenEvent
 from dgcli.params import DiffusionParams
@@ -121,9 +121,9 @@ def scripted(monkeypatch):
             engine = DiffusionEngine(model)
             engine.close = model.close  # the CLI must close what it opened
             return engine
-        monkeypatch.setattr(shared, "open_diffusion_engine", open_engine)
-        monkeypatch.setattr(shared, "open_ar_engine", lambda path, threads=None, gpu_layers=0, **_: ScriptedAr())
-        monkeypatch.setattr(shared, "open_speed_model", lambda path, n, threads=None, gpu_layers=0, **_: ScriptedModel())
+        monkeypatch.setattr(_models, "open_diffusion_engine", open_engine)
+        monkeypatch.setattr(_models, "open_ar_engine", lambda path, threads=None, gpu_layers=0, **_: ScriptedAr())
+        monkeypatch.setattr(_models, "open_speed_model", lambda path, n, threads=None, gpu_layers=0, **_: ScriptedModel())
         return opened
 
     return factory
@@ -276,7 +276,7 @@ def test_invalid_sampler_values(flags, fragment, tiny_gguf, scripted):
 def test_prompt_longer_than_the_context(tiny_gguf, monkeypatch):
     def open_engine(path, threads=None, gpu_layers=0, **_):
         return DiffusionEngine(ScriptedModel(n_ctx=16))
-    monkeypatch.setattr(shared, "open_diffusion_engine", open_engine)
+    monkeypatch.setattr(_models, "open_diffusion_engine", open_engine)
     r = run("generate", "word " * 20, "-m", tiny_gguf, "--no-live")
     assert_one_line_error(r, "prompt is 21 tokens", "exceeds the context of 16 tokens")
 
@@ -373,7 +373,7 @@ def test_failure_mid_run_leaves_no_trace_file(tiny_gguf, tmp_path, monkeypatch):
                 raise DgError("decoder failed")
             return super().decode_canvas(canvas, sc_logits)
 
-    monkeypatch.setattr(shared, "open_diffusion_engine", lambda p, threads=None, gpu_layers=0, **_: DiffusionEngine(Failing(confident=False)))
+    monkeypatch.setattr(_models, "open_diffusion_engine", lambda p, threads=None, gpu_layers=0, **_: DiffusionEngine(Failing(confident=False)))
     trace = tmp_path / "t.jsonl"
     r = run("generate", "hi", "-m", tiny_gguf, "--trace", trace, "--no-live")
     assert r.exit_code == 1
@@ -395,7 +395,7 @@ def test_ctrl_c_prints_what_was_produced(tiny_gguf, scripted, tmp_path):
     scripted(confident=False, interrupt_at_step=4)
     trace = tmp_path / "t.jsonl"
     r = run("generate", "hi", "-m", tiny_gguf, "--no-live", "--steps", "3", "--trace", trace)
-    assert r.exit_code == shared.EXIT_INTERRUPTED
+    assert r.exit_code == _errors.EXIT_INTERRUPTED
     assert "interrupted" in r.stderr and "stop=interrupted" in r.stderr
     # The first canvas's text: the argmax words of its 8 positions (token ids 3..10).
     assert r.stdout.split() == ScriptedModel().words[3:3 + ScriptedModel.canvas_length]
@@ -455,7 +455,7 @@ def test_bench_json_and_tables(tiny_gguf, tiny_ar_gguf, scripted, tmp_path, monk
     assert doc["speed_model"] is None
     from rich.console import Console
 
-    monkeypatch.setattr(shared, "stdout", Console(highlight=False, width=80))
+    monkeypatch.setattr(_output, "stdout", Console(highlight=False, width=80))
     table = run("bench", "-m", tiny_gguf, "--ar-model", tiny_ar_gguf, "--prompts", prompts, "--repeat", "2")
     assert table.exit_code == 0, table.stderr
     for col in ("prompt", "diffusion", "AR", "speedup", "steps/canvas", "tokens/forward", "answer tokens"):
@@ -567,7 +567,7 @@ def test_bench_batch_sweep_uses_multi_sequence_forward(tiny_gguf, tiny_ar_gguf, 
         loaded.append(MultiSeqModel(n))
         return loaded[-1]
 
-    monkeypatch.setattr(shared, "open_speed_model", open_speed)
+    monkeypatch.setattr(_models, "open_speed_model", open_speed)
     r = run("bench", "-m", tiny_gguf, "--ar-model", tiny_ar_gguf, "--repeat", "1", "--batch-sizes", "1,4",
             "--max-new-tokens", "8", "--json")
     assert r.exit_code == 0, r.stderr

@@ -17,7 +17,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dgcli import cli
-from dgcli.cli import _shared as shared
+from dgcli.cli import _models
 
 from dgcli.runtime import native
 
@@ -70,7 +70,7 @@ def test_prompt_longer_than_context_with_the_real_model(tiny_gguf, monkeypatch):
         opened.append(DiffusionEngine(str(p), n_threads=1, n_ctx=64))
         return opened[-1]
 
-    monkeypatch.setattr(shared, "open_diffusion_engine", open_small_context)
+    monkeypatch.setattr(_models, "open_diffusion_engine", open_small_context)
     r = dg("generate", "word " * 200, "-m", tiny_gguf)
     n_ctx = opened[0].model.n_ctx
     assert n_ctx < 600

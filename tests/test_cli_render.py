@@ -10,7 +10,7 @@ import pytest
 from rich.console import Console
 
 from dgcli import cli
-from dgcli.cli import _shared as shared, render
+from dgcli.cli import _display, _models, _output, _terminal, render
 from dgcli.engine.diffusion import DiffusionEngine
 from dgcli.engine.thinking import split_thinking
 from dgcli.engine.types import CanvasEvent, GenerationResult, StepEvent, TokenEvent
@@ -146,7 +146,7 @@ def test_display_redraws_a_slow_forward_every_second_and_a_fast_one_never():
     view = render.DiffusionLiveView(piece, detok, end_token_ids=[1])
     live = _RecordingLive(view)
     # slow: the engine computes 3.3 s before its first event
-    with shared.DiffusionDisplay(None, live=True, thinking="show", live_obj=live, view=view) as display:
+    with _display.DiffusionDisplay(None, live=True, thinking="show", live_obj=live, view=view) as display:
         time.sleep(3.3)
         ticks = [status for thread, status in live.redraws if thread == "dg-busy-ticker"]
         display.on_event(step([5, 6, 9, 9], [True, False, False, False], step=1))
@@ -156,7 +156,7 @@ def test_display_redraws_a_slow_forward_every_second_and_a_fast_one_never():
     # fast: events every 0.1 s for 1.5 s, the ticker never redraws
     view, live.redraws = render.DiffusionLiveView(piece, detok, end_token_ids=[1]), []
     live.view = view
-    with shared.DiffusionDisplay(None, live=True, thinking="show", live_obj=live, view=view) as display:
+    with _display.DiffusionDisplay(None, live=True, thinking="show", live_obj=live, view=view) as display:
         for i in range(15):
             time.sleep(0.1)
             display.on_event(step([5, 6, 9, 9], [True, False, False, False], step=i + 1))
@@ -174,7 +174,7 @@ def test_display_says_a_ctrl_c_waits_for_the_forward(monkeypatch):
     view = render.DiffusionLiveView(piece, detok, end_token_ids=[1])
     live = _RecordingLive(view)
     monkeypatch.setattr(_signals, "interrupt_pending", lambda: True)
-    with shared.DiffusionDisplay(None, live=True, thinking="show", live_obj=live, view=view):
+    with _display.DiffusionDisplay(None, live=True, thinking="show", live_obj=live, view=view):
         time.sleep(2.3)
     ticks = [status for thread, status in live.redraws if thread == "dg-busy-ticker"]
     assert ticks and ticks[-1].endswith("working 2 s, stopping after this forward (Ctrl-C again: now)"), ticks
@@ -292,10 +292,10 @@ def test_generate_live_view_on_a_terminal(tiny_gguf, monkeypatch):
     from test_cli import ScriptedModel
 
     buf = io.StringIO()
-    monkeypatch.setattr(shared, "stdout", Console(file=buf, force_terminal=True, width=100, color_system=None))
-    monkeypatch.setattr(shared, "stderr", Console(file=io.StringIO(), force_terminal=True, width=100))
-    monkeypatch.setattr(shared, "open_diffusion_engine", lambda p, threads=None, gpu_layers=0, **_: DiffusionEngine(ScriptedModel()))
-    monkeypatch.setattr(shared.Throttle, "ready", lambda self, force=False: True)  # render every step
+    monkeypatch.setattr(_output, "stdout", Console(file=buf, force_terminal=True, width=100, color_system=None))
+    monkeypatch.setattr(_output, "stderr", Console(file=io.StringIO(), force_terminal=True, width=100))
+    monkeypatch.setattr(_models, "open_diffusion_engine", lambda p, threads=None, gpu_layers=0, **_: DiffusionEngine(ScriptedModel()))
+    monkeypatch.setattr(_terminal.Throttle, "ready", lambda self, force=False: True)  # render every step
     from typer.testing import CliRunner
 
     r = CliRunner().invoke(cli.app, ["generate", "what is 3+5", "-m", str(tiny_gguf), "--seed", "0"])

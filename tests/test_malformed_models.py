@@ -274,15 +274,15 @@ def test_info_keeps_no_vocabulary_in_memory(tmp_path):
 
 
 def test_header_is_parsed_once_for_info_preflight_params_and_load(tiny_gguf, monkeypatch):
-    from dgcli.cli import _shared as shared
+    from dgcli.cli import _models, _options
 
     calls = []
     real = header_mod._parse_file
     monkeypatch.setattr(header_mod, "_parse_file", lambda *a: calls.append(a) or real(*a))
     monkeypatch.setattr(gguf, "GGUFReader", None)  # the slow reader is not used at all
     header_mod.clear_cache()
-    shared.preflight(Path(tiny_gguf), diffusion=True, command="generate", gpu_layers=0)
-    shared.diffusion_params(Path(tiny_gguf))
+    _models.preflight(Path(tiny_gguf), diffusion=True, command="generate", gpu_layers=0)
+    _options.diffusion_params(Path(tiny_gguf))
     info.read_info(tiny_gguf)
     check_model_header(read_header(tiny_gguf))
     assert len(calls) == 1

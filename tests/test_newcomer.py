@@ -21,7 +21,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dgcli import cli
-from dgcli.cli import _shared as shared, render
+from dgcli.cli import render, _terminal
 from dgcli.engine.types import GenerationResult
 from dgcli.runtime import native
 from dgcli.testing.tiny import write_tiny_random_gguf
@@ -121,16 +121,16 @@ def test_a_run_without_a_seed_reports_the_seed_that_reproduces_it():
 def test_pace_holds_each_step_on_screen(monkeypatch):
     clock = {"now": 100.0}
     slept = []
-    monkeypatch.setattr(shared.time, "monotonic", lambda: clock["now"])
-    monkeypatch.setattr(shared.time, "sleep", lambda s: (slept.append(round(s, 6)), clock.update(now=clock["now"] + s)))
-    pacer = shared.Pacer(0.3)
+    monkeypatch.setattr(_terminal.time, "monotonic", lambda: clock["now"])
+    monkeypatch.setattr(_terminal.time, "sleep", lambda s: (slept.append(round(s, 6)), clock.update(now=clock["now"] + s)))
+    pacer = _terminal.Pacer(0.3)
     pacer.wait()  # the first step shows at once
     clock["now"] += 0.05  # the next step took 0.05 s to compute
     pacer.wait()
     clock["now"] += 0.5  # a slow step is not held longer
     pacer.wait()
     assert slept == [0.25]
-    shared.Pacer(0).wait()
+    _terminal.Pacer(0).wait()
     assert slept == [0.25]
 
 

@@ -54,7 +54,7 @@ def _terminal_size_variables() -> None:
     """COLUMNS and LINES that are no terminal's size are ignored, as Rich ignores a word there: a digit
     that is not ASCII (COLUMNS=² ended every command in a traceback from Rich's int()), 0, or more
     than MAX_TERMINAL_CELLS (COLUMNS=1000000000 had Rich pad each line of a live view to a billion
-    cells: gigabytes of memory, growing). Rich then asks the terminal (piped: see _shared._pipe_width)."""
+    cells: gigabytes of memory, growing). Rich then asks the terminal (piped: see _output._pipe_width)."""
     import os
 
     for name in ("COLUMNS", "LINES"):
@@ -145,7 +145,7 @@ def _version(value: bool) -> None:
 
 
 @app.callback(cls=_OneLineErrors)
-def _options(show_version: bool = typer.Option(False, "--version", "-V", callback=_version, is_eager=True,
+def _root_options(show_version: bool = typer.Option(False, "--version", "-V", callback=_version, is_eager=True,
                                                help="Print dg's version and exit.")) -> None:
     """Run DiffusionGemma (text diffusion) and its autoregressive base from GGUF files; watch, compare, benchmark."""
 

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from dgcli.cli import _shared as shared, _signals, render
+from dgcli.cli import _display, _errors, _models, _options, _output, _prompt, _signals, _terminal, render
 from dgcli.errors import DgError
 from dgcli.units import plural
 
@@ -16,41 +16,41 @@ BANNER = "Chat with {name}. /help lists the commands; /exit or Ctrl-D leaves; Ct
 
 
 def chat(
-    model: Optional[str] = shared.ModelOpt,
-    system: Optional[str] = shared.SystemOpt,
+    model: Optional[str] = _options.ModelOpt,
+    system: Optional[str] = _options.SystemOpt,
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="At most this many answer tokens per turn."),
-    seed: Optional[int] = shared.SeedOpt,
-    temp: Optional[float] = shared.TempOpt,
-    steps: Optional[int] = shared.StepsOpt, t_min: Optional[float] = shared.TMinOpt, t_max: Optional[float] = shared.TMaxOpt,
-    entropy_bound: Optional[float] = shared.EBOpt, stability_threshold: Optional[int] = shared.StabOpt,
-    confidence_threshold: Optional[float] = shared.ConfOpt,
-    ctx_size: Optional[int] = shared.CtxOpt,
-    threads: Optional[int] = shared.ThreadsOpt, gpu_layers: int = shared.GpuOpt,
-    n_cpu_moe: Optional[int] = shared.NCpuMoeOpt, cpu_moe: bool = shared.CpuMoeOpt, verbose: bool = shared.VerboseOpt,
-    thinking: str = shared.ThinkingOpt,
-    pace: float = shared.PaceOpt,
-    no_live: bool = shared.NoLiveOpt,
-    parse_special: bool = shared.ParseSpecialOpt,
-    yes: bool = shared.YesOpt,
+    seed: Optional[int] = _options.SeedOpt,
+    temp: Optional[float] = _options.TempOpt,
+    steps: Optional[int] = _options.StepsOpt, t_min: Optional[float] = _options.TMinOpt, t_max: Optional[float] = _options.TMaxOpt,
+    entropy_bound: Optional[float] = _options.EBOpt, stability_threshold: Optional[int] = _options.StabOpt,
+    confidence_threshold: Optional[float] = _options.ConfOpt,
+    ctx_size: Optional[int] = _options.CtxOpt,
+    threads: Optional[int] = _options.ThreadsOpt, gpu_layers: int = _options.GpuOpt,
+    n_cpu_moe: Optional[int] = _options.NCpuMoeOpt, cpu_moe: bool = _options.CpuMoeOpt, verbose: bool = _options.VerboseOpt,
+    thinking: str = _options.ThinkingOpt,
+    pace: float = _options.PaceOpt,
+    no_live: bool = _options.NoLiveOpt,
+    parse_special: bool = _options.ParseSpecialOpt,
+    yes: bool = _options.YesOpt,
 ) -> None:
     """Talk with DiffusionGemma, turn after turn, the earlier turns kept in the KV cache.
 
     Only each new message is prefilled. Messages come from the terminal, or one per line from a pipe."""
     from dgcli.engine.chat import ChatSession, is_command, message_text
 
-    with shared.user_errors():
-        shared.check_thinking(thinking)
-        shared.check_generation_args(max_new_tokens, threads, gpu_layers, ctx_size, pace)
-        gpu_layers, n_cpu_moe = shared.resolve_offload(gpu_layers, n_cpu_moe, cpu_moe)
-        system = shared.check_prompt_options(system, False)
-        resolved, path = shared.resolve_model(model, yes=yes, want="diffusion")
-        shared.preflight(path, diffusion=True, command="chat", gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe,
+    with _errors.user_errors():
+        _options.check_thinking(thinking)
+        _options.check_generation_args(max_new_tokens, threads, gpu_layers, ctx_size, pace)
+        gpu_layers, n_cpu_moe = _options.resolve_offload(gpu_layers, n_cpu_moe, cpu_moe)
+        system = _prompt.check_prompt_options(system, False)
+        resolved, path = _models.resolve_model(model, yes=yes, want="diffusion")
+        _models.preflight(path, diffusion=True, command="chat", gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe,
                          ctx_size=ctx_size)
-        params = shared.diffusion_params(path, temp, **shared.sampler_flags(
+        params = _options.diffusion_params(path, temp, **_options.sampler_flags(
             steps, t_min, t_max, entropy_bound, stability_threshold, confidence_threshold))
         interactive = sys.stdin.isatty()
-        live = shared.use_live(no_live, False)
-        engine = shared.open_diffusion_engine(path, threads=threads, gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe,
+        live = _terminal.use_live(no_live, False)
+        engine = _models.open_diffusion_engine(path, threads=threads, gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe,
                                               ctx_size=ctx_size, verbose=verbose)
         try:
             # a template that cannot render fails every message: say so once, before the session
@@ -63,7 +63,7 @@ def chat(
                                   seed=None if seed == -1 else seed, parse_special=parse_special)
             if interactive:
                 # text, not markup: the name of a model file is its path ("d[/x]/m.gguf": MarkupError)
-                shared.stderr.print(BANNER.format(name=resolved.display_name), style="dim", markup=False)
+                _output.stderr.print(BANNER.format(name=resolved.display_name), style="dim", markup=False)
             turns = failed = 0
             for line in _messages(interactive):
                 if is_command(line):
@@ -71,7 +71,7 @@ def chat(
                     # piped, an unknown /command is a message lost (a "/usr/lib ..."): an error, as the count says
                     lost = outcome.unknown and not interactive
                     # not markup: it may quote the user's text
-                    shared.notice(("error: " if lost else "") + outcome.message, style="dim")
+                    _output.notice(("error: " if lost else "") + outcome.message, style="dim")
                     if outcome.exit:
                         break
                     if lost:
@@ -112,13 +112,13 @@ def _messages(interactive: bool):
         try:
             line = input(">>> ")
         except KeyboardInterrupt:
-            shared.stderr.print("\n(Ctrl-D or /exit leaves)", style="dim")
+            _output.stderr.print("\n(Ctrl-D or /exit leaves)", style="dim")
             continue
         except EOFError:
-            shared.stderr.print()
+            _output.stderr.print()
             return
         except UnicodeDecodeError:  # typed or pasted bytes that are not UTF-8, in a strict locale
-            shared.stderr.print("error: the message is not UTF-8 text", style="red")
+            _output.stderr.print("error: the message is not UTF-8 text", style="red")
             continue
         if line.strip():
             yield line
@@ -130,18 +130,18 @@ def _turn(session, text: str, *, live: bool, thinking: str, pace: float, title: 
     _signals.interrupt_handled()
     model = session.engine.model
     try:
-        with shared.DiffusionDisplay(model, live=live, thinking=thinking, title=title, pace=pace) as display:
+        with _display.DiffusionDisplay(model, live=live, thinking=thinking, title=title, pace=pace) as display:
             result = session.ask(text, on_event=display.on_event)
     except DgError as err:
-        shared.notice(f"error: {' '.join(str(err).split())}", style="red")
+        _output.notice(f"error: {' '.join(str(err).split())}", style="red")
         return False
     except KeyboardInterrupt:
-        shared.stderr.print("(stopped)", style="dim")
+        _output.stderr.print("(stopped)", style="dim")
         return True
-    if shared.stdout.is_terminal:
-        shared.stdout.print(render.answer_renderable(result.text, thinking))
+    if _output.stdout.is_terminal:
+        _output.stdout.print(render.answer_renderable(result.text, thinking))
     else:  # piped: the answer as it is (Rich would wrap it at its width), as generate and compare print it
-        shared.echo_text(render.answer_plain(result.text, thinking))
+        _output.echo_text(render.answer_plain(result.text, thinking))
     cached = f"  prompt {result.n_prompt_tokens} tokens, {result.n_cached_prompt_tokens} from the cache"
-    shared.notice(render.result_summary(result) + cached, style="dim cyan")
+    _output.notice(render.result_summary(result) + cached, style="dim cyan")
     return True

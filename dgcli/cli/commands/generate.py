@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from dgcli import outputs
-from dgcli.cli import _shared as shared, render
+from dgcli.cli import _display, _errors, _models, _options, _output, _prompt, _terminal, render
 from dgcli.engine.thinking import split_thinking
 from dgcli.errors import DgError, InvalidParameter
 
@@ -17,56 +17,56 @@ GENERATE_SCHEMA = "dg-generate/1"
 
 
 def generate(
-    prompt: Optional[str] = shared.PromptArg,
-    prompt_opt: Optional[str] = shared.PromptOpt,
-    file: Optional[Path] = shared.FileOpt,
-    system: Optional[str] = shared.SystemOpt,
-    raw: bool = shared.RawOpt,
-    model: Optional[str] = shared.ModelOpt,
+    prompt: Optional[str] = _options.PromptArg,
+    prompt_opt: Optional[str] = _options.PromptOpt,
+    file: Optional[Path] = _options.FileOpt,
+    system: Optional[str] = _options.SystemOpt,
+    raw: bool = _options.RawOpt,
+    model: Optional[str] = _options.ModelOpt,
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="At most this many answer tokens (whole canvases are still denoised)."),
-    seed: Optional[int] = shared.SeedOpt,
-    temp: Optional[float] = shared.TempOpt,
-    steps: Optional[int] = shared.StepsOpt, t_min: Optional[float] = shared.TMinOpt, t_max: Optional[float] = shared.TMaxOpt,
-    entropy_bound: Optional[float] = shared.EBOpt, stability_threshold: Optional[int] = shared.StabOpt,
-    confidence_threshold: Optional[float] = shared.ConfOpt,
-    ctx_size: Optional[int] = shared.CtxOpt,
-    threads: Optional[int] = shared.ThreadsOpt, gpu_layers: int = shared.GpuOpt,
-    rpc: Optional[str] = shared.RpcOpt,
-    n_cpu_moe: Optional[int] = shared.NCpuMoeOpt, cpu_moe: bool = shared.CpuMoeOpt, verbose: bool = shared.VerboseOpt,
-    thinking: str = shared.ThinkingOpt,
+    seed: Optional[int] = _options.SeedOpt,
+    temp: Optional[float] = _options.TempOpt,
+    steps: Optional[int] = _options.StepsOpt, t_min: Optional[float] = _options.TMinOpt, t_max: Optional[float] = _options.TMaxOpt,
+    entropy_bound: Optional[float] = _options.EBOpt, stability_threshold: Optional[int] = _options.StabOpt,
+    confidence_threshold: Optional[float] = _options.ConfOpt,
+    ctx_size: Optional[int] = _options.CtxOpt,
+    threads: Optional[int] = _options.ThreadsOpt, gpu_layers: int = _options.GpuOpt,
+    rpc: Optional[str] = _options.RpcOpt,
+    n_cpu_moe: Optional[int] = _options.NCpuMoeOpt, cpu_moe: bool = _options.CpuMoeOpt, verbose: bool = _options.VerboseOpt,
+    thinking: str = _options.ThinkingOpt,
     self_cond_top_k: Optional[int] = typer.Option(
         None, "--self-cond-top-k", show_default=False,
         help="Tokens per position fed back to self-conditioning (0 = all; default: all for small vocabularies, "
              "else 64; the mass left out is in the trace as sc_dropped_mass)."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past end tokens, up to --max-new-tokens (as llama.cpp's --ignore-eos)."),
-    pace: float = shared.PaceOpt,
-    no_live: bool = shared.NoLiveOpt,
+    pace: float = _options.PaceOpt,
+    no_live: bool = _options.NoLiveOpt,
     json_out: bool = typer.Option(False, "--json", help=f"Print the result and the per-step trace as JSON ({GENERATE_SCHEMA})."),
     trace: Optional[Path] = typer.Option(None, "--trace", help="Write the per-step trace to this file (JSON lines, dg-trace/1; `dg replay` shows it again; '-': stdout).", show_default=False),
-    force: bool = shared.ForceOpt,
-    parse_special: bool = shared.ParseSpecialOpt,
-    yes: bool = shared.YesOpt,
+    force: bool = _options.ForceOpt,
+    parse_special: bool = _options.ParseSpecialOpt,
+    yes: bool = _options.YesOpt,
 ) -> None:
     """Generate with DiffusionGemma, watching the canvas denoise live."""
-    with shared.user_errors():
-        shared.check_thinking(thinking)
+    with _errors.user_errors():
+        _options.check_thinking(thinking)
         if self_cond_top_k is not None and self_cond_top_k < 0:
             raise InvalidParameter("self_cond_top_k", self_cond_top_k, "an integer >= 0 (0 = all tokens)")
-        shared.check_generation_args(max_new_tokens, threads, gpu_layers, ctx_size, pace)
-        gpu_layers, n_cpu_moe = shared.resolve_offload(gpu_layers, n_cpu_moe, cpu_moe)
-        rpc_servers, gpu_layers = shared.rpc_placement(rpc, gpu_layers)
-        system = shared.check_prompt_options(system, raw)
-        run_seed = shared.seed_of(seed)
-        text = shared.read_prompt(prompt, prompt_opt, file)
-        resolved, path = shared.resolve_model(model, yes=yes, want="diffusion")
-        shared.preflight(path, diffusion=True, command="generate", gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe,
+        _options.check_generation_args(max_new_tokens, threads, gpu_layers, ctx_size, pace)
+        gpu_layers, n_cpu_moe = _options.resolve_offload(gpu_layers, n_cpu_moe, cpu_moe)
+        rpc_servers, gpu_layers = _options.rpc_placement(rpc, gpu_layers)
+        system = _prompt.check_prompt_options(system, raw)
+        run_seed = _options.seed_of(seed)
+        text = _prompt.read_prompt(prompt, prompt_opt, file)
+        resolved, path = _models.resolve_model(model, yes=yes, want="diffusion")
+        _models.preflight(path, diffusion=True, command="generate", gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe,
                          ctx_size=ctx_size)
-        params = shared.diffusion_params(path, temp, **shared.sampler_flags(
+        params = _options.diffusion_params(path, temp, **_options.sampler_flags(
             steps, t_min, t_max, entropy_bound, stability_threshold, confidence_threshold))
-        live = shared.use_live(no_live, json_out)
+        live = _terminal.use_live(no_live, json_out)
         header = dict(model=dict(name=resolved.display_name, path=str(path)), prompt=text, system=system, raw=raw,
                       params=params.__dict__, max_new_tokens=max_new_tokens, seed=run_seed, ignore_eos=ignore_eos)
-        trace_file = shared.output_file(trace, force=force, inputs=[path, file], what="--trace")
+        trace_file = _output.output_file(trace, force=force, inputs=[path, file], what="--trace")
         # a trace on stdout has it to itself: the answer goes to stderr, no live view draws over it
         trace_on_stdout = trace_file is not None and trace_file.is_stdout
         if trace_on_stdout and json_out:
@@ -74,21 +74,21 @@ def generate(
                           "file (--json holds it too, as \"trace\")")
         live = live and not trace_on_stdout
         with outputs.writing(trace_file) as (trace_out,):
-            engine = shared.open_diffusion_engine(path, threads=threads, gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe,
-                                                  **shared.rpc_option(rpc_servers),
+            engine = _models.open_diffusion_engine(path, threads=threads, gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe,
+                                                  **_options.rpc_option(rpc_servers),
                                                   ctx_size=ctx_size, verbose=verbose)
-            placement = shared.placement_of(engine.model)
+            placement = _models.placement_of(engine.model)
             try:
-                ids = shared.prompt_ids(engine.model, text, system=system, raw=raw, parse_special=parse_special)
-                shared.check_prompt_fits(engine, len(ids))
+                ids = _prompt.prompt_ids(engine.model, text, system=system, raw=raw, parse_special=parse_special)
+                _prompt.check_prompt_fits(engine, len(ids))
                 events: Optional[list] = [] if json_out else None
                 sinks = ([trace_out.write_line] if trace_out else []) + ([events.append] if events is not None else [])
-                recorder = shared.trace_recorder(engine.model, sinks)
+                recorder = _display.trace_recorder(engine.model, sinks)
                 if recorder is not None:
                     recorder.header(**header, canvas_length=engine.model.canvas_length,
                                     end_token_ids=[] if ignore_eos else list(engine.model.end_token_ids),
                                     pad_token_id=getattr(engine.model, "pad_token_id", None))
-                result = shared.run_diffusion(engine, ids, params=params, max_new_tokens=max_new_tokens, seed=run_seed,
+                result = _display.run_diffusion(engine, ids, params=params, max_new_tokens=max_new_tokens, seed=run_seed,
                                               live=live, thinking=thinking, recorder=recorder,
                                               title=f"diffusion: {resolved.display_name}",
                                               stream_plain=not live and not json_out, self_cond_top_k=self_cond_top_k,
@@ -104,17 +104,17 @@ def generate(
                        result=result.to_json(), placement=placement, trace=events)
             typer.echo(json.dumps(doc, indent=2))
         elif live:
-            shared.stdout.print(render.answer_renderable(result.text, thinking))
-            shared.notice(render.result_summary(result), style="cyan")
+            _output.stdout.print(render.answer_renderable(result.text, thinking))
+            _output.notice(render.result_summary(result), style="cyan")
         else:
             streamed = getattr(result, "_streamed_chars", 0)
             if thinking == "show":
-                shared.echo_text(result.text[streamed:] if streamed <= len(result.text) else "", err=trace_on_stdout)
+                _output.echo_text(result.text[streamed:] if streamed <= len(result.text) else "", err=trace_on_stdout)
             else:
-                shared.echo_text(answer.strip(), err=trace_on_stdout)
-            shared.notice(render.result_summary(result))
+                _output.echo_text(answer.strip(), err=trace_on_stdout)
+            _output.notice(render.result_summary(result))
         if result.stop_reason == "context_full" and not json_out:
-            shared.notice("note: the context is full; the answer stops here")
+            _output.notice("note: the context is full; the answer stops here")
         if result.interrupted:
-            shared.notice("interrupted: the output above is what was produced so far")
-            raise typer.Exit(shared.EXIT_INTERRUPTED)
+            _output.notice("interrupted: the output above is what was produced so far")
+            raise typer.Exit(_errors.EXIT_INTERRUPTED)

@@ -10,7 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dgcli import hub
-from dgcli.cli import _shared as shared, render
+from dgcli.cli import _errors, _models, _options, _output, render
 from dgcli.errors import DgError
 from dgcli.modelfile import info as ginfo
 from dgcli.params import DIFFUSION_PARAM_KEYS
@@ -21,8 +21,8 @@ INFO_SCHEMA = "dg-info/1"
 
 def info_cmd(model: str = typer.Argument(..., help="A .gguf path or a registry name."),
              json_out: bool = typer.Option(False, "--json", help=f"Machine-readable output ({INFO_SCHEMA})."),
-             gpu_layers: int = shared.GpuOpt,
-             n_cpu_moe: Optional[int] = shared.NCpuMoeOpt, cpu_moe: bool = shared.CpuMoeOpt,
+             gpu_layers: int = _options.GpuOpt,
+             n_cpu_moe: Optional[int] = _options.NCpuMoeOpt, cpu_moe: bool = _options.CpuMoeOpt,
              gpu_memory: Optional[str] = typer.Option(
                  None, "--gpu-memory", metavar="SIZE",
                  help="Judge the fit against a GPU with this much free memory (e.g. 16GB) instead of the one found.")) -> None:
@@ -30,14 +30,14 @@ def info_cmd(model: str = typer.Argument(..., help="A .gguf path or a registry n
 
     Architecture, quant, params and sampler defaults; the fit is judged with the given offload
     (--gpu-layers, --n-cpu-moe, --cpu-moe)."""
-    with shared.user_errors():
+    with _errors.user_errors():
         from dgcli.runtime.model import check_gpu_layers
 
         check_gpu_layers(gpu_layers)  # as every command that loads: info must not call "fits" what they refuse
-        gpu_layers, n_cpu_moe = shared.resolve_offload(gpu_layers, n_cpu_moe, cpu_moe)
+        gpu_layers, n_cpu_moe = _options.resolve_offload(gpu_layers, n_cpu_moe, cpu_moe)
         if gpu_memory is not None and gpu_layers == 0:
             gpu_layers = -1  # a fit against a GPU means something offloaded
-        resolved = shared.registry().resolve(model, what="MODEL argument: `dg info` takes a .gguf path or a registry name")
+        resolved = _models.registry().resolve(model, what="MODEL argument: `dg info` takes a .gguf path or a registry name")
         if resolved.path is None:
             if resolved.entry is not None and resolved.entry.shipped is not None:
                 raise DgError(missing_shipped_message(resolved))
@@ -82,14 +82,14 @@ def info_cmd(model: str = typer.Argument(..., help="A .gguf path or a registry n
         # Text, not markup: names and paths come from the file and may hold brackets (and control
         # characters: general.name = ESC [2J cleared the screen)
         rows = [(k, v if isinstance(v, Text) else Text(render.printable(v))) for k, v in rows]
-        if shared.stdout.is_terminal:
+        if _output.stdout.is_terminal:
             for k, v in rows:
                 summary.add_row(k, v)
-            shared.stdout.print(summary)
+            _output.stdout.print(summary)
         else:  # piped: one line per row, as the grid lays it out but neither wrapped nor padded to the width
             width = max(len(k) for k, _ in rows)
             for k, v in rows:
-                shared.stdout.print(Text.assemble((k.ljust(width + 2), "bold"), v), soft_wrap=True)
+                _output.stdout.print(Text.assemble((k.ljust(width + 2), "bold"), v), soft_wrap=True)
         if meta.sampler_defaults:
             # overflow="fold" everywhere: a narrow terminal wraps a name or a number, never cuts it to "…"
             sampler = Table(title="sampler defaults (diffusion.eb_*)")
@@ -98,20 +98,20 @@ def info_cmd(model: str = typer.Argument(..., help="A .gguf path or a registry n
             sampler.add_column("from", overflow="fold")
             for k, v in meta.sampler_defaults.items():
                 sampler.add_row(k, str(v), meta.sampler_defaults_source[k])
-            shared.print_table(sampler)
+            _output.print_table(sampler)
         if gpu_layers != 0 and meta.gpu_name:
             where = Table(title=f"placement ({meta.offloaded_layers}/{(meta.block_count or 0) + 1} layers offloaded)")
             for col in ("weights", "in", "tensors", "size"):
                 where.add_column(col, justify="left" if col in ("weights", "in") else "right", overflow="fold")
             for what, device, count, nbytes in meta.placement:
                 where.add_row(what, device, str(count), fmt(nbytes))
-            shared.print_table(where)
+            _output.print_table(where)
         types = Table(title="tensor types")
         for col in ("type", "tensors", "parameters", "size"):
             types.add_column(col, justify="left" if col == "type" else "right", overflow="fold")
         for t in meta.tensor_types:
             types.add_row(t.type, str(t.tensors), f"{t.parameters:,}", fmt(t.bytes))
-        shared.print_table(types)
+        _output.print_table(types)
 
 
 def _softcap(meta: ginfo.GgufInfo) -> str:

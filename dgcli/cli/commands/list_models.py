@@ -9,15 +9,15 @@ from rich.table import Table
 from rich.text import Text
 
 from dgcli import hub
-from dgcli.cli import _shared as shared
+from dgcli.cli import _errors, _models, _output
 
 LIST_SCHEMA = "dg-list/1"
 
 
 def list_cmd(json_out: bool = typer.Option(False, "--json", help=f"Machine-readable output ({LIST_SCHEMA}).")) -> None:
     """Registry models: role, pair, quants, size and whether each is on disk."""
-    with shared.user_errors():
-        registry = shared.registry()
+    with _errors.user_errors():
+        registry = _models.registry()
         rows = []
         for entry in registry.entries.values():
             if entry.shipped is not None:
@@ -50,11 +50,11 @@ def list_cmd(json_out: bool = typer.Option(False, "--json", help=f"Machine-reada
         sources = [f"{e.name}: {e.repo or 'shipped with dg'}" for e in registry.entries.values()]
         caption = ("* default quant.  " + "; ".join(sources) +
                    ".  `dg pull NAME[:QUANT]` downloads; --model takes NAME, NAME:QUANT or a .gguf path.")
-        out = shared.stdout
+        out = _output.stdout
         piped = not out.is_terminal  # then the caption and each model's line stay one line, for grep
         if out.measure(table, options=out.options.update_width(10_000)).minimum <= out.width:
             table.caption = Text(caption)
-            shared.print_table(table)  # piped: the caption one line, for grep
+            _output.print_table(table)  # piped: the caption one line, for grep
             return
         # narrower than the table can fold to: one wrapped line per model (columns squeezed to nothing
         # would hide the sizes and whether each is on disk)

@@ -7,22 +7,22 @@ from pathlib import Path
 
 import typer
 
-from dgcli.cli import _shared as shared, render
+from dgcli.cli import _display, _errors, _options, _output, _terminal, render
 from dgcli.engine.types import CanvasEvent, GenerationResult
 
 
 def replay(
     trace_file: Path = typer.Argument(..., metavar="TRACE", help="A trace written by `dg generate --trace FILE` (dg-trace/1); '-' reads stdin."),
     pace: float = typer.Option(0.3, "--pace", help="Seconds each denoising step stays on screen."),
-    thinking: str = shared.ThinkingOpt,
-    no_live: bool = shared.NoLiveOpt,
+    thinking: str = _options.ThinkingOpt,
+    no_live: bool = _options.NoLiveOpt,
 ) -> None:
     """Re-render a saved trace: the canvas denoising step by step, as it ran (no model needed)."""
     from dgcli.trace import read_trace
 
-    with shared.user_errors():
-        shared.check_thinking(thinking)
-        shared.check_generation_args(1, None, 0, None, pace)
+    with _errors.user_errors():
+        _options.check_thinking(thinking)
+        _options.check_generation_args(1, None, 0, None, pace)
         trace = read_trace(trace_file)
         header = trace.header
         texts: list[str] = []
@@ -32,11 +32,11 @@ def replay(
             end_token_ids=header.get("end_token_ids") or (), pad_token_id=header.get("pad_token_id"),
             title=f"replay: {model.get('name', 'stdin' if str(trace_file) == '-' else trace_file.name)}",
             thinking=thinking)
-        live = shared.use_live(no_live, False)
+        live = _terminal.use_live(no_live, False)
         canvases = iter(trace.canvas_texts)
         interrupted, display = False, None
         try:
-            with shared.DiffusionDisplay(None, live=live, thinking=thinking, stream_plain=not live, view=view,
+            with _display.DiffusionDisplay(None, live=live, thinking=thinking, stream_plain=not live, view=view,
                                          pace=pace) as display:
                 for event in trace.events:
                     if isinstance(event, CanvasEvent):
@@ -46,21 +46,21 @@ def replay(
             interrupted = True
         answer = "".join(texts)
         if live:
-            shared.stdout.print(render.answer_renderable(answer, thinking))
+            _output.stdout.print(render.answer_renderable(answer, thinking))
         else:
             streamed = display.streamed_chars if display is not None else 0
-            shared.echo_text(answer[streamed:] if thinking == "show" else render.answer_plain(answer, "hide"))
+            _output.echo_text(answer[streamed:] if thinking == "show" else render.answer_plain(answer, "hide"))
         if interrupted:
-            shared.notice("interrupted: the replay stopped here")
-            raise typer.Exit(shared.EXIT_INTERRUPTED)
+            _output.notice("interrupted: the replay stopped here")
+            raise typer.Exit(_errors.EXIT_INTERRUPTED)
         result = _recorded_result(trace.result)
         if result is not None:
-            shared.notice("recorded: " + render.result_summary(result), style="cyan")
+            _output.notice("recorded: " + render.result_summary(result), style="cyan")
         elif trace.cut_short:
-            shared.notice("the trace ends in a cut-off line (its run stopped while writing it); replayed up to there",
+            _output.notice("the trace ends in a cut-off line (its run stopped while writing it); replayed up to there",
                           style="yellow")
         else:
-            shared.stderr.print("the trace has no result line (its run stopped early)", style="yellow")
+            _output.stderr.print("the trace has no result line (its run stopped early)", style="yellow")
 
 
 def _recorded_result(doc: dict | None) -> GenerationResult | None:

@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from dgcli.cli import _shared as shared, _signals, render
+from dgcli.cli import _errors, _models, _options, _output, _signals, render
 from dgcli.errors import DgError, InvalidParameter
 from dgcli.units import plural
 
@@ -21,7 +21,7 @@ INT32_MAX = 2**31 - 1  # llama.cpp's n_ctx (every slot's cells together)
 
 
 def serve(
-    model: Optional[str] = shared.ModelOpt,
+    model: Optional[str] = _options.ModelOpt,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface; "
                                                          "there is no authentication unless --api-key)."),
     port: int = typer.Option(8080, "--port", "-p", help="TCP port (0: any free port, printed at start)."),
@@ -36,16 +36,16 @@ def serve(
     self_cond_top_k: Optional[int] = typer.Option(
         None, "--self-cond-top-k", help="Tokens per position fed back to self-conditioning (0 = all; default: all "
                                         "for small vocabularies, else 64)."),
-    threads: Optional[int] = shared.ThreadsOpt, gpu_layers: int = shared.GpuOpt,
-    rpc: Optional[str] = shared.RpcOpt,
-    yes: bool = shared.YesOpt,
+    threads: Optional[int] = _options.ThreadsOpt, gpu_layers: int = _options.GpuOpt,
+    rpc: Optional[str] = _options.RpcOpt,
+    yes: bool = _options.YesOpt,
 ) -> None:
     """Serve a diffusion model over HTTP: OpenAI-compatible /v1/chat/completions, /v1/completions, /v1/models, /health."""
-    with shared.user_errors():
+    with _errors.user_errors():
         if max_tokens < 1:  # the flag's name, not generate's max_new_tokens
             raise InvalidParameter("max_tokens", max_tokens, "an integer >= 1")
-        shared.check_generation_args(max_tokens, threads, gpu_layers)
-        rpc_servers, gpu_layers = shared.rpc_placement(rpc, gpu_layers)
+        _options.check_generation_args(max_tokens, threads, gpu_layers)
+        rpc_servers, gpu_layers = _options.rpc_placement(rpc, gpu_layers)
         if not 1 <= parallel <= MAX_PARALLEL:
             raise InvalidParameter("parallel", parallel, f"an integer in [1, {MAX_PARALLEL}]")
         if queue_size < 0:
@@ -62,9 +62,9 @@ def serve(
                                                          f"({parallel} slots share llama.cpp's context of at most "
                                                          f"{INT32_MAX} tokens)")
         uvicorn = _serve_dependencies()
-        resolved, path = shared.resolve_model(model, yes=yes, want="diffusion")
+        resolved, path = _models.resolve_model(model, yes=yes, want="diffusion")
         ctx_size = ctx_size or default_ctx_size(path)
-        shared.preflight(path, diffusion=True, command="serve", gpu_layers=gpu_layers, ctx_size=ctx_size,
+        _models.preflight(path, diffusion=True, command="serve", gpu_layers=gpu_layers, ctx_size=ctx_size,
                          n_seq=parallel)
         listener = _listen(host, port)
         try:
@@ -110,11 +110,11 @@ def _run(uvicorn, listener: socket.socket, name: str, path, *, parallel: int, qu
     from dgcli.server.app import DgService, ServeConfig, create_app
     from dgcli.server.scheduler import BatchScheduler
 
-    with shared.stderr.status(f"loading {name} ({plural(parallel, 'slot')} of {ctx_size} tokens)"):
+    with _output.stderr.status(f"loading {name} ({plural(parallel, 'slot')} of {ctx_size} tokens)"):
         # a KV-cache stream per request: each is laid out as if alone, so answers equal `dg generate`'s
         model = DiffusionModel(str(path), n_threads=threads, n_gpu_layers=gpu_layers, n_ctx=ctx_size * parallel,
                                n_seq_max=parallel, kv_unified=False, rpc_servers=rpc_servers)
-    shared.warn_if_not_offloaded("model", model, gpu_layers)
+    _models.warn_if_not_offloaded("model", model, gpu_layers)
     scheduler = None
     try:
         if model.n_ctx_seq < model.canvas_length + 1:
@@ -130,19 +130,19 @@ def _run(uvicorn, listener: socket.socket, name: str, path, *, parallel: int, qu
         url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
         banner = (f"dg serve: {url}/v1  model {name} (canvas {model.canvas_length})  "
                   f"{plural(parallel, 'slot')} of {model.n_ctx_seq} tokens  queue {queue_size}")
-        if shared.stdout.is_terminal:  # wrapped between words; scripts reading stdout get one raw line
-            shared.stdout.print(banner, markup=False, highlight=False)
+        if _output.stdout.is_terminal:  # wrapped between words; scripts reading stdout get one raw line
+            _output.stdout.print(banner, markup=False, highlight=False)
         else:
             typer.echo(banner)
         if model.chat_template is None:  # completions still work: the prompt as it is
-            shared.notice(f"dg serve: {path.name} has no chat template (tokenizer.chat_template): "
+            _output.notice(f"dg serve: {path.name} has no chat template (tokenizer.chat_template): "
                           "/v1/chat/completions answers 400; send the prompt text to /v1/completions")
         if rpc_servers:
-            shared.notice(f"dg serve: layers on RPC workers {', '.join(rpc_servers)}")
-        if not shared.is_loopback(host) and api_key is None:
-            shared.notice(f"warning: listening on {host} without --api-key: anyone who reaches this port can use "
+            _output.notice(f"dg serve: layers on RPC workers {', '.join(rpc_servers)}")
+        if not _options.is_loopback(host) and api_key is None:
+            _output.notice(f"warning: listening on {host} without --api-key: anyone who reaches this port can use "
                           "the model")
-        shared.notice("dg serve: Ctrl-C stops")
+        _output.notice("dg serve: Ctrl-C stops")
 
         class Server(uvicorn.Server):
             def handle_exit(self, sig, frame):
@@ -159,7 +159,7 @@ def _run(uvicorn, listener: socket.socket, name: str, path, *, parallel: int, qu
         try:
             Server(config).run(sockets=[listener])
         finally:
-            shared.notice(STOPPED)
+            _output.notice(STOPPED)
     finally:
         if scheduler is not None:
             scheduler.close()
@@ -179,6 +179,6 @@ def default_ctx_size(path) -> int:
 def _stopped_by_sigterm(signum: int, _frame) -> None:
     """SIGTERM after uvicorn's graceful shutdown: say so, then die of the signal (not exit 143), which
     service managers count as a clean stop."""
-    shared.notice(STOPPED)
+    _output.notice(STOPPED)
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)

@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from dgcli.cli import _shared as shared
+from dgcli.cli import _errors, _options, _output
 from dgcli.errors import InvalidParameter
 
 
@@ -27,7 +27,7 @@ def worker(
     from dgcli.runtime import rpc
     from dgcli.runtime.cpu import MAX_THREADS, check_threads
 
-    with shared.user_errors():
+    with _errors.user_errors():
         if not 0 <= port <= 65535:
             raise InvalidParameter("port", port, "an integer in [0, 65535]")
         check_threads(threads)  # ggml's thread pool takes at most 512: 100000 was a native bad_alloc at a client's first graph
@@ -42,25 +42,25 @@ def worker(
             try:
                 cache_dir.mkdir(parents=True, exist_ok=True)
             except OSError as err:
-                raise shared.fail(f"cannot use {cache_dir} for --cache (DG_CACHE_DIR): {err.strerror or err}") from None
+                raise _errors.fail(f"cannot use {cache_dir} for --cache (DG_CACHE_DIR): {err.strerror or err}") from None
         rpc.native_stdout_to_stderr()
         server = rpc.Worker(host, port, n_threads=threads or min(MAX_THREADS, max(1, os.cpu_count() or 1)),
                             cache_dir=cache_dir)
-        if not shared.is_loopback(host):
-            shared.notice(f"warning: listening on {host}: llama.cpp's RPC protocol has no authentication and no "
+        if not _options.is_loopback(host):
+            _output.notice(f"warning: listening on {host}: llama.cpp's RPC protocol has no authentication and no "
                           "encryption; whoever reaches this port can use this machine's memory and compute. "
                           "Trusted networks only.")
         server.start()
         typer.echo(f"dg worker: listening on {server.endpoint}; devices: {'; '.join(server.labels)}", err=False)
-        shared.notice(f"dg worker: use it with `dg generate ... --rpc {_reachable_endpoint(server)}`; Ctrl-C stops")
+        _output.notice(f"dg worker: use it with `dg generate ... --rpc {_reachable_endpoint(server)}`; Ctrl-C stops")
         try:
             server.wait()
         except KeyboardInterrupt:
             typer.echo("dg worker: stopped", err=True)
             sys.stdout.flush()
             # the server thread sits in llama.cpp's accept(): leave without tearing the runtime down under it
-            os._exit(shared.EXIT_INTERRUPTED)
-        raise shared.fail("the RPC server stopped (see llama.cpp's message above)")
+            os._exit(_errors.EXIT_INTERRUPTED)
+        raise _errors.fail("the RPC server stopped (see llama.cpp's message above)")
 
 
 def _reachable_endpoint(server) -> str:

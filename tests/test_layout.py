@@ -1,5 +1,5 @@
-"""dgcli's modules import each other without circles and only downwards (the package map in
-docs/design.md).
+"""dgcli's layout: its modules import each other without circles and only downwards (the package map
+in docs/design.md), no package hides one of its modules, and no module outgrows what a reader takes in.
 
 The imports are read from the source (every `import` and `from ... import`, those inside functions
 included), so an import that runs only on some path counts too. Importing `a.b.c` also runs the
@@ -12,7 +12,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parent.parent / "dgcli"
+MAX_MODULE_LINES = 700
 
 # What each part of dgcli must not import (a module or package, and everything under it): the lower
 # layers know nothing of the ones built on them, and only tests, benchmarks and training use the
@@ -171,3 +174,29 @@ def test_the_cycle_finder_sees_a_circle_through_a_package_init(tmp_path):
     (pkg / "high.py").write_text("def thing():\n    from dgcli.low.leaf import x\n")
     cycles = import_cycles(import_graph(dgcli_modules(pkg)))
     assert cycles == [["dgcli.high", "dgcli.low"]]
+
+
+def test_no_package_hides_a_module_of_its_own():
+    """A name a package's __init__ defines (a def, class or assignment) that is also one of its modules
+    replaces that module as the package's attribute once __init__ has run: `from package import name`
+    then gets the function, or the module, depending on who imported first."""
+    modules = dgcli_modules()
+    hidden = []
+    for package, path in modules.items():
+        if path.name != "__init__.py":
+            continue
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names = [node.name]
+            elif isinstance(node, ast.Assign):
+                names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+            else:
+                continue
+            hidden += [f"{package}.{name}" for name in names if f"{package}.{name}" in modules]
+    assert not hidden, f"defined in a package's __init__ and also a module: {hidden}"
+
+
+@pytest.mark.parametrize("module", sorted(dgcli_modules()))
+def test_modules_stay_readable_in_size(module):
+    lines = len(dgcli_modules()[module].read_text(encoding="utf-8").splitlines())
+    assert lines <= MAX_MODULE_LINES, f"{module} has {lines} lines (at most {MAX_MODULE_LINES}): split it by concern"
