@@ -8,8 +8,8 @@ from dgcli.cli import _signals
 
 def _reopen_closed_standard_streams() -> None:
     """A standard stream the caller closed (`<&-`, `>&-`, `2>&-`) is /dev/null for dg. Python leaves
-    sys.stdin/stdout/stderr None then (a traceback at the first use), and the next file dg opened would
-    take the free descriptor: llama.cpp's log or the status lines written into a model or --trace file."""
+    sys.stdin/stdout/stderr None then, which fails at the first use, and the next file dg opens must not
+    take the free descriptor: llama.cpp's log and the status lines would be written into it."""
     import os
     import sys
 
@@ -29,10 +29,9 @@ def _reopen_closed_standard_streams() -> None:
 
 def _utf8_standard_streams() -> None:
     """Under the C/POSIX locale without Python's UTF-8 mode (LC_ALL=C PYTHONUTF8=0) the standard streams
-    are ASCII: the first non-ASCII character dg printed (an answer, the live view's ⟨end⟩ and ▪) ended
-    it in UnicodeEncodeError, and a message typed in UTF-8 at `dg chat`'s prompt was refused as not
-    UTF-8. They read and write UTF-8 then, as click's echo already does on such a stream (and Python's
-    UTF-8 mode would), each keeping its error handler."""
+    are ASCII, which cannot carry an answer, the live view's ⟨end⟩ and ▪, or a message typed in UTF-8
+    at `dg chat`'s prompt. They read and write UTF-8 then, as click's echo already does on such a
+    stream (and Python's UTF-8 mode would), each keeping its error handler."""
     import codecs
     import sys
 
@@ -52,9 +51,9 @@ MAX_TERMINAL_CELLS = 10_000
 
 def _terminal_size_variables() -> None:
     """COLUMNS and LINES that are no terminal's size are ignored, as Rich ignores a word there: a digit
-    that is not ASCII (COLUMNS=² ended every command in a traceback from Rich's int()), 0, or more
-    than MAX_TERMINAL_CELLS (COLUMNS=1000000000 had Rich pad each line of a live view to a billion
-    cells: gigabytes of memory, growing). Rich then asks the terminal (piped: see _output._pipe_width)."""
+    that is not ASCII (COLUMNS=², which Rich's int() cannot read), 0, or more than MAX_TERMINAL_CELLS
+    (Rich pads each line of a live view to that width, so a billion would take gigabytes). Rich then
+    asks the terminal (piped: see _output._pipe_width)."""
     import os
 
     for name in ("COLUMNS", "LINES"):

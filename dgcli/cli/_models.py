@@ -34,9 +34,9 @@ def download_with_progress(resolved: ResolvedModel) -> Path:
     from rich.markup import escape
     from rich.table import Column
 
-    # One line per bar at any width (a fixed 40-cell bar beside the registry's file names pushed a
-    # 16 GB file's unit onto a line of its own at 80 columns): the name is cut to what the figures
-    # leave, the bar takes the rest, and under 60 columns only the name, the bytes and the speed stay.
+    # One line per bar at any width (a bar of fixed width beside a registry file's name does not fit
+    # 80 columns): the name is cut to what the figures leave, the bar takes the rest, and under 60
+    # columns only the name, the bytes and the speed stay.
     def fixed() -> Column:
         return Column(no_wrap=True)
 
@@ -48,8 +48,8 @@ def download_with_progress(resolved: ResolvedModel) -> Path:
                 if width >= 60 else [name_column, *figures])
 
     class FittedProgress(Progress):
-        """The columns for the terminal's width when drawn: chosen once, at the start, a terminal made
-        narrower then cut the figures ("diffusiongemma-26B-A4B-it-Q4_K_M… 0.0/50.… -…")."""
+        """The columns for the terminal's width each time it is drawn, not once at the start: a
+        terminal made narrower meanwhile keeps every figure whole."""
 
         def get_renderables(self):
             self.columns = tuple(columns_for(_output.stderr.width))
@@ -64,14 +64,15 @@ def download_with_progress(resolved: ResolvedModel) -> Path:
         def update(done: int, total: int | None) -> None:
             if description not in tasks:
                 progress.start()
-                # text, not markup: the name column formats "[bold]{task.description}" (a "[/x]" was a MarkupError)
+                # text, not markup: the name column formats "[bold]{task.description}", and a file name
+                # may hold "[/x]"
                 tasks[description] = progress.add_task(escape(description), total=total)
             progress.update(tasks[description], completed=done, total=total)
         return update
 
     name = resolved.filename or "download"
     try:
-        with echo_off():  # as under a live view: a `^C` echoed past a full-width bar left a copy of it
+        with echo_off():  # as under a live view: an echoed `^C` would move the cursor past the bar
             return hub.download(resolved.repo, resolved.filename, approx_size=resolved.approx_size_bytes,
                                 on_progress=bar(name), on_verify=bar("sha256 check"),
                                 on_wait=lambda line: _output.notice(line, style="yellow"))
@@ -154,8 +155,8 @@ def warn_if_not_offloaded(what: str, model, gpu_layers: int) -> None:
 
 def _offload_asked_by(gpu_layers: int) -> str:
     """The flag that asked for the offload, as the user typed it: --cpu-moe / --n-cpu-moe offload every
-    layer when --gpu-layers is not given (resolve_offload), and a warning about --gpu-layers -1 named a
-    flag nobody had typed."""
+    layer when --gpu-layers is not given (resolve_offload), and the warning names what was typed, not
+    the --gpu-layers -1 it implies."""
     if not typed_option("gpu_layers"):
         for name, flag in (("cpu_moe", "--cpu-moe"), ("n_cpu_moe", "--n-cpu-moe")):
             if typed_option(name):

@@ -28,8 +28,8 @@ def _pipe_width() -> Optional[int]:
 
 def _dumb_terminal_size(stream: Any) -> tuple[Optional[int], Optional[int]]:
     """(columns, lines) of a dumb terminal (TERM=dumb or unknown, as Rich tells one) that `stream` is,
-    else (None, None): Rich takes such a terminal for 80x25 whatever its size and COLUMNS say, so on a
-    40-column one every table and line was laid out for 80, broken up by the terminal's wrapping."""
+    else (None, None): Rich takes such a terminal for 80x25 whatever its size and COLUMNS say, and
+    lines laid out for 80 columns are broken up by a narrower terminal's wrapping."""
     if os.environ.get("TERM", "").lower() not in ("dumb", "unknown"):
         return None, None
     try:
@@ -55,8 +55,8 @@ def notice(text: str, style: Optional[str] = None) -> None:
 
 def print_table(table: Any, console: Optional[Console] = None) -> None:
     """A Rich table on stdout (or `console`): on a terminal as Rich lays it out; piped, its title and
-    caption each one line of their own, for logs and grep (Rich centred both on the table's width,
-    padding them with spaces, and wrapped a caption at that width)."""
+    caption each one line of their own, for logs and grep (Rich centres both on the table's width,
+    padding them with spaces, and wraps a caption at that width)."""
     console = console or stdout
     if console.is_terminal:
         console.print(table)
@@ -95,8 +95,7 @@ def _end_text_line() -> None:
     """Before a notice on stderr: end the line that streamed text left open where the notice would
     follow it: on stderr, or on the terminal, where stdout's text shows too (directly, or through
     `| cat`, `| tee`), or in the one file or pipe both streams go to (`> run.log 2>&1`, `2>&1 | cat`);
-    stdout keeps its bytes. A status line glued to the text ("...ROMEO TANGO canvas 2  step 1/48
-    T=0.800 ...") ran past the terminal's edge."""
+    stdout keeps its bytes. A status line must start at the left edge, not after the text."""
     if _mid_line["stderr"] or (_mid_line["stdout"] and (stderr.is_terminal or _one_stream())):
         typer.echo("", err=True)
     _mid_line.update(stdout=False, stderr=False)

@@ -39,8 +39,8 @@ def read_prompt(argument: Optional[str], option: Optional[str] = None, file: Opt
 def argument_text(text: str, what: str) -> str:
     """A command-line argument as the UTF-8 text its bytes spell, whatever the locale: Python decodes
     argv with the locale's encoding, so under LC_ALL=C (without its UTF-8 mode) "héllo" arrives as
-    lone surrogates, one per byte, and was refused as not UTF-8. Bytes that are not UTF-8 are refused,
-    naming the first."""
+    lone surrogates, one per byte, which spell UTF-8 text again once turned back into those bytes.
+    Bytes that are not UTF-8 are refused, naming the first."""
     try:
         text.encode("utf-8")
         return text

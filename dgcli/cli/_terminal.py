@@ -53,7 +53,7 @@ class Pacer:
 @contextmanager
 def sigint_deferred() -> Iterator[None]:
     """Ctrl-C waits until the block is done: a live frame is drawn whole, so stopping the live view
-    erases exactly what it drew (an interrupted frame left a stray panel line behind)."""
+    erases exactly what it drew, and no line of a half-drawn frame stays on screen."""
     import threading
 
     if threading.current_thread() is not threading.main_thread():
@@ -72,8 +72,8 @@ def sigint_deferred() -> Iterator[None]:
 @contextmanager
 def echo_off() -> Iterator[Optional[tuple[int, Any]]]:
     """No echo of typed keys while a live view is drawn: the terminal's `^C` (or any key) would move
-    the cursor under the live view, and stopping it would then erase one line too few (a stray
-    panel line was left behind). SIGTERM still restores the terminal (and the cursor, through the
+    the cursor under the live view, and stopping it would then erase one line too few, leaving a
+    line of the panel behind. SIGTERM still restores the terminal (and the cursor, through the
     live view's own cleanup). Yields (fd, the settings without echo), or None: no terminal."""
     fd, saved = _terminal_settings()
     if saved is None:
@@ -199,7 +199,7 @@ class _AnchoredLive(Live):
 
 def anchored(progress: Any) -> Any:
     """A Rich Progress whose bars are drawn as the live views are (_AnchoredLive): a terminal made
-    narrower rewrapped a full-width bar onto two rows, and each redraw left a copy of its first half."""
+    narrower rewraps a full-width bar onto two rows, which Rich's own redraw would not erase."""
     live = progress.live
     progress.live = _AnchoredLive(console=live.console, auto_refresh=live.auto_refresh,
                                   refresh_per_second=live.refresh_per_second, transient=live.transient,

@@ -131,7 +131,7 @@ def fitted_panel(console: Console, options: ConsoleOptions, *, committed: Text |
         tail = committed_lines[len(committed_lines) - keep:] if keep else []
         committed_lines = ([Text("…", style=MORE_STYLE)] if committed_room > 1 else []) + tail
     body = Text("\n").join(committed_lines + canvas_lines + status_lines)
-    # the title names a model (a file name, a trace's header): text, not markup ("m[/x]" raised MarkupError)
+    # the title names a model (a file name, a trace's header): text, not markup, as a name may hold "[/x]"
     return Panel(body, title=escape(title), border_style=border_style)
 
 
@@ -309,7 +309,7 @@ def speedup(diff: GenerationResult, ar: GenerationResult) -> float | None:
 
 def compare_table(diff: GenerationResult, ar: GenerationResult, diff_rss: int | None, ar_rss: int | None,
                   diff_name: str = "diffusion", ar_name: str = "autoregressive") -> Table:
-    # the names are the models' (file names): text, not markup ("m[/x]" raised MarkupError)
+    # the names are the models' (file names): text, not markup, as a name may hold "[/x]"
     table = Table(title=escape(f"{diff_name} (diffusion) vs {ar_name} (AR)"))
     # narrow terminals fold long values rather than cut them to `end_tok…`
     table.add_column("metric", overflow="fold")
@@ -350,8 +350,8 @@ def placement_lines(what: str, report, target: str = "the GPU") -> list[str]:
     else:
         lines = [f"{what}: {report.offloaded_layers}/{report.total_layers} layers offloaded to {target}"]
     if report.buffers:
-        # as llama.cpp logs them, in MiB to 2 decimals: in kB or MB they read as more precise than they are
-        # (0.12 MiB became "125.8 kB" beside `dg info`'s 128.0 kB, and 0.00 MiB "0 B")
+        # as llama.cpp logs them, in MiB to 2 decimals: converted to kB or MB they would read as more
+        # precise than they are, and a buffer under 0.005 MiB as none
         lines.append("  buffers: " + ", ".join(f"{name} {kind} {mib:.2f} MiB" for name, kind, mib in report.buffers))
     runs: dict[tuple[str, str], set[int]] = {}
     for tensor, buft in report.overridden:

@@ -125,7 +125,7 @@ def params_from_hf_config(config: dict[str, Any], generation: dict[str, Any] | N
 
     def integer(key: str, value: Any = None) -> int:
         """`value` (default: text_config's `key`, which must be there) as an int: a string, a bool or a
-        fraction is refused, not converted (int() made "64" 64 and 64.9 64)."""
+        fraction is refused, not converted (int() would take "64" and 64.9 for 64)."""
         value = need(key) if value is None else value
         if isinstance(value, float) and value.is_integer():
             value = int(value)
@@ -134,15 +134,15 @@ def params_from_hf_config(config: dict[str, Any], generation: dict[str, Any] | N
         return value
 
     def optional(key: str, default: int, source: dict | None = None) -> int:
-        """text_config's (or `source`'s) `key`, `default` when it is absent or null (0 is a value: it
-        was taken for absent, so canvas_length 0 became 256)."""
+        """text_config's (or `source`'s) `key`, `default` when it is absent or null (0 is a value, not
+        an absent key: canvas_length 0 is refused, never read as the default 256)."""
         value = (text if source is None else source).get(key)
         return default if value is None else integer(key, value)
 
     try:
         n_layer = integer("num_hidden_layers")
         layer_types = text.get("layer_types")
-        if not layer_types:  # the default list has n_layer entries: bound it first (10**9 took minutes and GBs)
+        if not layer_types:  # the default list has n_layer entries: bound it first, before building it
             limit = LayoutParams.LIMITS["n_layer"]
             if not 1 <= n_layer <= limit:
                 raise DgError(f"config.json: num_hidden_layers = {n_layer} is not an integer from 1 to {limit}")

@@ -1,8 +1,8 @@
 """Every hyperparameter the Gemma 4 family's loaders read, checked before llama.cpp sees the file.
 
 llama.cpp trusts its files: a block_count of 0, a rope dimension of 63, an epsilon of NaN, two
-identical vocabulary entries or a head count that does not divide abort the process (GGML_ASSERT,
-~130 lines of backtrace) or, for rope.dimension_count = 0, loop forever. `check_model_header`
+identical vocabulary entries or a head count that does not divide abort the process (GGML_ASSERT
+and a native backtrace) or, for rope.dimension_count = 0, loop forever. `check_model_header`
 refuses such a file with one line naming the key, its value and what it must be. It covers both
 architectures dg loads: `diffusion-gemma` (our loader, native/patch/src/models/diffusion-gemma.cpp,
 which repeats the checks for C++ callers) and the stock `gemma4` (the AR side, where Python is the

@@ -440,7 +440,7 @@ def check_fits_memory(path: Path | str, *, n_gpu_layers: int = 0, n_cpu_moe: int
     is reusable. The GPU is compared against its free memory (another process's allocations stay).
     `n_ctx` (cells per sequence; 0: the training context) and `n_seq`: the KV cache of the context
     the load will ask for is counted too (llama.cpp clears it at once, so an oversized one is taken
-    from RAM whole; `dg serve --ctx-size 10000000 --parallel 64` was killed by the OOM killer).
+    from RAM whole, and the kernel's OOM killer ends the process instead of an error).
     DG_SKIP_MEMORY_CHECK=1 skips it (e.g. for swap-backed experiments).
     """
     import psutil

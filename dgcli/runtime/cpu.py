@@ -12,7 +12,7 @@ from dgcli.errors import InvalidParameter
 
 # Below this size a forward's ops are shorter than handing work to another thread, and with a
 # busy-waiting thread pool a second thread that shares a core with anything else stalls every op
-# (the 2 MB demo model: 0.06 s per generation with one thread, 3 s with two on a busy 2-core box).
+# (docs/performance.md: the demo model with one thread and with two).
 SINGLE_THREAD_BELOW_BYTES = 64 << 20
 
 # ggml's thread pool holds at most GGML_MAX_N_THREADS workers

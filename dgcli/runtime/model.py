@@ -564,7 +564,7 @@ class DiffusionModel(_LlamaModel):
         for s in range(n if per_sequence else 1):
             used, room = self._room(s)
             # in a unified cache every canvas of the forward takes cells for its duration, borrowed
-            # (shared context) or not; "failed to find a memory slot" was all llama.cpp said
+            # (shared context) or not; llama.cpp itself would only say "failed to find a memory slot"
             extra = length * (n if self.kv_unified else 1)
             if used + extra > room:
                 what = f"{extra // length} canvases of {length} tokens" if extra > length else f"a {length}-token canvas"

@@ -61,9 +61,10 @@ TILED_TYPES = ("Q4_K", "Q6_K")
 def tiled_weight_pattern(header, expert_kernel: int, dense_kernel: int, gpu_in_use: bool) -> str | None:
     """The override pattern keeping a diffusion-gemma file's Q4_K and Q6_K weights that dg's own K-quant
     tiles run out of llama.cpp's CPU repack buffers, or None: the tiles read the file's layout, which a
-    repack buffer changes. They run (AVX2 only: kernel 1) where no GPU is in use: the experts (native
-    `dg_expert_kernel()`; ggml's repacked MUL_MAT_ID runs a canvas's experts one token at a time, at
-    ~64% of the int8 peak here) and the dense weights (`dg_dense_kernel()`; its repacked GEMMs ~70%).
+    repack buffer changes. They run (AVX2 only: kernel 1) where no GPU is in use, on the weights where
+    they are measured faster than ggml's repacked kernels (docs/performance.md): the experts (native
+    `dg_expert_kernel()`; ggml's repacked MUL_MAT_ID runs a canvas's experts one token at a time) and
+    the dense weights (`dg_dense_kernel()`).
     The tied Q6_K LM head needs no pattern: llama.cpp's CPU repack does not take it."""
     if header.architecture != "diffusion-gemma" or gpu_in_use:
         return None

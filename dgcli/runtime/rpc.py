@@ -425,8 +425,8 @@ def native_stdout_to_stderr() -> None:
     keeps the original stdout.
 
     C's stdout is made fully buffered: on a terminal it is line-buffered, and glibc writes a printf'd
-    line's text and its newline in two writes, so a line this process printed between them joined it
-    ("Client connection closeddg worker: listening on ..."). ggml flushes after each of its lines."""
+    line's text and its newline in two writes, so a line this process printed between them would join
+    it. ggml flushes after each of its lines."""
     sys.stdout.flush()
     _c_stdout_fully_buffered()
     own_stdout = os.dup(1)
@@ -446,7 +446,7 @@ def _c_stdout_fully_buffered() -> None:
         except ValueError:
             continue
         libc.fflush(stream)
-        # a buffer of our own: glibc's setvbuf(_IOFBF) with NULL left a used stream unbuffered
+        # a buffer of our own: given NULL, glibc's setvbuf(_IOFBF) leaves a stream already used unbuffered
         _c_stdout_buffer = ctypes.create_string_buffer(1 << 16)
         libc.setvbuf.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_size_t]
         libc.setvbuf(stream, _c_stdout_buffer, 0, len(_c_stdout_buffer))  # _IOFBF

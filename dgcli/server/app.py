@@ -287,7 +287,7 @@ async def read_json(request: Request, limit: int) -> Any:
         return json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ApiError(400, f"the request body is not valid JSON: {err}") from None
-    except RecursionError:  # e.g. 100000 nested arrays: was a 500 and a traceback in the log
+    except RecursionError:  # e.g. 100000 nested arrays: a client error, not a 500 with a traceback in the log
         raise ApiError(400, "the request body is nested too deeply") from None
     except ValueError:  # an integer past Python's 4300-digit limit for reading one
         raise ApiError(400, "the request body holds a number too long to read") from None

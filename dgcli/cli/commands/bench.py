@@ -86,7 +86,7 @@ def bench(
             if out is not None:
                 out.write_all(doc)
         # `-o -` already put the report on stdout: --json must not print it twice, nor the tables follow
-        # it there (either made `dg bench -o - > r.json` invalid JSON); the tables go to stderr then
+        # it there (`dg bench -o - > r.json` must be valid JSON); the tables go to stderr then
         report_on_stdout = report_file is not None and report_file.is_stdout
         if json_out:
             if not report_on_stdout:

@@ -62,7 +62,7 @@ def chat(
             session = ChatSession(engine, system=system, params=params, max_new_tokens=max_new_tokens,
                                   seed=None if seed == -1 else seed, parse_special=parse_special)
             if interactive:
-                # text, not markup: the name of a model file is its path ("d[/x]/m.gguf": MarkupError)
+                # text, not markup: the name of a model file is its path, which may hold "[/x]"
                 _output.stderr.print(BANNER.format(name=resolved.display_name), style="dim", markup=False)
             turns = failed = 0
             for line in _messages(interactive):
@@ -101,9 +101,9 @@ def _messages(interactive: bool):
     import readline  # line editing and history for input()
 
     if "libedit" not in (readline.__doc__ or "") and "utf" not in locale.nl_langinfo(locale.CODESET).lower():
-        # a locale that is not UTF-8 (LC_ALL=C): readline took each byte of a typed "é" for Meta and a
-        # key, and the message went without it ("héllo" sent as "hllo"). Bytes pass as they are typed
-        # now (stdin decodes them as UTF-8: see cli._utf8_standard_streams)
+        # a locale that is not UTF-8 (LC_ALL=C): readline takes each byte of a typed "é" for Meta and a
+        # key unless told otherwise, and drops it from the message. Bytes pass as they are typed (stdin
+        # decodes them as UTF-8: see cli._utf8_standard_streams)
         for setting in ("input-meta on", "output-meta on", "convert-meta off"):
             readline.parse_and_bind("set " + setting)
 
