@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN      = $(VENV)/bin
 PROMPT  ?= reverse: HELLO
 
-.PHONY: setup native demo test test-hub-floor examples clean-native
+.PHONY: setup native demo test test-fast test-hub-floor examples clean-native
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -45,6 +45,12 @@ examples: setup $(VENV)/.examples-deps
 
 test: setup $(VENV)/.test-deps test-hub-floor
 	$(BIN)/python -m pytest -q
+
+# The edit loop: every test but the kinds that start processes, drive a terminal, import torch or run
+# long (the markers in pyproject.toml); a couple of minutes on 2 cores. `make test` (and CI) runs all.
+FAST_TESTS ?= not (subprocess or pty or reference or slow)
+test-fast: setup $(VENV)/.test-deps
+	$(BIN)/python -m pytest -q -m "$(FAST_TESTS)"
 
 # dg pull's tests against the oldest huggingface-hub pyproject.toml allows, in a venv of its own.
 HUB_FLOOR  = $(shell sed -n 's/.*"huggingface-hub>=\([0-9.]*\).*/\1/p' pyproject.toml)

@@ -32,6 +32,28 @@ if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
+# A test that takes one of these fixtures needs torch and transformers: it is a `reference` test.
+REFERENCE_FIXTURES = frozenset({"reference_model", "reference_checkpoint", "reference_gguf", "reference_ar_gguf"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by marker
+def pytest_collection_modifyitems(config, items) -> None:
+    """The markers (pyproject.toml) that follow from a test's fixtures, and the skips of `reference`
+    tests without torch and transformers and of `native` tests where the patched llama.cpp is not built."""
+    for item in items:
+        if REFERENCE_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.reference)
+        if not HAVE_TORCH and item.get_closest_marker("reference") is not None:
+            item.add_marker(pytest.mark.skip(reason=NO_TORCH_REASON))
+    native_items = [item for item in items if item.get_closest_marker("native") is not None]
+    if native_items:
+        from native_helpers import NATIVE_OK, NATIVE_REASON  # loads the library: only when a test needs it
+
+        if not NATIVE_OK:
+            for item in native_items:
+                item.add_marker(pytest.mark.skip(reason=f"native library unavailable: {NATIVE_REASON}"))
+
+
 def _require_reference() -> None:
     if not HAVE_TORCH:
         pytest.skip(NO_TORCH_REASON)

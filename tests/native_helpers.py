@@ -1,4 +1,4 @@
-"""Helpers shared by tests/test_native_*.py: the skip when the native build is missing, a GGUF
+"""Helpers shared by tests/test_native_*.py: the `native` marker (skipped when the build is missing), a GGUF
 rewriter that makes malformed copies of a good file, and a small file with a Q4_K_M file's types."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import pytest
 from dgcli.runtime import native
 
 NATIVE_OK, NATIVE_REASON = native.available()
-requires_native = pytest.mark.skipif(not NATIVE_OK, reason=f"native library unavailable: {NATIVE_REASON}")
+# A test that loads the patched llama.cpp is marked `native`; conftest.py skips it where it is not built.
+requires_native = pytest.mark.native
 
 # Layers the parity and replay tests offload: 0 here; benchmarks/gpu_check.py sets -1 (all) on a GPU machine.
 GPU_LAYERS = int(os.environ.get("DG_TEST_GPU_LAYERS") or 0)

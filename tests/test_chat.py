@@ -12,10 +12,7 @@ import pytest
 from dgcli.engine.chat import ChatSession
 from dgcli.errors import DgError
 from dgcli.params import DiffusionParams
-from dgcli.runtime import native
-
-NATIVE, WHY_NOT = native.available()
-needs_native = pytest.mark.skipif(not NATIVE, reason=f"native layer unavailable: {WHY_NOT}")
+needs_native = pytest.mark.native  # skipped where the patched llama.cpp is not built (conftest.py)
 PARAMS = DiffusionParams(max_denoising_steps=4)
 
 

@@ -13,7 +13,6 @@ import pytest
 pytest.importorskip("llama_cpp", reason="Jinja2ChatFormatter comes with llama-cpp-python (python native/build.py)")
 
 from dgcli.errors import DgError  # noqa: E402
-from dgcli.runtime import native  # noqa: E402
 from dgcli.templates.chat_template import STRUCTURE, ChatTemplate, tokenize_chat  # noqa: E402
 from dgcli.testing.tiny import CHAT_TEMPLATE, tiny_vocab, write_tiny_random_gguf  # noqa: E402
 
@@ -111,7 +110,7 @@ def test_template_errors_are_one_line_dg_errors():
         template("{% for %}").render(user("a"))
 
 
-@pytest.mark.skipif(not native.available()[0], reason="native layer unavailable: build it with python native/build.py")
+@pytest.mark.native
 def test_the_models_chat_prompt_keeps_user_control_text_literal(tmp_path):
     from dgcli.runtime.model import DiffusionModel
 

@@ -528,6 +528,7 @@ def _dg() -> str:
     return found
 
 
+@pytest.mark.subprocess
 def test_installed_console_script_info_and_errors(tiny_gguf, tmp_path):
     dg = _dg()
     env = dict(os.environ, COLUMNS="120")
@@ -546,6 +547,7 @@ def test_installed_console_script_info_and_errors(tiny_gguf, tmp_path):
 
 
 @pytest.mark.parametrize("columns", ["abc", "0", "-5", ""])
+@pytest.mark.subprocess
 def test_a_columns_variable_that_is_no_width_is_ignored_when_piped(columns):
     """Piped, dg sizes its tables from COLUMNS: a value that is not a positive integer was a ValueError
     traceback before any command ran (even `dg --version`), or a width of 0 or less that printed

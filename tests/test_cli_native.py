@@ -19,11 +19,8 @@ from typer.testing import CliRunner
 from dgcli import cli
 from dgcli.cli import _models
 
-from dgcli.runtime import native
-
-NATIVE, WHY_NOT = native.available()
 AR_ENGINE = importlib.util.find_spec("dgcli.engine.autoregressive") is not None
-pytestmark = pytest.mark.skipif(not NATIVE, reason=f"native layer unavailable: {WHY_NOT}")
+pytestmark = pytest.mark.native
 needs_ar = pytest.mark.skipif(not AR_ENGINE, reason="dgcli.engine.autoregressive not available yet")
 
 runner = CliRunner()
@@ -49,6 +46,7 @@ def test_generate_json_on_a_random_model_commits_one_token_per_step(tiny_gguf, t
         assert res["steps_per_canvas"] == [8] * len(res["steps_per_canvas"])
 
 
+@pytest.mark.subprocess
 def test_generate_plain_through_the_console_script(tiny_gguf):
     exe = Path(sys.executable).parent / "dg"
     if not exe.exists():

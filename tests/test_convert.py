@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import shutil
 
@@ -15,8 +14,8 @@ from dgcli.convert import convert_checkpoint, convert_main, params_from_hf_confi
 from dgcli.errors import DgError
 from dgcli.params import DiffusionParams
 
-HAVE_TORCH = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("transformers") is not None
-needs_torch = pytest.mark.skipif(not HAVE_TORCH, reason="torch/transformers not installed (the reference model needs them)")
+# needs torch and transformers: skipped without them (conftest.py)
+needs_torch = pytest.mark.reference
 
 # The reference doc's key list for the published layout ("A tiny checkpoint converted by the
 # published converter has exactly these keys"), plus the chat template the tokenizer carries.

@@ -3,7 +3,6 @@ types and scores, from either tokenizer.json form), and text round-tripping thro
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 
@@ -12,8 +11,8 @@ import pytest
 from dgcli.convert import convert_checkpoint
 from native_helpers import requires_native
 
-HAVE_TORCH = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("transformers") is not None
-needs_torch = pytest.mark.skipif(not HAVE_TORCH, reason="torch/transformers not installed (the reference model needs them)")
+# needs torch and transformers: skipped without them (conftest.py)
+needs_torch = pytest.mark.reference
 
 
 def _fields(path) -> dict:

@@ -42,6 +42,7 @@ def test_each_step_saves_the_table_so_far(tmp_path):
     assert doc["failed"] == ["two"] and doc["rows"][-1]["value"] == "RuntimeError"
 
 
+@pytest.mark.subprocess
 def test_sigterm_mid_check_writes_the_table_and_stops_the_writers(tmp_path):
     """The device tool's time limit arrives as SIGTERM: the check unwinds, kills its GGUF writers,
     removes their files and writes the table with a 'stopped' row, exit 143."""

@@ -22,7 +22,7 @@ import pytest
 from native_helpers import GPU_LOGIT_TOL, requires_gpu
 from test_native_model import DEFAULT_TOL, PROMPT, _maxdiff, _run_native, scenario, vocab_size  # noqa: F401
 
-pytestmark = requires_gpu
+pytestmark = [requires_gpu, pytest.mark.native, pytest.mark.reference]
 
 GPU_TOL = GPU_LOGIT_TOL
 ARGMAX_AGREEMENT = 0.97

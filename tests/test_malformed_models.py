@@ -131,6 +131,7 @@ END_TO_END = ["rope dims 0 (loops for ever)", "bos outside the vocabulary", "500
 
 @requires_native
 @pytest.mark.parametrize("name", END_TO_END)
+@pytest.mark.subprocess
 def test_reproducer_through_the_cli_is_one_line(reproducers, name, tiny_gguf):
     key = next(r[3] for r in REPRODUCERS if r[0] == name)
     path = str(reproducers[name])
@@ -162,6 +163,7 @@ CPP_REFUSES = ["value_length != head size on the full layer", "value_length_swa 
 
 @requires_native
 @pytest.mark.parametrize("name", CPP_REFUSES)
+@pytest.mark.subprocess
 def test_cpp_loader_refuses_what_it_can_see(reproducers, name):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, "-c", _LOAD_ONLY, str(reproducers[name])], capture_output=True, text=True,
@@ -359,6 +361,7 @@ def test_the_renderer_outlives_a_runaway_and_one_process_serves_many_renders():
     assert template_sandbox._worker is worker  # the same child, not one per render
 
 
+@pytest.mark.subprocess
 def test_the_renderer_finds_llama_cpp_installed_only_on_pythonpath(tmp_path):
     """dg's dependencies installed with `pip install --target` and found through PYTHONPATH (how the GPU
     check's machine gets them): the child runs with `-I`, which ignores PYTHONPATH, and it had ended
@@ -404,6 +407,7 @@ def test_bench_prompts_must_be_a_regular_file_of_bounded_size(tmp_path):
     assert load_prompts(ok)[0].text == "sort: QWERTY"
 
 
+@pytest.mark.subprocess
 def test_bench_prompts_fifo_through_the_cli_returns(tmp_path):
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
@@ -418,6 +422,7 @@ def test_bench_prompts_fifo_through_the_cli_returns(tmp_path):
 ESCAPES = "\x1b]0;pwned\x07\x1b[2J"
 
 
+@pytest.mark.subprocess
 def test_a_key_name_with_an_escape_sequence_is_quoted_harmlessly_in_the_error(tmp_path):
     # click strips CSI sequences from a pipe but not OSC (window title), and neither on a terminal
     def string(b: bytes) -> bytes:
@@ -433,6 +438,7 @@ def test_a_key_name_with_an_escape_sequence_is_quoted_harmlessly_in_the_error(tm
         assert not any(c in proc.stderr for c in "\x1b\x07"), repr(proc.stderr)
 
 
+@pytest.mark.subprocess
 def test_info_shows_a_name_with_an_escape_sequence_harmlessly(tiny_gguf, tmp_path):
     path = rewrite_gguf(tiny_gguf, tmp_path / "named.gguf", set_keys={"general.name": (ESCAPES + "evil", V.STRING)})
     proc = _dg("info", str(path))
@@ -457,6 +463,7 @@ def test_a_token_id_of_the_wrong_type_reads_as_one_sentence(tiny_gguf, tmp_path)
 
 @pytest.mark.parametrize("name,qtype", [("blk.0.attn_norm.weight", "F16"), ("self_cond_pre_norm.weight", "Q8_0"),
                                         ("blk.0.layer_output_scale.weight", "F16"), ("rope_freqs.weight", "F16")])
+@pytest.mark.subprocess
 def test_a_vector_tensor_not_in_f32_is_refused(tiny_gguf, tmp_path, name, qtype):
     import numpy as np
     from gguf import quants
@@ -501,6 +508,7 @@ def test_a_vector_tensor_not_in_f32_is_refused(tiny_gguf, tmp_path, name, qtype)
     # optional in llama.cpp's stock gemma4 loader: a gemma4 file without them is complete
     ("gemma4", ("blk.1.layer_output_scale.weight", "blk.0.ffn_down_exps.scale", "blk.0.attn_v.weight"), None),
 ])
+@pytest.mark.subprocess
 def test_info_names_the_tensors_an_incomplete_file_lacks(tiny_gguf, tiny_ar_gguf, tmp_path, arch, dropped, named):
     # dg info showed no problem for a GGUF without some of its tensors; only the load failed
     src = tiny_gguf if arch == D else tiny_ar_gguf

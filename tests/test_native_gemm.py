@@ -15,7 +15,7 @@ import pytest
 
 from native_helpers import requires_native, small_q4_k_m_gguf
 
-pytestmark = requires_native
+pytestmark = [requires_native, pytest.mark.slow]  # the kernels at the real model's widths
 
 PROMPT = [2, 105, 40, 41, 42, 43, 44, 45, 46, 47, 48, 106, 107, 105, 60, 61]
 
@@ -64,6 +64,7 @@ def _tiny_quantized(tmp_path, weights: str, seed: int):
 
 
 @pytest.mark.parametrize("weights", ["q8_0", "q5_0"])
+@pytest.mark.subprocess
 def test_moe_expert_gemm_matches_the_per_row_path(tmp_path, weights):
     """Q8_0 and Q5_0 experts: the per-expert GEMM (gathered rows, one llamafile_sgemm each, scattered
     back) computes the same products as ggml's per-row vec_dot path (DG_MOE_GEMM=0), whatever the

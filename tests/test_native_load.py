@@ -190,6 +190,7 @@ def test_thinking_channel_markers_survive_detokenizing(tiny_gguf, tmp_path):
     assert text == "<|channel>thought<channel|>hi"
 
 
+@pytest.mark.subprocess
 def test_gemma4_without_a_sliding_layer_is_refused_not_aborted(tmp_path):
     """Stock gemma4 asserts (a process abort) on a file whose layers are all full-attention; the AR
     model refuses it first. Run in a subprocess: on the old code the abort would take pytest down."""

@@ -30,7 +30,7 @@ import pytest
 
 from native_helpers import requires_native
 
-pytestmark = requires_native
+pytestmark = [requires_native, pytest.mark.reference]
 
 EXACT_TOL = 1e-4
 # (max, mean) of |diff|: F16 rounding is amplified unevenly by the random tiny model

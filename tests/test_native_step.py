@@ -245,6 +245,7 @@ def test_graph_step_moves_no_logits_to_the_host(wide_vocab_gguf):
 
 
 @pytest.mark.parametrize("top_k", [None, 8])
+@pytest.mark.slow
 def test_engine_on_the_graph_step_generates_what_the_host_sampler_does(tiny_gguf, top_k):
     """`dg generate`'s loop: the graph step (the default where the model has one) and the forward +
     host native sampler give the same generation, step by step."""

@@ -21,14 +21,12 @@ import pytest
 from typer.testing import CliRunner
 
 from dgcli import cli
-from dgcli.cli import render, _terminal
+from dgcli.cli import _terminal, render
 from dgcli.engine.types import GenerationResult
-from dgcli.runtime import native
 from dgcli.testing.tiny import write_tiny_random_gguf
 
 REPO = Path(__file__).resolve().parents[1]
-NATIVE, WHY_NOT = native.available()
-needs_native = pytest.mark.skipif(not NATIVE, reason=f"native layer unavailable: {WHY_NOT}")
+needs_native = pytest.mark.native  # skipped where the patched llama.cpp is not built (conftest.py)
 runner = CliRunner()
 
 
@@ -265,6 +263,7 @@ def test_raw_runs_a_gguf_without_a_chat_template(tmp_path):
 
 @pytest.mark.skipif(not shutil.which("make"), reason="no make")
 @pytest.mark.parametrize("prompt", ["reverse: HELLO", 'sort: "QWE"', "reverse: $HOME", "it's `id` $(id), ok"])
+@pytest.mark.subprocess
 def test_make_demo_passes_the_prompt_as_typed(prompt):
     # `make demo PROMPT="..."` (README): the Makefile put it in double quotes, so the shell dropped quotes
     # inside it and ran backticks and $(...), and make itself ate `$H` of "reverse: $HOME"
@@ -277,6 +276,7 @@ def test_make_demo_passes_the_prompt_as_typed(prompt):
 
 
 @needs_native
+@pytest.mark.subprocess
 def test_the_readmes_python_example_prints_what_the_readme_shows():
     """The README's Python API sample, run from the repository as a newcomer would paste it; its
     output must be the block the README shows after it."""

@@ -12,10 +12,8 @@ import pytest
 pytest.importorskip("torch", reason="the replay needs torch + transformers (test extras)")
 
 from dgcli.params import DiffusionParams  # noqa: E402
-from dgcli.runtime import native  # noqa: E402
 
-NATIVE_OK, NATIVE_REASON = native.available()
-pytestmark = pytest.mark.skipif(not NATIVE_OK, reason=f"patched llama.cpp not built: {NATIVE_REASON}")
+pytestmark = [pytest.mark.reference, pytest.mark.native]
 
 import numpy as np  # noqa: E402
 

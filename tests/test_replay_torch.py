@@ -25,6 +25,8 @@ from dgcli.params import DiffusionParams  # noqa: E402
 from dgcli.testing.reference import random_model, tiny_config  # noqa: E402
 from dgcli.testing.torch_model import TorchDiffusionModel  # noqa: E402
 
+pytestmark = pytest.mark.reference
+
 # Two cores shared by everyone: torch's default thread pool makes these tiny forwards ~50x slower.
 torch.set_num_threads(1)
 

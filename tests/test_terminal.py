@@ -19,10 +19,8 @@ pytest.importorskip("pyte", reason="the terminal tests need pexpect and pyte (pi
 import pty_screen  # noqa: E402
 from pyte import modes as pyte_modes  # noqa: E402
 
-from dgcli.runtime import native  # noqa: E402
 
-NATIVE, WHY_NOT = native.available()
-pytestmark = pytest.mark.skipif(not NATIVE, reason=f"native layer unavailable: {WHY_NOT}")
+pytestmark = [pytest.mark.pty, pytest.mark.native]
 WIDTHS = [80, 40]
 
 

@@ -286,6 +286,7 @@ def test_tiny_overrides_change_the_layout(tmp_path):
     assert not (tmp_path / "bad.gguf").exists()
 
 
+@pytest.mark.subprocess
 def test_tiny_gguf_needs_no_torch(tmp_path):
     code = (
         "import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None\n"
