@@ -148,12 +148,17 @@ def test_list_shows_every_registry_entry_size_and_presence():
     r = run("list")
     assert r.exit_code == 0, r.stderr
     lines = r.stdout.splitlines()
-    # piped at 120 columns the table would need folding: two lines per model, the second its repo and file
+    # piped at 120 columns the table would need folding: a line per model and one for its file, under a
+    # line naming the repository where it changes
     at = lines.index("diffusiongemma-26b:Q4_K_M *  diffusion, pair gemma4-26b  ~16.8 GB  not on disk")
-    assert lines[at + 1] == "  unsloth/diffusiongemma-26B-A4B-it-GGUF: diffusiongemma-26B-A4B-it-Q4_K_M.gguf ?"
+    assert lines[at - 1:at + 2] == ["from unsloth/diffusiongemma-26B-A4B-it-GGUF:", lines[at],
+                                    "  diffusiongemma-26B-A4B-it-Q4_K_M.gguf ?"]
     assert "gemma4-26b:Q8_0  ar, pair diffusiongemma-26b  ~26.9 GB  not on disk" in lines
+    at = lines.index("gemma4-26b:Q5_K_M  ar, pair diffusiongemma-26b  ~19.3 GB  not on disk")
+    assert lines[at - 1] == "from bartowski/google_gemma-4-26B-A4B-it-GGUF:"
     at = lines.index("gemma4-26b-qat:Q4_0 *  ar, pair diffusiongemma-26b  ~14.4 GB  not on disk")
-    assert lines[at + 1] == "  google/gemma-4-26B-A4B-it-qat-q4_0-gguf@d1c082be9cf3: gemma-4-26B_q4_0-it.gguf ?"
+    assert lines[at - 1:at + 2] == ["from google/gemma-4-26B-A4B-it-qat-q4_0-gguf@d1c082be9cf3:", lines[at],
+                                    "  gemma-4-26B_q4_0-it.gguf ?"]
     rows = json.loads(run("list", "--json").stdout)["models"]
     assert {row["name"] for row in rows} == {"demo", "demo-ar", "diffusiongemma-26b", "gemma4-26b", "gemma4-26b-qat"}
     by_name = {(x["name"], x["quant"]): x for x in rows}
@@ -169,12 +174,27 @@ def test_list_piped_prints_its_footer_as_one_unwrapped_line():
     # as the table's caption it was wrapped at the table's width, mid-sentence, and padded with spaces
     r = run("list")
     assert r.exit_code == 0, r.stderr
-    legend, sources, usage = r.stdout.splitlines()[-3:]
+    legend, usage = r.stdout.splitlines()[-2:]
     assert legend.startswith("* default quant; ~ size from the registry; ? the registry's file name"), r.stdout
     assert legend.endswith("(`dg pull` or `dg list --refresh` reads it)."), r.stdout
-    assert sources.startswith("Files from demo: shipped with dg;"), r.stdout
-    assert "gemma4-26b-qat: google/gemma-4-26B-A4B-it-qat-q4_0-gguf@d1c082be9cf3." in sources, r.stdout
     assert usage == "`dg pull NAME[:QUANT]` downloads; --model takes NAME, NAME:QUANT or a .gguf path.", r.stdout
+
+
+def test_list_as_a_table_names_every_repository_in_its_caption(tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "dgcli.cli", "list"], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, COLUMNS="160", HF_HUB_CACHE=str(tmp_path)),
+                       cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0, r.stderr
+    rows = [[c.strip() for c in line.split("│")[1:-1]] for line in r.stdout.splitlines() if line.startswith("│")]
+    assert ["gemma4-26b-qat", "Q4_0 *", "ar", "diffusiongemma-26b", "gemma-4-26B_q4_0-it.gguf ?", "~14.4 GB", "no"] in rows
+    legend, sources, usage = r.stdout.splitlines()[-3:]
+    assert sources.startswith("Files from demo: shipped with dg;"), r.stdout
+    assert ("gemma4-26b: ggml-org/gemma-4-26B-A4B-it-GGUF (Q5_K_M, Q6_K: bartowski/google_gemma-4-26B-A4B-it-GGUF);"
+            in sources), r.stdout
+    assert "gemma4-26b-qat: google/gemma-4-26B-A4B-it-qat-q4_0-gguf@d1c082be9cf3." in sources, r.stdout
 
 
 def test_list_marks_downloaded_models(tmp_path, monkeypatch):

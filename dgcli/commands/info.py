@@ -144,7 +144,7 @@ def _hub_rows(resolved, on_hub: pull.HubModelInfo) -> list:
     if on_hub.header_problem:
         rows.append(("header", Text(render.printable(f"not read: {on_hub.header_problem}"), style="yellow")))
     else:
-        rows.append(("header", "read from the Hub (the first bytes of the file); the rest below is what it says"))
+        rows.append(("header", "read from the first bytes of the file on the Hub (nothing downloaded)"))
     return rows
 
 

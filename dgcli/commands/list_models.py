@@ -60,25 +60,29 @@ def _print(rows: list[model_list.ModelRow], sources: list[str]) -> None:
     for r in rows:
         quant = (r.quant or "-") + (" *" if r.default and r.quant else "")
         table.add_row(r.name, quant, r.role, r.pair or "-", Text(_file(r)), _size(r), "yes" if r.on_disk else "no")
-    caption = "\n".join([  # three lines, each one line when piped (for grep)
-        "* default quant; ~ size from the registry;" + UNCHECKED + " the registry's file name, not yet checked against "
-        "the repository's file list (`dg pull` or `dg list --refresh` reads it).",
-        "Files from " + "; ".join(sources) + ".",
-        "`dg pull NAME[:QUANT]` downloads; --model takes NAME, NAME:QUANT or a .gguf path."])
+    legend = ("* default quant; ~ size from the registry;" + UNCHECKED + " the registry's file name, not yet checked "
+              "against the repository's file list (`dg pull` or `dg list --refresh` reads it).")
+    usage = "`dg pull NAME[:QUANT]` downloads; --model takes NAME, NAME:QUANT or a .gguf path."
     out = shared.stdout
     piped = not out.is_terminal  # then the caption and each model's lines stay one line, for grep
     # the table only where nothing in it needs folding (a pair name broken after "gemma4-26" read as another)
     if out.measure(table, options=out.options.update_width(10_000)).maximum <= out.width:
-        table.caption = Text(caption)
-        shared.print_table(table)  # piped: the caption one line, for grep
+        # three lines, each one line when piped (for grep); the table has no column for the repositories
+        table.caption = Text("\n".join([legend, "Files from " + "; ".join(sources) + ".", usage]))
+        shared.print_table(table)
         return
-    # narrower than the table: two wrapped lines per model, the second its repository and file (columns
-    # squeezed to nothing would hide the sizes and whether each is on disk)
+    # narrower than the table: a line per model and one for its file, under a line naming the repository
+    # whenever it changes (columns squeezed to nothing would hide the sizes and whether each is on disk)
     out.print(Text("dg models", style="italic"))
+    source = None
     for r in rows:
+        where = (f"from {r.repo}" + (f"@{r.revision[:12]}" if r.revision else "") + ":") if r.repo else "shipped with dg:"
+        if where != source:
+            out.print(Text(where, style="bold"), soft_wrap=piped)
+            source = where
         name = r.name + (f":{r.quant}" if r.quant else "") + (" *" if r.default and r.quant else "")
         out.print(Text(f"{name}  {r.role}, pair {r.pair or '-'}  {_size(r)}  "
                        + ("on disk" if r.on_disk else "not on disk")), soft_wrap=piped)
-        where = (r.repo + (f"@{r.revision[:12]}" if r.revision else "") + ": ") if r.repo else "shipped: "
-        out.print(Text("  " + where + _file(r), style="dim"), soft_wrap=piped)
-    out.print(Text(caption), soft_wrap=piped)
+        out.print(Text("  " + _file(r), style="dim"), soft_wrap=piped)
+    out.print(Text(legend), soft_wrap=piped)
+    out.print(Text(usage), soft_wrap=piped)
