@@ -169,6 +169,9 @@ def _listing_from_cache(data: Any, repo: str, revision: str | None, where: str) 
 
 
 def _listing_path(repo: str, revision: str | None) -> Path:
+    hub.check_repo_file(repo, "x.gguf")
+    if revision is not None and not COMMIT.fullmatch(revision):  # a pin is a commit id: it names a file here
+        raise HubError(f"not a commit id: {str(revision)[:60]!r}")
     return hub._repo_cache_folder(repo) / "dg" / f"listing-{revision or 'main'}.json"
 
 
@@ -178,7 +181,6 @@ def cached_listing(repo: str, revision: str | None = None) -> RepoListing | None
     from dgcli.textfile import read_text_file
 
     try:
-        hub.check_repo_file(repo, "x.gguf")
         path = _listing_path(repo, revision)
         if not path.is_file():
             return None
@@ -215,7 +217,7 @@ def fetch_listing(repo: str, revision: str | None = None) -> RepoListing:
     from huggingface_hub import constants
     from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
-    hub.check_repo_file(repo, "x.gguf")
+    _listing_path(repo, revision)  # the repo id and the revision checked before they shape a URL
     endpoint = (hub.hub_endpoint() or constants.ENDPOINT).rstrip("/")
     url = f"{endpoint}/api/models/{repo}/revision/{quote(revision or 'main', safe='')}"
     target = f"the file list of {repo}"

@@ -103,6 +103,9 @@ def test_a_pinned_revision_must_be_the_commit_the_hub_answers_for(fake_hub):
         hub_files.fetch_listing(REPO, "f" * 40)
     with pytest.raises(hub.HubError, match="repository not found on the Hub: org/nothing"):
         hub_files.fetch_listing("org/nothing")
+    with pytest.raises(hub.HubError, match="not a commit id: '../../x'"):  # it would name the cached listing's file
+        hub_files.fetch_listing(REPO, "../../x")
+    assert hub_files.cached_listing(REPO, "../../x") is None
 
 
 def _sibling(path="m-Q8_0.gguf", size=4, sha="a" * 64):
