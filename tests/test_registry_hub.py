@@ -178,7 +178,7 @@ def test_info_of_a_model_not_downloaded_reads_its_header_from_the_hub(fake_hub, 
     assert not list(hub.cache_dir().glob("models--*/blobs/*"))  # nothing downloaded
     text = run("info", "tiny")
     assert text.exit_code == 0, text.stderr
-    for fragment in ("tiny-Q8_0.gguf", "not downloaded", "dg pull tiny:Q8_0", COMMIT, "read from the Hub",
+    for fragment in ("tiny-Q8_0.gguf", "not downloaded", "dg pull tiny:Q8_0", COMMIT, "the first bytes of the file on the Hub",
                      "diffusion-gemma", "sampler defaults"):
         assert fragment in text.stdout, text.stdout
 
