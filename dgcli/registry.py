@@ -342,12 +342,26 @@ def with_listing(resolved: ResolvedModel, listing: RepoListing | None, *, locate
         except NoSingleModelFile as err:
             problem = str(err)
     if choice is not None:
-        found = [locate(mf.repo, part.path, listing.commit) for part in choice.parts]
-        path = found[0] if all(found) else None
+        path = _locate_choice(locate, mf.repo, choice, listing.commit)
     else:
         path = locate(mf.repo, mf.filename, mf.revision) if mf.filename else None
     return replace(resolved, path=path, choice=choice, listing_problem=problem,
                    listing_commit=listing.commit if listing is not None else None)
+
+
+def _locate_choice(locate, repo: str, choice: ModelChoice, commit: str) -> Path | None:
+    """The chosen file's first part when every part is in the cache side by side: in the listing's
+    commit's snapshot, or in the one refs/main names as long as each part there is the listed content
+    (its blob is named by the listed sha256; main moved on, the file did not: no new download, no
+    hash pass)."""
+    found = [locate(repo, part.path, commit) for part in choice.parts]
+    if all(found):
+        return found[0]
+    found = [locate(repo, part.path, None) for part in choice.parts]
+    if all(found) and all(part.sha256 and Path(os.path.realpath(f)).name == part.sha256
+                          for f, part in zip(found, choice.parts)):
+        return found[0]
+    return None
 
 
 def looks_like_path(spec: str) -> bool:

@@ -214,3 +214,24 @@ def test_info_from_the_hub_refuses_a_range_answer_for_other_bytes(fake_hub, regi
                         f"{fake_hub.url}/{REPO}/resolve/main/tiny-Q8_0.gguf")
     with pytest.raises(hub.HubError, match="with another range"):  # the server's size is not the metadata's
         remote_gguf._fetch_range(remote, 0, 100)
+
+
+def test_a_file_main_still_holds_is_not_downloaded_again_when_main_moves_on(fake_hub, registry):
+    fake_hub.files[(REPO, "tiny-Q8_0.gguf")] = b"GGUF" + bytes(50)
+    registry('Q8_0 = {}')
+    first = run("pull", "tiny")
+    assert first.exit_code == 0, first.stderr
+    fake_hub.commit = "9" * 40  # a README edit upstream: a new commit, the same file
+    fake_hub.files[(REPO, "README.md")] = b"# new"
+    assert run("list", "--refresh").exit_code == 0  # the cached listing is now of the new commit
+    n_gets = len(fake_hub.gets())
+    again = run("pull", "tiny")
+    assert again.exit_code == 0 and "already downloaded" in again.stdout, again.stdout
+    assert len(fake_hub.gets()) == n_gets
+    # the file changed upstream: the listing's sha256 no longer names the blob main's snapshot links
+    fake_hub.commit = "8" * 40
+    fake_hub.files[(REPO, "tiny-Q8_0.gguf")] = b"GGUF" + bytes(60)
+    assert run("list", "--refresh").exit_code == 0
+    assert list_rows()[("tiny", "Q8_0")]["on_disk"] is False
+    r = run("pull", "tiny")
+    assert r.exit_code == 0 and Path(r.stdout.strip().split(": ", 1)[1]).read_bytes() == b"GGUF" + bytes(60)
