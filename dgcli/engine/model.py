@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from dgcli.engine import native
-from dgcli.engine.cpu import cpu_flags
+from dgcli.engine.cpu import compute_threads, cpu_flags
 from dgcli.engine.header import END_TOKEN_TEXTS, VISIBLE_CONTROL_TEXTS, read_header
 from dgcli.engine.hparams import AR_ARCH, DIFFUSION_ARCH, check_model_header, sampler_defaults
 from dgcli.engine.offload import LoadReport, check_offload, expert_override_pattern, tiled_weight_pattern
@@ -85,13 +85,13 @@ def check_gpu_layers(n_gpu_layers: Any) -> None:
 
 
 def default_threads(path: str | os.PathLike) -> int:
-    """llama.cpp threads when the caller does not choose: 1 for tiny models, else every core."""
+    """llama.cpp threads when the caller does not choose: 1 for tiny models, else cpu.compute_threads()."""
     try:
         if os.path.getsize(path) < SINGLE_THREAD_BELOW_BYTES:
             return 1
     except OSError:
         pass
-    return max(1, os.cpu_count() or 1)
+    return min(MAX_THREADS, compute_threads())
 
 
 def cpu_repack_enabled() -> bool:
