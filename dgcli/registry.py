@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import os
 import re
-import tomllib
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from dgcli.engine.types import DgError, ModelLoadError
 from dgcli.hub import REPO_ID
 from dgcli.textfile import read_text_file
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: tomli, the parser the standard library took as tomllib in 3.11
+    import tomli as tomllib
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 DEFAULT_REGISTRY_PATH = PACKAGE_DIR.parent / "models.toml"
