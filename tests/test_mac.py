@@ -235,6 +235,41 @@ def test_a_mac_s_gpu_memory_is_counted_as_ram_too(tmp_path, monkeypatch):
     assert [g.metal for g in info.detect_gpus()] == [True, False]
 
 
+def _placed(report_lines: list[str], vocab_size: int):
+    """A DiffusionModel as llama.cpp's load log placed it, without loading one."""
+    from dgcli.engine.model import DiffusionModel
+    from dgcli.engine.offload import LoadReport
+
+    model = DiffusionModel.__new__(DiffusionModel)
+    model.load_report, model.vocab_size = LoadReport.from_log(report_lines), vocab_size
+    return model
+
+
+def test_a_vocabulary_past_metal_s_cumsum_row_takes_the_host_sampler():
+    """ggml-metal's CUMSUM asserts a row of at most 1024 x 1024: the one-graph step with the output
+    layer on a Mac's GPU and a longer vocabulary would abort the process. "auto" takes the host
+    sampler, "graph" is refused with one line; Gemma's 262144 and other placements are untouched."""
+    from dgcli.engine.diffusion import _resolve_step_backend
+    from dgcli.engine.model import METAL_CUMSUM_MAX_ROW
+    from dgcli.engine.types import DgError
+
+    on_metal = ["load_tensors: offloaded 3/3 layers to GPU", "load_tensors: MTL0_Mapped model buffer size = 1234.00 MiB",
+                "load_tensors: CPU_Mapped model buffer size = 10.00 MiB"]
+    output_on_cpu = ["load_tensors: offloaded 2/3 layers to GPU", *on_metal[1:]]
+    on_cuda = [on_metal[0], "load_tensors: CUDA0 model buffer size = 1234.00 MiB"]
+    big = METAL_CUMSUM_MAX_ROW + 1
+    refused = _placed(on_metal, big)
+    assert "cannot run on Metal with a 1,048,577-token vocabulary" in refused.graph_step_refused()
+    assert _resolve_step_backend("auto", refused, 1).name == "native"
+    with pytest.raises(DgError, match="cumulative sum takes rows of at most 1,048,576"):
+        _resolve_step_backend("graph", refused, 1)
+    with pytest.raises(DgError, match="cannot run on Metal"):
+        refused.denoise_step(None, 1.0, None)  # before any native call
+    for lines, vocab in ((on_metal, 262144), (on_metal, METAL_CUMSUM_MAX_ROW), (output_on_cpu, big), (on_cuda, big)):
+        model = _placed(lines, vocab)
+        assert model.graph_step_refused() is None and _resolve_step_backend("auto", model, 1) is None
+
+
 # -- the native build: BSD patch, the chip, the SDK, --metal ----------------------------------------------------
 
 # The options of macOS's patch (BSD); GNU-only ones such as --no-backup-if-mismatch are refused.
@@ -265,6 +300,32 @@ def test_the_patch_applies_with_bsd_patch(tmp_path, monkeypatch):
     contents = build.patched_contents(vendor, log)
     assert set(build.files_in_diff(build.PATCH_DIFF.read_text())) <= set(contents)
     assert "$ patch -p1 -t -N -i" in log.read_text()
+
+
+def test_our_patch_compiles_for_arm64(tmp_path):
+    """Apple Silicon is arm64: the patch's x86 kernels must stay behind their guards. Our sources,
+    patched in, compiled by an aarch64 cross compiler (Linux headers: the code, not Apple's SDK)."""
+    cxx = shutil.which("aarch64-linux-gnu-g++")
+    if cxx is None:
+        pytest.skip("no aarch64 cross compiler here (Debian: g++-aarch64-linux-gnu)")
+    log = tmp_path / "build.log"
+    pristine = build.extract_pristine(build.fetch_sdist(log)) / "vendor" / "llama.cpp"
+    tree = tmp_path / "llama.cpp"
+    for rel in ("include", "ggml/include", "src"):
+        shutil.copytree(pristine / rel, tree / rel)
+    (tree / "ggml" / "src").mkdir()
+    for header in (pristine / "ggml" / "src").glob("*.h"):  # ggml's own internal headers
+        shutil.copy(header, tree / "ggml" / "src" / header.name)
+    for rel, data in build.patched_contents(pristine, log).items():
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tree / rel).write_bytes(data)
+    ours = [rel for rel in build.new_source_files() if rel.endswith(".cpp")]
+    assert len(ours) >= 5
+    for rel in ours:
+        done = subprocess.run([cxx, "-std=c++17", "-march=armv8.2-a+dotprod+fp16", "-fsyntax-only", "-Iinclude",
+                               "-Iggml/include", "-Iggml/src", "-Isrc", rel], cwd=tree, capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0, f"{rel}:\n{done.stderr[-3000:]}"
 
 
 def test_the_cache_key_tells_apple_chips_and_sdks_apart(monkeypatch):
