@@ -6,7 +6,14 @@ PROMPT  ?= reverse: HELLO
 
 .PHONY: setup native demo test test-hub-floor examples clean-native
 
+# dg needs Python >= 3.10 (pyproject.toml); say so before pip does (macOS's own python3 is 3.9)
 $(BIN)/python:
+	@if ! command -v $(PY) >/dev/null 2>&1; then found="not installed"; \
+	elif ! $(PY) -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then found="$$($(PY) --version 2>&1)"; fi; \
+	if [ -n "$$found" ]; then \
+	  echo "dg needs Python 3.10 or newer, and '$(PY)' is $$found." >&2; \
+	  echo "Install a newer Python (on a Mac: 'brew install python@3.12', or python.org's installer)," >&2; \
+	  echo "then run: make $(or $(MAKECMDGOALS),demo) PY=python3.12" >&2; exit 1; fi
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 

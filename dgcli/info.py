@@ -29,6 +29,14 @@ FROM_GGUF, FROM_GGUF_REFERENCE_DEFAULT, FROM_DEFAULT = "gguf", "gguf: reference 
 # On the GPU, besides the offloaded weights and their layers' KV cache: the CUDA context, cuBLAS's
 # workspace, and a compute buffer holding a micro-batch of logits (and their softcapped copy).
 GPU_RUNTIME_BYTES = 512 * 1024**2
+
+
+def metal_step_scratch_bytes(vocab: int, canvas: int) -> int:
+    """What a Metal buffer allocates for the one-graph step's TOP_K and CUMSUM over [vocab, canvas]
+    (ggml-metal's get_alloc_size: the top-k takes 2 int32 per input element, the cumulative sum twice
+    its output), on top of the logits memory_plan counts for every GPU: 1 GiB at real widths.
+    tests/test_backend_ops.py checks it against ggml-metal's own function."""
+    return 2 * 4 * vocab * canvas + 2 * 4 * vocab * canvas
 N_UBATCH = 512
 KV_CONTEXT = 4096  # dg's default context (engine.model.DEFAULT_N_CTX)
 
@@ -45,6 +53,9 @@ class GpuMemory:
     name: str
     total: int
     free: int
+    # Apple's GPUs through ggml-metal: memory shared with the CPU (a RAM fit counts the GPU's share
+    # too), and the step's Metal scratch (metal_step_scratch_bytes)
+    metal: bool = False
 
 
 # kB/MB/GB/TB decimal, as dg prints sizes (dgcli.units); KiB/MiB/GiB/TiB binary, as they say
@@ -74,7 +85,8 @@ def detect_gpus() -> list[GpuMemory]:
     try:
         from dgcli.engine import native
 
-        return [GpuMemory(f"{d.name} ({d.description})", d.total, d.free) for d in native.gpu_devices()]
+        return [GpuMemory(f"{d.name} ({d.description})", d.total, d.free, metal=d.backend == native.METAL_BACKEND)
+                for d in native.gpu_devices()]
     except DgError:
         return []
 
@@ -200,9 +212,14 @@ def memory_plan(get, tensors: list[tuple[str, int]], vocab: int, file_size: int,
     start = n_layer + 1 - plan.gpu_layer_count
     kv_gpu = sum(kv[il] for il in range(max(start, 0), n_layer))
     canvas = get("diffusion.canvas_length")
-    logits = 2 * max(N_UBATCH, canvas if isinstance(canvas, int) else 0) * vocab * 4
+    canvas = canvas if isinstance(canvas, int) and canvas > 0 else 0
+    logits = 2 * max(N_UBATCH, canvas) * vocab * 4
     gpu_need = plan.gpu_weight_bytes + kv_gpu + logits + GPU_RUNTIME_BYTES
     ram_need = memory_needed(plan.ram_weight_bytes) + (sum(kv) - kv_gpu)
+    if any(g.metal for g in gpus):
+        if canvas:  # the one-graph step's sampler pass in ggml ops (dg_denoise_step on a GPU)
+            gpu_need += metal_step_scratch_bytes(vocab, canvas)
+        ram_need += gpu_need  # one memory: what the GPU holds is taken from RAM
     return plan, ram_need, gpu_need
 
 
@@ -506,8 +523,11 @@ def check_fits_memory(path: Path | str, *, n_gpu_layers: int = 0, n_cpu_moe: int
                               f"cache) but this machine has {format_bytes(total)}; use a smaller --ctx-size"
                               + (" or --parallel" if n_seq > 1 else ""))
     if ram_need > total:
-        hint = ("offload more to the GPU (--gpu-layers, or a smaller --n-cpu-moe)" if gpu_need
-                else "use a smaller quant, or offload layers to a GPU with --gpu-layers")
+        if any(g.metal for g in gpus):
+            hint = "use a smaller quant (a Mac's GPU memory is its RAM: offloading frees none)"
+        else:
+            hint = ("offload more to the GPU (--gpu-layers, or a smaller --n-cpu-moe)" if gpu_need
+                    else "use a smaller quant, or offload layers to a GPU with --gpu-layers")
         raise TooBigForMemory(f"{name} needs about {format_bytes(ram_need)} of RAM but this machine has "
                               f"{format_bytes(total)}; {hint}")
     free = sum(g.free for g in gpus)

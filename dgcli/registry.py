@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import re
-import tomllib
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +22,11 @@ from dgcli.engine.types import DgError, ModelLoadError
 from dgcli.hub import COMMIT, REPO_ID
 from dgcli.hub_files import ModelChoice, NoSingleModelFile, RepoListing, choose_model_file
 from dgcli.textfile import read_text_file
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: tomli, the parser the standard library took as tomllib in 3.11
+    import tomli as tomllib
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 DEFAULT_REGISTRY_PATH = PACKAGE_DIR.parent / "models.toml"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from typing import Optional
 
 import typer
@@ -41,7 +42,9 @@ def info_cmd(model: str = typer.Argument(..., help="A .gguf path or a registry n
         gpus = None
         if gpu_memory is not None:
             size = ginfo.parse_size(gpu_memory)
-            gpus = [ginfo.GpuMemory(f"a {hub.format_bytes(size)} GPU (--gpu-memory)", size, size)]
+            # on a Mac the GPU is Apple's, through ggml-metal
+            gpus = [ginfo.GpuMemory(f"a {hub.format_bytes(size)} GPU (--gpu-memory)", size, size,
+                                    metal=sys.platform == "darwin")]
         offload = dict(n_gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe, gpus=gpus)
         on_hub = None  # a registry model not downloaded: described from the Hub (its listing, its header's bytes)
         if resolved.path is None:

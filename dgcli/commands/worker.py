@@ -19,12 +19,13 @@ def worker(
                                                          "anything but 127.0.0.1 must be a trusted network."),
     port: int = typer.Option(50052, "--port", "-p", help="TCP port (0: any free port, printed at start)."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", help="CPU threads for the computations "
-                                                                        "(default: every core)."),
+                                                                        "(default: every core; a Mac's performance cores)."),
     cache: bool = typer.Option(False, "--cache", help="Keep received weights in a local file cache (by hash) so "
                                                       "the next load of the same model sends less over the network."),
 ) -> None:
     """Serve this machine's devices (its GPUs, else its CPU) to `dg ... --rpc HOST:PORT` over llama.cpp's RPC."""
     from dgcli.engine import rpc
+    from dgcli.engine.cpu import compute_threads
     from dgcli.engine.model import MAX_THREADS, check_threads
 
     with shared.user_errors():
@@ -44,7 +45,7 @@ def worker(
             except OSError as err:
                 raise shared.fail(f"cannot use {cache_dir} for --cache (DG_CACHE_DIR): {err.strerror or err}") from None
         rpc.native_stdout_to_stderr()
-        server = rpc.Worker(host, port, n_threads=threads or min(MAX_THREADS, max(1, os.cpu_count() or 1)),
+        server = rpc.Worker(host, port, n_threads=threads or min(MAX_THREADS, compute_threads()),
                             cache_dir=cache_dir)
         if not shared.is_loopback(host):
             shared.notice(f"warning: listening on {host}: llama.cpp's RPC protocol has no authentication and no "

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from dgcli.engine import native
-from dgcli.engine.cpu import cpu_flags
+from dgcli.engine.cpu import compute_threads, cpu_flags
 from dgcli.engine.header import END_TOKEN_TEXTS, VISIBLE_CONTROL_TEXTS, read_header
 from dgcli.engine.hparams import AR_ARCH, DIFFUSION_ARCH, check_model_header, sampler_defaults
 from dgcli.engine.offload import LoadReport, check_offload, expert_override_pattern, tiled_weight_pattern
@@ -85,13 +85,13 @@ def check_gpu_layers(n_gpu_layers: Any) -> None:
 
 
 def default_threads(path: str | os.PathLike) -> int:
-    """llama.cpp threads when the caller does not choose: 1 for tiny models, else every core."""
+    """llama.cpp threads when the caller does not choose: 1 for tiny models, else cpu.compute_threads()."""
     try:
         if os.path.getsize(path) < SINGLE_THREAD_BELOW_BYTES:
             return 1
     except OSError:
         pass
-    return max(1, os.cpu_count() or 1)
+    return min(MAX_THREADS, compute_threads())
 
 
 def cpu_repack_enabled() -> bool:
@@ -453,6 +453,11 @@ class _LlamaModel:
         return out
 
 
+# ggml-metal's CUMSUM asserts a row of at most nth * nth entries, nth its kernel's threads per
+# threadgroup (1024 on Apple's GPUs); the one-graph step's cumulative sum runs over the vocabulary.
+METAL_CUMSUM_MAX_ROW = 1024 * 1024
+
+
 class DiffusionModel(_LlamaModel):
     """A diffusion-gemma GGUF: encoder prefill/commit and the decoder's canvas forward."""
 
@@ -548,6 +553,15 @@ class DiffusionModel(_LlamaModel):
             raise DgError(f"decoder forward failed (status {rc}): {native.last_error('no detail logged')}")
         return out
 
+    def graph_step_refused(self) -> str | None:
+        """Why `denoise_step` cannot run with this model's placement, or None. The step's sampler pass
+        runs where the logits are: on a Mac's GPU, ggml-metal would abort on a vocabulary row longer than
+        its CUMSUM takes (the host sampler has no such bound)."""
+        if self.vocab_size > METAL_CUMSUM_MAX_ROW and self.load_report.output_on(native.METAL_BACKEND):
+            return (f"the one-graph step cannot run on Metal with a {self.vocab_size:,}-token vocabulary "
+                    f"(ggml-metal's cumulative sum takes rows of at most {METAL_CUMSUM_MAX_ROW:,})")
+        return None
+
     def denoise_step(self, canvases: Any, temperatures: Any, uniforms: Any, sc_logits: np.ndarray | None = None,
                      sc_topk: tuple[np.ndarray, np.ndarray] | None = None, top_k: int = 0,
                      return_values: bool = False, portable_ops: bool = False,
@@ -561,6 +575,9 @@ class DiffusionModel(_LlamaModel):
         of small vocabularies). temperatures: one per canvas (or one for all); uniforms [n, C] in
         [0, 1). portable_ops: the ggml-ops form of the step that non-CPU backends run (tests).
         The cache is unchanged."""
+        refused = self.graph_step_refused()
+        if refused:
+            raise DgError(refused)
         inputs = self._decoder_inputs(canvases, sc_logits, sc_topk, per_sequence)
         n, length, vocab = inputs.n, inputs.length, self.vocab_size
         temps = np.broadcast_to(np.asarray(temperatures, dtype=np.float32), (n,)).copy() \
