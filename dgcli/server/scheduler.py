@@ -169,7 +169,8 @@ class BatchScheduler:
         self.log = log or (lambda line: None)
         self.stats = SchedulerStats()
         self._waiting: collections.deque[GenerationRequest] = collections.deque()
-        self._layout = SlotLayout(model.move_sequence, model.clear_sequence)  # request i owns sequence i
+        # request i owns sequence i (a one-slot stand-in model needs no move_sequence)
+        self._layout = SlotLayout(lambda src, dst: model.move_sequence(src, dst), lambda seq: model.clear_sequence(seq))
         self._cond = threading.Condition()
         self._running = True
         self._ids = itertools.count(1)
@@ -339,8 +340,11 @@ class BatchScheduler:
         """Encoder over the next prompt tokens; the last chunk of a constrained request keeps its logits."""
         began = time.perf_counter()
         last = request.prefilled + len(tokens) == len(request.prompt_ids)
-        logits = self.model.prefill(tokens, return_logits=last and request.constrained,
-                                    seq=self._layout.index(request))
+        seq = self._layout.index(request)
+        if last and request.constrained:
+            logits = self.model.prefill(tokens, return_logits=True, seq=seq)
+        else:
+            logits = self.model.prefill(tokens, seq=seq)
         request.prefilled += len(tokens)
         seconds = time.perf_counter() - began
         if request.constrained:
@@ -479,3 +483,4 @@ class BatchScheduler:
         except Exception as err:  # noqa: BLE001 (a sink's bug must not stop the other requests)
             if os.environ.get("DG_VERBOSE"):
                 print(f"dg serve: a request's sink failed: {err!r}", file=sys.stderr)
+        request.sequence = None  # its state refers back to the request (its events' forwarder)
