@@ -4,7 +4,8 @@
   one or several prompts, text or token ids), `model` (the one served; another is a 404),
   `max_tokens` / `max_completion_tokens`, `seed`, `stream`, `stream_options.include_usage`,
   `stop` (a string or up to 4), `n` (choices per prompt), `tools` / `tool_choice`
-  (dgcli/server/tools.py), `response_format` (dgcli/server/structured.py);
+  (dgcli/server/tools.py), `response_format` (dgcli/server/structured.py; llama-server's
+  `json_schema` field too);
 - the diffusion sampler's parameters as extra fields (the CLI's flags): `steps` (or
   `max_denoising_steps`), `t_min`, `t_max`, `entropy_bound`, `stability_threshold`,
   `confidence_threshold`; unset ones take the GGUF's defaults;
@@ -179,6 +180,11 @@ def parse_request(body: Any, kind: str, defaults: DiffusionParams, default_max_t
         raise bad(f"n x prompts = {req.n_choices} exceeds dg serve's limit of {MAX_CHOICES} choices per request",
                   param="n")
     req.response_format = parse_response_format(body.get("response_format"))
+    if body.get("json_schema") is not None:  # llama-server's shorthand for a json_schema response_format
+        if req.response_format is not None:
+            raise bad("send either 'json_schema' or 'response_format'", param="json_schema")
+        req.response_format = parse_response_format({"type": "json_schema", "json_schema": {
+            "schema": body["json_schema"]}}, "json_schema")
     req.model = get_field(body, "model", (str,), "a string")
     parse_openai_numbers(body, req)
     req.stream = bool(get_field(body, "stream", (bool,), "true or false"))

@@ -235,6 +235,8 @@ class Endpoints:
             "slots": {"total": s.slots, "busy": s.n_active},
             "queue": {"waiting": s.n_waiting, "limit": s.max_queue},
             "context_per_request": s.kv_capacity, "canvas_length": service.model.canvas_length,
+            "end_token_ids": [int(t) for t in service.model.end_token_ids],
+            "pad_token_id": getattr(service.model, "pad_token_id", None),
             "auth": self.config.api_key is not None,
             "requests": s.stats.to_json(),
         })

@@ -1,8 +1,10 @@
 """The OpenAI shapes `dg serve` answers with: completion bodies, stream chunks, usage, ids.
 
-Every response carries `system_fingerprint` (dg's version and the native build's key: a change of
-either may change answers) and `dg`, dg's own figures (steps per canvas, decoder forwards, queue
-and total time, and which decoder ran: "diffusion" or "autoregressive+grammar").
+Every response carries `system_fingerprint` ("b" and the native build's key, then dg's version: a
+change of either may change answers; llama-server's fingerprint is "b" and its build number),
+`timings` (llama-server's figures: prompt and generated tokens, milliseconds, tokens per second)
+and `dg`, dg's own figures (steps per canvas, decoder forwards, queue and total time, and which
+decoder ran: "diffusion" or "autoregressive+grammar").
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def system_fingerprint() -> str:
                 break
     except (ImportError, OSError, ValueError):
         pass
-    return f"dg-{version}-{key}"
+    return f"b{key}-dg{version}"
 
 
 def new_id(kind: str) -> str:
@@ -101,6 +103,19 @@ def dg_field(outcomes: list[ChoiceOutcome]) -> dict[str, Any]:
     return top
 
 
+def timings(outcomes: list[ChoiceOutcome], prompt_tokens: int) -> dict[str, Any]:
+    """llama-server's `timings`: the prompt's prefill and the generation after it, over every choice."""
+    prompt_ms = 1000 * max(o.result.prefill_s for o in outcomes)
+    predicted_ms = 1000 * max(max(o.result.total_s - o.result.prefill_s, 0.0) for o in outcomes)
+    predicted = sum(o.n_completion for o in outcomes)
+    return {"prompt_n": prompt_tokens, "prompt_ms": round(prompt_ms, 3),
+            "prompt_per_token_ms": round(prompt_ms / prompt_tokens, 3) if prompt_tokens else 0.0,
+            "prompt_per_second": round(1000 * prompt_tokens / prompt_ms, 3) if prompt_ms > 0 else 0.0,
+            "predicted_n": predicted, "predicted_ms": round(predicted_ms, 3),
+            "predicted_per_token_ms": round(predicted_ms / predicted, 3) if predicted else 0.0,
+            "predicted_per_second": round(1000 * predicted / predicted_ms, 3) if predicted_ms > 0 else 0.0}
+
+
 def finish_reason(stop_reason: str, stopped_by_stop_string: bool, has_tool_calls: bool) -> str:
     if has_tool_calls:
         return "tool_calls"
@@ -123,7 +138,8 @@ def completion_body(kind: str, rid: str, created: int, model: str, outcomes: lis
             choices.append({"index": o.index, "text": o.content, "logprobs": None, "finish_reason": o.finish})
     return {"id": rid, "object": OBJECTS[kind][0], "created": created, "model": model,
             "system_fingerprint": system_fingerprint(), "choices": choices,
-            "usage": usage(outcomes, prompt_tokens), "dg": dg_field(outcomes)}
+            "usage": usage(outcomes, prompt_tokens), "timings": timings(outcomes, prompt_tokens),
+            "dg": dg_field(outcomes)}
 
 
 def chunk_body(kind: str, rid: str, created: int, model: str, *, index: int = 0, reasoning: str = "",
@@ -139,7 +155,7 @@ def chunk_body(kind: str, rid: str, created: int, model: str, *, index: int = 0,
         delta: dict[str, Any] = {}
         if role:
             delta["role"] = "assistant"
-            delta["content"] = ""
+            delta["content"] = None
         if reasoning:
             delta["reasoning_content"] = reasoning
         if content:

@@ -26,6 +26,7 @@ from dgcli.server.bodies import (
     finish_reason,
     new_id,
     step_payload,
+    timings,
     usage,
 )
 from dgcli.server.scheduler import GenerationRequest, RequestDone, RequestFailed
@@ -232,6 +233,7 @@ class Job:
         if req.include_usage:
             outcomes = [self.outcomes[i] for i in sorted(self.outcomes)]
             yield chunk(no_choices=True, extra={"usage": usage(outcomes, self.n_prompt_tokens),
+                                                "timings": timings(outcomes, self.n_prompt_tokens),
                                                 "dg": dg_field(outcomes)})
         yield "data: [DONE]\n\n"
 

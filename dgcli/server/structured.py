@@ -35,7 +35,7 @@ def parse_response_format(value: Any, param: str = "response_format") -> Respons
     if kind == "json_schema":
         spec = value.get("json_schema", value)  # /v1/responses puts name and schema beside type
         if not isinstance(spec, dict):
-            raise bad(f"'{param}.json_schema' must be an object with a 'schema'", param=param)
+            raise bad(f"'{param}' must be an object with a 'schema'", param=param)
         name = spec.get("name") if isinstance(spec.get("name"), str) else ""
         return ResponseFormat("json_schema", _schema(spec.get("schema", {}), param), name)
     raise bad(f"'{param}' must be {{\"type\": \"text\"}}, {{\"type\": \"json_object\"}} or "
