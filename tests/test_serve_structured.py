@@ -75,6 +75,26 @@ def test_integer_bounds_are_part_of_the_grammar(tiny_gguf):
     assert "(" in integer_range_rule(0, 9)
 
 
+@requires_native
+def test_control_characters_cannot_enter_a_json_string(tiny_gguf):
+    """llama-cpp-python's converter let any character but a quote or backslash into a string: a
+    random model's byte tokens (0x1e) made JSON that no parser reads."""
+    from dgcli.engine.grammar import GrammarSampler
+    from dgcli.engine.model import DiffusionModel
+
+    grammar = json_schema_grammar({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]})
+    with DiffusionModel(str(tiny_gguf)) as model:
+        sampler = GrammarSampler(model, grammar)
+        for c in '{"a":"x':
+            sampler.accept(model.tokenize(c, add_bos=False, special=False)[0])
+        allowed = np.isfinite(sampler.mask(np.zeros(model.vocab_size, np.float32)))
+        for c in "\x1e\x00\n\t\x7f":
+            (token,) = model.tokenize(c, add_bos=False, special=False)
+            assert not allowed[token], repr(c)
+        assert allowed[model.tokenize("y", add_bos=False, special=False)[0]]
+        sampler.close()
+
+
 def test_tokens_that_close_rank_first_near_the_end_of_the_budget():
     assert [closing_class(t) for t in ('"', '"}', "}]", ",", "12", "abc", " x", "")] == [1, 1, 2, 3, 4, 5, 6, 6]
 

@@ -176,7 +176,14 @@ def _convert(converter: Any, schema: dict, name: str, what: str) -> str:
         raise GrammarError(f"{what} cannot be turned into a grammar: {detail[:200]}") from None
 
 
+# a JSON string's character: llama-cpp-python's converter allows any but a quote or backslash, so
+# control characters (JSON forbids them unescaped: the text would not parse) got through
+JSON_CHAR_RULE = r'[^"\\\x7F\x00-\x1F] | [\\] (["\\/bfnrt] | "u" [0-9a-fA-F]{4,4})'
+
+
 def _format(converter: Any) -> str:
+    if "char" in converter._rules:
+        converter._rules["char"] = JSON_CHAR_RULE
     grammar = converter.format_grammar()
     if len(grammar) > MAX_GRAMMAR_CHARS:
         raise GrammarError(f"the schema's grammar is longer than {MAX_GRAMMAR_CHARS} characters")
