@@ -120,7 +120,7 @@ def _listen(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
-        sock.listen(socket.SOMAXCONN)  # a burst of connections waits in the queue, not in SYN retries
+        sock.listen(128)
     except OSError as err:
         sock.close()
         raise DgError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None

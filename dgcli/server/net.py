@@ -29,8 +29,12 @@ from typing import Any, Callable, Iterator
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import Server
 
-# file descriptors kept for everything but client connections (the model, pipes, the listener, logs)
-RESERVED_FDS = 64
+# connections asyncio accepts in one go (it is also the listen queue's length): each takes a file
+# descriptor before any connection it makes room for has given its own back
+ACCEPT_BATCH = 128
+# file descriptors kept for everything but client connections (the model, pipes, the listener, logs),
+# and for a batch of accepts
+RESERVED_FDS = 64 + ACCEPT_BATCH
 
 
 @dataclass
@@ -232,5 +236,5 @@ def run_server(app: Any, listener: Any, limits: ConnectionLimits, log: Callable[
     guard = ConnectionGuard(limits, log)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5,
                             timeout_keep_alive=limits.keep_alive_s, http=guarded_protocol(guard),
-                            server_header=False)
+                            server_header=False, backlog=ACCEPT_BATCH)
     DgServer(config, log, on_exit).run(sockets=[listener])
