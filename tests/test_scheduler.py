@@ -557,3 +557,36 @@ def test_a_grammar_constrained_request_decodes_beside_canvases_and_conforms(tiny
     assert tokens == batched.result.token_ids  # one TokenEvent per token
     for sink, want in zip(outcomes[1][1:], expected):
         assert sink.outcome.result.token_ids == want.token_ids
+
+
+def test_a_sink_that_raises_ends_its_own_request_not_the_batch(tiny_gguf):
+    """A request's event handler that failed mid-step (a client's job released while its events were
+    being delivered) raised out of the shared forward's step and failed every request in the batch."""
+    from dgcli.server.scheduler import GenerationRequest, RequestDone, RequestFailed
+
+    params = DiffusionParams(max_denoising_steps=4)
+    keep = ([2, 5, 6], params, 32, 1)
+    expected = solo_results(tiny_gguf, [keep])[0]
+    scheduler, model = open_scheduler(tiny_gguf, slots=2)
+    lines = []
+    scheduler.log = lines.append
+    broken_outcome = Collector()
+
+    def broken(event):
+        if isinstance(event, StepEvent):
+            raise AttributeError("'NoneType' object has no attribute 'put'")
+        return broken_outcome(event)
+
+    try:
+        good = Collector()
+        scheduler.submit(GenerationRequest(prompt_ids=[2, 7, 8], params=params, max_new_tokens=32, seed=2,
+                                           sink=broken, want_steps=True))
+        scheduler.submit(GenerationRequest(prompt_ids=keep[0], params=params, max_new_tokens=32, seed=1, sink=good,
+                                           want_steps=True))
+        assert good.done.wait(WAIT_S) and broken_outcome.done.wait(WAIT_S)
+    finally:
+        scheduler.close()
+        model.close()
+    assert isinstance(good.outcome, RequestDone) and good.outcome.result.token_ids == expected.token_ids
+    assert isinstance(broken_outcome.outcome, RequestFailed) and broken_outcome.outcome.message == "cancelled"
+    assert any("internal error in req-1's events: AttributeError" in line for line in lines), lines

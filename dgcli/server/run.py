@@ -88,37 +88,45 @@ class ChoiceRun:
     # ---- the scheduler's thread
 
     def _sink(self, event: Any) -> Any:
+        job = self.job  # None once the job is released (the response is sent): nobody reads this event
+        if job is None:
+            return None
         if isinstance(event, StepEvent):
-            self.job.put(Step(self.index, step_payload(event, self.job.service.piece, self.index)))
+            job.put(Step(self.index, step_payload(event, job.service.piece, self.index)))
         elif isinstance(event, (CanvasEvent, TokenEvent)):
             ids = event.token_ids if isinstance(event, CanvasEvent) else [event.token_id]
             reasoning, content = self.answer.feed(ids)
             content, calls = self.tools.feed(content) if self.tools else (content, [])
-            canvas = event.to_json() if isinstance(event, CanvasEvent) and self.job.req.dg_steps else None
-            self.job.put(Delta(self.index, reasoning, content, calls or None, canvas))
+            canvas = event.to_json() if isinstance(event, CanvasEvent) and job.req.dg_steps else None
+            job.put(Delta(self.index, reasoning, content, calls or None, canvas))
             if self.answer.stopped:
                 return False  # a stop string: no further canvases or tokens
         elif isinstance(event, RequestDone):
-            reasoning, content = self.answer.finish()
-            calls: list[dict[str, Any]] = []
-            if self.tools:
-                more, calls = self.tools.feed(content)
-                rest, last = self.tools.finish()
-                content, calls = more + rest, calls + last
-            outcome = ChoiceOutcome(
-                index=self.index, result=event.result, queued_s=event.queued_s,
-                finish=finish_reason(event.result.stop_reason, event.stopped_by_client or self.answer.stopped,
-                                     bool(self.tools and self.tools.calls)),
-                reasoning=self.answer.reasoning, content=self.answer.content, completion_tokens=self.answer.stop_tokens,
-                decoder=self.decoder, tool_calls=[{k: v for k, v in c.items() if k != "index"}
-                                                  for c in (self.tools.calls if self.tools else [])])
-            if self.tools:  # the text around the calls, not the calls' own text
-                outcome.content = self._content_without_calls()
-            self.job.put(Delta(self.index, reasoning, content, calls or None))
-            self.job.put(Finished(self.index, outcome))
+            job.put(Delta(self.index, *self._final_delta()))
+            job.put(Finished(self.index, self._outcome(event)))
         elif isinstance(event, RequestFailed):
-            self.job.put(Failed(self.index, event))
+            job.put(Failed(self.index, event))
         return None
+
+    def _final_delta(self) -> tuple[str, str, list[dict[str, Any]] | None]:
+        """What the answer held back until its end (reasoning, content, tool calls)."""
+        reasoning, content = self.answer.finish()
+        calls: list[dict[str, Any]] = []
+        if self.tools:
+            more, calls = self.tools.feed(content)
+            rest, last = self.tools.finish()
+            content, calls = more + rest, calls + last
+        return reasoning, content, calls or None
+
+    def _outcome(self, done: RequestDone) -> ChoiceOutcome:
+        calls = [{k: v for k, v in c.items() if k != "index"} for c in (self.tools.calls if self.tools else [])]
+        return ChoiceOutcome(
+            index=self.index, result=done.result, queued_s=done.queued_s,
+            finish=finish_reason(done.result.stop_reason, done.stopped_by_client or self.answer.stopped, bool(calls)),
+            reasoning=self.answer.reasoning,
+            # with tools: the text around the calls, not the calls' own text
+            content=self._content_without_calls() if self.tools else self.answer.content,
+            completion_tokens=self.answer.stop_tokens, decoder=self.decoder, tool_calls=calls)
 
     def _content_without_calls(self) -> str:
         splitter = ToolCallStream(self.tools.names)

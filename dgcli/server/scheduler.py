@@ -383,7 +383,13 @@ class BatchScheduler:
         def forward(event: Any) -> None:
             if isinstance(event, StepEvent) and not request.want_steps:
                 return
-            if request.sink(event) is False and isinstance(event, (CanvasEvent, TokenEvent)):
+            try:
+                answer = request.sink(event)
+            except Exception as err:  # noqa: BLE001 (a sink's bug ends its request, not the whole batch)
+                self.log(f"error: internal error in {request.id}'s events: {type(err).__name__}: {err}")
+                request.cancel()
+                return
+            if answer is False and isinstance(event, (CanvasEvent, TokenEvent)):
                 request.stop_requested = True
         return forward
 
