@@ -13,7 +13,6 @@ import resource
 import signal
 import socket
 import time
-from pathlib import Path
 
 import pytest
 

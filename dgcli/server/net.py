@@ -70,7 +70,7 @@ class ConnectionGuard:
         self.open: dict[Any, None] = {}  # insertion order: the oldest first
         self.refused = 0
 
-    def admit(self, protocol: "GuardedH11Protocol") -> bool:
+    def admit(self, protocol: Any) -> bool:
         if len(self.open) >= self.limits.max_connections:
             victim = next((p for p in self.open if p.idle and not p.transport.is_closing()), None)
             if victim is None:
