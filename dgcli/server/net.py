@@ -29,12 +29,16 @@ from typing import Any, Callable, Iterator
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import Server
 
-# connections asyncio accepts in one go (it is also the listen queue's length): each takes a file
-# descriptor before any connection it makes room for has given its own back
-ACCEPT_BATCH = 128
+# connections asyncio accepts in one go: each takes a file descriptor before the idle connection it
+# evicts has given its own back (a close, like a connection's start, runs a loop iteration or two
+# later), so a few batches' worth are kept free
+ACCEPT_BATCH = 32
+# asyncio sets the listen queue to the accept batch; a burst longer than the queue would have its
+# connections (and a /health among them) retried by their clients a second later
+LISTEN_QUEUE = 4096
 # file descriptors kept for everything but client connections (the model, pipes, the listener, logs),
-# and for a batch of accepts
-RESERVED_FDS = 64 + ACCEPT_BATCH
+# and for batches of accepts
+RESERVED_FDS = 64 + 4 * ACCEPT_BATCH
 
 
 @dataclass
@@ -205,6 +209,8 @@ class DgServer(Server):
     async def startup(self, sockets: Any = None) -> None:
         asyncio.get_running_loop().set_exception_handler(LoopErrors(self.log))
         await super().startup(sockets=sockets)
+        for sock in sockets or []:
+            sock.listen(LISTEN_QUEUE)  # after asyncio set it to its accept batch
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if self.on_exit is not None:
