@@ -70,7 +70,7 @@ test-hub-floor:
 	test -x $(FLOOR_VENV)/bin/python || $(PY) -m venv $(FLOOR_VENV)
 	$(FLOOR_VENV)/bin/pip install -q -e . pytest "huggingface-hub==$(HUB_FLOOR)"
 	$(FLOOR_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_hub.py tests/test_hub_security.py \
-		tests/test_cli.py -k "hub or pull or list or security"
+		tests/test_hub_files.py tests/test_registry_hub.py tests/test_cli.py -k "hub or pull or list or security or info"
 
 clean-native:
 	rm -rf $(HOME)/.cache/dg/native

@@ -286,27 +286,68 @@ def declared_file_type(header: GgufHeader) -> str | None:
     return ftype.name.removeprefix("MOSTLY_").removeprefix("ALL_")
 
 
+def dominant_weight_type(header: GgufHeader) -> str | None:
+    """The type holding most bytes of the 2D weights (norms and scales stay F32 in every quant)."""
+    weight_types: Counter = Counter()
+    for t in header.tensors:
+        if len(t.shape) >= 2:
+            weight_types[t.type_name] += t.n_bytes
+    return weight_types.most_common(1)[0][0] if weight_types else None
+
+
+def quant_of(header: GgufHeader) -> str | None:
+    """The file's quantization: general.file_type as the quantizer wrote it, else the dominant weight type."""
+    return declared_file_type(header) or dominant_weight_type(header)
+
+
+@dataclass(frozen=True)
+class QuantPair:
+    """The quantization types of the two files `dg compare` / `dg bench` time against each other."""
+
+    diffusion: str | None
+    autoregressive: str | None
+
+    @property
+    def match(self) -> bool:
+        return self.diffusion == self.autoregressive
+
+    def to_json(self) -> dict[str, Any]:
+        return {"diffusion": self.diffusion, "autoregressive": self.autoregressive, "match": self.match}
+
+    def mismatch_words(self) -> str | None:
+        """One sentence for a table or a note when the types differ; None when they match."""
+        if self.match:
+            return None
+        return (f"quantization differs: diffusion {self.diffusion or 'unknown'}, AR {self.autoregressive or 'unknown'} "
+                "(the two sides' speeds are of different weight types)")
+
+
+def quant_pair(diffusion_path: Path | str, ar_path: Path | str) -> QuantPair:
+    return QuantPair(quant_of(read_header(diffusion_path)), quant_of(read_header(ar_path)))
+
+
 def read_info(path: Path | str, *, n_gpu_layers: int = 0, n_cpu_moe: int = 0,
               gpus: list[GpuMemory] | None = None) -> GgufInfo:
     """What the file holds, and where its weights would go with this offload (gpus: detected when None).
     From the header alone: nothing is loaded, and arrays are not read."""
+    return info_from_header(read_header(path), n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe, gpus=gpus)
+
+
+def info_from_header(header: GgufHeader, *, n_gpu_layers: int = 0, n_cpu_moe: int = 0,
+                     gpus: list[GpuMemory] | None = None) -> GgufInfo:
+    """read_info from a parsed header (a local file's, or one read from the Hub: dgcli.remote_gguf)."""
     import psutil
 
-    header = read_header(path)
     arch = header.architecture
     if not arch:
         raise ModelLoadError(f"GGUF without general.architecture: {header.path}")
 
     histogram: dict[str, list[int]] = {}
-    weight_types: Counter = Counter()
     for t in header.tensors:
         row = histogram.setdefault(t.type_name, [0, 0, 0])
         row[0] += 1
         row[1] += t.n_elements
         row[2] += t.n_bytes
-        # the dominant 2D weight type names the quant (norms and scales stay F32 in every quant)
-        if len(t.shape) >= 2:
-            weight_types[t.type_name] += t.n_bytes
     types = sorted((TensorTypeCount(k, *v) for k, v in histogram.items()), key=lambda r: -r.bytes)
 
     filled = _reference_default_keys(header, arch)
@@ -339,7 +380,7 @@ def read_info(path: Path | str, *, n_gpu_layers: int = 0, n_cpu_moe: int = 0,
         parameter_count=sum(t.n_elements for t in header.tensors),
         tensor_count=len(header.tensors),
         tensor_types=types,
-        file_type=declared_file_type(header) or (weight_types.most_common(1)[0][0] if weight_types else None),
+        file_type=quant_of(header),
         context_length=_scalar(header, f"{arch}.context_length", int),
         block_count=_scalar(header, f"{arch}.block_count", int),
         embedding_length=_scalar(header, f"{arch}.embedding_length", int),

@@ -147,16 +147,26 @@ def assert_one_line_error(result, *fragments):
 def test_list_shows_every_registry_entry_size_and_presence():
     r = run("list")
     assert r.exit_code == 0, r.stderr
-    rows = [[c.strip() for c in line.split("│")[1:-1]] for line in r.stdout.splitlines() if line.startswith("│")]
-    assert ["diffusiongemma-26b", "Q4_K_M *", "diffusion", "gemma4-26b", "~16.0 GB", "no"] in rows
-    assert ["diffusiongemma-26b", "Q8_0", "diffusion", "gemma4-26b", "~25.0 GB", "no"] in rows
-    assert ["gemma4-26b", "Q4_0 *", "ar", "diffusiongemma-26b", "~15.0 GB", "no"] in rows
-    assert {row[0] for row in rows} == {"demo", "demo-ar", "diffusiongemma-26b", "gemma4-26b"}
-    assert "unsloth/diffusiongemma-26B-A4B-it-GGUF" in r.stdout
+    lines = r.stdout.splitlines()
+    # piped at 120 columns the table would need folding: a line per model and one for its file, under a
+    # line naming the repository where it changes
+    at = lines.index("diffusiongemma-26b:Q4_K_M *  diffusion, pair gemma4-26b  ~16.8 GB  not on disk")
+    assert lines[at - 1:at + 2] == ["from unsloth/diffusiongemma-26B-A4B-it-GGUF:", lines[at],
+                                    "  diffusiongemma-26B-A4B-it-Q4_K_M.gguf ?"]
+    assert "gemma4-26b:Q8_0  ar, pair diffusiongemma-26b  ~26.9 GB  not on disk" in lines
+    at = lines.index("gemma4-26b:Q5_K_M  ar, pair diffusiongemma-26b  ~19.3 GB  not on disk")
+    assert lines[at - 1] == "from bartowski/google_gemma-4-26B-A4B-it-GGUF:"
+    at = lines.index("gemma4-26b-qat:Q4_0 *  ar, pair diffusiongemma-26b  ~14.4 GB  not on disk")
+    assert lines[at - 1:at + 2] == ["from google/gemma-4-26B-A4B-it-qat-q4_0-gguf@d1c082be9cf3:", lines[at],
+                                    "  gemma-4-26B_q4_0-it.gguf ?"]
     rows = json.loads(run("list", "--json").stdout)["models"]
+    assert {row["name"] for row in rows} == {"demo", "demo-ar", "diffusiongemma-26b", "gemma4-26b", "gemma4-26b-qat"}
     by_name = {(x["name"], x["quant"]): x for x in rows}
     assert by_name[("diffusiongemma-26b", "Q4_K_M")]["default"] is True
-    assert by_name[("gemma4-26b", "Q4_0")]["pair"] == "diffusiongemma-26b"
+    assert by_name[("gemma4-26b", "Q5_K_M")]["repo"] == "bartowski/google_gemma-4-26B-A4B-it-GGUF"
+    assert by_name[("gemma4-26b-qat", "Q4_0")]["file"] == "gemma-4-26B_q4_0-it.gguf"
+    assert by_name[("gemma4-26b-qat", "Q4_0")]["checked"] is False  # no listing fetched here
+    assert by_name[("gemma4-26b", "Q4_K_M")]["pair"] == "diffusiongemma-26b"
     assert by_name[("demo", None)]["on_disk"] is True and Path(by_name[("demo", None)]["path"]).exists()
 
 
@@ -164,9 +174,27 @@ def test_list_piped_prints_its_footer_as_one_unwrapped_line():
     # as the table's caption it was wrapped at the table's width, mid-sentence, and padded with spaces
     r = run("list")
     assert r.exit_code == 0, r.stderr
-    footer = r.stdout.splitlines()[-1]
-    assert footer.startswith("* default quant.  demo: shipped with dg;"), r.stdout
-    assert footer.endswith("`dg pull NAME[:QUANT]` downloads; --model takes NAME, NAME:QUANT or a .gguf path."), r.stdout
+    legend, usage = r.stdout.splitlines()[-2:]
+    assert legend.startswith("* default quant; ~ size from the registry; ? the registry's file name"), r.stdout
+    assert legend.endswith("(`dg pull` or `dg list --refresh` reads it)."), r.stdout
+    assert usage == "`dg pull NAME[:QUANT]` downloads; --model takes NAME, NAME:QUANT or a .gguf path.", r.stdout
+
+
+def test_list_as_a_table_names_every_repository_in_its_caption(tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "dgcli.cli", "list"], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, COLUMNS="160", HF_HUB_CACHE=str(tmp_path)),
+                       cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0, r.stderr
+    rows = [[c.strip() for c in line.split("│")[1:-1]] for line in r.stdout.splitlines() if line.startswith("│")]
+    assert ["gemma4-26b-qat", "Q4_0 *", "ar", "diffusiongemma-26b", "gemma-4-26B_q4_0-it.gguf ?", "~14.4 GB", "no"] in rows
+    legend, sources, usage = r.stdout.splitlines()[-3:]
+    assert sources.startswith("Files from demo: shipped with dg;"), r.stdout
+    assert ("gemma4-26b: ggml-org/gemma-4-26B-A4B-it-GGUF (Q5_K_M, Q6_K: bartowski/google_gemma-4-26B-A4B-it-GGUF);"
+            in sources), r.stdout
+    assert "gemma4-26b-qat: google/gemma-4-26B-A4B-it-qat-q4_0-gguf@d1c082be9cf3." in sources, r.stdout
 
 
 def test_list_marks_downloaded_models(tmp_path, monkeypatch):
@@ -211,9 +239,14 @@ def test_info_piped_rows_are_one_line_each_without_padding(tiny_gguf):
     assert added.endswith("(the published converter leaves these keys out)"), summary
 
 
-def test_info_of_a_registry_name_not_yet_downloaded(tmp_path, monkeypatch):
+def test_info_of_a_registry_name_not_yet_downloaded_asks_the_hub(tmp_path, monkeypatch):
+    # described from the Hub (tests/test_registry_hub.py); offline, one line saying so
+    from hub_server import closed_port
+
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
-    assert_one_line_error(run("info", "diffusiongemma-26b"), "not downloaded", "dg pull diffusiongemma-26b:Q4_K_M")
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed_port()}")
+    assert_one_line_error(run("info", "diffusiongemma-26b"), "cannot reach the Hugging Face Hub",
+                          "the file list of unsloth/diffusiongemma-26B-A4B-it-GGUF")
 
 
 # ------------------------------------------------------------------------------------------ bad input
@@ -247,7 +280,7 @@ def test_generate_refuses_a_non_diffusion_gguf(tiny_ar_gguf, scripted):
 def test_unknown_registry_name_and_quant():
     assert_one_line_error(run("generate", "hi", "-m", "llama"), "unknown model 'llama'", "diffusiongemma-26b")
     assert_one_line_error(run("generate", "hi", "-m", "diffusiongemma-26b:Q3_K"), "unknown quant 'Q3_K'", "Q8_0")
-    assert_one_line_error(run("pull", "gemma4-26b:Q9"), "unknown quant 'Q9'", "Q4_0")
+    assert_one_line_error(run("pull", "gemma4-26b:Q9"), "unknown quant 'Q9'", "Q4_K_M, Q5_K_M, Q6_K, Q8_0")
     assert_one_line_error(run("generate", "hi", "-m", "gemma4-26b"), "is an autoregressive model; this needs a diffusion model")
 
 
@@ -422,6 +455,46 @@ def test_compare_table_and_speedup(tiny_gguf, tiny_ar_gguf, scripted):
     assert a["tokens_per_forward"] == 1.0 and d["tokens_per_forward"] > 1.0
     assert doc["speedup"] == pytest.approx(d["tokens_per_second"] / a["tokens_per_second"])
     assert doc["diffusion"]["peak_rss"] > 0 and doc["autoregressive"]["peak_rss"] > 0
+
+
+@pytest.fixture(scope="module")
+def q4_0_ar_gguf(tiny_ar_gguf, tmp_path_factory):
+    """The AR twin, declaring itself a Q4_0 file (general.file_type 2), as Google's QAT GGUF does."""
+    import gguf
+
+    from native_helpers import rewrite_gguf
+
+    return rewrite_gguf(tiny_ar_gguf, tmp_path_factory.mktemp("q4_0") / "ar-q4_0.gguf",
+                        set_keys={"general.file_type": (2, gguf.GGUFValueType.UINT32)})
+
+
+def test_compare_says_when_the_two_files_quantization_differs(tiny_gguf, tiny_ar_gguf, q4_0_ar_gguf, scripted):
+    scripted()
+    same = json.loads(run("compare", "hi", "-m", tiny_gguf, "--ar-model", tiny_ar_gguf, "--json").stdout)
+    assert same["quantization"] == {"diffusion": "F32", "autoregressive": "F32", "match": True}
+    r = run("compare", "hi", "-m", tiny_gguf, "--ar-model", tiny_ar_gguf, "--no-live")
+    assert "quantization" in r.stdout and "differs" not in r.stdout
+    doc = json.loads(run("compare", "hi", "-m", tiny_gguf, "--ar-model", q4_0_ar_gguf, "--json").stdout)
+    assert doc["quantization"] == {"diffusion": "F32", "autoregressive": "Q4_0", "match": False}
+    r = run("compare", "hi", "-m", tiny_gguf, "--ar-model", q4_0_ar_gguf, "--no-live")
+    assert r.exit_code == 0, r.stderr
+    row = next(line for line in r.stdout.splitlines() if line.startswith("│ quantization"))
+    assert [c.strip() for c in row.split("│")[1:-1]] == ["quantization", "F32", "Q4_0"]
+    assert "quantization differs: diffusion F32, AR Q4_0" in " ".join(r.stdout.split())
+
+
+def test_bench_says_when_the_two_files_quantization_differs(tiny_gguf, tiny_ar_gguf, q4_0_ar_gguf, scripted):
+    scripted()
+    args = ("bench", "-m", tiny_gguf, "--repeat", "1", "--no-speed-model", "-n", "4")
+    doc = json.loads(run(*args, "--ar-model", q4_0_ar_gguf, "--json").stdout)
+    assert doc["config"]["quantization"] == {"diffusion": "F32", "autoregressive": "Q4_0", "match": False}
+    assert doc["notes"][0].startswith("quantization differs: diffusion F32, AR Q4_0")
+    r = run(*args, "--ar-model", q4_0_ar_gguf)
+    assert r.exit_code == 0, r.stderr
+    assert "diffusion:" in r.stdout and "(F32 vs Q4_0)" in r.stdout
+    assert "quantization differs: diffusion F32, AR Q4_0" in " ".join(r.stdout.split())
+    doc = json.loads(run(*args, "--ar-model", tiny_ar_gguf, "--json").stdout)
+    assert doc["config"]["quantization"]["match"] is True and not any("quantization" in n for n in doc["notes"])
 
 
 def test_compare_needs_an_ar_side_for_a_path_model(tiny_gguf, scripted):
@@ -627,7 +700,7 @@ def test_pull_missing_file_and_offline(tmp_path, monkeypatch, fake_hub):
     reg.write_text('[models.tiny]\nrole = "ar"\nrepo = "org/tiny-GGUF"\n[models.tiny.files]\nQ8_0 = { file = "x.gguf" }\n')
     monkeypatch.setenv("DG_REGISTRY", str(reg))
     fake_hub.files[("org/tiny-GGUF", "other.gguf")] = b"GGUF"
-    assert_one_line_error(run("pull", "tiny"), "file x.gguf not found in org/tiny-GGUF")
+    assert_one_line_error(run("pull", "tiny"), "org/tiny-GGUF at", "has no model .gguf for Q8_0; its .gguf files: other.gguf")
     from hub_server import closed_port
 
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed_port()}")
@@ -638,8 +711,12 @@ LONG_FILE = "diffusiongemma-26B-A4B-it-Q4_K_M.gguf"  # the registry's longest fi
 
 
 def _pull_with_fake_download(tmp_path, monkeypatch, download, file: str = LONG_FILE):
-    from dgcli import hub
+    from dgcli import hub, pull
+    from dgcli.hub_files import ListedFile, RepoListing
 
+    # the repository's listing names the file; its bytes come from `download`
+    monkeypatch.setattr(pull, "fetch_listing",
+                        lambda repo, revision: RepoListing(repo, revision, "0" * 40, (ListedFile(file, 16 * 10**9, None),)))
     reg = tmp_path / "models.toml"
     reg.write_text(f'[models.big]\nrole = "diffusion"\nrepo = "org/big-GGUF"\n'
                    f'[models.big.files]\nQ4_K_M = {{ file = "{file}", size_gb = 16 }}\n')

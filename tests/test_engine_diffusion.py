@@ -106,6 +106,15 @@ def test_max_new_tokens_sets_the_number_of_canvases_and_cuts_the_answer():
     assert result.stop_reason == "length"
 
 
+def test_ignore_eos_runs_past_end_tokens_and_pad_canvases_to_max_new_tokens():
+    model = ScriptedModel([[5, EOS, 6, 7], [0, 0, 0, 0], [8, 9, EOS, 4]])
+    result = make_engine(model).generate([2], max_new_tokens=10, seed=0, ignore_eos=True)
+    # the end token is an answer token; the canvas of pads adds nothing but does not stop it
+    assert result.token_ids == [5, EOS, 6, 7, 8, 9, EOS, 4]
+    assert result.stop_reason == "length" and len(result.steps_per_canvas) == 3
+    assert make_engine(ScriptedModel([[5, EOS, 6, 7]])).generate([2], max_new_tokens=10, seed=0).token_ids == [5]
+
+
 def test_pads_are_not_answer_tokens_and_a_canvas_of_pads_ends_the_generation():
     # The demo model's habit: the answer, then padding without an end token, then canvases of pads.
     model = ScriptedModel([[5, 0, 6, 0], [0, 0, 0, 0], [7, 8, 9, 5]])

@@ -571,9 +571,10 @@ def test_q4_k_experts_on_our_tiles_give_ggml_results(tmp_path, monkeypatch):
     assert n_ref == 0 and set(ref_nodes) == _EXPERT_NODES
     assert float(np.std(ref_logits)) > 0.1  # real logits, not a degenerate output
     for threads in (1, 2):
-        count, _, prefill, logits, step, nodes = _run_with_expert_gemm(path, "auto", threads, False, monkeypatch)
+        # AVX2's tiles, forced: an AVX-512 VNNI CPU's automatic choice leaves these experts to ggml
+        count, _, prefill, logits, step, nodes = _run_with_expert_gemm(path, "avx2", threads, False, monkeypatch)
         if count == 0:
-            pytest.skip("this CPU has no AVX2 tile for Q4_K experts (or has AVX-512 VNNI, which keeps ggml's)")
+            pytest.skip("this CPU has no AVX2 tile for Q4_K experts (it has no AVX2)")
         # every expert tensor: Q4_K, Q5_0, Q8_0 and Q6_K (layer 1's down projections) all have tiles
         assert types["blk.1.ffn_down_exps.weight"] == gguf.GGMLQuantizationType.Q6_K
         assert count == 2 * n_layer
@@ -715,9 +716,9 @@ def test_k_quant_dense_weights_on_our_tiles_give_ggml_products(tmp_path, monkeyp
             m.decode_canvas(canvas, sc_topk=(sc_ids.astype(np.int32), np.full((16, 4), 0.25, dtype=np.float32)))
         return count, capture.order  # in graph order: each product's input precedes it
 
-    count, seen = run("auto")
+    count, seen = run("avx2")  # AVX2's tiles, forced: an AVX-512 VNNI CPU's automatic choice differs
     if count == 0:
-        pytest.skip("this CPU has no AVX2 K-quant tiles for dense weights (or has AVX-512 VNNI)")
+        pytest.skip("this CPU has no AVX2 K-quant tiles for dense weights (it has no AVX2)")
     assert count == len(weights)  # the embedding's count is the LM head's
     checked = set()
     for k, (name, out) in enumerate(seen):
@@ -742,7 +743,8 @@ def test_k_quant_dense_weights_on_our_tiles_give_ggml_products(tmp_path, monkeyp
             assert float(np.max(np.abs(ours[name] - ref[name]))) <= 1e-5 * scale, name
 
     # which op runs: the tile for a canvas, ggml's MUL_MAT for one token
-    monkeypatch.setenv("DG_DENSE_GEMM", "auto")
+    monkeypatch.setenv("DG_DENSE_GEMM", "avx2")
+    monkeypatch.setenv("DG_LM_HEAD", "avx2")
     for node in ("Qcur-0", "ffn_down-1", "lm_head"):
         canvas_ops, token_ops = _ops_for_a_canvas_and_one_token(
             path, 1, lambda n: n.name == node and n.op in ("CUSTOM", "MUL_MAT"))

@@ -13,6 +13,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -273,3 +274,15 @@ def test_make_demo_passes_the_prompt_as_typed(prompt):
     commands = subprocess.run(["make", "--no-print-directory", "-n", "demo", f"PROMPT={prompt}"], cwd=REPO,
                               capture_output=True, text=True, check=True, env=env).stdout.strip().splitlines()
     assert shlex.split(commands[-1])[1:] == ["generate", prompt, "--pace", "0.3"], commands[-1]
+
+
+@needs_native
+def test_the_readmes_python_example_prints_what_the_readme_shows():
+    """The README's Python API sample, run from the repository as a newcomer would paste it; its
+    output must be the block the README shows after it."""
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Python API"):]
+    code, shown = re.findall(r"```(?:python)?\n(.*?)```", section, flags=re.S)[:2]
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip() == shown.strip()

@@ -312,8 +312,16 @@ def test_a_worker_whose_listening_socket_closes_just_after_the_abort_is_named():
 def test_the_layers_kept_here_run_on_dgs_cpu_gemms_beside_rpc_workers(workers, tmp_path):
     """dg's CPU GEMMs stand aside where a GPU is in use (llama.cpp's scheduler would run a canvas's
     matmuls on host weights there), but RPC devices, though they report themselves as GPUs, take no
-    such offload: the layers kept on this machine still run on the int8 GEMMs."""
+    such offload: the layers kept on this machine still run on the int8 GEMMs. The experts' GEMM is
+    forced to the AVX2 kernel, which every x86 CPU this suite runs on has: the automatic choice
+    depends on the CPU family (an AVX-512 VNNI CPU may leave them to ggml)."""
     from dgcli.tiny import write_tiny_random_gguf
+
+    kernel_env = dict(env(), DG_VERBOSE="1", DG_EXPERT_GEMM="avx2")
+    probe = subprocess.run([sys.executable, "-c", "from dgcli.engine import native; print(native.lib()._lib.dg_expert_kernel())"],
+                           cwd=REPO, env=kernel_env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    if probe.stdout.strip() != "1":
+        pytest.skip("this CPU has no AVX2: dg's expert GEMM does not run here")
 
     q8 = write_tiny_random_gguf(tmp_path / "q8.gguf", seed=4, outtype="q8_0")
     script = ("import sys; from dgcli.engine import native; from dgcli.engine.model import DiffusionModel\n"
@@ -321,7 +329,7 @@ def test_the_layers_kept_here_run_on_dgs_cpu_gemms_beside_rpc_workers(workers, t
               "lib = native.lib()._lib\n"
               "print(lib.dg_dense_repacked_count(m._model), lib.dg_expert_gemm_count(m._model))\n")
     endpoint = workers[0].endpoint
-    p = subprocess.run([sys.executable, "-c", script, str(q8), endpoint], cwd=REPO, env=dict(env(), DG_VERBOSE="1"),
+    p = subprocess.run([sys.executable, "-c", script, str(q8), endpoint], cwd=REPO, env=kernel_env,
                        capture_output=True, text=True, timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
     assert p.returncode == 0, p.stderr[-3000:]
     assert any(f"[{endpoint}] model buffer size" in line for line in p.stderr.splitlines())  # layers went there

@@ -251,9 +251,11 @@ def test_ctrl_c_in_compare_shows_the_diffusion_side_and_exits_130(columns):
 
 @pytest.mark.parametrize("columns", WIDTHS)
 def test_a_long_answer_keeps_the_canvas_and_status_in_sight(columns, tiny_gguf):
-    # An untrained model never ends: 16-token canvases of noise until -n. On a 10-row terminal the
-    # committed text overflows after a few canvases; the status line must stay on screen.
+    # --ignore-eos: 16-token canvases until -n, however the untrained model's canvases come out on this
+    # CPU. On a 10-row terminal the committed text overflows after a few canvases; the status line must
+    # stay on screen.
     term = pty_screen.Terminal(columns, 10).spawn("generate", "hi", "-m", str(tiny_gguf), "-n", "800", "--steps", "2",
+                                                    "--ignore-eos",
                                                     "--seed", "0", "--pace", "0.02", "--threads", "1")
     term.read_until("canvas 45  step 2/2")
     term.read_until("╰")  # that frame, drawn to its bottom border

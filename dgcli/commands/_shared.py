@@ -111,8 +111,11 @@ def registry() -> Registry:
 
 
 def download_with_progress(resolved: ResolvedModel) -> Path:
-    """hub.download with a progress bar for the transfer and one for the sha256 pass after it.
-    Ctrl-C keeps the partial file for the next `dg pull` and exits 130."""
+    """The model's file from the Hub (dgcli.pull: the file its repository's listing names for the
+    quant, every part of a split one), with a progress bar for each transfer and for the sha256 pass
+    after it. Ctrl-C keeps the partial file for the next `dg pull` and exits 130."""
+    from dgcli import pull
+
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
     from rich.markup import escape
     from rich.table import Column
@@ -151,12 +154,16 @@ def download_with_progress(resolved: ResolvedModel) -> Path:
             progress.update(tasks[description], completed=done, total=total)
         return update
 
-    name = resolved.filename or "download"
     try:
         with echo_off():  # as under a live view: a `^C` echoed past a full-width bar left a copy of it
-            return hub.download(resolved.repo, resolved.filename, approx_size=resolved.approx_size_bytes,
-                                on_progress=bar(name), on_verify=bar("sha256 check"),
-                                on_wait=lambda line: notice(line, style="yellow"))
+            if resolved.choice is None:
+                resolved = pull.resolve_on_hub(resolved)
+            if resolved.path is not None:  # the listing names a file already in the cache
+                return resolved.path
+            single = len(resolved.parts) == 1
+            return pull.download_model(resolved, progress=bar,
+                                       verify=lambda name: bar("sha256 check" if single else f"sha256 check {name}"),
+                                       on_wait=lambda line: notice(line, style="yellow"))
     except KeyboardInterrupt:
         progress.stop()
         notice(f"interrupted: run `dg pull {resolved.display_name}` to continue the download "
@@ -780,8 +787,9 @@ def piece_of(model):
     return piece
 
 
-def diffusion_view(model, *, title: str, thinking: str) -> render.DiffusionLiveView:
-    return render.DiffusionLiveView(piece_of(model), model.detokenize, getattr(model, "end_token_ids", ()),
+def diffusion_view(model, *, title: str, thinking: str, ignore_eos: bool = False) -> render.DiffusionLiveView:
+    end_token_ids = () if ignore_eos else getattr(model, "end_token_ids", ())
+    return render.DiffusionLiveView(piece_of(model), model.detokenize, end_token_ids,
                                     title=title, thinking=thinking, pad_token_id=getattr(model, "pad_token_id", None))
 
 
@@ -878,10 +886,13 @@ def run_diffusion(engine, prompt, *, params: DiffusionParams, max_new_tokens: in
                   live: bool, thinking: str, recorder=None, stream_plain: bool = False, title: str = "diffusion",
                   live_obj: Optional[Live] = None, view: Optional[render.DiffusionLiveView] = None,
                   self_cond_top_k: Optional[int] = None, pace: float = 0.0,
-                  text_to_stderr: bool = False) -> GenerationResult:
+                  text_to_stderr: bool = False, ignore_eos: bool = False) -> GenerationResult:
     """One diffusion generation shown by a DiffusionDisplay; returns the engine's result."""
     # Only an explicit choice reaches the engine; otherwise it picks (dense for small vocabularies).
     options = {} if self_cond_top_k is None else {"self_cond_top_k": self_cond_top_k}
+    if ignore_eos:
+        options["ignore_eos"] = True
+        view = view or diffusion_view(engine.model, title=title, thinking=thinking, ignore_eos=True)
     with DiffusionDisplay(engine.model, live=live, thinking=thinking, title=title, stream_plain=stream_plain,
                           recorder=recorder, live_obj=live_obj, view=view, pace=pace,
                           text_to_stderr=text_to_stderr) as display:

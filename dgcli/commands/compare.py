@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from dgcli import render
+from dgcli import info as ginfo, render
 from dgcli.commands import _shared as shared
 
 # 2: the AR side's tokens_per_second counts only the answer tokens made after the prefill (null when none were)
@@ -62,6 +62,7 @@ def compare(
                          ctx_size=ctx_size)
         shared.preflight(ar_path, diffusion=False, command="compare", gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe,
                          ctx_size=ctx_size)
+        quant = ginfo.quant_pair(diff_path, ar_path)
         params = shared.diffusion_params(diff_path, temp, **shared.sampler_flags(
             steps, t_min, t_max, entropy_bound, stability_threshold, confidence_threshold))
         live = shared.use_live(no_live, json_out)
@@ -110,6 +111,7 @@ def compare(
                                                            peak_rss=ar_rss.peak, placement=ar_placement,
                                                            result=a.to_json()),
                 speedup=None if a is None else render.speedup(d, a),
+                quantization=quant.to_json(),
             ), indent=2)
 
         if a is None:
@@ -138,7 +140,7 @@ def compare(
                 typer.echo("--- autoregressive ---")
                 shared.echo_text(render.answer_plain(a.text, thinking))
             shared.print_table(render.compare_table(d, a, diff_rss.peak, ar_rss.peak, diff_res.display_name,
-                                                    ar_res.display_name))
+                                                    ar_res.display_name, quant=quant))
         if a.interrupted:
             shared.notice("interrupted: the AR output above is what was produced")
             raise typer.Exit(shared.EXIT_INTERRUPTED)

@@ -37,6 +37,7 @@ def generate(
         None, "--self-cond-top-k", show_default=False,
         help="Tokens per position fed back to self-conditioning (0 = all; default: all for small vocabularies, "
              "else 64; the mass left out is in the trace as sc_dropped_mass)."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past end tokens, up to --max-new-tokens (as llama.cpp's --ignore-eos)."),
     pace: float = shared.PaceOpt,
     no_live: bool = shared.NoLiveOpt,
     json_out: bool = typer.Option(False, "--json", help=f"Print the result and the per-step trace as JSON ({GENERATE_SCHEMA})."),
@@ -63,7 +64,7 @@ def generate(
             steps, t_min, t_max, entropy_bound, stability_threshold, confidence_threshold))
         live = shared.use_live(no_live, json_out)
         header = dict(model=dict(name=resolved.display_name, path=str(path)), prompt=text, system=system, raw=raw,
-                      params=params.__dict__, max_new_tokens=max_new_tokens, seed=run_seed)
+                      params=params.__dict__, max_new_tokens=max_new_tokens, seed=run_seed, ignore_eos=ignore_eos)
         trace_file = shared.output_file(trace, force=force, inputs=[path, file], what="--trace")
         # a trace on stdout has it to itself: the answer goes to stderr, no live view draws over it
         trace_on_stdout = trace_file is not None and trace_file.is_stdout
@@ -84,13 +85,13 @@ def generate(
                 recorder = shared.trace_recorder(engine.model, sinks)
                 if recorder is not None:
                     recorder.header(**header, canvas_length=engine.model.canvas_length,
-                                    end_token_ids=list(engine.model.end_token_ids),
+                                    end_token_ids=[] if ignore_eos else list(engine.model.end_token_ids),
                                     pad_token_id=getattr(engine.model, "pad_token_id", None))
                 result = shared.run_diffusion(engine, ids, params=params, max_new_tokens=max_new_tokens, seed=run_seed,
                                               live=live, thinking=thinking, recorder=recorder,
                                               title=f"diffusion: {resolved.display_name}",
                                               stream_plain=not live and not json_out, self_cond_top_k=self_cond_top_k,
-                                              pace=pace, text_to_stderr=trace_on_stdout)
+                                              pace=pace, text_to_stderr=trace_on_stdout, ignore_eos=ignore_eos)
                 if recorder is not None:
                     recorder.result(result.to_json())
             finally:

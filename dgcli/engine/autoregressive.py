@@ -71,16 +71,17 @@ class AutoregressiveEngine:
 
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 256, seed: int | None = None,
                  chat: bool = True, temperature: float = 0.0, on_event: EventCallback | None = None,
-                 parse_special: bool = False) -> GenerationResult:
+                 parse_special: bool = False, ignore_eos: bool = False) -> GenerationResult:
         """Greedy (temperature 0) or sampled decoding. The answer (`answer_token_ids`): tokens before
-        the end token, pads dropped, at most max_new_tokens decoded."""
+        the end token, pads dropped, at most max_new_tokens decoded. ignore_eos: an end token is an
+        answer token like any other."""
         started = time.perf_counter()
         max_new_tokens = validate_max_new_tokens(max_new_tokens)
         temperature = validate_temperature(temperature)
         seed = resolve_seed(seed)
         rng = RngStream(seed)
         events = TimedEvents(on_event)
-        end_ids = set(int(t) for t in self.model.end_token_ids)
+        end_ids = set() if ignore_eos else set(int(t) for t in self.model.end_token_ids)
         pad_id = getattr(self.model, "pad_token_id", GEMMA_PAD_TOKEN_ID)
         prompt_ids: list[int] = []
         new_tokens: list[int] = []

@@ -223,8 +223,12 @@ class DiffusionSequence:
 
     def __init__(self, model: Any, prompt_ids: Sequence[int], params: DiffusionParams, max_new_tokens: int,
                  rng: RngStream, step_sampler: StepSampler | None, top_k: int = 0, pad_token_id: int | None = GEMMA_PAD_TOKEN_ID,
-                 on_event: EventCallback | None = None):
+                 on_event: EventCallback | None = None, ignore_eos: bool = False):
         self.model = model
+        # ignore_eos (llama.cpp's --ignore-eos): end tokens are answer tokens like any other and a
+        # canvas of padding does not end it either, so a generation runs to max_new_tokens
+        self.ignore_eos = ignore_eos
+        self.end_token_ids = [] if ignore_eos else [int(t) for t in model.end_token_ids]
         self.params = params.validate(canvas_length=model.canvas_length)
         limit = validate_max_new_tokens(max_new_tokens)
         self.max_new_canvases = math.ceil(limit / model.canvas_length)
@@ -320,17 +324,17 @@ class DiffusionSequence:
         generation stops here (stop_reason says why)."""
         state = self.state
         argmax_canvas = state.current_argmax
-        canvas, state.found_end = finalize_canvas(argmax_canvas, self.model.end_token_ids, self.pad_token_id)
+        canvas, state.found_end = finalize_canvas(argmax_canvas, self.end_token_ids, self.pad_token_id)
         state.committed.append(canvas)
         state.current_argmax = None
-        whole = answer_token_ids(canvas, self.model.end_token_ids, self.pad_token_id)
+        whole = answer_token_ids(canvas, self.end_token_ids, self.pad_token_id)
         self._canvas_answer = whole[:state.limit - len(state.answer)]
         state.answer.extend(self._canvas_answer)
         if len(self._canvas_answer) < len(whole):
             self.stop_reason = "length"  # cut at max_new_tokens, whatever the canvas went on to say
         elif state.found_end:
             self.stop_reason = "end_token"
-        elif self.pad_token_id is not None and bool(np.all(canvas == self.pad_token_id)):
+        elif not self.ignore_eos and self.pad_token_id is not None and bool(np.all(canvas == self.pad_token_id)):
             self.stop_reason = "pad_canvas"
         elif self.canvas_index + 1 == self.max_new_canvases or len(state.answer) >= state.limit:
             self.stop_reason = "length"
@@ -352,7 +356,7 @@ class DiffusionSequence:
         interrupted = stop_reason == "interrupted"
         answer = list(state.answer)
         if interrupted and state.current_argmax is not None and not state.found_end:
-            answer.extend(answer_token_ids(state.current_argmax, self.model.end_token_ids, self.pad_token_id,
+            answer.extend(answer_token_ids(state.current_argmax, self.end_token_ids, self.pad_token_id,
                                            limit=state.limit - len(state.answer)))
         forwards = state.decoder_forwards
         display_s = self.events.seconds
@@ -505,24 +509,24 @@ class DiffusionEngine:
 
     def new_sequence(self, prompt_ids: Sequence[int], params: DiffusionParams | None = None, max_new_tokens: int = 256,
                      seed: int | None = None, on_event: EventCallback | None = None, rng: RngStream | None = None,
-                     self_cond_top_k: int | str | None = None) -> DiffusionSequence:
+                     self_cond_top_k: int | str | None = None, ignore_eos: bool = False) -> DiffusionSequence:
         """A generation's state with every setting validated; nothing runs yet. seed None: a random
-        seed (rng.seed reports it)."""
+        seed (rng.seed reports it). ignore_eos: end tokens do not end the answer."""
         setting = self.self_cond_top_k if self_cond_top_k is None else self_cond_top_k
         top_k = resolve_self_cond_top_k(setting, self.model.vocab_size)
         return DiffusionSequence(
             self.model, prompt_ids, params or self.default_params, max_new_tokens,
             rng if rng is not None else RngStream(resolve_seed(seed)), self.step_sampler,
-            top_k=top_k, pad_token_id=self.pad_token_id, on_event=on_event)
+            top_k=top_k, pad_token_id=self.pad_token_id, on_event=on_event, ignore_eos=ignore_eos)
 
     def generate(self, prompt: str | Sequence[int], params: DiffusionParams | None = None, max_new_tokens: int = 256,
                  seed: int | None = None, chat: bool = True, on_event: EventCallback | None = None,
                  rng: RngStream | None = None, self_cond_top_k: int | str | None = None,
-                 reuse_cache: bool = False, parse_special: bool = False) -> GenerationResult:
+                 reuse_cache: bool = False, parse_special: bool = False, ignore_eos: bool = False) -> GenerationResult:
         """One generation. prompt: see `prompt_token_ids`. seed None: a random seed, reported in the
         result. reuse_cache: keep the KV cache's longest prefix shared with the prompt's tokens and
         prefill only the rest (chat turns)."""
-        seq = self.new_sequence([], params, max_new_tokens, seed, on_event, rng, self_cond_top_k)
+        seq = self.new_sequence([], params, max_new_tokens, seed, on_event, rng, self_cond_top_k, ignore_eos)
         stop_reason = None
         try:
             seq.state.prompt_ids = prompt_token_ids(self.model, prompt, chat, parse_special)

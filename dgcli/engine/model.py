@@ -94,8 +94,12 @@ def default_threads(path: str | os.PathLike) -> int:
     return max(1, os.cpu_count() or 1)
 
 
-def _cpu_has_amx() -> bool:
-    return "amx_int8" in cpu_flags()
+def cpu_repack_enabled() -> bool:
+    """Whether llama.cpp's CPU repack buffers (its extra buffer types) take the weights they can.
+    Not on AMX CPUs: llama.cpp's AMX Q8_0 matmul there segfaults (stock gemma4 included, tiny and
+    real shapes). DG_CPU_REPACK=1/0 overrides."""
+    default = "0" if "amx_int8" in cpu_flags() else "1"
+    return os.environ.get("DG_CPU_REPACK", default) != "0"
 
 
 # -- models ---------------------------------------------------------------------------------------
@@ -154,7 +158,7 @@ class _LlamaModel:
         override = expert_override_pattern(n_cpu_moe, n_layer if isinstance(n_layer, int) else 0)
         self._lib = native.lib()
         L = self._lib
-        # DG_Q4_K_TILE=0 leaves the Q4_K weights to llama.cpp's repack buffers, so to ggml (A/B runs)
+        # DG_Q4_K_TILE=0 leaves the Q4_K weights to ggml (its repack buffers where they are on; A/B runs)
         tiled = None if os.environ.get("DG_Q4_K_TILE") == "0" else tiled_weight_pattern(
             self.header, L._lib.dg_expert_kernel(), L._lib.dg_dense_kernel(),
             gpu_in_use=bool(rpc_servers) or bool(native.gpu_devices()))
@@ -162,9 +166,7 @@ class _LlamaModel:
 
         mparams = L.llama_model_default_params()
         mparams.n_gpu_layers = int(n_gpu_layers)
-        # Weights stay out of llama.cpp's CPU repack buffers on AMX CPUs: its AMX Q8_0 matmul
-        # segfaults here (stock gemma4 included, tiny and real shapes). DG_CPU_REPACK=1/0 overrides.
-        if os.environ.get("DG_CPU_REPACK", "0" if _cpu_has_amx() else "1") == "0":
+        if not cpu_repack_enabled():
             mparams.use_extra_bufts = False
         overrides = native.buft_overrides([override] if override else [], plain=[tiled] if tiled else [])
         mparams.tensor_buft_overrides = ctypes.cast(overrides, ctypes.c_void_p)
