@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN      = $(VENV)/bin
 PROMPT  ?= reverse: HELLO
 
-.PHONY: setup native demo test test-hub-floor examples clean-native
+.PHONY: setup native demo test test-hub-floor test-clients examples clean-native
 
 # dg needs Python >= 3.10 (pyproject.toml); say so before pip does (macOS's own python3 is 3.9)
 $(BIN)/python:
@@ -50,8 +50,25 @@ examples: setup $(VENV)/.examples-deps
 	$(BIN)/python examples/exp_c_speed_model.py --model demo --repeat 3
 	$(BIN)/python examples/exp_d_batch_sweep.py --model demo
 
-test: setup $(VENV)/.test-deps test-hub-floor
+# The Node openai SDK for dg serve's client test (tests/test_serve_clients.py; 20 MB). Where npm is
+# missing nothing is installed and that test says it is skipped.
+NODE_CLIENTS = .clients-node
+NODE_CLIENT  = $(NODE_CLIENTS)/.installed
+$(NODE_CLIENT):
+	mkdir -p $(NODE_CLIENTS)
+	if ! command -v npm >/dev/null 2>&1; then echo "npm not found: the Node client test will be skipped"; \
+	elif npm install --silent --no-audit --no-fund --prefix $(NODE_CLIENTS) openai@6.49.0; then touch $@; \
+	else echo "warning: npm could not install the openai SDK: the Node client test will be skipped"; fi
+
+test: setup $(VENV)/.test-deps test-hub-floor $(NODE_CLIENT)
 	$(BIN)/python -m pytest -q
+
+# langchain-openai and litellm against dg serve, in a venv of their own (~430 MB, so not in `make test`).
+CLIENTS_VENV = .venv-clients
+test-clients: setup $(VENV)/.test-deps $(NODE_CLIENT)
+	test -x $(CLIENTS_VENV)/bin/python || $(PY) -m venv $(CLIENTS_VENV)
+	$(CLIENTS_VENV)/bin/pip install -q "langchain-openai==1.7.4" "litellm==1.110.2"
+	$(BIN)/python -m pytest -q tests/test_serve_clients.py
 
 # dg pull's tests against the oldest huggingface-hub pyproject.toml allows, in a venv of its own.
 HUB_FLOOR  = $(shell sed -n 's/.*"huggingface-hub>=\([0-9.]*\).*/\1/p' pyproject.toml)

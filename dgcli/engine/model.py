@@ -334,9 +334,10 @@ class _LlamaModel:
         return self.token_piece(token, special=True).decode("utf-8", "replace")
 
     def chat_tokens(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                    parse_special: bool = False) -> list[int]:
-        """The chat template over `messages` ({"role", "content"}; roles system/user/assistant) as token
-        ids. Control-token text in user and system messages stays text unless parse_special."""
+                    parse_special: bool = False, tools: Sequence[dict] | None = None) -> list[int]:
+        """The chat template over `messages` ({"role", "content"}; roles system/user/assistant, and tool
+        with tools, OpenAI's function tools, declared) as token ids. Control-token text in user,
+        system and tool messages stays text unless parse_special."""
         from dgcli.engine.chat_template import tokenize_chat  # noqa: PLC0415
 
         template = self.chat_template
@@ -344,7 +345,7 @@ class _LlamaModel:
             raise DgError(f"{self.path.name} has no chat template (tokenizer.chat_template): pass --raw to "
                           "send the prompt as it is")
         return tokenize_chat(template, messages, lambda text, special: self.tokenize(text, False, special),
-                             add_generation_prompt=add_generation_prompt, parse_special=parse_special)
+                             add_generation_prompt=add_generation_prompt, parse_special=parse_special, tools=tools)
 
     def chat_prompt(self, user_text: str, parse_special: bool = False) -> list[int]:
         """The chat template for one user message, generation prompt appended, as token ids."""

@@ -199,13 +199,17 @@ def start_renderer() -> None:
 
 def render_chat_template(template: str, *, messages: list[dict], add_generation_prompt: bool = True,
                          bos_token: str = "", eos_token: str = "", source: str = "the model",
-                         timeout_s: float = TEMPLATE_TIMEOUT_S) -> str:
-    """`template` over `messages` as Jinja2ChatFormatter renders it, in the limited child process;
-    ChatTemplateError naming `source` when it does not parse, fails or runs away."""
+                         timeout_s: float = TEMPLATE_TIMEOUT_S, tools: list[dict] | None = None) -> str:
+    """`template` over `messages` (and `tools`, OpenAI's function tools) as Jinja2ChatFormatter
+    renders it, in the limited child process; ChatTemplateError naming `source` when it does not
+    parse, fails or runs away."""
     global _worker
-    max_chars = output_limit(template, messages)
-    payload = json.dumps({"template": template, "messages": messages, "add_generation_prompt": add_generation_prompt,
-                          "bos_token": bos_token, "eos_token": eos_token, "max_chars": max_chars})
+    max_chars = output_limit(template, [messages, tools])
+    request = {"template": template, "messages": messages, "add_generation_prompt": add_generation_prompt,
+               "bos_token": bos_token, "eos_token": eos_token, "max_chars": max_chars}
+    if tools:
+        request["tools"] = tools
+    payload = json.dumps(request)
     what = f"the chat template of {source}"
     with _lock:
         if payload in _renders:

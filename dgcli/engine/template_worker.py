@@ -51,7 +51,7 @@ def render(formatters, formatter_class, request):
             if len(formatters) >= MAX_FORMATTERS:
                 formatters.clear()
             formatters[key] = formatter
-        text = formatter(messages=request["messages"]).prompt
+        text = formatter(messages=request["messages"], tools=request.get("tools")).prompt
         if len(text) > request["max_chars"]:
             return {"error": "output", "detail": ""}
         return {"text": text}
