@@ -115,7 +115,8 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         model = str(synthetic_model(Path(tmp))) if args.synthetic else (args.model or "demo")
-        serve_args = ["-m", model, "--parallel", str(max(clients)), "--queue", str(args.requests)]
+        # the id the requests name (a server answers 404 for another model)
+        serve_args = ["-m", model, "--alias", "bench", "--parallel", str(max(clients)), "--queue", str(args.requests)]
         if args.threads:
             serve_args += ["--threads", str(args.threads)]
         with ServeProcess(*serve_args, start_timeout=args.timeout) as served:

@@ -136,6 +136,8 @@ class BenchConfig:
     n_gpu_layers: int = 0
     n_cpu_moe: int = 0  # expert tensors of the first N layers kept in system memory (-1: all)
     rpc_servers: Optional[Sequence[str]] = None  # llama.cpp RPC workers holding the offloaded layers
+    # the two files' quantization types (dgcli.modelfile.info.QuantPair.to_json()): {diffusion, autoregressive, match}
+    quantization: Optional[dict[str, Any]] = None
 
 
 @dataclass
@@ -442,6 +444,15 @@ def measure_speed_model(model, *, batch_sizes: Sequence[int], repeat: int = 5, s
                       ratio_max=ratio.max if ratio else None, canvas_step=step), notes
 
 
+def quantization_words(quantization: Optional[dict[str, Any]]) -> Optional[str]:
+    """The sentence saying the two files' quantization types differ (None when they match or are unknown)."""
+    from dgcli.modelfile.info import QuantPair
+
+    if not quantization:
+        return None
+    return QuantPair(quantization.get("diffusion"), quantization.get("autoregressive")).mismatch_words()
+
+
 def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], *,
               open_diffusion: Callable[[str], Any], open_ar: Callable[[str], Any],
               open_speed_model: Optional[Callable[[str, int], Any]] = None,
@@ -454,7 +465,7 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], *,
     Ctrl-C ends the bench early: the report holds the runs finished so far, `interrupted=True`.
     """
     runs: list[RunRecord] = []
-    notes: list[str] = []
+    notes: list[str] = [words] if (words := quantization_words(config.quantization)) else []
     speed: Optional[SpeedModel] = None
     interrupted = False
     placement: dict[str, Any] = {}
@@ -564,7 +575,11 @@ def report_tables(report: BenchReport):
     pair = f"diffusion: {cfg['diffusion_model']}, AR: {cfg['ar_model']}"
     tables = []
 
-    speed_caption = pair + "; speedup = diffusion tok/s ÷ AR tok/s"
+    quant = cfg.get("quantization") or {}
+    if quant.get("diffusion") or quant.get("autoregressive"):
+        pair += f" ({quant.get('diffusion') or '?'} vs {quant.get('autoregressive') or '?'})"
+    mismatch = quantization_words(quant)
+    speed_caption = pair + "; speedup = diffusion tok/s ÷ AR tok/s" + (f"; {mismatch}" if mismatch else "")
     speed = table(f"tok/s (answer tokens), median [min–max] of {runs}", "prompt", "diffusion", "AR", "speedup",
                   caption=speed_caption)
     partial = False  # a rate or speedup over only some of its row's runs (*)

@@ -74,6 +74,40 @@ def rewrite_gguf(src: Path, dst: Path, *, drop_keys: tuple[str, ...] = (), set_k
     return dst
 
 
+def split_gguf(src: Path, out_dir: Path, prefix: str, n_parts: int) -> list[Path]:
+    """`src` split as llama-gguf-split splits a model: PREFIX-0000i-of-0000N.gguf, the first part with
+    every key, each part with `split.no`, `split.count`, `split.tensors.count` and its share of the tensors."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    arch = str(reader.fields["general.architecture"].contents())
+    tensors = list(reader.tensors)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(n_parts):
+        path = out_dir / f"{prefix}-{i + 1:05d}-of-{n_parts:05d}.gguf"
+        writer = gguf.GGUFWriter(str(path), arch)
+        if i == 0:
+            for name, fld in reader.fields.items():
+                if name.startswith("GGUF.") or name == "general.architecture":
+                    continue
+                vtype = gguf.GGUFValueType(fld.types[0])
+                sub = gguf.GGUFValueType(fld.types[1]) if vtype == gguf.GGUFValueType.ARRAY else None
+                writer.add_key_value(name, fld.contents(), vtype, sub_type=sub)
+        writer.add_key_value("split.no", i, gguf.GGUFValueType.UINT16)
+        writer.add_key_value("split.count", n_parts, gguf.GGUFValueType.UINT16)
+        writer.add_key_value("split.tensors.count", len(tensors), gguf.GGUFValueType.INT32)
+        for t in tensors[i::n_parts]:
+            data = np.array(t.data)
+            writer.add_tensor(t.name, data, raw_shape=list(data.shape), raw_dtype=gguf.GGMLQuantizationType(t.tensor_type))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        paths.append(path)
+    return paths
+
+
 def small_q4_k_m_gguf(path: Path, seed: int = 0) -> Path:
     """A small random diffusion-gemma file with a Q4_K_M file's types (`dgcli.testing.tiny.q4_k_m_type`): hidden
     and expert widths of one 256-wide super-block, so its experts' gate+up are Q4_K and their down

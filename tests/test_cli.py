@@ -159,7 +159,7 @@ def test_generate_refuses_a_non_diffusion_gguf(tiny_ar_gguf, scripted):
 def test_unknown_registry_name_and_quant():
     assert_one_line_error(run("generate", "hi", "-m", "llama"), "unknown model 'llama'", "diffusiongemma-26b")
     assert_one_line_error(run("generate", "hi", "-m", "diffusiongemma-26b:Q3_K"), "unknown quant 'Q3_K'", "Q8_0")
-    assert_one_line_error(run("pull", "gemma4-26b:Q9"), "unknown quant 'Q9'", "Q4_0")
+    assert_one_line_error(run("pull", "gemma4-26b:Q9"), "unknown quant 'Q9'", "Q4_K_M, Q5_K_M, Q6_K, Q8_0")
     assert_one_line_error(run("generate", "hi", "-m", "gemma4-26b"), "is an autoregressive model; this needs a diffusion model")
 
 
@@ -334,6 +334,46 @@ def test_compare_table_and_speedup(tiny_gguf, tiny_ar_gguf, scripted):
     assert a["tokens_per_forward"] == 1.0 and d["tokens_per_forward"] > 1.0
     assert doc["speedup"] == pytest.approx(d["tokens_per_second"] / a["tokens_per_second"])
     assert doc["diffusion"]["peak_rss"] > 0 and doc["autoregressive"]["peak_rss"] > 0
+
+
+@pytest.fixture(scope="module")
+def q4_0_ar_gguf(tiny_ar_gguf, tmp_path_factory):
+    """The AR twin, declaring itself a Q4_0 file (general.file_type 2), as Google's QAT GGUF does."""
+    import gguf
+
+    from native_helpers import rewrite_gguf
+
+    return rewrite_gguf(tiny_ar_gguf, tmp_path_factory.mktemp("q4_0") / "ar-q4_0.gguf",
+                        set_keys={"general.file_type": (2, gguf.GGUFValueType.UINT32)})
+
+
+def test_compare_says_when_the_two_files_quantization_differs(tiny_gguf, tiny_ar_gguf, q4_0_ar_gguf, scripted):
+    scripted()
+    same = json.loads(run("compare", "hi", "-m", tiny_gguf, "--ar-model", tiny_ar_gguf, "--json").stdout)
+    assert same["quantization"] == {"diffusion": "F32", "autoregressive": "F32", "match": True}
+    r = run("compare", "hi", "-m", tiny_gguf, "--ar-model", tiny_ar_gguf, "--no-live")
+    assert "quantization" in r.stdout and "differs" not in r.stdout
+    doc = json.loads(run("compare", "hi", "-m", tiny_gguf, "--ar-model", q4_0_ar_gguf, "--json").stdout)
+    assert doc["quantization"] == {"diffusion": "F32", "autoregressive": "Q4_0", "match": False}
+    r = run("compare", "hi", "-m", tiny_gguf, "--ar-model", q4_0_ar_gguf, "--no-live")
+    assert r.exit_code == 0, r.stderr
+    row = next(line for line in r.stdout.splitlines() if line.startswith("│ quantization"))
+    assert [c.strip() for c in row.split("│")[1:-1]] == ["quantization", "F32", "Q4_0"]
+    assert "quantization differs: diffusion F32, AR Q4_0" in " ".join(r.stdout.split())
+
+
+def test_bench_says_when_the_two_files_quantization_differs(tiny_gguf, tiny_ar_gguf, q4_0_ar_gguf, scripted):
+    scripted()
+    args = ("bench", "-m", tiny_gguf, "--repeat", "1", "--no-speed-model", "-n", "4")
+    doc = json.loads(run(*args, "--ar-model", q4_0_ar_gguf, "--json").stdout)
+    assert doc["config"]["quantization"] == {"diffusion": "F32", "autoregressive": "Q4_0", "match": False}
+    assert doc["notes"][0].startswith("quantization differs: diffusion F32, AR Q4_0")
+    r = run(*args, "--ar-model", q4_0_ar_gguf)
+    assert r.exit_code == 0, r.stderr
+    assert "diffusion:" in r.stdout and "(F32 vs Q4_0)" in r.stdout
+    assert "quantization differs: diffusion F32, AR Q4_0" in " ".join(r.stdout.split())
+    doc = json.loads(run(*args, "--ar-model", tiny_ar_gguf, "--json").stdout)
+    assert doc["config"]["quantization"]["match"] is True and not any("quantization" in n for n in doc["notes"])
 
 
 def test_compare_needs_an_ar_side_for_a_path_model(tiny_gguf, scripted):

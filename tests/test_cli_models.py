@@ -4,6 +4,7 @@ downloads through a fake Hub (conftest.py's fake_hub). One `error:` line for eve
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -17,16 +18,26 @@ from cli_helpers import assert_one_line_error, run
 def test_list_shows_every_registry_entry_size_and_presence():
     r = run("list")
     assert r.exit_code == 0, r.stderr
-    rows = [[c.strip() for c in line.split("│")[1:-1]] for line in r.stdout.splitlines() if line.startswith("│")]
-    assert ["diffusiongemma-26b", "Q4_K_M *", "diffusion", "gemma4-26b", "~16.0 GB", "no"] in rows
-    assert ["diffusiongemma-26b", "Q8_0", "diffusion", "gemma4-26b", "~25.0 GB", "no"] in rows
-    assert ["gemma4-26b", "Q4_0 *", "ar", "diffusiongemma-26b", "~15.0 GB", "no"] in rows
-    assert {row[0] for row in rows} == {"demo", "demo-ar", "diffusiongemma-26b", "gemma4-26b"}
-    assert "unsloth/diffusiongemma-26B-A4B-it-GGUF" in r.stdout
+    lines = r.stdout.splitlines()
+    # piped at 120 columns the table would need folding: a line per model and one for its file, under a
+    # line naming the repository where it changes
+    at = lines.index("diffusiongemma-26b:Q4_K_M *  diffusion, pair gemma4-26b  ~16.8 GB  not on disk")
+    assert lines[at - 1:at + 2] == ["from unsloth/diffusiongemma-26B-A4B-it-GGUF:", lines[at],
+                                    "  diffusiongemma-26B-A4B-it-Q4_K_M.gguf ?"]
+    assert "gemma4-26b:Q8_0  ar, pair diffusiongemma-26b  ~26.9 GB  not on disk" in lines
+    at = lines.index("gemma4-26b:Q5_K_M  ar, pair diffusiongemma-26b  ~19.3 GB  not on disk")
+    assert lines[at - 1] == "from bartowski/google_gemma-4-26B-A4B-it-GGUF:"
+    at = lines.index("gemma4-26b-qat:Q4_0 *  ar, pair diffusiongemma-26b  ~14.4 GB  not on disk")
+    assert lines[at - 1:at + 2] == ["from google/gemma-4-26B-A4B-it-qat-q4_0-gguf@d1c082be9cf3:", lines[at],
+                                    "  gemma-4-26B_q4_0-it.gguf ?"]
     rows = json.loads(run("list", "--json").stdout)["models"]
+    assert {row["name"] for row in rows} == {"demo", "demo-ar", "diffusiongemma-26b", "gemma4-26b", "gemma4-26b-qat"}
     by_name = {(x["name"], x["quant"]): x for x in rows}
     assert by_name[("diffusiongemma-26b", "Q4_K_M")]["default"] is True
-    assert by_name[("gemma4-26b", "Q4_0")]["pair"] == "diffusiongemma-26b"
+    assert by_name[("gemma4-26b", "Q5_K_M")]["repo"] == "bartowski/google_gemma-4-26B-A4B-it-GGUF"
+    assert by_name[("gemma4-26b-qat", "Q4_0")]["file"] == "gemma-4-26B_q4_0-it.gguf"
+    assert by_name[("gemma4-26b-qat", "Q4_0")]["checked"] is False  # no listing fetched here
+    assert by_name[("gemma4-26b", "Q4_K_M")]["pair"] == "diffusiongemma-26b"
     assert by_name[("demo", None)]["on_disk"] is True and Path(by_name[("demo", None)]["path"]).exists()
 
 
@@ -34,9 +45,28 @@ def test_list_piped_prints_its_footer_as_one_unwrapped_line():
     # as the table's caption it was wrapped at the table's width, mid-sentence, and padded with spaces
     r = run("list")
     assert r.exit_code == 0, r.stderr
-    footer = r.stdout.splitlines()[-1]
-    assert footer.startswith("* default quant.  demo: shipped with dg;"), r.stdout
-    assert footer.endswith("`dg pull NAME[:QUANT]` downloads; --model takes NAME, NAME:QUANT or a .gguf path."), r.stdout
+    legend, usage = r.stdout.splitlines()[-2:]
+    assert legend.startswith("* default quant; ~ size from the registry; ? the registry's file name"), r.stdout
+    assert legend.endswith("(`dg pull` or `dg list --refresh` reads it)."), r.stdout
+    assert usage == "`dg pull NAME[:QUANT]` downloads; --model takes NAME, NAME:QUANT or a .gguf path.", r.stdout
+
+
+@pytest.mark.subprocess
+def test_list_as_a_table_names_every_repository_in_its_caption(tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "dgcli.cli", "list"], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, COLUMNS="160", HF_HUB_CACHE=str(tmp_path)),
+                       cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0, r.stderr
+    rows = [[c.strip() for c in line.split("│")[1:-1]] for line in r.stdout.splitlines() if line.startswith("│")]
+    assert ["gemma4-26b-qat", "Q4_0 *", "ar", "diffusiongemma-26b", "gemma-4-26B_q4_0-it.gguf ?", "~14.4 GB", "no"] in rows
+    legend, sources, usage = r.stdout.splitlines()[-3:]
+    assert sources.startswith("Files from demo: shipped with dg;"), r.stdout
+    assert ("gemma4-26b: ggml-org/gemma-4-26B-A4B-it-GGUF (Q5_K_M, Q6_K: bartowski/google_gemma-4-26B-A4B-it-GGUF);"
+            in sources), r.stdout
+    assert "gemma4-26b-qat: google/gemma-4-26B-A4B-it-qat-q4_0-gguf@d1c082be9cf3." in sources, r.stdout
 
 
 def test_list_marks_downloaded_models(tmp_path, monkeypatch):
@@ -81,9 +111,14 @@ def test_info_piped_rows_are_one_line_each_without_padding(tiny_gguf):
     assert added.endswith("(the published converter leaves these keys out)"), summary
 
 
-def test_info_of_a_registry_name_not_yet_downloaded(tmp_path, monkeypatch):
+def test_info_of_a_registry_name_not_yet_downloaded_asks_the_hub(tmp_path, monkeypatch):
+    # described from the Hub (tests/test_registry_hub.py); offline, one line saying so
+    from hub_server import closed_port
+
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
-    assert_one_line_error(run("info", "diffusiongemma-26b"), "not downloaded", "dg pull diffusiongemma-26b:Q4_K_M")
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed_port()}")
+    assert_one_line_error(run("info", "diffusiongemma-26b"), "cannot reach the Hugging Face Hub",
+                          "the file list of unsloth/diffusiongemma-26B-A4B-it-GGUF")
 
 
 # ------------------------------------------------------------------------------------------ pull
@@ -110,7 +145,7 @@ def test_pull_missing_file_and_offline(tmp_path, monkeypatch, fake_hub):
     reg.write_text('[models.tiny]\nrole = "ar"\nrepo = "org/tiny-GGUF"\n[models.tiny.files]\nQ8_0 = { file = "x.gguf" }\n')
     monkeypatch.setenv("DG_REGISTRY", str(reg))
     fake_hub.files[("org/tiny-GGUF", "other.gguf")] = b"GGUF"
-    assert_one_line_error(run("pull", "tiny"), "file x.gguf not found in org/tiny-GGUF")
+    assert_one_line_error(run("pull", "tiny"), "org/tiny-GGUF at", "has no model .gguf for Q8_0; its .gguf files: other.gguf")
     from hub_server import closed_port
 
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed_port()}")
@@ -121,8 +156,12 @@ LONG_FILE = "diffusiongemma-26B-A4B-it-Q4_K_M.gguf"  # the registry's longest fi
 
 
 def _pull_with_fake_download(tmp_path, monkeypatch, download, file: str = LONG_FILE):
-    from dgcli import hub
+    from dgcli import hub, pull
+    from dgcli.hub_files import ListedFile, RepoListing
 
+    # the repository's listing names the file; its bytes come from `download`
+    monkeypatch.setattr(pull, "fetch_listing",
+                        lambda repo, revision: RepoListing(repo, revision, "0" * 40, (ListedFile(file, 16 * 10**9, None),)))
     reg = tmp_path / "models.toml"
     reg.write_text(f'[models.big]\nrole = "diffusion"\nrepo = "org/big-GGUF"\n'
                    f'[models.big.files]\nQ4_K_M = {{ file = "{file}", size_gb = 16 }}\n')

@@ -158,9 +158,7 @@ class _NodeCapture:
 
         from dgcli.runtime import native
 
-        folder = os.path.dirname(native.lib()._lib._name)
-        base = ctypes.CDLL(os.path.join(folder, "libggml-base.so")
-                           if os.path.exists(os.path.join(folder, "libggml-base.so")) else "libggml-base.so.0")
+        base = ctypes.CDLL(native.loaded_library("ggml-base", "ggml_get_name"))
         for fn, restype in (("ggml_get_name", ctypes.c_char_p), ("ggml_get_data", ctypes.c_void_p),
                             ("ggml_nbytes", ctypes.c_size_t)):
             getattr(base, fn).restype, getattr(base, fn).argtypes = restype, [ctypes.c_void_p]

@@ -146,6 +146,42 @@ def test_portable_ggml_ops_step_agrees_with_the_step_op(exact_model):
             assert _sample_margin(fused.processed[r], u[r], int(b)) < 1e-5, r
 
 
+def test_argmax_ties_go_to_the_lowest_id_on_the_cpu(tmp_path):
+    """Two tokens with the same output row tie exactly. dg's argmax (the token a canvas commits) takes
+    the lower id, as the reference's torch.argmax: the step op, both host samplers, and the ggml-ops
+    form a GPU runs, where ggml's argmax has no such rule (its CPU kernel keeps the last maximum,
+    CUDA's and Metal's one by thread order) and the tie is broken among the step's top k."""
+    from dgcli.engine.sampler import make_step_sampler
+    from dgcli.runtime.model import DiffusionModel
+    from dgcli.testing.tiny import write_tiny_random_gguf
+    from native_helpers import rewrite_gguf
+
+    twins = [300, 301]
+
+    def tie(name, data):
+        if name == "token_embd.weight":  # tied: the LM head's rows
+            data = data.copy()
+            data[twins] = 40 * data[310]
+        return data
+
+    path = rewrite_gguf(write_tiny_random_gguf(tmp_path / "t.gguf", seed=0), tmp_path / "tied.gguf", tensor_edit=tie)
+    with DiffusionModel(path, n_threads=1, n_ctx=128) as m:
+        m.prefill(PROMPT)
+        canvas = _canvas(20, m.vocab_size)
+        u = np.random.default_rng(21).random(len(canvas))
+        [op] = m.denoise_step(canvas[None], 1.0, u[None], top_k=4, return_values=True)
+        [ops] = m.denoise_step(canvas[None], 1.0, u[None], top_k=4, return_values=True, portable_ops=True)
+        logits = m.decode_canvas(canvas)
+    hosts = [make_step_sampler(kind, n_threads=1).process_logits(logits.copy(), np.float32(1.0), u)
+             for kind in ("native", "numpy")]
+    for stats in (op, ops):
+        assert np.array_equal(stats.processed[:, twins[0]], stats.processed[:, twins[1]])
+    tied = [r for r in range(len(canvas)) if op.processed[r, twins[0]] == op.processed[r].max()]
+    assert len(tied) >= 3
+    got = {name: stats.argmax[tied].tolist() for name, stats in zip(("op", "ops", "native", "numpy"), (op, ops, *hosts))}
+    assert got == {name: [twins[0]] * len(tied) for name in got}
+
+
 def test_fast_mode_softcap_is_within_rounding_of_libm(tiny_gguf):
     """Outside exact mode the softcap's tanh is vectorised (~2 ulp): the values stay within float
     rounding of the ggml ops path, and the decisions are the same."""

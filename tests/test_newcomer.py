@@ -14,13 +14,12 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from dgcli import cli
+from dgcli import cli, registry
 from dgcli.cli import _terminal, render
 from dgcli.engine.types import GenerationResult
 from dgcli.testing.tiny import write_tiny_random_gguf
@@ -156,7 +155,7 @@ def test_replay_shows_a_saved_trace_again_without_the_model(tmp_path):
 
 
 def test_the_examples_have_an_extra_and_a_make_target():
-    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    extras = registry.tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert any(dep.startswith("matplotlib") for dep in extras["examples"])
     makefile = (REPO / "Makefile").read_text()
     assert re.search(r"^examples:", makefile, re.M) and ".[examples]" in makefile

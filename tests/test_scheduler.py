@@ -461,3 +461,133 @@ def test_per_sequence_forward_is_bit_identical_to_each_sequence_alone(tiny_gguf)
         np.testing.assert_array_equal(plain[s], alone_plain[s])
         np.testing.assert_array_equal(mixed[s], alone_mixed[s])
     np.testing.assert_array_equal(moved, alone_plain[2])
+
+
+def test_a_long_prompt_is_prefilled_a_chunk_at_a_time_between_the_other_requests_steps(tiny_gguf):
+    """A prompt of several encoder chunks held up every running request for its whole prefill; now
+    one chunk runs per iteration, between the steps of the others, and both answers are unchanged."""
+    from dgcli.server.scheduler import GenerationRequest
+
+    params = DiffusionParams(max_denoising_steps=4)
+    long_ids = [2] + [10 + i % 50 for i in range(3 * 512 + 100)]  # four chunks of 512
+    jobs = [([2, 5, 6], params, 16 * 8, 1), (long_ids, params, 16, 2)]
+    expected = solo_results(tiny_gguf, jobs)
+    scheduler, model = open_scheduler(tiny_gguf, slots=2, n_ctx=2 * 2560)
+    timeline = []  # ("step", request) and ("chunk", n tokens), in the order the engine thread ran them
+    prefill = model.prefill
+
+    def logged_prefill(tokens, *args, **kwargs):
+        timeline.append(("chunk", len(tokens)))
+        return prefill(tokens, *args, **kwargs)
+
+    model.prefill = logged_prefill
+    running, long_sink = Collector(), Collector()
+
+    def running_sink(event):
+        if isinstance(event, StepEvent):
+            timeline.append(("step", "running"))
+        return running(event)
+
+    try:
+        first = scheduler.submit(GenerationRequest(prompt_ids=jobs[0][0], params=params, max_new_tokens=jobs[0][2],
+                                                   seed=1, sink=running_sink, want_steps=True))
+        deadline = time.monotonic() + WAIT_S
+        while ("step", "running") not in timeline:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        scheduler.submit(GenerationRequest(prompt_ids=long_ids, params=params, max_new_tokens=16, seed=2,
+                                           sink=long_sink))
+        for sink in (running, long_sink):
+            assert sink.done.wait(WAIT_S)
+    finally:
+        scheduler.close()
+        model.close()
+    assert running.outcome.result.token_ids == expected[0].token_ids
+    assert long_sink.outcome.result.token_ids == expected[1].token_ids
+    chunks = [i for i, (kind, n) in enumerate(timeline) if kind == "chunk" and n != len(jobs[0][0])]
+    assert [timeline[i][1] for i in chunks] == [512, 512, 512, 101], timeline
+    steps_between = [kind for kind, _ in timeline[chunks[0]:chunks[-1]] if kind == "step"]
+    assert len(steps_between) >= 3, timeline  # a step of the running request after each chunk
+    assert scheduler.stats.prefill_chunks == 4
+
+
+def test_a_grammar_constrained_request_decodes_beside_canvases_and_conforms(tiny_gguf):
+    """Structured output: a request with a grammar is decoded token by token through the encoder, in
+    the same iterations as the other requests' canvases; its text is what the grammar allows, the
+    same alone or batched, and the canvases' answers are unchanged."""
+    import json as json_module
+
+    from dgcli.engine.grammar import json_schema_grammar
+    from dgcli.server.scheduler import GenerationRequest, RequestDone
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                                   "maximum": 9}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    grammar = json_schema_grammar(schema)
+    params = DiffusionParams(max_denoising_steps=3)
+    diffusion_jobs = [([2, 5, 6], params, 32, 4), ([2, 7, 8, 9], params, 16, 5)]
+    expected = solo_results(tiny_gguf, diffusion_jobs)
+
+    def constrained(sink):
+        return GenerationRequest(prompt_ids=[2, 11, 12], params=params, max_new_tokens=64, seed=0, sink=sink,
+                                 grammar=grammar)
+
+    outcomes = []
+    for together in (False, True):
+        scheduler, model = open_scheduler(tiny_gguf, slots=3)
+        try:
+            sinks = [Collector() for _ in range(3)]
+            scheduler.submit(constrained(sinks[0]))
+            if together:
+                for (ids, p, n, seed), sink in zip(diffusion_jobs, sinks[1:]):
+                    scheduler.submit(GenerationRequest(prompt_ids=ids, params=p, max_new_tokens=n, seed=seed,
+                                                       sink=sink))
+            for sink in sinks[:3 if together else 1]:
+                assert sink.done.wait(WAIT_S)
+        finally:
+            scheduler.close()
+            model.close()
+        outcomes.append(sinks)
+    alone, batched = outcomes[0][0].outcome, outcomes[1][0].outcome
+    assert isinstance(batched, RequestDone) and batched.result.mode == "autoregressive"
+    value = json_module.loads(batched.result.text)
+    assert set(value) == {"ok", "n"} and isinstance(value["ok"], bool) and 0 <= value["n"] <= 9
+    assert batched.result.stop_reason == "end_token"
+    assert batched.result.token_ids == alone.result.token_ids
+    tokens = [e.token_id for e in outcomes[1][0].events]
+    assert tokens == batched.result.token_ids  # one TokenEvent per token
+    for sink, want in zip(outcomes[1][1:], expected):
+        assert sink.outcome.result.token_ids == want.token_ids
+
+
+def test_a_sink_that_raises_ends_its_own_request_not_the_batch(tiny_gguf):
+    """A request's event handler that failed mid-step (a client's job released while its events were
+    being delivered) raised out of the shared forward's step and failed every request in the batch."""
+    from dgcli.server.scheduler import GenerationRequest, RequestDone, RequestFailed
+
+    params = DiffusionParams(max_denoising_steps=4)
+    keep = ([2, 5, 6], params, 32, 1)
+    expected = solo_results(tiny_gguf, [keep])[0]
+    scheduler, model = open_scheduler(tiny_gguf, slots=2)
+    lines = []
+    scheduler.log = lines.append
+    broken_outcome = Collector()
+
+    def broken(event):
+        if isinstance(event, StepEvent):
+            raise AttributeError("'NoneType' object has no attribute 'put'")
+        return broken_outcome(event)
+
+    try:
+        good = Collector()
+        scheduler.submit(GenerationRequest(prompt_ids=[2, 7, 8], params=params, max_new_tokens=32, seed=2,
+                                           sink=broken, want_steps=True))
+        scheduler.submit(GenerationRequest(prompt_ids=keep[0], params=params, max_new_tokens=32, seed=1, sink=good,
+                                           want_steps=True))
+        assert good.done.wait(WAIT_S) and broken_outcome.done.wait(WAIT_S)
+    finally:
+        scheduler.close()
+        model.close()
+    assert isinstance(good.outcome, RequestDone) and good.outcome.result.token_ids == expected.token_ids
+    assert isinstance(broken_outcome.outcome, RequestFailed) and broken_outcome.outcome.message == "cancelled"
+    assert any("internal error in req-1's events: AttributeError" in line for line in lines), lines

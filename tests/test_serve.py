@@ -163,16 +163,23 @@ def test_bad_requests_get_openai_errors_and_the_server_survives(demo_server):
     cases = [
         (dict(extra_body={"t_min": 0.9, "t_max": 0.5}), "t_max", "at least t_min"),
         (dict(extra_body={"steps": 0}), "steps", "invalid steps=0"),
-        (dict(n=2), "n", "must be 1"),
+        (dict(n=17), "n", "from 1 to 16"),
         (dict(max_tokens=10**6), "max_tokens", "exceeds this server's limit"),
-        (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools", "not supported"),
+        # the demo's chat template has no place for tools: the model would never see them
+        (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools",
+         "does not render tools"),
         (dict(logprobs=True), "logprobs", "not supported"),
+        (dict(temperature=3), "temperature", "from 0 to 2"),
     ]
     for kwargs, param, fragment in cases:
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model="demo", messages=msgs, **kwargs)
         err = info.value.body
         assert err["param"] == param and fragment in err["message"] and err["type"] == "invalid_request_error"
+    with pytest.raises(openai.NotFoundError) as info:  # it answered as the demo, "model": "demo"
+        client.chat.completions.create(model="gpt-4o", messages=msgs)
+    assert info.value.body["code"] == "model_not_found" and "GET /v1/models" in info.value.body["message"]
+    assert fetch_json("GET", demo_server.url + "/models/gpt-4o")[1]["error"]["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "A " * 3000}])
     assert info.value.body["code"] == "context_length_exceeded"
@@ -207,7 +214,7 @@ def test_queue_full_is_503_and_a_client_that_disconnects_frees_its_slot(tiny_ggu
     stream cancels its request and the next one is served."""
     import openai
 
-    with ServeProcess("-m", tiny_gguf, "--parallel", "1", "--queue", "0") as server:
+    with ServeProcess("-m", tiny_gguf, "--parallel", "1", "--queue", "0", "--alias", "x") as server:
         assert " 1 slot of " in server.banner, server.banner  # was "1 slots"
         host, port = server.root.removeprefix("http://").split(":")
         conn = http.client.HTTPConnection(host, int(port), timeout=TIMEOUT_S)

@@ -416,7 +416,8 @@ def test_serve_start_up_lines_wrap_between_words_and_ctrl_c_stops_it(columns):
     words = " ".join(" ".join(lines).split())
     assert re.search(r"dg serve: http://0\.0\.0\.0:\d+/v1 model demo \(canvas \d+\) 4 slots of \d+ tokens queue 64 "
                      r"warning: listening on 0\.0\.0\.0 without --api-key: anyone who reaches this port can use "
-                     r"the model dg serve: Ctrl-C stops", words), lines
+                     r"the model dg serve: http://0\.0\.0\.0:\d+/ shows the canvas denoise in a browser "
+                     r"dg serve: Ctrl-C stops", words), lines
     # every line break falls between words: rejoining with spaces reads the same as the text had
     for line in lines:
         assert len(line) <= columns

@@ -28,8 +28,11 @@ def registry() -> Registry:
 
 
 def download_with_progress(resolved: ResolvedModel) -> Path:
-    """hub.download with a progress bar for the transfer and one for the sha256 pass after it.
-    Ctrl-C keeps the partial file for the next `dg pull` and exits 130."""
+    """The model's file from the Hub (dgcli.pull: the file its repository's listing names for the
+    quant, every part of a split one), with a progress bar for each transfer and for the sha256 pass
+    after it. Ctrl-C keeps the partial file for the next `dg pull` and exits 130."""
+    from dgcli import pull
+
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
     from rich.markup import escape
     from rich.table import Column
@@ -70,12 +73,16 @@ def download_with_progress(resolved: ResolvedModel) -> Path:
             progress.update(tasks[description], completed=done, total=total)
         return update
 
-    name = resolved.filename or "download"
     try:
         with echo_off():  # as under a live view: an echoed `^C` would move the cursor past the bar
-            return hub.download(resolved.repo, resolved.filename, approx_size=resolved.approx_size_bytes,
-                                on_progress=bar(name), on_verify=bar("sha256 check"),
-                                on_wait=lambda line: _output.notice(line, style="yellow"))
+            if resolved.choice is None:
+                resolved = pull.resolve_on_hub(resolved)
+            if resolved.path is not None:  # the listing names a file already in the cache
+                return resolved.path
+            single = len(resolved.parts) == 1
+            return pull.download_model(resolved, progress=bar,
+                                       verify=lambda name: bar("sha256 check" if single else f"sha256 check {name}"),
+                                       on_wait=lambda line: _output.notice(line, style="yellow"))
     except KeyboardInterrupt:
         progress.stop()
         _output.notice(f"interrupted: run `dg pull {resolved.display_name}` to continue the download "

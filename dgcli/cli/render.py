@@ -308,7 +308,9 @@ def speedup(diff: GenerationResult, ar: GenerationResult) -> float | None:
 
 
 def compare_table(diff: GenerationResult, ar: GenerationResult, diff_rss: int | None, ar_rss: int | None,
-                  diff_name: str = "diffusion", ar_name: str = "autoregressive") -> Table:
+                  diff_name: str = "diffusion", ar_name: str = "autoregressive", quant=None) -> Table:
+    """The comparison; `quant` (dgcli.modelfile.info.QuantPair) adds the files' quantization types as a
+    row, and says in the caption when they differ."""
     # the names are the models' (file names): text, not markup, as a name may hold "[/x]"
     table = Table(title=escape(f"{diff_name} (diffusion) vs {ar_name} (AR)"))
     # narrow terminals fold long values rather than cut them to `end_tok…`
@@ -317,9 +319,13 @@ def compare_table(diff: GenerationResult, ar: GenerationResult, diff_rss: int | 
     table.add_column("AR", justify="right", overflow="fold")
     for row in compare_rows(diff, ar, diff_rss, ar_rss):
         table.add_row(*row)
+    if quant is not None:
+        table.add_row("quantization", quant.diffusion or "?", quant.autoregressive or "?")
     s = speedup(diff, ar)
     table.caption = (f"speedup (diffusion tok/s ÷ AR tok/s): {_fmt(s)}x" if s is not None
                      else "speedup: n/a (a side made no answer token after the prefill)") + f"; seed {diff.seed}"
+    if quant is not None and quant.mismatch_words():
+        table.caption += f"; {quant.mismatch_words()}"
     return table
 
 

@@ -137,8 +137,9 @@ STEP_BACKENDS = ("auto", "graph", "native", "numpy")
 
 def _resolve_step_backend(sampler: str | StepSampler, model: Any, n_threads: int | None) -> StepSampler | None:
     """The host sampler for `sampler`, or None when the step runs inside the model's graph.
-    "auto": the graph step when the model has one (`denoise_step`), else the best host sampler;
-    "graph": the graph step (error without it); "native" / "numpy": host logits, that sampler."""
+    "auto": the graph step when the model has one (`denoise_step`) that this placement can run
+    (`graph_step_refused`), else the best host sampler; "graph": the graph step (error without it);
+    "native" / "numpy": host logits, that sampler."""
     if not isinstance(sampler, str):
         return sampler  # a StepSampler object (tests hand in a freshly compiled one)
     if sampler not in STEP_BACKENDS:
@@ -146,6 +147,10 @@ def _resolve_step_backend(sampler: str | StepSampler, model: Any, n_threads: int
     has_graph_step = callable(getattr(model, "denoise_step", None))
     if sampler == "graph" and not has_graph_step:
         raise DgError(f"{type(model).__name__} has no in-graph denoising step (denoise_step)")
+    refused = getattr(model, "graph_step_refused", lambda: None)() if has_graph_step else None
+    if sampler == "graph" and refused:
+        raise DgError(refused)
+    has_graph_step = has_graph_step and not refused
     if sampler in ("graph", "auto") and has_graph_step:
         return None
     return make_step_sampler(sampler, n_threads=n_threads)

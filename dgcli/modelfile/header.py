@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import stat
 import struct
 import threading
@@ -150,15 +151,25 @@ class _Malformed(Exception):
 
 
 _cache: dict[tuple, GgufHeader] = {}
+_cached_parts: dict[tuple, tuple] = {}  # a split model's other parts, as they were when it was parsed
 _cache_lock = threading.Lock()
+
+
+def _parts_identity(header: GgufHeader) -> tuple | None:
+    """The other parts of a split model as they are now (None when one cannot be found)."""
+    try:
+        return tuple((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+                     for st in (q.stat() for q in split_part_paths(header)))
+    except (OSError, ModelLoadError):
+        return None
 
 
 def read_header(path: str | os.PathLike) -> GgufHeader:
     """The parsed header of a GGUF file (ModelLoadError if it cannot be read).
 
     Parsed once per file: later calls for the same unchanged file (same device, inode, size and
-    modification time) return the same object, so `dg info`, the pre-flight checks and the model
-    load share one parse.
+    modification time; for a split model, of every part) return the same object, so `dg info`, the
+    pre-flight checks and the model load share one parse.
     """
     p = Path(path)
     try:
@@ -174,18 +185,84 @@ def read_header(path: str | os.PathLike) -> GgufHeader:
     key = (os.path.realpath(p), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
     with _cache_lock:
         cached = _cache.get(key)
-    if cached is not None:
+    if cached is not None and (split_count(cached) == 1 or _parts_identity(cached) == _cached_parts.get(key)):
         return cached
     header = _parse_file(p, st.st_size)
+    if split_count(header) > 1:
+        header = merge_split(header, [_parse_split_part(path) for path in split_part_paths(header)])
     with _cache_lock:
         _cache.clear()  # one file at a time is all dg needs; keeps a long session from growing
+        _cached_parts.clear()
         _cache[key] = header
+        if split_count(header) > 1:
+            _cached_parts[key] = _parts_identity(header)
     return header
+
+
+# -- models split by llama-gguf-split ------------------------------------------------------------------
+# The first part holds the model's keys and `split.count`; every part holds `split.no` (0-based) and
+# its own tensors, in a data section of its own. llama.cpp loads the first part and finds the others
+# beside it by name: PREFIX-00001-of-00003.gguf, PREFIX-00002-of-00003.gguf, ...
+MAX_SPLIT_PARTS = 9999
+_SPLIT_NAME = re.compile(r"(.+)-(\d{5})-of-(\d{5})\.gguf")
+
+
+def split_count(header: GgufHeader) -> int:
+    """How many files the model is split into (1: not split)."""
+    count = header.get("split.count")
+    return count if isinstance(count, int) and not isinstance(count, bool) and count > 1 else 1
+
+
+def split_part_paths(header: GgufHeader) -> list[Path]:
+    """The other parts' paths, next to the first (ModelLoadError when the header is not a first part
+    named as llama.cpp names one)."""
+    count = split_count(header)
+    m = _SPLIT_NAME.fullmatch(header.path.name)
+    if header.get("split.no") != 0 or count > MAX_SPLIT_PARTS or m is None or int(m[2]) != 1 or int(m[3]) != count:
+        raise ModelLoadError(f"{header.path}: a part of a model split in {count} files (split.no "
+                             f"{header.get('split.no')!r}); pass the first part, named PREFIX-00001-of-{count:05d}.gguf")
+    return [header.path.with_name(f"{m[1]}-{i:05d}-of-{count:05d}.gguf") for i in range(2, count + 1)]
+
+
+def _parse_split_part(p: Path) -> GgufHeader:
+    try:
+        st = p.stat()
+    except OSError as err:
+        raise ModelLoadError(f"a part of the split model is missing: {p} ({err.strerror or err})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ModelLoadError(f"a part of the split model is not a regular file: {p}")
+    return _parse_file(p, st.st_size)
+
+
+def merge_split(first: GgufHeader, others: list[GgufHeader]) -> GgufHeader:
+    """The whole model's header from its parts' (the first's keys, every part's tensors, the sum of
+    their sizes); ModelLoadError when a part is not the one its place says, or a tensor is in two."""
+    count = split_count(first)
+    if len(others) != count - 1:
+        raise ModelLoadError(f"{first.path}: {len(others) + 1} of the {count} parts of a split model")
+    names = {t.name for t in first.tensors}
+    tensors = list(first.tensors)
+    for no, part in enumerate(others, start=1):
+        if part.get("split.no") != no or part.get("split.count") != count:
+            raise ModelLoadError(f"{part.path} is not part {no + 1} of {count} of {first.path.name} "
+                                 f"(its split.no {part.get('split.no')!r}, split.count {part.get('split.count')!r})")
+        for t in part.tensors:
+            if t.name in names:
+                raise ModelLoadError(f"{part.path}: tensor {t.name} is in two parts of the split model")
+            names.add(t.name)
+            tensors.append(t)
+    declared = first.get("split.tensors.count")
+    if isinstance(declared, int) and declared != len(tensors):
+        raise ModelLoadError(f"{first.path}: the split model declares {declared} tensors, its parts hold {len(tensors)}")
+    return GgufHeader(path=first.path, file_size=first.file_size + sum(p.file_size for p in others),
+                      version=first.version, metadata=first.metadata, arrays=first.arrays, tensors=tensors,
+                      data_offset=first.data_offset, token_ids=first.token_ids, duplicate_token=first.duplicate_token)
 
 
 def clear_cache() -> None:
     with _cache_lock:
         _cache.clear()
+        _cached_parts.clear()
 
 
 def _parse_file(p: Path, size: int) -> GgufHeader:
@@ -212,19 +289,22 @@ def _parse_file(p: Path, size: int) -> GgufHeader:
         raise ModelLoadError(f"cannot read {p}: {err.strerror or err}") from None
 
 
-def _parse(cur: _Cursor, p: Path) -> GgufHeader:
+def _parse(cur: _Cursor, p: Path, file_size: int | None = None) -> GgufHeader:
+    """The header from `cur` (the file, or its first bytes: `file_size` is then the whole file's, and
+    an EOFError means the header goes on past them)."""
+    file_size = cur.size if file_size is None else file_size
     version = cur.u32()
     if version not in (2, 3):
         raise _Malformed(f"unsupported GGUF version {version} (dg reads versions 2 and 3)")
     n_tensors, n_kv = cur.u64(), cur.u64()
-    remaining = cur.size - cur.pos
+    remaining = file_size - cur.pos
     # the smallest key/value takes 13 bytes, the smallest tensor entry 24: counts a file cannot hold
     if n_kv * 13 > remaining or n_tensors * 24 > remaining:
         raise ModelLoadError(f"{p} is truncated or malformed: its header declares {n_tensors} tensors and {n_kv} keys, "
-                             f"more than its {cur.size} bytes can hold")
+                             f"more than its {file_size} bytes can hold")
     if n_kv > MAX_KEYS:
         raise _Malformed(f"its header declares {n_kv} keys; dg reads at most {MAX_KEYS}")
-    header = GgufHeader(path=p, file_size=cur.size, version=version)
+    header = GgufHeader(path=p, file_size=file_size, version=version)
     for _ in range(n_kv):
         key = _key(cur)
         if key in header.metadata:
@@ -238,8 +318,38 @@ def _parse(cur: _Cursor, p: Path) -> GgufHeader:
         raise _Malformed(f"general.alignment = {alignment!r} (must be a power of two up to {MAX_ALIGNMENT})")
     entries = [_tensor_info(cur) for _ in range(n_tensors)]
     header.data_offset = -(-cur.pos // alignment) * alignment
-    header.tensors = _check_tensors(entries, header.data_offset, alignment, cur.size, p)
+    header.tensors = _check_tensors(entries, header.data_offset, alignment, file_size, p)
     return header
+
+
+class HeaderGoesOn(Exception):
+    """The bytes given end before the header does (parse_header_prefix needs more of the file)."""
+
+
+def parse_header_prefix(data: bytes, file_size: int, name: str) -> GgufHeader:
+    """The header of a GGUF of `file_size` bytes from its first bytes `data` (a file not on this
+    machine: dgcli.remote_gguf). HeaderGoesOn when the header runs past `data`; ModelLoadError (naming
+    `name`) when it is malformed, or cannot fit in `file_size`."""
+    p = Path(name)
+    if len(data) < 4:
+        if len(data) >= file_size:
+            raise ModelLoadError(f"not a GGUF file (only {file_size} bytes): {name}")
+        raise HeaderGoesOn
+    if data[:4] != GGUF_MAGIC:
+        raise ModelLoadError(f"not a GGUF file (bad magic {bytes(data[:4])!r}): {name}")
+    cur = _Cursor(bytes(data), len(data))
+    cur.pos = 4
+    try:
+        return _parse(cur, p, file_size)
+    except EOFError:
+        if len(data) >= file_size:
+            raise ModelLoadError(f"{name} is truncated or malformed: its GGUF header runs past the end of "
+                                 f"the file ({file_size} bytes)") from None
+        raise HeaderGoesOn from None
+    except _Malformed as err:
+        raise ModelLoadError(f"{name} is malformed: {err}") from None
+    except (struct.error, OverflowError, MemoryError, ValueError):
+        raise ModelLoadError(f"{name} is truncated or malformed: its GGUF header cannot be read") from None
 
 
 def _key(cur: _Cursor) -> str:

@@ -32,6 +32,14 @@ FROM_GGUF, FROM_GGUF_REFERENCE_DEFAULT, FROM_DEFAULT = "gguf", "gguf: reference 
 # On the GPU, besides the offloaded weights and their layers' KV cache: the CUDA context, cuBLAS's
 # workspace, and a compute buffer holding a micro-batch of logits (and their softcapped copy).
 GPU_RUNTIME_BYTES = 512 * 1024**2
+
+
+def metal_step_scratch_bytes(vocab: int, canvas: int) -> int:
+    """What a Metal buffer allocates for the one-graph step's TOP_K and CUMSUM over [vocab, canvas]
+    (ggml-metal's get_alloc_size: the top-k takes 2 int32 per input element, the cumulative sum twice
+    its output), on top of the logits memory_plan counts for every GPU: 1 GiB at real widths.
+    tests/test_backend_ops.py checks it against ggml-metal's own function."""
+    return 2 * 4 * vocab * canvas + 2 * 4 * vocab * canvas
 N_UBATCH = 512
 KV_CONTEXT = 4096  # dg's default context (runtime.model.DEFAULT_N_CTX)
 
@@ -48,6 +56,9 @@ class GpuMemory:
     name: str
     total: int
     free: int
+    # Apple's GPUs through ggml-metal: memory shared with the CPU (a RAM fit counts the GPU's share
+    # too), and the step's Metal scratch (metal_step_scratch_bytes)
+    metal: bool = False
 
 
 # kB/MB/GB/TB decimal, as dg prints sizes (dgcli.units); KiB/MiB/GiB/TiB binary, as they say
@@ -77,7 +88,8 @@ def detect_gpus() -> list[GpuMemory]:
     try:
         from dgcli.runtime import native
 
-        return [GpuMemory(f"{d.name} ({d.description})", d.total, d.free) for d in native.gpu_devices()]
+        return [GpuMemory(f"{d.name} ({d.description})", d.total, d.free, metal=d.backend == native.METAL_BACKEND)
+                for d in native.gpu_devices()]
     except DgError:
         return []
 
@@ -203,9 +215,14 @@ def memory_plan(get, tensors: list[tuple[str, int]], vocab: int, file_size: int,
     start = n_layer + 1 - plan.gpu_layer_count
     kv_gpu = sum(kv[il] for il in range(max(start, 0), n_layer))
     canvas = get("diffusion.canvas_length")
-    logits = 2 * max(N_UBATCH, canvas if isinstance(canvas, int) else 0) * vocab * 4
+    canvas = canvas if isinstance(canvas, int) and canvas > 0 else 0
+    logits = 2 * max(N_UBATCH, canvas) * vocab * 4
     gpu_need = plan.gpu_weight_bytes + kv_gpu + logits + GPU_RUNTIME_BYTES
     ram_need = memory_needed(plan.ram_weight_bytes) + (sum(kv) - kv_gpu)
+    if any(g.metal for g in gpus):
+        if canvas:  # the one-graph step's sampler pass in ggml ops (dg_denoise_step on a GPU)
+            gpu_need += metal_step_scratch_bytes(vocab, canvas)
+        ram_need += gpu_need  # one memory: what the GPU holds is taken from RAM
     return plan, ram_need, gpu_need
 
 
@@ -289,27 +306,68 @@ def declared_file_type(header: GgufHeader) -> str | None:
     return ftype.name.removeprefix("MOSTLY_").removeprefix("ALL_")
 
 
+def dominant_weight_type(header: GgufHeader) -> str | None:
+    """The type holding most bytes of the 2D weights (norms and scales stay F32 in every quant)."""
+    weight_types: Counter = Counter()
+    for t in header.tensors:
+        if len(t.shape) >= 2:
+            weight_types[t.type_name] += t.n_bytes
+    return weight_types.most_common(1)[0][0] if weight_types else None
+
+
+def quant_of(header: GgufHeader) -> str | None:
+    """The file's quantization: general.file_type as the quantizer wrote it, else the dominant weight type."""
+    return declared_file_type(header) or dominant_weight_type(header)
+
+
+@dataclass(frozen=True)
+class QuantPair:
+    """The quantization types of the two files `dg compare` / `dg bench` time against each other."""
+
+    diffusion: str | None
+    autoregressive: str | None
+
+    @property
+    def match(self) -> bool:
+        return self.diffusion == self.autoregressive
+
+    def to_json(self) -> dict[str, Any]:
+        return {"diffusion": self.diffusion, "autoregressive": self.autoregressive, "match": self.match}
+
+    def mismatch_words(self) -> str | None:
+        """One sentence for a table or a note when the types differ; None when they match."""
+        if self.match:
+            return None
+        return (f"quantization differs: diffusion {self.diffusion or 'unknown'}, AR {self.autoregressive or 'unknown'} "
+                "(the two sides' speeds are of different weight types)")
+
+
+def quant_pair(diffusion_path: Path | str, ar_path: Path | str) -> QuantPair:
+    return QuantPair(quant_of(read_header(diffusion_path)), quant_of(read_header(ar_path)))
+
+
 def read_info(path: Path | str, *, n_gpu_layers: int = 0, n_cpu_moe: int = 0,
               gpus: list[GpuMemory] | None = None) -> GgufInfo:
     """What the file holds, and where its weights would go with this offload (gpus: detected when None).
     From the header alone: nothing is loaded, and arrays are not read."""
+    return info_from_header(read_header(path), n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe, gpus=gpus)
+
+
+def info_from_header(header: GgufHeader, *, n_gpu_layers: int = 0, n_cpu_moe: int = 0,
+                     gpus: list[GpuMemory] | None = None) -> GgufInfo:
+    """read_info from a parsed header (a local file's, or one read from the Hub: dgcli.remote_gguf)."""
     import psutil
 
-    header = read_header(path)
     arch = header.architecture
     if not arch:
         raise ModelLoadError(f"GGUF without general.architecture: {header.path}")
 
     histogram: dict[str, list[int]] = {}
-    weight_types: Counter = Counter()
     for t in header.tensors:
         row = histogram.setdefault(t.type_name, [0, 0, 0])
         row[0] += 1
         row[1] += t.n_elements
         row[2] += t.n_bytes
-        # the dominant 2D weight type names the quant (norms and scales stay F32 in every quant)
-        if len(t.shape) >= 2:
-            weight_types[t.type_name] += t.n_bytes
     types = sorted((TensorTypeCount(k, *v) for k, v in histogram.items()), key=lambda r: -r.bytes)
 
     filled = _reference_default_keys(header, arch)
@@ -342,7 +400,7 @@ def read_info(path: Path | str, *, n_gpu_layers: int = 0, n_cpu_moe: int = 0,
         parameter_count=sum(t.n_elements for t in header.tensors),
         tensor_count=len(header.tensors),
         tensor_types=types,
-        file_type=declared_file_type(header) or (weight_types.most_common(1)[0][0] if weight_types else None),
+        file_type=quant_of(header),
         context_length=_scalar(header, f"{arch}.context_length", int),
         block_count=_scalar(header, f"{arch}.block_count", int),
         embedding_length=_scalar(header, f"{arch}.embedding_length", int),
@@ -464,8 +522,11 @@ def check_fits_memory(path: Path | str, *, n_gpu_layers: int = 0, n_cpu_moe: int
                               f"cache) but this machine has {format_bytes(total)}; use a smaller --ctx-size"
                               + (" or --parallel" if n_seq > 1 else ""))
     if ram_need > total:
-        hint = ("offload more to the GPU (--gpu-layers, or a smaller --n-cpu-moe)" if gpu_need
-                else "use a smaller quant, or offload layers to a GPU with --gpu-layers")
+        if any(g.metal for g in gpus):
+            hint = "use a smaller quant (a Mac's GPU memory is its RAM: offloading frees none)"
+        else:
+            hint = ("offload more to the GPU (--gpu-layers, or a smaller --n-cpu-moe)" if gpu_need
+                    else "use a smaller quant, or offload layers to a GPU with --gpu-layers")
         raise TooBigForMemory(f"{name} needs about {format_bytes(ram_need)} of RAM but this machine has "
                               f"{format_bytes(total)}; {hint}")
     free = sum(g.free for g in gpus)

@@ -279,9 +279,10 @@ class _LlamaModel:
         return self.token_piece(token, special=True).decode("utf-8", "replace")
 
     def chat_tokens(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                    parse_special: bool = False) -> list[int]:
-        """The chat template over `messages` ({"role", "content"}; roles system/user/assistant) as token
-        ids. Control-token text in user and system messages stays text unless parse_special."""
+                    parse_special: bool = False, tools: Sequence[dict] | None = None) -> list[int]:
+        """The chat template over `messages` ({"role", "content"}; roles system/user/assistant, and tool
+        with tools, OpenAI's function tools, declared) as token ids. Control-token text in user,
+        system and tool messages stays text unless parse_special."""
         from dgcli.templates.chat_template import tokenize_chat  # noqa: PLC0415
 
         template = self.chat_template
@@ -289,7 +290,7 @@ class _LlamaModel:
             raise DgError(f"{self.path.name} has no chat template (tokenizer.chat_template): pass --raw to "
                           "send the prompt as it is")
         return tokenize_chat(template, messages, lambda text, special: self.tokenize(text, False, special),
-                             add_generation_prompt=add_generation_prompt, parse_special=parse_special)
+                             add_generation_prompt=add_generation_prompt, parse_special=parse_special, tools=tools)
 
     def chat_prompt(self, user_text: str, parse_special: bool = False) -> list[int]:
         """The chat template for one user message, generation prompt appended, as token ids."""
@@ -398,6 +399,11 @@ class _LlamaModel:
         return out
 
 
+# ggml-metal's CUMSUM asserts a row of at most nth * nth entries, nth its kernel's threads per
+# threadgroup (1024 on Apple's GPUs); the one-graph step's cumulative sum runs over the vocabulary.
+METAL_CUMSUM_MAX_ROW = 1024 * 1024
+
+
 class DiffusionModel(_LlamaModel):
     """A diffusion-gemma GGUF: encoder prefill/commit and the decoder's canvas forward."""
 
@@ -493,6 +499,15 @@ class DiffusionModel(_LlamaModel):
             raise DgError(f"decoder forward failed (status {rc}): {native.last_error('no detail logged')}")
         return out
 
+    def graph_step_refused(self) -> str | None:
+        """Why `denoise_step` cannot run with this model's placement, or None. The step's sampler pass
+        runs where the logits are: on a Mac's GPU, ggml-metal would abort on a vocabulary row longer than
+        its CUMSUM takes (the host sampler has no such bound)."""
+        if self.vocab_size > METAL_CUMSUM_MAX_ROW and self.load_report.output_on(native.METAL_BACKEND):
+            return (f"the one-graph step cannot run on Metal with a {self.vocab_size:,}-token vocabulary "
+                    f"(ggml-metal's cumulative sum takes rows of at most {METAL_CUMSUM_MAX_ROW:,})")
+        return None
+
     def denoise_step(self, canvases: Any, temperatures: Any, uniforms: Any, sc_logits: np.ndarray | None = None,
                      sc_topk: tuple[np.ndarray, np.ndarray] | None = None, top_k: int = 0,
                      return_values: bool = False, portable_ops: bool = False,
@@ -506,6 +521,9 @@ class DiffusionModel(_LlamaModel):
         of small vocabularies). temperatures: one per canvas (or one for all); uniforms [n, C] in
         [0, 1). portable_ops: the ggml-ops form of the step that non-CPU backends run (tests).
         The cache is unchanged."""
+        refused = self.graph_step_refused()
+        if refused:
+            raise DgError(refused)
         inputs = self._decoder_inputs(canvases, sc_logits, sc_topk, per_sequence)
         n, length, vocab = inputs.n, inputs.length, self.vocab_size
         temps = np.broadcast_to(np.asarray(temperatures, dtype=np.float32), (n,)).copy() \

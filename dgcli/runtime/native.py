@@ -273,34 +273,81 @@ def lib() -> Any:
 DEVICE_TYPE_CPU, DEVICE_TYPE_GPU, DEVICE_TYPE_IGPU = 0, 1, 2
 
 
-class GpuDevice:
-    """One GPU as llama.cpp's ggml backend registry sees it."""
+# ggml-metal's registry name: Apple's GPUs, whose memory is the system's
+METAL_BACKEND = "MTL"
 
-    def __init__(self, name: str, description: str, free: int, total: int):
-        self.name, self.description, self.free, self.total = name, description, free, total
+
+class GpuDevice:
+    """One GPU as llama.cpp's ggml backend registry sees it; `backend` is its registry's name ("CUDA", "MTL", ...)."""
+
+    def __init__(self, name: str, description: str, free: int, total: int, backend: str = ""):
+        self.name, self.description, self.free, self.total, self.backend = name, description, free, total, backend
 
     def __repr__(self) -> str:
-        return f"GpuDevice({self.name!r}, {self.description!r}, free={self.free}, total={self.total})"
+        return (f"GpuDevice({self.name!r}, {self.description!r}, free={self.free}, total={self.total}, "
+                f"backend={self.backend!r})")
 
 
 _ggml: Any = None
 
 
+def library_names(stem: str) -> list[str]:
+    """The files a library `stem` ("ggml", "ggml-base", ...) of llama_cpp's wheel has on this platform,
+    the one its dependents link first (the soname on Linux, the install name on macOS): a wheel holds
+    each name as a separate copy, and opening another one than libllama's loads a second copy of the
+    library with its own globals (the backend registry, the abort callback)."""
+    if sys.platform == "darwin":
+        return [f"lib{stem}.0.dylib", f"lib{stem}.dylib"]
+    if sys.platform == "win32":
+        return [f"{stem}.dll", f"lib{stem}.dll"]
+    return [f"lib{stem}.so.0", f"lib{stem}.so"]
+
+
+class _DlInfo(ctypes.Structure):
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+
+def _dladdr_file(address: int) -> str | None:
+    """The file of the loaded library holding `address` (dladdr: glibc and macOS's libSystem)."""
+    import ctypes.util
+
+    for name in (None, ctypes.util.find_library("c"), ctypes.util.find_library("dl")):
+        try:
+            dladdr = ctypes.CDLL(name).dladdr
+        except (OSError, AttributeError, TypeError):
+            continue
+        dladdr.argtypes, dladdr.restype = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)], ctypes.c_int
+        info = _DlInfo()
+        if dladdr(ctypes.c_void_p(address), ctypes.byref(info)) and info.dli_fname:
+            return os.fsdecode(info.dli_fname)
+        return None
+    return None
+
+
+def loaded_library(stem: str, symbol: str, llama: Any = None) -> str:
+    """The file of lib`stem` that libllama loaded: where `symbol` (one of its functions), looked up
+    through libllama, lives; else the first of `library_names` in libllama's folder."""
+    llama = llama if llama is not None else lib()._lib
+    try:
+        found = _dladdr_file(ctypes.cast(getattr(llama, symbol), ctypes.c_void_p).value)
+    except AttributeError:
+        found = None
+    if found and os.path.basename(found).startswith(f"lib{stem}."):
+        return found
+    folder = os.path.dirname(llama._name)
+    names = library_names(stem)
+    return next((os.path.join(folder, n) for n in names if os.path.exists(os.path.join(folder, n))), names[0])
+
+
 def _ggml_lib() -> Any:
-    """libggml (the backend registry) and libggml-cpu, from llama_cpp's own lib folder."""
+    """libggml (the backend registry) and libggml-base (the CPU buffer type), the copies libllama loaded."""
     global _ggml
     if _ggml is not None:
         return _ggml
-    lib_mod = lib()
-    folder = os.path.dirname(lib_mod._lib._name)
-
-    def sibling(stem: str) -> Any:
-        # by path when the unversioned file is there, else by soname: libllama has loaded it already
-        path = os.path.join(folder, f"{stem}.so")
-        return ctypes.CDLL(path if os.path.exists(path) else f"{stem}.so.0")
-
     try:
-        reg, cpu = sibling("libggml"), sibling("libggml-cpu")
+        reg = ctypes.CDLL(loaded_library("ggml", "ggml_backend_dev_count"))
+        cpu = ctypes.CDLL(loaded_library("ggml-base", "ggml_backend_cpu_buffer_type"))
     except OSError as err:
         raise NativeUnavailable(f"cannot open ggml's libraries next to libllama ({err}); {BUILD_HINT}") from err
     reg.ggml_backend_dev_count.argtypes, reg.ggml_backend_dev_count.restype = [], ctypes.c_size_t
@@ -311,6 +358,7 @@ def _ggml_lib() -> Any:
     reg.ggml_backend_reg_count.argtypes, reg.ggml_backend_reg_count.restype = [], ctypes.c_size_t
     reg.ggml_backend_reg_get.argtypes, reg.ggml_backend_reg_get.restype = [ctypes.c_size_t], ctypes.c_void_p
     reg.ggml_backend_reg_name.argtypes, reg.ggml_backend_reg_name.restype = [ctypes.c_void_p], ctypes.c_char_p
+    reg.ggml_backend_dev_backend_reg.argtypes, reg.ggml_backend_dev_backend_reg.restype = [ctypes.c_void_p], ctypes.c_void_p
     reg.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t),
                                             ctypes.POINTER(ctypes.c_size_t)]
     reg.ggml_backend_dev_memory.restype = None
@@ -329,8 +377,9 @@ def gpu_devices() -> list[GpuDevice]:
             continue
         free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
         reg.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        backend = reg.ggml_backend_reg_name(reg.ggml_backend_dev_backend_reg(dev)) or b""
         out.append(GpuDevice(reg.ggml_backend_dev_name(dev).decode(), reg.ggml_backend_dev_description(dev).decode(),
-                             int(free.value), int(total.value)))
+                             int(free.value), int(total.value), backend.decode()))
     return out
 
 

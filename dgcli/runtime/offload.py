@@ -227,6 +227,12 @@ class LoadReport:
         """Why nothing was offloaded though `n_gpu_layers` asked for it; None when it was, or was not asked."""
         return self.why_cpu_only() if n_gpu_layers != 0 and self.offloaded_layers is None else None
 
+    def output_on(self, backend_prefix: str) -> bool:
+        """Whether the output layer (offloaded last: "offloaded N/N layers") went to a device whose buffers'
+        names start with `backend_prefix` ("MTL" for ggml-metal's MTL0, MTL0_Mapped, ...)."""
+        return (self.offloaded_layers is not None and self.offloaded_layers == self.total_layers
+                and any(name.startswith(backend_prefix) for name, kind, _ in self.buffers if kind == "model"))
+
     def mib_by_device(self) -> dict[str, float]:
         """Buffer MiB per device name (CUDA0, CPU; a `_Mapped`/`_REPACK` suffix is the same memory)."""
         out: dict[str, float] = {}

@@ -185,9 +185,8 @@ class _Ggml:
         lib_mod = native.lib()
         if not lib_mod.llama_supports_rpc():
             raise RpcError(f"this llama.cpp build has no RPC backend (llama.cpp's ggml-rpc); {native.BUILD_HINT}")
-        lib_dir = Path(lib_mod._lib._name).resolve().parent
-        ggml = ctypes.CDLL(_loaded_copy("ggml", lib_dir))
-        base = ctypes.CDLL(_loaded_copy("ggml-base", lib_dir))
+        ggml = ctypes.CDLL(native.loaded_library("ggml", "ggml_backend_reg_by_name"))
+        base = ctypes.CDLL(native.loaded_library("ggml-base", "ggml_set_abort_callback"))
         vp, sz = ctypes.c_void_p, ctypes.c_size_t
         for lib, name, argtypes, restype in (
             (ggml, "ggml_backend_reg_by_name", [ctypes.c_char_p], vp),
@@ -224,22 +223,6 @@ class _Ggml:
         name = (self.ggml_backend_dev_name(dev) or b"?").decode()
         desc = (self.ggml_backend_dev_description(dev) or b"").decode()
         return f"{name} ({desc}, {total.value / 2**30:.1f} GiB, {free.value / 2**30:.1f} GiB free)"
-
-
-def _loaded_copy(name: str, lib_dir: Path) -> str:
-    """The file of lib`name` that libllama already loaded. A wheel holds libggml-base.so and
-    libggml-base.so.0 as two files (no symlinks), and loading the other one would give a second
-    copy with its own globals (ggml's abort callback, the backend registry)."""
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                path = line.split()[-1] if line.count("/") else ""
-                if Path(path).name.startswith(f"lib{name}.so"):
-                    return path
-    except OSError:
-        pass
-    suffix = {"darwin": ".dylib", "win32": ".dll"}.get(sys.platform, ".so")
-    return str(lib_dir / (f"lib{name}{suffix}" if sys.platform != "win32" else f"{name}{suffix}"))
 
 
 _ABORT_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_char_p)

@@ -44,10 +44,23 @@ class ChatTemplate:
     def __init__(self, template: str, bos_token: str = "", eos_token: str = "", name: str = "the model"):
         self.template, self.bos_token, self.eos_token, self.name = template, bos_token, eos_token, name
 
-    def render(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+               tools: Sequence[dict] | None = None) -> str:
         return render_chat_template(self.template, messages=[dict(m) for m in messages],
                                     add_generation_prompt=add_generation_prompt, bos_token=self.bos_token,
-                                    eos_token=self.eos_token, source=self.name)
+                                    eos_token=self.eos_token, source=self.name,
+                                    tools=list(tools) if tools else None)
+
+    def renders_tools(self) -> bool:
+        """Whether the template writes the tools it is given into the prompt (one that ignores them
+        would leave the model unaware of them)."""
+        probe = [{"type": "function", "function": {"name": "dg_probe_tool", "description": "probe",
+                                                   "parameters": {"type": "object", "properties": {}}}}]
+        messages = [{"role": "user", "content": "hello"}]
+        try:
+            return self.render(messages, tools=probe) != self.render(messages)
+        except ChatTemplateError:
+            return False
 
     def check(self) -> None:
         """ChatTemplateParseError now when the template does not parse (every render would fail); a
@@ -59,17 +72,20 @@ class ChatTemplate:
         except ChatTemplateError:
             pass
 
-    def segments(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[Segment] | None:
+    def segments(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                 tools: Sequence[dict] | None = None) -> list[Segment] | None:
         """The rendered prompt as consecutive segments of structure and message text, or None when the
-        template rewrites message text beyond trimming it (the split is then unknown)."""
+        template rewrites message text beyond trimming it (the split is then unknown). Tool
+        declarations and earlier tool calls are structure; tool results are message text."""
         messages = [dict(m) for m in messages]
         for m in messages:
             check_message(m)
-        full = self.render(messages, add_generation_prompt)
+        full = self.render(messages, add_generation_prompt, tools)
         if any("\ue000" in m["content"] for m in messages):
             return None
-        skeleton = self.render([dict(m, content=_SENTINEL.format(i)) for i, m in enumerate(messages)],
-                               add_generation_prompt)
+        # an empty content stays empty: templates test it (an assistant turn of tool calls only)
+        skeleton = self.render([dict(m, content=_SENTINEL.format(i)) if m["content"] else m
+                                for i, m in enumerate(messages)], add_generation_prompt, tools)
         pieces = _SENTINEL_RE.split(skeleton)  # structure, index, structure, index, ..., structure
         if not full.startswith(pieces[0]):
             return None
@@ -107,17 +123,18 @@ def _match_content(full: str, pos: int, message: dict, after: str) -> str | None
 
 
 def tokenize_chat(template: ChatTemplate, messages: Sequence[dict], tokenize: Callable[[str, bool], list[int]],
-                  *, add_generation_prompt: bool = True, parse_special: bool = False) -> list[int]:
+                  *, add_generation_prompt: bool = True, parse_special: bool = False,
+                  tools: Sequence[dict] | None = None) -> list[int]:
     """The prompt's token ids: `tokenize(text, special)` over each segment. parse_special=True parses
     control-token text in user and system messages too (for experts: it lets text forge turns)."""
-    segments = template.segments(messages, add_generation_prompt)
+    segments = template.segments(messages, add_generation_prompt, tools)
     if segments is None:
-        user_texts = [m["content"] for m in messages if m["role"] != "assistant"]
+        user_texts = [m["content"] for m in messages if m["role"] != "assistant" and m["content"]]
         if not parse_special and any(tokenize(t, True) != tokenize(t, False) for t in user_texts):
             raise DgError(f"the chat template of {template.name} rewrites message text, so the control-token "
                           "text in your message cannot be kept literal; remove it, or pass --parse-special "
                           "to let it act as control tokens")
-        return tokenize(template.render(messages, add_generation_prompt), True)
+        return tokenize(template.render(messages, add_generation_prompt, tools), True)
     ids: list[int] = []
     for segment in segments:
         ids += tokenize(segment.text, parse_special or segment.parse_special)

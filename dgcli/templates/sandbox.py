@@ -2,8 +2,10 @@
 hostile one can loop 10^10 times, expand to gigabytes or recurse without end.
 
 `render_chat_template` hands the template to llama-cpp-python's Jinja2ChatFormatter (Jinja's
-sandbox) in a child process (worker.py) that has an address-space limit, caps the text a
-render may produce, and is killed when a render outlives its time limit. Each way of failing is a
+sandbox) in a child process (template_worker.py) that has an address-space limit, caps the text a
+render may produce, and is killed when a render outlives its time limit. Where the kernel does not
+enforce an address-space limit (macOS), this process watches the child's address space while it
+renders and kills it past the same bound. Each way of failing is a
 one-line DgError. The child is started once (`start_renderer`: while a model loads) and kept for
 the next renders, so a render costs what Jinja does; a render seen before is not sent again.
 """
@@ -32,13 +34,15 @@ TEMPLATE_TIMEOUT_S = 10.0
 WORKER_START_TIMEOUT_S = 120.0
 # address space a render may use beyond what the child's imports mapped
 TEMPLATE_MEMORY_BYTES = 1 << 30
+# where RLIMIT_AS is not enforced: how often the child's address space is looked at during a render
+MEMORY_WATCH_INTERVAL_S = 0.02
 # the rendered prompt: the template's own text plus the messages, a few times over at most
 TEMPLATE_OUTPUT_MIN_CHARS = 1 << 20
 TEMPLATE_OUTPUT_PER_INPUT_CHAR = 4
 _CACHED_RENDERS = 64
 _CACHED_PAYLOAD_MAX_CHARS = 1 << 20
 
-_WORKER_SOURCE = Path(__file__).with_name("worker.py")
+_WORKER_SOURCE = Path(__file__).with_name("template_worker.py")
 
 
 class ChatTemplateError(DgError):
@@ -80,36 +84,70 @@ class _WorkerGone(Exception):
     """The child ended before it answered (a crash inside the renderer, or it was killed)."""
 
 
+class _OverMemory(Exception):
+    """The child's address space grew past the bound during a render (watched from here)."""
+
+
+def kernel_limits_address_space() -> bool:
+    """Whether RLIMIT_AS bounds a process here: Linux enforces it; macOS accepts it and ignores it."""
+    return sys.platform.startswith("linux")
+
+
 class _Worker:
     """One child process rendering requests one at a time."""
 
     def __init__(self) -> None:
+        self.limited = kernel_limits_address_space()
         # a session of its own: a Ctrl-C at the terminal is dg's to handle, not the child's
         self.proc = subprocess.Popen(
             [sys.executable, "-I", "-c", _WORKER_SOURCE.read_text(encoding="utf-8"), str(TEMPLATE_MEMORY_BYTES),
-             *_worker_import_dirs()],
+             "address-space" if self.limited else "parent", *_worker_import_dirs()],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
         self.buffer = b""
         self.ready = False
+        self.watched: Any = None  # psutil.Process of the child where this process bounds its memory
+        self.base_vms = 0
 
     def request(self, payload: bytes, timeout_s: float) -> dict[str, Any]:
         if not self.ready:  # its first line says that the formatter is imported
             self._answer(time.monotonic() + WORKER_START_TIMEOUT_S)
             self.ready = True
+            if not self.limited:
+                self._start_watching()
         try:
             self.proc.stdin.write(payload + b"\n")
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
             raise _WorkerGone from None
-        return self._answer(time.monotonic() + timeout_s)
+        return self._answer(time.monotonic() + timeout_s, watch=self.watched is not None)
 
-    def _answer(self, deadline: float) -> dict[str, Any]:
+    def _start_watching(self) -> None:
+        """The child's address space once its imports are mapped: a render may add TEMPLATE_MEMORY_BYTES."""
+        import psutil
+
+        try:
+            self.watched = psutil.Process(self.proc.pid)
+            self.base_vms = self.watched.memory_info().vms
+        except psutil.Error:
+            raise _WorkerGone from None
+
+    def _over_memory(self) -> bool:
+        import psutil
+
+        try:
+            return self.watched.memory_info().vms - self.base_vms > TEMPLATE_MEMORY_BYTES
+        except psutil.Error:  # ended: the next read says so
+            return False
+
+    def _answer(self, deadline: float, watch: bool = False) -> dict[str, Any]:
         fd = self.proc.stdout.fileno()
         while b"\n" not in self.buffer:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise _Timeout
-            ready, _, _ = select.select([fd], [], [], left)
+            ready, _, _ = select.select([fd], [], [], min(left, MEMORY_WATCH_INTERVAL_S) if watch else left)
+            if watch and not ready and self._over_memory():
+                raise _OverMemory
             if ready:
                 chunk = os.read(fd, 1 << 20)
                 if not chunk:
@@ -161,13 +199,17 @@ def start_renderer() -> None:
 
 def render_chat_template(template: str, *, messages: list[dict], add_generation_prompt: bool = True,
                          bos_token: str = "", eos_token: str = "", source: str = "the model",
-                         timeout_s: float = TEMPLATE_TIMEOUT_S) -> str:
-    """`template` over `messages` as Jinja2ChatFormatter renders it, in the limited child process;
-    ChatTemplateError naming `source` when it does not parse, fails or runs away."""
+                         timeout_s: float = TEMPLATE_TIMEOUT_S, tools: list[dict] | None = None) -> str:
+    """`template` over `messages` (and `tools`, OpenAI's function tools) as Jinja2ChatFormatter
+    renders it, in the limited child process; ChatTemplateError naming `source` when it does not
+    parse, fails or runs away."""
     global _worker
-    max_chars = output_limit(template, messages)
-    payload = json.dumps({"template": template, "messages": messages, "add_generation_prompt": add_generation_prompt,
-                          "bos_token": bos_token, "eos_token": eos_token, "max_chars": max_chars})
+    max_chars = output_limit(template, [messages, tools])
+    request = {"template": template, "messages": messages, "add_generation_prompt": add_generation_prompt,
+               "bos_token": bos_token, "eos_token": eos_token, "max_chars": max_chars}
+    if tools:
+        request["tools"] = tools
+    payload = json.dumps(request)
     what = f"the chat template of {source}"
     with _lock:
         if payload in _renders:
@@ -180,6 +222,10 @@ def render_chat_template(template: str, *, messages: list[dict], add_generation_
         except _Timeout:
             _close_worker()
             raise ChatTemplateError(f"{what} did not finish within {timeout_s:g} s (stopped)") from None
+        except _OverMemory:
+            _close_worker()
+            raise ChatTemplateError(f"{what} needed more than {TEMPLATE_MEMORY_BYTES >> 20} MB of memory (stopped)") \
+                from None
         except _WorkerGone:
             status = _close_worker()
             raise ChatTemplateError(f"{what} could not be rendered: its renderer ended ({_describe_exit(status)})") \

@@ -1,8 +1,10 @@
 """Renders chat templates for sandbox.py in a child process, under a memory limit.
 
-Run as `python -I -c <this file's text> MEMORY_BYTES [DIR...]`: it imports nothing from dgcli, and
-the parent's folders that hold llama_cpp and Jinja come after its own standard library (so nothing of
-the parent's path can shadow the standard library). It renders with llama-cpp-python's
+Run as `python -I -c <this file's text> MEMORY_BYTES LIMIT [DIR...]`: it imports nothing from dgcli,
+and the parent's folders that hold llama_cpp and Jinja come after its own standard library (so nothing
+of the parent's path can shadow the standard library). LIMIT "address-space": it limits its own
+address space (Linux enforces RLIMIT_AS); "parent": it sets none, and the parent watches its memory
+(macOS accepts RLIMIT_AS and ignores it, and has no /proc). It renders with llama-cpp-python's
 Jinja2ChatFormatter, as dg always has (chat_template.py). One JSON request per line on stdin, one
 JSON answer per line on stdout: {"text": ...} or {"error": kind, "detail": ...}; its first line
 says it is ready. It ends at the end of its input.
@@ -22,12 +24,13 @@ def main() -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     resource.setrlimit(resource.RLIMIT_CPU, (CPU_SECONDS, CPU_SECONDS + 5))
 
-    sys.path.extend(d for d in sys.argv[2:] if d not in sys.path)
+    sys.path.extend(d for d in sys.argv[3:] if d not in sys.path)
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-    # what the imports mapped (the native library among them), plus what a render may use
-    limit = _address_space() + int(sys.argv[1])
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    if sys.argv[2] == "address-space":
+        # what the imports mapped (the native library among them), plus what a render may use
+        limit = _address_space() + int(sys.argv[1])
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     formatters = {}
     _answer({"ready": True})
     for line in sys.stdin:
@@ -48,7 +51,7 @@ def render(formatters, formatter_class, request):
             if len(formatters) >= MAX_FORMATTERS:
                 formatters.clear()
             formatters[key] = formatter
-        text = formatter(messages=request["messages"]).prompt
+        text = formatter(messages=request["messages"], tools=request.get("tools")).prompt
         if len(text) > request["max_chars"]:
             return {"error": "output", "detail": ""}
         return {"text": text}

@@ -57,11 +57,13 @@ def bench(
         _models.preflight(ar_path, diffusion=False, command="bench", gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe)
         params = _options.diffusion_params(diff_path, **_options.sampler_flags(steps, t_min, t_max, entropy_bound, stability_threshold,
                                                               confidence_threshold))
+        from dgcli.modelfile.info import quant_pair
         config = benchlib.BenchConfig(
             diffusion_model=diff_res.display_name, diffusion_path=str(diff_path),
             ar_model=ar_res.display_name, ar_path=str(ar_path), repeat=repeat, max_new_tokens=max_new_tokens,
             seed=seed, params=params, batch_sizes=sizes, speed_model=not no_speed_model,
             n_threads=threads, n_gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe, rpc_servers=rpc_servers,
+            quantization=quant_pair(diff_path, ar_path).to_json(),
         )
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -10,6 +10,7 @@ from typing import Optional
 import typer
 
 from dgcli.cli import _display, _errors, _models, _options, _output, _prompt, _terminal, render
+from dgcli.modelfile import info as ginfo
 
 # 2: the AR side's tokens_per_second counts only the answer tokens made after the prefill (null when none were)
 COMPARE_SCHEMA = "dg-compare/2"
@@ -61,6 +62,7 @@ def compare(
                          ctx_size=ctx_size)
         _models.preflight(ar_path, diffusion=False, command="compare", gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe,
                          ctx_size=ctx_size)
+        quant = ginfo.quant_pair(diff_path, ar_path)
         params = _options.diffusion_params(diff_path, temp, **_options.sampler_flags(
             steps, t_min, t_max, entropy_bound, stability_threshold, confidence_threshold))
         live = _terminal.use_live(no_live, json_out)
@@ -109,6 +111,7 @@ def compare(
                                                            peak_rss=ar_rss.peak, placement=ar_placement,
                                                            result=a.to_json()),
                 speedup=None if a is None else render.speedup(d, a),
+                quantization=quant.to_json(),
             ), indent=2)
 
         if a is None:
@@ -137,7 +140,7 @@ def compare(
                 typer.echo("--- autoregressive ---")
                 _output.echo_text(render.answer_plain(a.text, thinking))
             _output.print_table(render.compare_table(d, a, diff_rss.peak, ar_rss.peak, diff_res.display_name,
-                                                    ar_res.display_name))
+                                                    ar_res.display_name, quant=quant))
         if a.interrupted:
             _output.notice("interrupted: the AR output above is what was produced")
             raise typer.Exit(_errors.EXIT_INTERRUPTED)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import sys
 from typing import Optional
 
 import typer
 from rich.table import Table
 from rich.text import Text
 
-from dgcli import hub
+from dgcli import hub, pull
 from dgcli.cli import _errors, _models, _options, _output, render
 from dgcli.errors import DgError
 from dgcli.modelfile import info as ginfo
@@ -38,22 +39,40 @@ def info_cmd(model: str = typer.Argument(..., help="A .gguf path or a registry n
         if gpu_memory is not None and gpu_layers == 0:
             gpu_layers = -1  # a fit against a GPU means something offloaded
         resolved = _models.registry().resolve(model, what="MODEL argument: `dg info` takes a .gguf path or a registry name")
-        if resolved.path is None:
-            if resolved.entry is not None and resolved.entry.shipped is not None:
-                raise DgError(missing_shipped_message(resolved))
-            raise DgError(f"{resolved.display_name} is not downloaded; run `dg pull {resolved.display_name}`")
+        if resolved.path is None and resolved.entry is not None and resolved.entry.shipped is not None:
+            raise DgError(missing_shipped_message(resolved))
         gpus = None
         if gpu_memory is not None:
             size = ginfo.parse_size(gpu_memory)
-            gpus = [ginfo.GpuMemory(f"a {hub.format_bytes(size)} GPU (--gpu-memory)", size, size)]
-        meta = ginfo.read_info(resolved.path, n_gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe, gpus=gpus)
+            # on a Mac the GPU is Apple's, through ggml-metal
+            gpus = [ginfo.GpuMemory(f"a {hub.format_bytes(size)} GPU (--gpu-memory)", size, size,
+                                    metal=sys.platform == "darwin")]
+        offload = dict(n_gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe, gpus=gpus)
+        on_hub = None  # a registry model not downloaded: described from the Hub (its listing, its header's bytes)
+        if resolved.path is None:
+            resolved = pull.resolve_on_hub(resolved)
+            if resolved.path is None:
+                on_hub = pull.hub_model_info(resolved, **offload)
+        meta = on_hub.info if on_hub is not None else ginfo.read_info(resolved.path, **offload)
         if json_out:
-            typer.echo(json.dumps({"schema": INFO_SCHEMA, **meta.to_json()}, indent=2))
+            doc = {"schema": INFO_SCHEMA, **(meta.to_json() if meta is not None else {})}
+            if on_hub is not None and meta is not None:
+                doc["path"] = None  # not on this machine: `hub` says where it is
+            if resolved.entry is not None and resolved.entry.shipped is None:
+                doc["hub"] = (on_hub or pull.hub_model_info(resolved, read_header=False)).to_json() \
+                    if resolved.choice is not None else {"repo": resolved.repo, "revision": resolved.revision,
+                                                         "file": resolved.filename, "downloaded": True}
+            if on_hub is not None and on_hub.header_problem:
+                doc["header_error"] = on_hub.header_problem
+            typer.echo(json.dumps(doc, indent=2))
             return
         fmt = hub.format_bytes
         summary = Table.grid(padding=(0, 2))
         summary.add_column(style="bold")
         summary.add_column(overflow="fold")  # long key names and paths wrap, never cut
+        if meta is None:  # the Hub's metadata, without the header
+            _print_rows(summary, _hub_rows(resolved, on_hub))
+            return
         rows = [
             ("file", f"{meta.path} ({fmt(meta.file_size)})"),
             ("architecture", meta.architecture + ("  (diffusion)" if meta.is_diffusion else "")),
@@ -79,17 +98,9 @@ def info_cmd(model: str = typer.Argument(..., help="A .gguf path or a registry n
             rows.append(("GPU memory", gpu_fit_words(meta)))
         if meta.problem:
             rows.append(("problem", Text(render.printable(f"{meta.problem} (dg will not load it)"), style="red")))
-        # Text, not markup: names and paths come from the file and may hold brackets (and control
-        # characters: general.name = ESC [2J cleared the screen)
-        rows = [(k, v if isinstance(v, Text) else Text(render.printable(v))) for k, v in rows]
-        if _output.stdout.is_terminal:
-            for k, v in rows:
-                summary.add_row(k, v)
-            _output.stdout.print(summary)
-        else:  # piped: one line per row, as the grid lays it out but neither wrapped nor padded to the width
-            width = max(len(k) for k, _ in rows)
-            for k, v in rows:
-                _output.stdout.print(Text.assemble((k.ljust(width + 2), "bold"), v), soft_wrap=True)
+        if on_hub is not None:
+            rows = _hub_rows(resolved, on_hub) + rows[1:]  # the file is on the Hub
+        _print_rows(summary, rows)
         if meta.sampler_defaults:
             # overflow="fold" everywhere: a narrow terminal wraps a name or a number, never cuts it to "…"
             sampler = Table(title="sampler defaults (diffusion.eb_*)")
@@ -112,6 +123,34 @@ def info_cmd(model: str = typer.Argument(..., help="A .gguf path or a registry n
         for t in meta.tensor_types:
             types.add_row(t.type, str(t.tensors), f"{t.parameters:,}", fmt(t.bytes))
         _output.print_table(types)
+
+
+def _print_rows(summary: Table, rows: list) -> None:
+    # Text, not markup: names and paths come from the file and may hold brackets (and control
+    # characters: general.name = ESC [2J cleared the screen)
+    rows = [(k, v if isinstance(v, Text) else Text(render.printable(v))) for k, v in rows]
+    if _output.stdout.is_terminal:
+        for k, v in rows:
+            summary.add_row(k, v)
+        _output.stdout.print(summary)
+    else:  # piped: one line per row, as the grid lays it out but neither wrapped nor padded to the width
+        width = max(len(k) for k, _ in rows)
+        for k, v in rows:
+            _output.stdout.print(Text.assemble((k.ljust(width + 2), "bold"), v), soft_wrap=True)
+
+
+def _hub_rows(resolved, on_hub: pull.HubModelInfo) -> list:
+    """A registry model not downloaded: where it is on the Hub, and what reading its header gave."""
+    parts = f", {len(on_hub.parts)} parts" if len(on_hub.parts) > 1 else ""
+    rows = [("file", f"{on_hub.parts[0]} ({hub.format_bytes(on_hub.size)}{parts}), not downloaded: "
+                     f"`dg pull {resolved.display_name}`"),
+            ("repository", on_hub.repo + (f" (pinned at {on_hub.revision[:12]})" if on_hub.revision else "")),
+            ("commit", on_hub.commit)]
+    if on_hub.header_problem:
+        rows.append(("header", Text(render.printable(f"not read: {on_hub.header_problem}"), style="yellow")))
+    else:
+        rows.append(("header", "read from the first bytes of the file on the Hub (nothing downloaded)"))
+    return rows
 
 
 def _softcap(meta: ginfo.GgufInfo) -> str:

@@ -31,8 +31,16 @@ def serve(
     ctx_size: Optional[int] = typer.Option(None, "--ctx-size", "-c", help="Context of each request: prompt + canvases "
                                                                           "(default: min(training context, 4096))."),
     max_tokens: int = typer.Option(256, "--max-tokens", help="max_tokens of a request that sets none."),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="DG_API_KEY",
+    api_key: Optional[str] = typer.Option(None, "--api-key",
                                           help="Require `Authorization: Bearer KEY` (env DG_API_KEY)."),
+    alias: Optional[str] = typer.Option(None, "--alias", help="The model's id in the API (default: its registry "
+                                                              "name, or the path given to -m)."),
+    cors: Optional[list[str]] = typer.Option(None, "--cors", help="Let web pages from ORIGIN call the API "
+                                                                   "(CORS; repeatable; default: none)."),
+    allowed_host: Optional[list[str]] = typer.Option(None, "--allowed-host", help="A host name clients may use "
+                                                     "in the Host header besides the address (repeatable)."),
+    max_connections: int = typer.Option(1024, "--max-connections", help="Open connections at most (idle ones "
+                                                                        "are closed first to make room)."),
     self_cond_top_k: Optional[int] = typer.Option(
         None, "--self-cond-top-k", help="Tokens per position fed back to self-conditioning (0 = all; default: all "
                                         "for small vocabularies, else 64)."),
@@ -40,7 +48,7 @@ def serve(
     rpc: Optional[str] = _options.RpcOpt,
     yes: bool = _options.YesOpt,
 ) -> None:
-    """Serve a diffusion model over HTTP: OpenAI-compatible /v1/chat/completions, /v1/completions, /v1/models, /health."""
+    """Serve a diffusion model over HTTP: OpenAI-compatible /v1/chat/completions, /v1/completions, /v1/responses, /v1/models, /health, and a page at / that shows the canvas denoise."""
     with _errors.user_errors():
         if max_tokens < 1:  # the flag's name, not generate's max_new_tokens
             raise InvalidParameter("max_tokens", max_tokens, "an integer >= 1")
@@ -52,37 +60,54 @@ def serve(
             raise InvalidParameter("queue", queue_size, "an integer >= 0")
         if not 0 <= port <= 65535:
             raise InvalidParameter("port", port, "an integer in [0, 65535]")
-        if api_key is not None and not api_key.strip():  # `--api-key "$KEY"` with KEY unset
-            raise DgError("--api-key is empty: an empty key lets in any client that sends 'Authorization: "
-                          "Bearer '; give a key, or leave the option out to serve without one")
+        api_key = resolve_api_key(api_key)
+        if alias is not None and not (0 < len(alias) <= 256 and alias.isprintable() and alias.strip() == alias):
+            raise InvalidParameter("alias", alias, "a printable name of 1 to 256 characters, no surrounding spaces")
+        if max_connections < 1:
+            raise InvalidParameter("max_connections", max_connections, "an integer >= 1")
         if self_cond_top_k is not None and self_cond_top_k < 0:
             raise InvalidParameter("self_cond_top_k", self_cond_top_k, "an integer >= 0 (0 = all tokens)")
         if ctx_size is not None and not 1 <= ctx_size <= INT32_MAX // parallel:
             raise InvalidParameter("ctx_size", ctx_size, f"an integer from 1 to {INT32_MAX // parallel} "
                                                          f"({parallel} slots share llama.cpp's context of at most "
                                                          f"{INT32_MAX} tokens)")
-        uvicorn = _serve_dependencies()
+        _serve_dependencies()
         resolved, path = _models.resolve_model(model, yes=yes, want="diffusion")
         ctx_size = ctx_size or default_ctx_size(path)
         _models.preflight(path, diffusion=True, command="serve", gpu_layers=gpu_layers, ctx_size=ctx_size,
                          n_seq=parallel)
         listener = _listen(host, port)
         try:
-            _run(uvicorn, listener, resolved.display_name, path, parallel=parallel, queue_size=queue_size,
+            _run(listener, alias or resolved.display_name, path, parallel=parallel, queue_size=queue_size,
                  ctx_size=ctx_size, max_tokens=max_tokens, api_key=api_key, self_cond_top_k=self_cond_top_k,
-                 threads=threads, gpu_layers=gpu_layers, rpc_servers=rpc_servers)
+                 threads=threads, gpu_layers=gpu_layers, rpc_servers=rpc_servers, cors=cors or [],
+                 allowed_hosts=allowed_host or [], max_connections=max_connections)
         finally:
             listener.close()
 
 
-def _serve_dependencies():
+def _serve_dependencies() -> None:
     try:
         import starlette  # noqa: F401,PLC0415
-        import uvicorn  # noqa: PLC0415
+        import uvicorn  # noqa: F401,PLC0415
     except ImportError as err:
         raise DgError(f"dg serve needs its optional dependencies ({err.name} is missing): "
                       "pip install -e '.[serve]' in dg's source folder, as the README says (Starlette and uvicorn)") from None
-    return uvicorn
+
+
+def resolve_api_key(flag: Optional[str]) -> Optional[str]:
+    """--api-key, else DG_API_KEY; either one set but empty is refused (it would let in any client that
+    sends 'Authorization: Bearer '), and so is a key HTTP clients cannot send in a header."""
+    source, key = ("--api-key", flag) if flag is not None else ("DG_API_KEY", os.environ.get("DG_API_KEY"))
+    if key is None:
+        return None
+    if not key.strip():  # `--api-key "$KEY"` with KEY unset, or `DG_API_KEY= dg serve`
+        raise DgError(f"{source} is empty: an empty key lets in any client that sends 'Authorization: "
+                      "Bearer '; give a key, or leave it unset to serve without one")
+    if not all(0x21 <= ord(c) <= 0x7E for c in key):
+        raise DgError(f"{source} must be printable ASCII without spaces: HTTP clients send the key in a header, "
+                      "where other characters do not arrive as typed")
+    return key
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -102,12 +127,14 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _run(uvicorn, listener: socket.socket, name: str, path, *, parallel: int, queue_size: int, ctx_size: int,
+def _run(listener: socket.socket, name: str, path, *, parallel: int, queue_size: int, ctx_size: int,
          max_tokens: int, api_key: Optional[str], self_cond_top_k: Optional[int], threads: Optional[int],
-         gpu_layers: int, rpc_servers: Optional[list[str]]) -> None:
+         gpu_layers: int, rpc_servers: Optional[list[str]], cors: list[str], allowed_hosts: list[str],
+         max_connections: int) -> None:
     from dgcli.engine.diffusion import DiffusionEngine
     from dgcli.runtime.model import DiffusionModel
     from dgcli.server.app import DgService, ServeConfig, create_app
+    from dgcli.server.net import ConnectionLimits, run_server
     from dgcli.server.scheduler import BatchScheduler
 
     with _output.stderr.status(f"loading {name} ({plural(parallel, 'slot')} of {ctx_size} tokens)"):
@@ -124,9 +151,10 @@ def _run(uvicorn, listener: socket.socket, name: str, path, *, parallel: int, qu
         engine = DiffusionEngine(model, n_threads=threads, self_cond_top_k=self_cond_top_k)
         log = lambda line: typer.echo(line, err=True)  # noqa: E731
         scheduler = BatchScheduler(engine, slots=parallel, max_queue=queue_size, log=log)
-        service = DgService(scheduler, ServeConfig(model_name=name, default_max_tokens=max_tokens, api_key=api_key),
-                            log=log)
+        service = DgService(scheduler, ServeConfig(model_name=name, default_max_tokens=max_tokens, api_key=api_key,
+                                                   allowed_hosts=allowed_hosts, cors_origins=cors), log=log)
         host, port = listener.getsockname()[:2]
+        service.config.bound_host = host
         url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
         banner = (f"dg serve: {url}/v1  model {name} (canvas {model.canvas_length})  "
                   f"{plural(parallel, 'slot')} of {model.n_ctx_seq} tokens  queue {queue_size}")
@@ -142,22 +170,19 @@ def _run(uvicorn, listener: socket.socket, name: str, path, *, parallel: int, qu
         if not _options.is_loopback(host) and api_key is None:
             _output.notice(f"warning: listening on {host} without --api-key: anyone who reaches this port can use "
                           "the model")
+        if "*" in cors and api_key is None:
+            _output.notice("warning: --cors '*' without --api-key: any web page you open can use the model")
+        _output.notice(f"dg serve: {url}/ shows the canvas denoise in a browser")
         _output.notice("dg serve: Ctrl-C stops")
-
-        class Server(uvicorn.Server):
-            def handle_exit(self, sig, frame):
-                # in-flight requests end now (their clients get an error) instead of holding shutdown
-                scheduler.close(timeout=0)
-                super().handle_exit(sig, frame)
-
-        config = uvicorn.Config(create_app(service), log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=5)
         _signals.hand_over()  # uvicorn's own handlers: SIGTERM shuts down gracefully, a second Ctrl-C forces it
         # After its graceful shutdown uvicorn raises the signal again with the handler it found: Ctrl-C
-        # then unwinds to here (exit 130), SIGTERM ends the process as a service manager expects.
-        signal.signal(signal.SIGTERM, _stopped_by_sigterm)
+        # then unwinds to here (exit 130), SIGTERM and SIGHUP end the process as a service manager expects.
+        signal.signal(signal.SIGTERM, _stopped_by_signal)
+        signal.signal(signal.SIGHUP, _stopped_by_signal)
         try:
-            Server(config).run(sockets=[listener])
+            # in-flight requests end at the first signal (their clients get 503) instead of holding shutdown
+            run_server(create_app(service), listener, ConnectionLimits(max_connections=max_connections), log,
+                       on_exit=lambda: scheduler.close(timeout=0))
         finally:
             _output.notice(STOPPED)
     finally:
@@ -176,9 +201,9 @@ def default_ctx_size(path) -> int:
     return min(n_ctx_train, DEFAULT_N_CTX)
 
 
-def _stopped_by_sigterm(signum: int, _frame) -> None:
-    """SIGTERM after uvicorn's graceful shutdown: say so, then die of the signal (not exit 143), which
-    service managers count as a clean stop."""
+def _stopped_by_signal(signum: int, _frame) -> None:
+    """SIGTERM or SIGHUP after uvicorn's graceful shutdown: say so, then die of the signal (not exit 143
+    or 129), which service managers count as a clean stop."""
     _output.notice(STOPPED)
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)

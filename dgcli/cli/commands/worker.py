@@ -19,18 +19,18 @@ def worker(
                                                          "anything but 127.0.0.1 must be a trusted network."),
     port: int = typer.Option(50052, "--port", "-p", help="TCP port (0: any free port, printed at start)."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", help="CPU threads for the computations "
-                                                                        "(default: every core)."),
+                                                                        "(default: every core; a Mac's performance cores)."),
     cache: bool = typer.Option(False, "--cache", help="Keep received weights in a local file cache (by hash) so "
                                                       "the next load of the same model sends less over the network."),
 ) -> None:
     """Serve this machine's devices (its GPUs, else its CPU) to `dg ... --rpc HOST:PORT` over llama.cpp's RPC."""
     from dgcli.runtime import rpc
-    from dgcli.runtime.cpu import MAX_THREADS, check_threads
+    from dgcli.runtime.cpu import MAX_THREADS, check_threads, compute_threads
 
     with _errors.user_errors():
         if not 0 <= port <= 65535:
             raise InvalidParameter("port", port, "an integer in [0, 65535]")
-        check_threads(threads)  # ggml's thread pool takes at most 512: more fails natively at a client's first graph
+        check_threads(threads)  # ggml's thread pool takes at most 512: 100000 was a native bad_alloc at a client's first graph
         if not host.strip() or ":" in host:  # else parse_endpoint's words: "invalid RPC worker address '::1:50052'"
             raise InvalidParameter("host", host, "an IPv4 address or a host name (llama.cpp's RPC server takes no IPv6)")
         rpc.parse_endpoint(f"{host}:{port or 1}")
@@ -44,7 +44,7 @@ def worker(
             except OSError as err:
                 raise _errors.fail(f"cannot use {cache_dir} for --cache (DG_CACHE_DIR): {err.strerror or err}") from None
         rpc.native_stdout_to_stderr()
-        server = rpc.Worker(host, port, n_threads=threads or min(MAX_THREADS, max(1, os.cpu_count() or 1)),
+        server = rpc.Worker(host, port, n_threads=threads or min(MAX_THREADS, compute_threads()),
                             cache_dir=cache_dir)
         if not _options.is_loopback(host):
             _output.notice(f"warning: listening on {host}: llama.cpp's RPC protocol has no authentication and no "

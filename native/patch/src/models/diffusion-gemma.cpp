@@ -612,7 +612,8 @@ void llama_model_diffusion_gemma::graph::build_step(const llama_model_diffusion_
 
 // The step from ggml ops, for backends without our op: the same record in float arithmetic
 // (softmax, cumulative sum and the sample's comparison in F32, where the op accumulates in double;
-// the top-k sorted by probability, ties in the backend's order).
+// the top-k sorted by probability, ties in the backend's order; the argmax's ties to the lowest id,
+// as the op, where a top-k is asked for).
 ggml_tensor * llama_model_diffusion_gemma::graph::build_step_ops(ggml_tensor * logits, ggml_tensor * temperatures,
                                                                   ggml_tensor * uniforms, int32_t k, ggml_tensor *& values) {
     const int64_t n_vocab = logits->ne[0];
@@ -646,16 +647,31 @@ ggml_tensor * llama_model_diffusion_gemma::graph::build_step_ops(ggml_tensor * l
     ggml_tensor * below   = ggml_step(ctx0, ggml_neg(ctx0, ggml_sub(ctx0, ggml_cumsum(ctx0, probs), uniforms)));
     ggml_tensor * sampled = ggml_clamp(ctx0, ggml_sum_rows(ctx0, below), 0.0f, (float) (n_vocab - 1));
 
-    ggml_tensor * record = ggml_concat(ctx0, entropy, ggml_cast(ctx0, argmax, GGML_TYPE_F32), 0);
-    record = ggml_concat(ctx0, record, sampled, 0);
     if (k == 0) {
+        ggml_tensor * record = ggml_concat(ctx0, entropy, ggml_cast(ctx0, argmax, GGML_TYPE_F32), 0);
+        record = ggml_concat(ctx0, record, sampled, 0);
         return ggml_concat(ctx0, record, ggml_scale(ctx0, entropy, 0.0f), 0); // dropped: 0
     }
     ggml_tensor * ids     = ggml_top_k(ctx0, probs, k);                         // I32 [k, N], any order
+    ggml_tensor * ids_f   = ggml_cast(ctx0, ids, GGML_TYPE_F32);                // exact below 2^24
+
+    // Equal maxima: ggml's argmax keeps its backend's own one (the CPU the last index, GPUs one by
+    // thread order); the reference and the step op the lowest id. Every maximum is among the top k
+    // (unless more than k tie): the lowest id there whose value equals the maximum, by an argmax over
+    // k entries of (value == max) * (V - id).
+    ggml_tensor * is_max  = ggml_scale_bias(ctx0, ggml_step(ctx0, ggml_neg(ctx0, ggml_sub(ctx0, at(values, ids), v_max))),
+                                            -1.0f, 1.0f);                       // [k, N]: 1 where equal
+    ggml_tensor * score   = ggml_mul(ctx0, is_max, ggml_scale_bias(ctx0, ids_f, -1.0f, (float) n_vocab));
+    ggml_tensor * first   = ggml_reshape_2d(ctx0, ggml_argmax(ctx0, score), 1, n_rows);
+    ggml_tensor * lowest  = ggml_reshape_2d(ctx0, ggml_get_rows(ctx0, ggml_reshape_3d(ctx0, ids_f, 1, k, n_rows), first),
+                                            1, n_rows);                         // F32 [1, N]
+
+    ggml_tensor * record  = ggml_concat(ctx0, entropy, lowest, 0);
+    record = ggml_concat(ctx0, record, sampled, 0);
     ggml_tensor * kept    = at(probs, ids);                                     // [k, N]
     ggml_tensor * order   = ggml_argsort(ctx0, kept, GGML_SORT_ORDER_DESC);      // most probable first
-    ggml_tensor * ids_f   = ggml_reshape_3d(ctx0, ggml_cast(ctx0, ids, GGML_TYPE_F32), 1, k, n_rows);
-    ggml_tensor * ids_out = ggml_reshape_2d(ctx0, ggml_get_rows(ctx0, ids_f, order), k, n_rows);
+    ggml_tensor * ids_out = ggml_reshape_2d(ctx0, ggml_get_rows(ctx0, ggml_reshape_3d(ctx0, ids_f, 1, k, n_rows), order),
+                                            k, n_rows);
     ggml_tensor * p_out   = ggml_reshape_2d(ctx0, ggml_get_rows(ctx0, ggml_reshape_3d(ctx0, kept, 1, k, n_rows), order),
                                             k, n_rows);
     ggml_tensor * dropped = ggml_scale_bias(ctx0, ggml_sum_rows(ctx0, p_out), -1.0f, 1.0f);
