@@ -200,3 +200,17 @@ def test_no_package_hides_a_module_of_its_own():
 def test_modules_stay_readable_in_size(module):
     lines = len(dgcli_modules()[module].read_text(encoding="utf-8").splitlines())
     assert lines <= MAX_MODULE_LINES, f"{module} has {lines} lines (at most {MAX_MODULE_LINES}): split it by concern"
+
+
+def test_files_named_beside_a_module_are_there():
+    """`Path(__file__).with_name("worker.py")` and the like: a module that finds a file beside it by name
+    (the template worker, run by its text; the server's page) still finds it after a move."""
+    missing = []
+    for module, path in dgcli_modules().items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "with_name"
+                    and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+                if not (path.parent / node.args[0].value).exists():
+                    missing.append(f"{module}: {node.args[0].value}")
+    assert not missing, f"named beside their module but not there: {missing}"
+

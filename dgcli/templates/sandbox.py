@@ -2,7 +2,7 @@
 hostile one can loop 10^10 times, expand to gigabytes or recurse without end.
 
 `render_chat_template` hands the template to llama-cpp-python's Jinja2ChatFormatter (Jinja's
-sandbox) in a child process (template_worker.py) that has an address-space limit, caps the text a
+sandbox) in a child process (worker.py) that has an address-space limit, caps the text a
 render may produce, and is killed when a render outlives its time limit. Where the kernel does not
 enforce an address-space limit (macOS), this process watches the child's address space while it
 renders and kills it past the same bound. Each way of failing is a
@@ -42,7 +42,7 @@ TEMPLATE_OUTPUT_PER_INPUT_CHAR = 4
 _CACHED_RENDERS = 64
 _CACHED_PAYLOAD_MAX_CHARS = 1 << 20
 
-_WORKER_SOURCE = Path(__file__).with_name("template_worker.py")
+_WORKER_SOURCE = Path(__file__).with_name("worker.py")
 
 
 class ChatTemplateError(DgError):
