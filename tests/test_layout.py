@@ -2,7 +2,8 @@
 in docs/design.md), no package hides one of its modules, and no module outgrows what a reader takes in.
 
 The imports are read from the source (every `import` and `from ... import`, those inside functions
-included), so an import that runs only on some path counts too. Importing `a.b.c` also runs the
+included), so an import that runs only on some path counts too; those under `if TYPE_CHECKING:`
+never run and do not count (a type named in an annotation only). Importing `a.b.c` also runs the
 packages `a` and `a.b` (their `__init__`), so those count as imported, except the importer's own
 packages, which Python has already started when it gets there.
 """
@@ -71,7 +72,12 @@ def imported_modules(module: str, path: Path, modules: dict[str, Path]) -> set[s
             if target in modules and target not in own_packages:
                 targets.add(target)
 
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    type_only = {id(sub) for node in ast.walk(tree) if isinstance(node, ast.If) and _is_type_checking(node.test)
+                 for stmt in node.body for sub in ast.walk(stmt)}
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
         if isinstance(node, ast.Import):
             for alias in node.names:
                 with_packages(alias.name)
@@ -89,6 +95,11 @@ def imported_modules(module: str, path: Path, modules: dict[str, Path]) -> set[s
                     targets.add(source)
     targets.discard(module)
     return targets
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
@@ -174,6 +185,8 @@ def test_the_cycle_finder_sees_a_circle_through_a_package_init(tmp_path):
     (pkg / "high.py").write_text("def thing():\n    from dgcli.low.leaf import x\n")
     cycles = import_cycles(import_graph(dgcli_modules(pkg)))
     assert cycles == [["dgcli.high", "dgcli.low"]]
+    (pkg / "high.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from dgcli.low.leaf import x\n")
+    assert import_cycles(import_graph(dgcli_modules(pkg))) == []
 
 
 def test_no_package_hides_a_module_of_its_own():

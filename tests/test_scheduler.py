@@ -400,7 +400,7 @@ def test_requests_in_flight_when_the_server_stops_get_a_503_not_a_500(tiny_gguf)
     for s in sinks:
         assert isinstance(s.outcome, RequestFailed) and s.outcome.shutting_down, s.outcome
     pytest.importorskip("starlette")
-    from dgcli.server.app import failure_error
+    from dgcli.server.run import failure_error
 
     error = failure_error(sinks[0].outcome)
     assert (error.status, error.body()["error"]["code"]) == (503, "shutting_down")

@@ -8,8 +8,9 @@ import pytest
 
 from dgcli.engine.thinking import split_thinking
 from dgcli.params import DiffusionParams
-from dgcli.server.api import ApiError, parse_request
+from dgcli.server.api import parse_request
 from dgcli.server.bodies import chunk_body
+from dgcli.server.request import ApiError
 from dgcli.server.text import AnswerStream
 
 DEFAULTS = DiffusionParams()
