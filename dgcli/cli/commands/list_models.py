@@ -65,7 +65,7 @@ def _print(rows: list[model_list.ModelRow], sources: list[str]) -> None:
     usage = "`dg pull NAME[:QUANT]` downloads; --model takes NAME, NAME:QUANT or a .gguf path."
     out = _output.stdout
     piped = not out.is_terminal  # then the caption and each model's lines stay one line, for grep
-    # the table only where nothing in it needs folding (a pair name broken after "gemma4-26" read as another)
+    # the table only where nothing in it needs folding (a pair name folded after "gemma4-26" reads as another)
     if out.measure(table, options=out.options.update_width(10_000)).maximum <= out.width:
         # three lines, each one line when piped (for grep); the table has no column for the repositories
         table.caption = Text("\n".join([legend, "Files from " + "; ".join(sources) + ".", usage]))

@@ -30,7 +30,7 @@ def worker(
     with _errors.user_errors():
         if not 0 <= port <= 65535:
             raise InvalidParameter("port", port, "an integer in [0, 65535]")
-        check_threads(threads)  # ggml's thread pool takes at most 512: 100000 was a native bad_alloc at a client's first graph
+        check_threads(threads)  # ggml's thread pool takes at most 512: more fails natively at a client's first graph
         if not host.strip() or ":" in host:  # else parse_endpoint's words: "invalid RPC worker address '::1:50052'"
             raise InvalidParameter("host", host, "an IPv4 address or a host name (llama.cpp's RPC server takes no IPv6)")
         rpc.parse_endpoint(f"{host}:{port or 1}")
