@@ -195,6 +195,7 @@ _MAC_LIKE_RUN = textwrap.dedent(r"""
 
 
 @requires_native
+@pytest.mark.subprocess
 def test_dg_generate_runs_as_on_a_mac(tmp_path):
     """`dg generate` on the demo model (the chat template included) with every open of /proc failing
     and sys.platform "darwin": the answer is the one a Linux run gives."""
@@ -302,6 +303,7 @@ def test_the_patch_applies_with_bsd_patch(tmp_path, monkeypatch):
     assert "$ patch -p1 -t -N -i" in log.read_text()
 
 
+@pytest.mark.subprocess
 def test_our_patch_compiles_for_arm64(tmp_path):
     """Apple Silicon is arm64: the patch's x86 kernels must stay behind their guards. Our sources,
     patched in, compiled by an aarch64 cross compiler (Linux headers: the code, not Apple's SDK)."""
@@ -361,6 +363,7 @@ def test_metal_is_refused_off_a_mac(monkeypatch, capsys):
 # -- Python: 3.10 without tomllib, and macOS's own 3.9 ---------------------------------------------------------
 
 
+@pytest.mark.subprocess
 def test_the_registry_reads_models_toml_without_tomllib():
     """Python 3.10 has no tomllib (3.11+): tomli, the same parser, stands in (pyproject.toml installs it
     there). Where tomli is not installed (3.11+), the standard library's copy of it plays tomli."""
@@ -380,6 +383,7 @@ def test_the_registry_reads_models_toml_without_tomllib():
     assert from_tomli == "True" and int(count) > 0
 
 
+@pytest.mark.subprocess
 def test_make_demo_says_what_to_install_on_macos_python_3_9(tmp_path):
     """macOS's own python3 is 3.9: `make demo` names the Python it needs before pip fails on it."""
     make = shutil.which("make")

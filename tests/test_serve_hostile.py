@@ -216,6 +216,7 @@ def test_a_rejected_long_prompt_is_freed_at_once_not_left_in_a_reference_cycle(t
         model.close()
 
 
+@pytest.mark.subprocess
 def test_sighup_stops_the_server_as_gracefully_as_sigterm(tiny_gguf):
     """SIGHUP ended the server at once (exit 129): in-flight clients got a cut connection, not the
     503 shutting_down that SIGINT and SIGTERM give them."""
@@ -241,6 +242,7 @@ def _limit_fds() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
 
 
+@pytest.mark.subprocess
 def test_1100_idle_connections_on_1024_file_descriptors_leave_health_answering(tiny_gguf):
     """With 1,024 file descriptors, 1,100 idle connections made accept() fail: /health timed out and
     asyncio wrote ~2 MB/s of tracebacks to the log. Idle connections now make room for new ones."""

@@ -116,6 +116,7 @@ def client_for(url):
 
 @requires_native
 @needs_serve
+@pytest.mark.subprocess
 def test_json_object_mode_answers_json_whole_and_streamed(demo_server):
     client = client_for(demo_server.url)
     msgs = [{"role": "user", "content": "reverse: HELLO"}]
@@ -138,6 +139,7 @@ def test_json_object_mode_answers_json_whole_and_streamed(demo_server):
 
 @requires_native
 @needs_serve
+@pytest.mark.subprocess
 def test_json_schema_through_the_clients_parse_conforms_to_the_pydantic_model(demo_server):
     from pydantic import BaseModel, Field
 
