@@ -83,7 +83,7 @@ def test_ggml_is_the_copy_libllama_loaded():
 
 
 def test_a_mac_computes_on_its_performance_cores(monkeypatch, tmp_path):
-    from dgcli.runtime import cpu, model
+    from dgcli.runtime import cpu
 
     sysctl = {"hw.perflevel0.physicalcpu": 8, "hw.physicalcpu": 12}  # an M3 Pro: 8 performance + 4 efficiency
     monkeypatch.setattr(cpu, "sysctl_int", lambda name: sysctl.get(name))
@@ -92,8 +92,8 @@ def test_a_mac_computes_on_its_performance_cores(monkeypatch, tmp_path):
     assert cpu.compute_threads() == 8
     big = tmp_path / "big.gguf"
     with open(big, "wb") as f:
-        f.truncate(model.SINGLE_THREAD_BELOW_BYTES)
-    assert model.default_threads(big) == 8
+        f.truncate(cpu.SINGLE_THREAD_BELOW_BYTES)
+    assert cpu.default_threads(big) == 8
     del sysctl["hw.perflevel0.physicalcpu"]  # an Intel Mac: no performance levels
     assert cpu.compute_threads() == 12
     sysctl.clear()
@@ -168,7 +168,7 @@ _MAC_LIKE_RUN = textwrap.dedent(r"""
     import psutil                  # its platform module is chosen at import: this machine's own
     import llama_cpp.llama_cpp     # the wheel's libraries, loaded by the names this machine gives them
     from dgcli import cli
-    from dgcli.engine import template_sandbox
+    from dgcli.templates import sandbox as template_sandbox
 
     def psutil_reads(frame):  # psutil's Linux module reads /proc; on a Mac its macOS module asks the kernel
         while frame is not None:
