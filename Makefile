@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN      = $(VENV)/bin
 PROMPT  ?= reverse: HELLO
 
-.PHONY: setup native demo test test-hub-floor test-clients examples clean-native
+.PHONY: setup native demo test test-fast test-hub-floor test-clients examples clean-native
 
 # dg needs Python >= 3.10 (pyproject.toml); say so before pip does (macOS's own python3 is 3.9)
 $(BIN)/python:
@@ -63,6 +63,12 @@ $(NODE_CLIENT):
 test: setup $(VENV)/.test-deps test-hub-floor $(NODE_CLIENT)
 	$(BIN)/python -m pytest -q
 
+# The edit loop: every test but the kinds that start processes, drive a terminal, import torch or run
+# long (the markers in pyproject.toml); a couple of minutes on 2 cores. `make test` (and CI) runs all.
+FAST_TESTS ?= not (subprocess or pty or reference or slow)
+test-fast: setup $(VENV)/.test-deps
+	$(BIN)/python -m pytest -q -m "$(FAST_TESTS)"
+
 # langchain-openai and litellm against dg serve, in a venv of their own (~430 MB, so not in `make test`).
 CLIENTS_VENV = .venv-clients
 test-clients: setup $(VENV)/.test-deps $(NODE_CLIENT)
@@ -77,7 +83,8 @@ test-hub-floor:
 	test -x $(FLOOR_VENV)/bin/python || $(PY) -m venv $(FLOOR_VENV)
 	$(FLOOR_VENV)/bin/pip install -q -e . pytest "huggingface-hub==$(HUB_FLOOR)"
 	$(FLOOR_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_hub.py tests/test_hub_security.py \
-		tests/test_hub_files.py tests/test_registry_hub.py tests/test_cli.py -k "hub or pull or list or security or info"
+		tests/test_hub_files.py tests/test_registry_hub.py tests/test_cli.py tests/test_cli_models.py \
+		-k "hub or pull or list or security or info"
 
 clean-native:
 	rm -rf $(HOME)/.cache/dg/native

@@ -37,7 +37,7 @@ DEMO_PROMPTS = ["reverse: HELLO", "sort: QWERTY", "add: 12+34", "sort: DBCA", "r
 
 
 def synthetic_model(directory: Path) -> Path:
-    from dgcli.tiny import write_synthetic_gguf
+    from dgcli.testing.tiny import write_synthetic_gguf
 
     return write_synthetic_gguf(directory / "synthetic-vocab262k.gguf", n_layer=2, vocab_size=262144, hidden=256,
                                 outtype="q8_0", canvas_length=32, intermediate_size=512, num_attention_heads=4,

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from dgcli.engine.types import DgError
+from dgcli.errors import DgError
 from dgcli.units import format_bytes  # noqa: F401 (callers use hub.format_bytes)
 
 ProgressCallback = Callable[[int, "int | None"], None]  # (bytes done, total bytes or None)

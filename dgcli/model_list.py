@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from dgcli.engine.types import DgError
+from dgcli.errors import DgError
 from dgcli.registry import Registry, RegistryEntry
 
 

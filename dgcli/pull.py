@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dgcli import hub
-from dgcli.engine.types import DgError
+from dgcli.errors import DgError
 from dgcli.hub import HubError, ProgressCallback
 from dgcli.hub_files import ListedFile, NoSingleModelFile, cached_listing, fetch_listing
 from dgcli.registry import ResolvedModel, with_listing
@@ -79,7 +79,7 @@ class HubModelInfo:
     size: int  # all parts together
     sha256: str | None  # of the first part
     downloaded: bool
-    info: Any = None  # dgcli.info.GgufInfo from the header read over the network, or None
+    info: Any = None  # dgcli.modelfile.info.GgufInfo from the header read over the network, or None
     header_problem: str | None = None  # why the header was not read
 
     def to_json(self) -> dict[str, Any]:
@@ -90,10 +90,10 @@ class HubModelInfo:
 def hub_model_info(resolved: ResolvedModel, *, read_header: bool = True, **offload) -> HubModelInfo:
     """What the Hub says of `resolved` (resolved_on_hub first): its file(s), size and commit, and, with
     `read_header`, its GGUF header read by Range requests of the first bytes (dgcli.remote_gguf), as
-    dgcli.info reads a local file's (`offload`: n_gpu_layers, n_cpu_moe, gpus). A header that cannot
+    dgcli.modelfile.info reads a local file's (`offload`: n_gpu_layers, n_cpu_moe, gpus). A header that cannot
     be read leaves `header_problem` saying why; the Hub's metadata is still returned."""
-    from dgcli.engine.header import merge_split
-    from dgcli.info import info_from_header
+    from dgcli.modelfile.header import merge_split
+    from dgcli.modelfile.info import info_from_header
     from dgcli.remote_gguf import read_remote_header
 
     assert resolved.choice is not None and resolved.listing_commit is not None

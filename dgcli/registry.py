@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dgcli.engine.types import DgError, ModelLoadError
+from dgcli.errors import DgError, ModelLoadError
 from dgcli.hub import COMMIT, REPO_ID
 from dgcli.hub_files import ModelChoice, NoSingleModelFile, RepoListing, choose_model_file
 from dgcli.textfile import read_text_file
@@ -230,7 +230,7 @@ class Registry:
     @classmethod
     def load(cls, path: Path | str | None = None) -> "Registry":
         path = Path(path or os.environ.get("DG_REGISTRY") or DEFAULT_REGISTRY_PATH)
-        # a regular file of bounded size: DG_REGISTRY=/dev/zero read for ever, a FIFO blocked every command
+        # a regular file of bounded size: DG_REGISTRY=/dev/zero would be read for ever, a FIFO block the open
         text = read_text_file(path, what="model registry", max_bytes=MAX_REGISTRY_BYTES)
         try:
             data = tomllib.loads(text)

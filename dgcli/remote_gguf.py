@@ -13,8 +13,8 @@ from __future__ import annotations
 import re
 
 from dgcli import hub
-from dgcli.engine.header import GgufHeader, HeaderGoesOn, parse_header_prefix
 from dgcli.hub import HubError, RemoteFile
+from dgcli.modelfile.header import GgufHeader, HeaderGoesOn, parse_header_prefix
 
 FIRST_REQUEST_BYTES = 2 << 20
 MAX_HEADER_BYTES = 64 << 20

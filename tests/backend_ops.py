@@ -424,8 +424,8 @@ def capture(model: Path, harness: Path, canvas_tokens: int = 256, top_k: int = 6
 
     import numpy as np
 
-    from dgcli.engine import native
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime import native
+    from dgcli.runtime.model import DiffusionModel
 
     lib = load_harness(harness)
     callback_type = native.lib().ggml_backend_sched_eval_callback

@@ -1,4 +1,4 @@
-"""Helpers shared by tests/test_native_*.py: the skip when the native build is missing, a GGUF
+"""Helpers shared by tests/test_native_*.py: the `native` marker (skipped when the build is missing), a GGUF
 rewriter that makes malformed copies of a good file, and a small file with a Q4_K_M file's types."""
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 
-from dgcli.engine import native
+from dgcli.runtime import native
 
 NATIVE_OK, NATIVE_REASON = native.available()
-requires_native = pytest.mark.skipif(not NATIVE_OK, reason=f"native library unavailable: {NATIVE_REASON}")
+# A test that loads the patched llama.cpp is marked `native`; conftest.py skips it where it is not built.
+requires_native = pytest.mark.native
 
 # Layers the parity and replay tests offload: 0 here; benchmarks/gpu_check.py sets -1 (all) on a GPU machine.
 GPU_LAYERS = int(os.environ.get("DG_TEST_GPU_LAYERS") or 0)
@@ -108,10 +109,10 @@ def split_gguf(src: Path, out_dir: Path, prefix: str, n_parts: int) -> list[Path
 
 
 def small_q4_k_m_gguf(path: Path, seed: int = 0) -> Path:
-    """A small random diffusion-gemma file with a Q4_K_M file's types (`dgcli.tiny.q4_k_m_type`): hidden
+    """A small random diffusion-gemma file with a Q4_K_M file's types (`dgcli.testing.tiny.q4_k_m_type`): hidden
     and expert widths of one 256-wide super-block, so its experts' gate+up are Q4_K and their down
     projections Q4_K (layer 0) or Q6_K (layer 1); 8 experts, top-2, a 16-token canvas."""
-    from dgcli.tiny import write_synthetic_gguf
+    from dgcli.testing.tiny import write_synthetic_gguf
 
     return write_synthetic_gguf(path, n_layer=2, vocab_size=512, hidden=256, outtype="q4_k_m", seed=seed,
                                 intermediate_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=64,

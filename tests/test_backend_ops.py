@@ -43,7 +43,7 @@ def harness(llama, tmp_path_factory):
 def captured(harness, tmp_path_factory) -> list[Node]:
     """The prefill, one-graph step and commit of a real-width two-layer model (random Q4_K_M-typed
     weights, 1.7 GB written once per run), captured in their own process in the GPU form."""
-    from dgcli.tiny import write_synthetic_gguf
+    from dgcli.testing.tiny import write_synthetic_gguf
 
     model = write_synthetic_gguf(tmp_path_factory.mktemp("real-width") / "two-layers.gguf", n_layer=2,
                                  vocab_size=VOCAB, hidden=HIDDEN, outtype="q4_k_m", num_experts=EXPERTS,
@@ -124,6 +124,7 @@ def test_cuda_check_tells_supported_ops_from_unsupported_ones(llama):
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_the_capture_is_the_gpu_form_at_real_widths(captured):
     step = [n for n in captured if n.graph == "step"]
     assert {n.graph for n in captured} == {"prefill", "step", "commit"}
@@ -144,6 +145,7 @@ def test_the_capture_is_the_gpu_form_at_real_widths(captured):
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_every_node_runs_on_metal(captured):
     """ggml-metal's supports_op, on the oldest Apple GPU it runs matrix kernels on (with and without
     bfloat), takes every node of the prefill, the step and the commit: nothing falls back to the CPU."""
@@ -152,6 +154,7 @@ def test_every_node_runs_on_metal(captured):
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_every_node_runs_on_cuda(captured, llama):
     groups = ops.cuda_case_groups(ops.cuda_function_text(llama))
     refused = [f"{describe(n)}: {why}" for n, why in ops.cuda_verdicts(captured, groups)]
@@ -159,10 +162,11 @@ def test_every_node_runs_on_cuda(captured, llama):
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_dg_info_counts_the_scratch_metal_allocates_for_the_step(captured):
     """TOP_K and CUMSUM over [vocabulary, canvas] are where a Metal buffer allocates beyond the
     tensor (512 MiB each at real widths): dg info's GPU need on a Mac counts what get_alloc_size says."""
-    from dgcli.info import metal_step_scratch_bytes
+    from dgcli.modelfile.info import metal_step_scratch_bytes
 
     step = [n for n in captured if n.graph == "step"]
     scratch = sum(n.metal_alloc for n in step if n.op in ("TOP_K", "CUMSUM"))

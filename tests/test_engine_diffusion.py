@@ -8,7 +8,9 @@ import pytest
 from dgcli.engine.diffusion import DiffusionEngine
 from dgcli.engine.rng import RngStream
 from dgcli.engine.sampler import NumpyStepSampler, count_valid_tokens, schedule_temperature
-from dgcli.engine.types import CanvasEvent, DgError, DiffusionParams, InvalidParameter, StepEvent
+from dgcli.engine.types import CanvasEvent, StepEvent
+from dgcli.errors import DgError, InvalidParameter
+from dgcli.params import DiffusionParams
 
 VOCAB, CANVAS, EOS, PAD = 12, 4, 1, 0
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from dgcli import info
-from dgcli.engine.types import ModelLoadError
-from dgcli.tiny import write_tiny_random_gguf
+from dgcli.errors import ModelLoadError
+from dgcli.modelfile import info
+from dgcli.testing.tiny import write_tiny_random_gguf
 
 
 @pytest.fixture(scope="module")
@@ -178,9 +178,9 @@ def test_ram_need_counts_the_repacked_copies_of_cpu_q8_0_and_q5_0_weights(tmp_pa
 
     import gguf
 
-    from dgcli.engine.header import read_header
-    from dgcli.info import GpuMemory
-    from dgcli.tiny import q5_0_type
+    from dgcli.modelfile.header import read_header
+    from dgcli.modelfile.info import GpuMemory
+    from dgcli.testing.tiny import q5_0_type
 
     storage = {"q8_0": {"outtype": "q8_0"}, "q5_0": {"storage": q5_0_type}}[weights]
     path = write_tiny_random_gguf(tmp_path / f"{weights}.gguf", seed=6, **storage)
@@ -235,7 +235,7 @@ def test_a_split_model_is_read_whole_from_its_first_part(tmp_path, tiny_models):
 def test_a_header_is_read_from_the_first_bytes_of_a_file(tiny_models):
     """What dg info reads of a file on the Hub (dgcli.remote_gguf): the header from a prefix of the file,
     "more" while it goes on past the bytes given, the same header as the whole file's once they hold it."""
-    from dgcli.engine.header import HeaderGoesOn, parse_header_prefix, read_header
+    from dgcli.modelfile.header import HeaderGoesOn, parse_header_prefix, read_header
 
     diff = Path(tiny_models[0])
     data, size = diff.read_bytes(), diff.stat().st_size

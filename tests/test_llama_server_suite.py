@@ -55,6 +55,7 @@ def documented_failures() -> dict[tuple[str, str], tuple[int, int]]:
     return rows
 
 
+@pytest.mark.subprocess
 def test_llama_servers_own_tests_pass_or_fail_for_a_documented_reason(tmp_path):
     suite = extract_vendored("tools/server/tests", tmp_path / "suite")
     (suite / "dg_external.py").write_text(PLUGIN, encoding="utf-8")

@@ -31,7 +31,7 @@ _spec.loader.exec_module(build)
 
 
 def test_library_names_follow_the_platform(monkeypatch):
-    from dgcli.engine import native
+    from dgcli.runtime import native
 
     monkeypatch.setattr(sys, "platform", "darwin")
     # the install name first: what libllama.dylib links (@rpath/libggml.0.dylib)
@@ -53,7 +53,7 @@ class _FakeLlama:
 def test_a_mac_wheel_s_ggml_is_found_by_its_mac_name(tmp_path, monkeypatch):
     """macOS wheels hold libggml.0.dylib and libggml.dylib (no .so): before, every model load and
     `dg info` raised NativeUnavailable looking for libggml.so."""
-    from dgcli.engine import native
+    from dgcli.runtime import native
 
     monkeypatch.setattr(sys, "platform", "darwin")
     for name in ("libllama.dylib", "libggml.dylib", "libggml.0.dylib", "libggml-base.dylib"):
@@ -67,7 +67,7 @@ def test_a_mac_wheel_s_ggml_is_found_by_its_mac_name(tmp_path, monkeypatch):
 def test_ggml_is_the_copy_libllama_loaded():
     """Found through libllama and dladdr (no /proc/self/maps): the file the process already mapped,
     not a second copy of it with its own backend registry."""
-    from dgcli.engine import native
+    from dgcli.runtime import native
 
     llama = native.lib()._lib
     for stem, symbol in (("ggml", "ggml_backend_dev_count"), ("ggml-base", "ggml_set_abort_callback"),
@@ -83,7 +83,7 @@ def test_ggml_is_the_copy_libllama_loaded():
 
 
 def test_a_mac_computes_on_its_performance_cores(monkeypatch, tmp_path):
-    from dgcli.engine import cpu, model
+    from dgcli.runtime import cpu
 
     sysctl = {"hw.perflevel0.physicalcpu": 8, "hw.physicalcpu": 12}  # an M3 Pro: 8 performance + 4 efficiency
     monkeypatch.setattr(cpu, "sysctl_int", lambda name: sysctl.get(name))
@@ -92,8 +92,8 @@ def test_a_mac_computes_on_its_performance_cores(monkeypatch, tmp_path):
     assert cpu.compute_threads() == 8
     big = tmp_path / "big.gguf"
     with open(big, "wb") as f:
-        f.truncate(model.SINGLE_THREAD_BELOW_BYTES)
-    assert model.default_threads(big) == 8
+        f.truncate(cpu.SINGLE_THREAD_BELOW_BYTES)
+    assert cpu.default_threads(big) == 8
     del sysctl["hw.perflevel0.physicalcpu"]  # an Intel Mac: no performance levels
     assert cpu.compute_threads() == 12
     sysctl.clear()
@@ -105,7 +105,7 @@ def test_a_mac_computes_on_its_performance_cores(monkeypatch, tmp_path):
 
 
 def test_sysctl_is_none_where_there_is_none():
-    from dgcli.engine import cpu
+    from dgcli.runtime import cpu
 
     if sys.platform.startswith("linux"):
         assert cpu.sysctl_int("hw.perflevel0.physicalcpu") is None
@@ -123,7 +123,7 @@ def mac_renderer(monkeypatch):
     """The template renderer as on a Mac: started afresh, the child without an address-space limit."""
     import psutil  # noqa: F401 - its platform module is chosen at import: this machine's own
 
-    from dgcli.engine import template_sandbox
+    from dgcli.templates import sandbox as template_sandbox
 
     template_sandbox._close_worker()
     template_sandbox._renders.clear()
@@ -168,7 +168,7 @@ _MAC_LIKE_RUN = textwrap.dedent(r"""
     import psutil                  # its platform module is chosen at import: this machine's own
     import llama_cpp.llama_cpp     # the wheel's libraries, loaded by the names this machine gives them
     from dgcli import cli
-    from dgcli.engine import template_sandbox
+    from dgcli.templates import sandbox as template_sandbox
 
     def psutil_reads(frame):  # psutil's Linux module reads /proc; on a Mac its macOS module asks the kernel
         while frame is not None:
@@ -195,6 +195,7 @@ _MAC_LIKE_RUN = textwrap.dedent(r"""
 
 
 @requires_native
+@pytest.mark.subprocess
 def test_dg_generate_runs_as_on_a_mac(tmp_path):
     """`dg generate` on the demo model (the chat template included) with every open of /proc failing
     and sys.platform "darwin": the answer is the one a Linux run gives."""
@@ -213,9 +214,9 @@ def test_dg_generate_runs_as_on_a_mac(tmp_path):
 def test_a_mac_s_gpu_memory_is_counted_as_ram_too(tmp_path, monkeypatch):
     """Apple's GPU shares the system's memory: a RAM fit counts what the GPU holds, and the step's
     Metal scratch (TOP_K, CUMSUM) is in the GPU's need."""
-    from dgcli import info
-    from dgcli.engine import native
-    from dgcli.tiny import write_tiny_random_gguf
+    from dgcli.modelfile import info
+    from dgcli.runtime import native
+    from dgcli.testing.tiny import write_tiny_random_gguf
 
     path = write_tiny_random_gguf(tmp_path / "diff.gguf", seed=2)
     cuda = [info.GpuMemory("CUDA0", 64 << 30, 64 << 30)]
@@ -237,8 +238,8 @@ def test_a_mac_s_gpu_memory_is_counted_as_ram_too(tmp_path, monkeypatch):
 
 def _placed(report_lines: list[str], vocab_size: int):
     """A DiffusionModel as llama.cpp's load log placed it, without loading one."""
-    from dgcli.engine.model import DiffusionModel
-    from dgcli.engine.offload import LoadReport
+    from dgcli.runtime.model import DiffusionModel
+    from dgcli.runtime.offload import LoadReport
 
     model = DiffusionModel.__new__(DiffusionModel)
     model.load_report, model.vocab_size = LoadReport.from_log(report_lines), vocab_size
@@ -250,8 +251,8 @@ def test_a_vocabulary_past_metal_s_cumsum_row_takes_the_host_sampler():
     layer on a Mac's GPU and a longer vocabulary would abort the process. "auto" takes the host
     sampler, "graph" is refused with one line; Gemma's 262144 and other placements are untouched."""
     from dgcli.engine.diffusion import _resolve_step_backend
-    from dgcli.engine.model import METAL_CUMSUM_MAX_ROW
-    from dgcli.engine.types import DgError
+    from dgcli.errors import DgError
+    from dgcli.runtime.model import METAL_CUMSUM_MAX_ROW
 
     on_metal = ["load_tensors: offloaded 3/3 layers to GPU", "load_tensors: MTL0_Mapped model buffer size = 1234.00 MiB",
                 "load_tensors: CPU_Mapped model buffer size = 10.00 MiB"]
@@ -302,6 +303,7 @@ def test_the_patch_applies_with_bsd_patch(tmp_path, monkeypatch):
     assert "$ patch -p1 -t -N -i" in log.read_text()
 
 
+@pytest.mark.subprocess
 def test_our_patch_compiles_for_arm64(tmp_path):
     """Apple Silicon is arm64: the patch's x86 kernels must stay behind their guards. Our sources,
     patched in, compiled by an aarch64 cross compiler (Linux headers: the code, not Apple's SDK)."""
@@ -361,6 +363,7 @@ def test_metal_is_refused_off_a_mac(monkeypatch, capsys):
 # -- Python: 3.10 without tomllib, and macOS's own 3.9 ---------------------------------------------------------
 
 
+@pytest.mark.subprocess
 def test_the_registry_reads_models_toml_without_tomllib():
     """Python 3.10 has no tomllib (3.11+): tomli, the same parser, stands in (pyproject.toml installs it
     there). Where tomli is not installed (3.11+), the standard library's copy of it plays tomli."""
@@ -380,6 +383,7 @@ def test_the_registry_reads_models_toml_without_tomllib():
     assert from_tomli == "True" and int(count) > 0
 
 
+@pytest.mark.subprocess
 def test_make_demo_says_what_to_install_on_macos_python_3_9(tmp_path):
     """macOS's own python3 is 3.9: `make demo` names the Python it needs before pip fails on it."""
     make = shutil.which("make")

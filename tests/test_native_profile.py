@@ -11,8 +11,8 @@ pytestmark = requires_native
 
 
 def test_profiler_times_every_node_only_while_enabled(tiny_gguf):
-    from dgcli.engine.model import DiffusionModel
-    from dgcli.engine.profile import NodeProfiler
+    from dgcli.runtime.model import DiffusionModel
+    from dgcli.runtime.profile import NodeProfiler
 
     profiler = NodeProfiler()
     with DiffusionModel(tiny_gguf, n_threads=1, n_ctx=128, eval_callback=profiler.eval_callback) as m:
@@ -38,7 +38,7 @@ def test_profiler_times_every_node_only_while_enabled(tiny_gguf):
 
 
 def test_peaks_are_measured_and_named():
-    from dgcli.engine import native
+    from dgcli.runtime import native
 
     for kind in (native.PEAK_INT8, native.PEAK_BF16, native.PEAK_F32):
         rate, name = native.peak_gmacs(kind, 0.05)
@@ -53,8 +53,8 @@ def test_step_profile_counts_the_work_on_our_tiles(tmp_path, monkeypatch):
     import sys
     from pathlib import Path
 
-    from dgcli.engine.model import DiffusionModel
-    from dgcli.engine.profile import NodeProfiler
+    from dgcli.runtime.model import DiffusionModel
+    from dgcli.runtime.profile import NodeProfiler
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from step_profile import group_of, multiply_adds

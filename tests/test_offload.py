@@ -11,10 +11,12 @@ from collections import namedtuple
 import pytest
 from typer.testing import CliRunner
 
-from dgcli import info
 from dgcli.cli import app
 from dgcli.convert import params_from_hf_config, tensor_plan
-from dgcli.engine.offload import (
+from dgcli.errors import InvalidParameter
+from dgcli.modelfile import info
+from dgcli.modelfile.info import GpuMemory
+from dgcli.runtime.offload import (
     LoadReport,
     expert_override_pattern,
     first_gpu_layer,
@@ -22,9 +24,7 @@ from dgcli.engine.offload import (
     plan_placement,
     tiled_weight_pattern,
 )
-from dgcli.engine.types import InvalidParameter
-from dgcli.info import GpuMemory
-from dgcli.tiny import q4_k_m_type
+from dgcli.testing.tiny import q4_k_m_type
 from native_helpers import requires_native, small_q4_k_m_gguf
 
 GB = 1024**3
@@ -90,7 +90,7 @@ def test_first_gpu_layer_follows_llama_cpp():
 def test_llama_cpp_applies_the_override(tiny_gguf, n_cpu_moe, layers):
     """The load log names each tensor the override moved, and where (a CPU build has nothing else to
     offload, but the loader applies the overrides all the same)."""
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     with DiffusionModel(tiny_gguf, n_threads=1, n_gpu_layers=-1, n_cpu_moe=n_cpu_moe, n_ctx=64) as m:
         report = m.load_report
@@ -102,7 +102,7 @@ def test_llama_cpp_applies_the_override(tiny_gguf, n_cpu_moe, layers):
 
 @requires_native
 def test_ar_model_takes_the_same_override(tiny_ar_gguf):
-    from dgcli.engine.model import ArModel
+    from dgcli.runtime.model import ArModel
 
     with ArModel(tiny_ar_gguf, n_threads=1, n_gpu_layers=-1, n_cpu_moe=1, n_ctx=64) as ar:
         assert sorted(ar.load_report.overridden) == sorted((f"blk.0.{s}", "CPU") for s in EXPERT_SUFFIXES)
@@ -115,7 +115,7 @@ def test_k_quant_weights_are_kept_out_of_the_repack_buffers_only_where_our_tiles
     use: elsewhere llama.cpp's repacked matmuls (or the GPU) are the faster path; other types keep their
     home. The embedding never: llama.cpp's CPU repack does not take the tied Q6_K LM head anyway.
     DG_Q6_K_TILE=0 leaves the Q6_K ones out."""
-    from dgcli.engine.header import read_header
+    from dgcli.modelfile.header import read_header
 
     header = read_header(small_q4_k_m_gguf(tmp_path / "q4_k_m.gguf"))
     types = {t.name: t.type_name for t in header.tensors}
@@ -148,8 +148,8 @@ def test_q4_k_experts_load_in_plain_memory_and_reports_say_only_what_was_asked(t
     CPU) and run on our tile; `-v`'s report lists only the experts --n-cpu-moe asked for, since without
     a GPU every weight is in system memory anyway. DG_EXPERT_GEMM=ggml leaves them to the repack. The
     tile is AVX2's, forced here: an AVX-512 CPU's automatic choice may be another kernel."""
-    from dgcli.engine import native
-    from dgcli.engine.model import DiffusionModel, cpu_repack_enabled
+    from dgcli.runtime import native
+    from dgcli.runtime.model import DiffusionModel, cpu_repack_enabled
 
     path = small_q4_k_m_gguf(tmp_path / "q4_k_m.gguf")
     monkeypatch.setenv("DG_EXPERT_GEMM", "avx2")
@@ -228,7 +228,7 @@ def test_plan_moves_expert_bytes_to_ram_as_n_grows():
 
 @pytest.fixture(scope="module")
 def tiny_diff(tmp_path_factory):
-    from dgcli.tiny import write_tiny_random_gguf
+    from dgcli.testing.tiny import write_tiny_random_gguf
 
     return write_tiny_random_gguf(tmp_path_factory.mktemp("offload") / "diff.gguf", seed=2)
 
@@ -327,7 +327,7 @@ def test_generate_verbose_reports_where_the_experts_went(tiny_diff, monkeypatch)
     result = CliRunner().invoke(app, ["generate", "hi", "-m", str(tiny_diff), "--n-cpu-moe", "2", "--verbose",
                                       "--no-live", "--steps", "2", "-n", "4", "--seed", "0"])
     assert result.exit_code == 0, result.output
-    from dgcli.engine import native
+    from dgcli.runtime import native
 
     reason = native.no_gpu_reason()  # a CPU build: no GPU backend; a CUDA build without a driver: CUDA's words
     assert f"diffusion model diff.gguf: every weight is in system memory: {reason}" in " ".join(result.output.split())
@@ -336,7 +336,7 @@ def test_generate_verbose_reports_where_the_experts_went(tiny_diff, monkeypatch)
 
 
 def test_no_gpu_reason_names_the_missing_backend_or_what_it_said(monkeypatch):
-    from dgcli.engine import native
+    from dgcli.runtime import native
 
     monkeypatch.setattr(native, "gpu_backends", lambda: [])
     assert native.no_gpu_reason().startswith("this llama.cpp build has no GPU backend")
@@ -353,7 +353,7 @@ def test_no_gpu_reason_names_the_missing_backend_or_what_it_said(monkeypatch):
 
 @requires_native
 def test_gpu_backends_lists_no_cpu_or_rpc():
-    from dgcli.engine import native
+    from dgcli.runtime import native
 
     native.lib()
     backends = native.gpu_backends()
@@ -365,7 +365,7 @@ def test_gpu_backends_lists_no_cpu_or_rpc():
 @requires_native
 @pytest.mark.parametrize("command", ["generate", "compare"])
 def test_gpu_layers_without_a_gpu_warns_once_per_model_and_runs_on_the_cpu(command):
-    from dgcli.engine import native
+    from dgcli.runtime import native
 
     native.lib()
     if native.gpu_devices():
@@ -384,7 +384,7 @@ def test_gpu_layers_without_a_gpu_warns_once_per_model_and_runs_on_the_cpu(comma
 def test_cuda_libraries_come_from_nvidia_pip_wheels(tmp_path, monkeypatch):
     """A CUDA build (libggml-cuda, or only its soname as in the slim GPU-check wheel) loads the CUDA
     runtime and cuBLAS from NVIDIA's pip wheels when the system has none; a CPU build loads nothing."""
-    from dgcli.engine import native
+    from dgcli.runtime import native
 
     wheels = tmp_path / "site" / "nvidia" / "cu13" / "lib"
     wheels.mkdir(parents=True)
@@ -414,7 +414,7 @@ def test_cuda_libraries_come_from_nvidia_pip_wheels(tmp_path, monkeypatch):
 @requires_native
 @pytest.mark.parametrize("gpu_layers", [0, -1])
 def test_bench_json_says_where_each_model_ran(tmp_path, gpu_layers):
-    from dgcli.engine import native
+    from dgcli.runtime import native
 
     native.lib()
     if native.gpu_devices():
@@ -442,7 +442,7 @@ def test_bench_json_says_where_each_model_ran(tmp_path, gpu_layers):
 
 @requires_native
 def test_generate_and_compare_json_say_where_the_models_ran():
-    from dgcli.engine import native
+    from dgcli.runtime import native
 
     native.lib()
     if native.gpu_devices():
@@ -483,7 +483,7 @@ def test_verbose_placement_lines_are_not_wrapped_when_piped():
 
 
 def test_verbose_buffer_sizes_are_llama_cpp_s_mib_not_more_precise_than_it_said():
-    from dgcli.render import placement_lines
+    from dgcli.cli.render import placement_lines
 
     report = LoadReport.from_log(["load_tensors:   CPU_Mapped model buffer size =     0.12 MiB",
                                   "llama_kv_cache:        CPU KV buffer size =     0.00 MiB",
@@ -504,7 +504,7 @@ def test_cpu_moe_with_gpu_layers_0_offloads_nothing_as_asked():
     # not given: every layer (here: the warning that there is no GPU to offload to)
     result = CliRunner().invoke(app, ["generate", "reverse: AB", "-n", "4", "--seed", "0", "--no-live", "--cpu-moe"])
     assert result.exit_code == 0, result.output
-    from dgcli.engine import native
+    from dgcli.runtime import native
 
     if not native.gpu_devices():  # named by the flag typed, not the --gpu-layers -1 it implies
         assert "warning: --cpu-moe (which offloads every layer but the experts it keeps): " in result.stderr, \

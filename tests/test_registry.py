@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dgcli.engine.types import DgError, ModelLoadError
+from dgcli.errors import DgError, ModelLoadError
 from dgcli.registry import DEFAULT_REGISTRY_PATH, Registry, UnknownModel, looks_like_path
 
 

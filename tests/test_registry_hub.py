@@ -110,7 +110,7 @@ def test_a_split_model_is_pulled_whole_and_loaded_from_its_first_part(fake_hub, 
     row = list_rows()[("tiny", "BF16")]
     assert row["parts"] == 3 and row["on_disk"] and row["size"] == sum(p.stat().st_size for p in parts)
     # dg reads the model whole from its parts, as llama.cpp loads it
-    from dgcli import info
+    from dgcli.modelfile import info
 
     whole, split = info.read_info(tiny_gguf), info.read_info(first)
     assert split.tensor_count == whole.tensor_count and split.parameter_count == whole.parameter_count

@@ -16,7 +16,8 @@ import pytest
 
 from native_helpers import requires_native
 
-from dgcli.engine.types import CanvasEvent, DiffusionParams, StepEvent
+from dgcli.engine.types import CanvasEvent, StepEvent
+from dgcli.params import DiffusionParams
 
 pytestmark = requires_native
 
@@ -50,7 +51,7 @@ class Collector:
 def open_scheduler(path, slots, n_ctx=None, self_cond_top_k=None, max_queue=64, kv_unified=False, sampler="auto",
                    exact=False):
     from dgcli.engine.diffusion import DiffusionEngine
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
     from dgcli.server.scheduler import BatchScheduler
 
     model = DiffusionModel(str(path), n_seq_max=slots, n_ctx=n_ctx or 512 * slots, kv_unified=kv_unified, exact=exact)
@@ -93,7 +94,7 @@ def run_batched(path, jobs, stagger_s=0.0, **open_kwargs):
 
 
 def demo_jobs():
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     with DiffusionModel(str(DEMO)) as m:
         prompts = [m.chat_prompt(p) for p in ("reverse: HELLO", "sort: QWERTY", "add: 123+45", "sort: DBCA",
@@ -123,7 +124,7 @@ def test_batched_answers_equal_solo_generate_on_the_demo():
 def test_multi_canvas_requests_joining_and_leaving_mid_run_equal_solo(tiny_gguf):
     """Random tiny model: every canvas runs its full step budget, requests need 1-3 canvases, so
     sequences commit canvases, finish early and are moved while others are mid-canvas."""
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     with DiffusionModel(str(tiny_gguf)) as m:
         prompts = [m.tokenize(t) for t in ("alpha", "beta gamma", "delta", "epsilon zeta eta", "theta")]
@@ -141,7 +142,7 @@ def test_multi_canvas_requests_joining_and_leaving_mid_run_equal_solo(tiny_gguf)
 
 def test_top_k_self_conditioning_batched_equals_solo(tiny_gguf):
     """The sparse self-conditioning form: rows on a canvas's first step ride along with zero probabilities."""
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     with DiffusionModel(str(tiny_gguf)) as m:
         prompts = [m.tokenize(t) for t in ("one", "two three", "four")]
@@ -162,7 +163,7 @@ def test_batched_step_backend_equals_solo_on_the_other_backend(tiny_gguf, self_c
     own temperature, uniforms and self-conditioning, in its own sequence) give what each request gives
     alone with the forward + host sampler, and the other way round. Exact mode: there the two
     backends' softcap is the same libm tanh (elsewhere the graph's is a vectorised one, ~2 ulp)."""
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     with DiffusionModel(str(tiny_gguf)) as m:
         prompts = [m.tokenize(t) for t in ("one", "two three", "four five six")]
@@ -180,7 +181,7 @@ def test_batched_step_backend_equals_solo_on_the_other_backend(tiny_gguf, self_c
 
 
 def test_a_cancelled_request_frees_its_slot_and_the_others_are_unaffected(tiny_gguf):
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
     from dgcli.server.scheduler import GenerationRequest, RequestFailed
 
     with DiffusionModel(str(tiny_gguf)) as m:
@@ -399,7 +400,7 @@ def test_requests_in_flight_when_the_server_stops_get_a_503_not_a_500(tiny_gguf)
     for s in sinks:
         assert isinstance(s.outcome, RequestFailed) and s.outcome.shutting_down, s.outcome
     pytest.importorskip("starlette")
-    from dgcli.server.app import failure_error
+    from dgcli.server.run import failure_error
 
     error = failure_error(sinks[0].outcome)
     assert (error.status, error.body()["error"]["code"]) == (503, "shutting_down")
@@ -429,7 +430,7 @@ def test_per_sequence_forward_is_bit_identical_to_each_sequence_alone(tiny_gguf)
     sequence alone; a zero-probability self-conditioning row equals none; a moved sequence decodes
     as before. (Default mode: flash attention and an F16 cache, whose sums depend on cell order.)"""
     from dgcli.engine.diffusion import _SelfCond, batched_self_cond
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     rng = np.random.default_rng(0)
     C, V = 16, 500

@@ -51,6 +51,7 @@ def batching(server):
     return fetch_json("GET", server.root + "/health")[1]["requests"]
 
 
+@pytest.mark.subprocess
 def test_n_choices_are_denoised_together_and_each_equals_generate_with_its_seed(demo_server, solo):
     client = client_for(demo_server.url)
     before = batching(demo_server)
@@ -76,6 +77,7 @@ def test_n_choices_are_denoised_together_and_each_equals_generate_with_its_seed(
     assert finishes == [0, 1, 2] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
 
 
+@pytest.mark.subprocess
 def test_several_prompts_in_one_legacy_completion_each_get_n_choices(demo_server, solo):
     client = client_for(demo_server.url)
     prompts = ["<|turn>user\nreverse: ABC<turn|>\n<|turn>model\n", "<|turn>user\nsort: DBCA<turn|>\n<|turn>model\n"]
@@ -89,6 +91,7 @@ def test_several_prompts_in_one_legacy_completion_each_get_n_choices(demo_server
     assert [c.index for c in r.choices] == [0, 1] and r.usage.prompt_tokens == 5
 
 
+@pytest.mark.subprocess
 def test_a_group_larger_than_the_queue_allows_is_refused_whole(tiny_gguf):
     import openai
 
@@ -105,6 +108,7 @@ def test_a_group_larger_than_the_queue_allows_is_refused_whole(tiny_gguf):
 # ---- /v1/responses ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.subprocess
 def test_responses_api_text_in_and_out_streamed_and_not(demo_server, solo):
     client = client_for(demo_server.url)
     want = solo("reverse: HELLO", 0)
@@ -133,6 +137,7 @@ def test_responses_api_text_in_and_out_streamed_and_not(demo_server, solo):
     assert isinstance(json.loads(structured.output_text)["n"], int)
 
 
+@pytest.mark.subprocess
 def test_responses_api_refuses_what_it_cannot_do_by_name(demo_server):
     import openai
 

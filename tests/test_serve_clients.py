@@ -34,10 +34,10 @@ WEATHER_ARGS = {"location": "Paris", "days": 2}
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     from dgcli.engine.diffusion import DiffusionEngine
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
     from dgcli.server.app import DgService, ServeConfig
     from dgcli.server.scheduler import BatchScheduler
-    from dgcli.tiny import write_tiny_random_gguf
+    from dgcli.testing.tiny import write_tiny_random_gguf
 
     tool_scheduler = BatchScheduler(DiffusionEngine(ToolCallingModel(), sampler="numpy"), slots=1)
     tools = InProcessServer(DgService(tool_scheduler, ServeConfig(model_name="caller"), log=lambda line: None))
@@ -62,6 +62,7 @@ def run_client(command: list[str]) -> dict:
 @pytest.mark.skipif(shutil.which("node") is None or not NODE_OPENAI.is_dir(),
                     reason="the Node openai SDK is not installed: `make test` installs it into .clients-node "
                            "where npm is available")
+@pytest.mark.subprocess
 def test_the_node_openai_sdk(servers):
     script = NODE_OPENAI.parents[1] / "node_openai.mjs"  # beside node_modules: where ESM imports look
     shutil.copy(CLIENTS / "node_openai.mjs", script)
@@ -76,6 +77,7 @@ def test_the_node_openai_sdk(servers):
 
 @pytest.mark.skipif(not CLIENTS_PYTHON.exists(), reason="langchain-openai and litellm (~430 MB) are kept out of "
                                                         "make test: `make test-clients` installs and runs them")
+@pytest.mark.subprocess
 def test_langchain_openai_and_litellm(servers):
     got = run_client([str(CLIENTS_PYTHON), str(CLIENTS / "python_clients.py"), servers["tools"], servers["demo"],
                       servers["gemma"]])

@@ -44,7 +44,7 @@ def connect(port: int) -> socket.socket:
 def limited_server(tiny_gguf, timeout_s):
     """The tiny model in-process, with header and body timeouts of timeout_s and room for 4 connections."""
     from dgcli.engine.diffusion import DiffusionEngine
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
     from dgcli.server.app import DgService, ServeConfig
     from dgcli.server.net import ConnectionLimits
     from dgcli.server.scheduler import BatchScheduler
@@ -135,7 +135,7 @@ def test_a_client_that_half_closes_after_its_request_gets_the_answer(patient_ser
 
 def test_cors_is_off_unless_an_origin_is_given_and_then_preflight_is_answered(tiny_gguf):
     from dgcli.engine.diffusion import DiffusionEngine
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
     from dgcli.server.app import DgService, ServeConfig
     from dgcli.server.scheduler import BatchScheduler
 
@@ -188,7 +188,7 @@ def test_a_rejected_long_prompt_is_freed_at_once_not_left_in_a_reference_cycle(t
     """Each rejected 4 MiB prompt (too long for the context) left its ~85 MB of token ids in a
     reference cycle until the next full garbage collection: 16 at once reached 4.8 GB."""
     from dgcli.engine.diffusion import DiffusionEngine
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
     from dgcli.server.app import DgService, ServeConfig
     from dgcli.server.scheduler import BatchScheduler
 
@@ -216,6 +216,7 @@ def test_a_rejected_long_prompt_is_freed_at_once_not_left_in_a_reference_cycle(t
         model.close()
 
 
+@pytest.mark.subprocess
 def test_sighup_stops_the_server_as_gracefully_as_sigterm(tiny_gguf):
     """SIGHUP ended the server at once (exit 129): in-flight clients got a cut connection, not the
     503 shutting_down that SIGINT and SIGTERM give them."""
@@ -241,6 +242,7 @@ def _limit_fds() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
 
 
+@pytest.mark.subprocess
 def test_1100_idle_connections_on_1024_file_descriptors_leave_health_answering(tiny_gguf):
     """With 1,024 file descriptors, 1,100 idle connections made accept() fail: /health timed out and
     asyncio wrote ~2 MB/s of tracebacks to the log. Idle connections now make room for new ones."""

@@ -47,7 +47,7 @@ class GatedModel:
     end_token_ids, pad_token_id = [1], 0
 
     def __init__(self):
-        from dgcli.engine.types import DiffusionParams
+        from dgcli.params import DiffusionParams
 
         self.default_params = DiffusionParams(max_denoising_steps=12)
         self.gate = threading.Semaphore(0)

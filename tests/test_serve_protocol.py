@@ -112,6 +112,7 @@ BAD_REQUESTS = [
 ]
 
 
+@pytest.mark.subprocess
 def test_the_bad_request_set_gets_4xx_in_openai_shape_no_500_and_no_traceback(tiny_server):
     """Each of these was a 500 with a traceback, a 200 for the wrong model, or served anyway."""
     for path, body, headers, want in BAD_REQUESTS:
@@ -124,6 +125,7 @@ def test_the_bad_request_set_gets_4xx_in_openai_shape_no_500_and_no_traceback(ti
     assert "Traceback" not in log and "internal error" not in log and " 500 " not in log, log[-3000:]
 
 
+@pytest.mark.subprocess
 def test_responses_carry_system_fingerprint_and_x_request_id(tiny_server):
     status, headers, body = raw(tiny_server, "POST", "/v1/chat/completions", chat(seed=1),
                                 {"X-Request-Id": "trace-42"})
@@ -154,7 +156,7 @@ def test_an_api_key_no_client_can_send_is_refused_at_start_from_the_flag_or_the_
     from typer.testing import CliRunner
 
     from dgcli import cli
-    from dgcli.engine import model as model_module
+    from dgcli.runtime import model as model_module
 
     def no_load(*a, **k):
         raise AssertionError("the model was loaded")
@@ -168,6 +170,7 @@ def test_an_api_key_no_client_can_send_is_refused_at_start_from_the_flag_or_the_
     assert len(r.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.subprocess
 def test_the_key_from_the_environment_is_required(tiny_gguf):
     with ServeProcess("-m", tiny_gguf, "--alias", "tiny", env={"DG_API_KEY": "s3cret-Key"}) as server:
         assert fetch_json("GET", server.url + "/models")[0] == 401

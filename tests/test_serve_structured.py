@@ -43,7 +43,7 @@ def conforms(value) -> bool:
 def test_integer_bounds_are_part_of_the_grammar(tiny_gguf):
     """llama-cpp-python's schema converter leaves minimum / maximum out: any integer passed."""
     from dgcli.engine.grammar import GrammarSampler
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     rng = random.Random(0)
     with DiffusionModel(str(tiny_gguf)) as model:
@@ -80,7 +80,7 @@ def test_control_characters_cannot_enter_a_json_string(tiny_gguf):
     """llama-cpp-python's converter let any character but a quote or backslash into a string: a
     random model's byte tokens (0x1e) made JSON that no parser reads."""
     from dgcli.engine.grammar import GrammarSampler
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     grammar = json_schema_grammar({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]})
     with DiffusionModel(str(tiny_gguf)) as model:
@@ -116,6 +116,7 @@ def client_for(url):
 
 @requires_native
 @needs_serve
+@pytest.mark.subprocess
 def test_json_object_mode_answers_json_whole_and_streamed(demo_server):
     client = client_for(demo_server.url)
     msgs = [{"role": "user", "content": "reverse: HELLO"}]
@@ -138,6 +139,7 @@ def test_json_object_mode_answers_json_whole_and_streamed(demo_server):
 
 @requires_native
 @needs_serve
+@pytest.mark.subprocess
 def test_json_schema_through_the_clients_parse_conforms_to_the_pydantic_model(demo_server):
     from pydantic import BaseModel, Field
 

@@ -90,9 +90,9 @@ def test_a_call_of_an_unknown_tool_or_one_never_closed_stays_text():
 
 @requires_native
 def test_the_gemma4_template_renders_tools_calls_and_results_and_tool_text_stays_text(tmp_path):
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
     from dgcli.server.api import parse_messages
-    from dgcli.tiny import TURN_END_ID, write_tiny_random_gguf
+    from dgcli.testing.tiny import TURN_END_ID, write_tiny_random_gguf
 
     path = write_tiny_random_gguf(tmp_path / "gemma4-template.gguf", chat_template=gemma4_template())
     messages = parse_messages([
@@ -127,7 +127,7 @@ class ToolCallingModel:
     end_token_ids, pad_token_id = [1], 0
 
     def __init__(self):
-        from dgcli.engine.types import DiffusionParams
+        from dgcli.params import DiffusionParams
 
         self.default_params = DiffusionParams()
         self.canvas_index = 0
@@ -225,10 +225,10 @@ def test_a_forced_call_is_decoded_under_a_grammar_and_its_arguments_follow_the_s
     grammar, so the encoder decodes it token by token under one; the arguments match the tool's
     parameters whatever the (random, tiny) model prefers."""
     from dgcli.engine.diffusion import DiffusionEngine
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
     from dgcli.server.app import DgService, ServeConfig
     from dgcli.server.scheduler import BatchScheduler
-    from dgcli.tiny import write_tiny_random_gguf
+    from dgcli.testing.tiny import write_tiny_random_gguf
 
     path = write_tiny_random_gguf(tmp_path / "gemma4-template.gguf", chat_template=gemma4_template())
     model = DiffusionModel(str(path), n_ctx=2048)

@@ -6,10 +6,11 @@ import itertools
 
 import pytest
 
-from dgcli.engine.types import DiffusionParams
-from dgcli.render import split_thinking
-from dgcli.server.api import ApiError, parse_request
+from dgcli.engine.thinking import split_thinking
+from dgcli.params import DiffusionParams
+from dgcli.server.api import parse_request
 from dgcli.server.bodies import chunk_body
+from dgcli.server.request import ApiError
 from dgcli.server.text import AnswerStream
 
 DEFAULTS = DiffusionParams()

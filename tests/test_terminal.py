@@ -19,10 +19,8 @@ pytest.importorskip("pyte", reason="the terminal tests need pexpect and pyte (pi
 import pty_screen  # noqa: E402
 from pyte import modes as pyte_modes  # noqa: E402
 
-from dgcli.engine import native  # noqa: E402
 
-NATIVE, WHY_NOT = native.available()
-pytestmark = pytest.mark.skipif(not NATIVE, reason=f"native layer unavailable: {WHY_NOT}")
+pytestmark = [pytest.mark.pty, pytest.mark.native]
 WIDTHS = [80, 40]
 
 
@@ -445,7 +443,7 @@ def test_info_tables_wrap_on_a_narrow_terminal_and_never_cut_a_value(columns, ti
             for i, cell in enumerate(line.strip("│").split("│")):
                 columns_text[i] = columns_text.get(i, "") + cell.strip()
     assert "max_denoising_steps" in columns_text[0] and "confidence_threshold" in columns_text[0]
-    from dgcli import info
+    from dgcli.modelfile import info
 
     for t in info.read_info(tiny_gguf).tensor_types:
         assert f"{t.parameters:,}" in columns_text[2], t

@@ -16,7 +16,8 @@ import numpy as np
 
 from dgcli.engine.diffusion import GEMMA_PAD_TOKEN_ID, TimedEvents, prompt_token_ids, validate_max_new_tokens
 from dgcli.engine.rng import RngStream, inverse_cdf_sample, resolve_seed
-from dgcli.engine.types import ContextFull, DgError, GenerationResult, InvalidParameter, TokenEvent
+from dgcli.engine.types import GenerationResult, TokenEvent
+from dgcli.errors import ContextFull, DgError, InvalidParameter
 
 EventCallback = Callable[[Any], Any]
 
@@ -50,7 +51,7 @@ class AutoregressiveEngine:
     def __init__(self, model: str | os.PathLike | Any, n_threads: int | None = None, n_gpu_layers: int = 0,
                  n_ctx: int | None = None, n_cpu_moe: int = 0, rpc_servers: Sequence[str] | None = None):
         if isinstance(model, (str, os.PathLike)):
-            from dgcli.engine.model import ArModel
+            from dgcli.runtime.model import ArModel
 
             self.model = ArModel(os.fspath(model), n_threads=n_threads, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx,
                                  n_cpu_moe=n_cpu_moe, rpc_servers=rpc_servers)

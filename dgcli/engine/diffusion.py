@@ -39,22 +39,15 @@ from dgcli.engine.sampler import (
     StepSampler,
     entropy_bound_accept_mask,
     finalize_canvas,
-    StepStats,
     make_step_sampler,
     mean_entropy,
     renoise_canvas,
     schedule_temperature,
 )
-from dgcli.engine.types import (
-    CanvasEvent,
-    ContextFull,
-    DgError,
-    DiffusionParams,
-    GenerationResult,
-    InvalidParameter,
-    StepEvent,
-    answer_token_ids,
-)
+from dgcli.engine.types import CanvasEvent, GenerationResult, StepEvent, answer_token_ids
+from dgcli.errors import ContextFull, DgError, InvalidParameter
+from dgcli.params import DiffusionParams
+from dgcli.runtime.forward import StepStats
 
 EventCallback = Callable[[Any], Any]
 
@@ -390,7 +383,7 @@ def batched_self_cond(self_conds: Sequence[_SelfCond | None]) -> tuple[np.ndarra
     """Several canvases' self-conditioning inputs as one top-k pair (ids [n, C, k], probs [n, C, k]).
     A canvas on its first step (None) gets all-zero probabilities: the graph then adds exactly zero,
     as when no input is passed. Dense inputs become k = V: every id, softmax probabilities."""
-    from dgcli.engine.model import dense_self_cond_probs
+    from dgcli.runtime.forward import dense_self_cond_probs
 
     present = [sc for sc in self_conds if sc is not None]
     if not present:
@@ -471,7 +464,7 @@ class DiffusionEngine:
                  self_cond_top_k: int | str | None = None, n_cpu_moe: int = 0,
                  rpc_servers: Sequence[str] | None = None):
         if isinstance(model, (str, os.PathLike)):
-            from dgcli.engine.model import DiffusionModel
+            from dgcli.runtime.model import DiffusionModel
 
             self.model = DiffusionModel(os.fspath(model), n_threads=n_threads, n_gpu_layers=n_gpu_layers,
                                         exact=exact, n_ctx=n_ctx, n_cpu_moe=n_cpu_moe, rpc_servers=rpc_servers)

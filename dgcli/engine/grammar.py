@@ -34,7 +34,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from dgcli.engine.rng import RngStream, inverse_cdf_sample
-from dgcli.engine.types import DgError, GenerationResult, TokenEvent
+from dgcli.engine.types import GenerationResult, TokenEvent
+from dgcli.errors import DgError
 
 MAX_SCHEMA_CHARS = 32 << 10  # a schema's JSON text
 MAX_SCHEMA_DEPTH = 32
@@ -176,8 +177,8 @@ def _convert(converter: Any, schema: dict, name: str, what: str) -> str:
         raise GrammarError(f"{what} cannot be turned into a grammar: {detail[:200]}") from None
 
 
-# a JSON string's character: llama-cpp-python's converter allows any but a quote or backslash, so
-# control characters (JSON forbids them unescaped: the text would not parse) got through
+# a JSON string's character: llama-cpp-python's converter allows any but a quote or backslash, which
+# would let control characters through (JSON forbids them unescaped: the text would not parse)
 JSON_CHAR_RULE = r'[^"\\\x7F\x00-\x1F] | [\\] (["\\/bfnrt] | "u" [0-9a-fA-F]{4,4})'
 
 

@@ -20,11 +20,14 @@ Every malformed or unsupported field is an ApiError 400 naming it (`param`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any
 
 from dgcli.engine.rng import SEED_LIMIT
-from dgcli.engine.types import DgError, DiffusionParams, InvalidParameter, check_utf8
+from dgcli.errors import InvalidParameter
+from dgcli.params import DiffusionParams
+from dgcli.server.request import CompletionRequest, bad, get_field, number_in, unicode_text
+from dgcli.server.structured import parse_response_format
+from dgcli.server.tools import parse_message_tool_calls, parse_tool_choice, parse_tools
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
@@ -53,105 +56,12 @@ UNSUPPORTED_FIELDS = {
 MESSAGE_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
-class ApiError(Exception):
-    """An error response in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": " ".join(str(message).split()), "type": type, "param": param, "code": code}}
-
-
-def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
-    return ApiError(400, message, param=param, code=code)
-
-
-@dataclass
-class ResponseFormat:
-    """response_format: "json_object", or "json_schema" with its schema (structured.py)."""
-
-    type: str
-    schema: dict[str, Any] | None = None
-    name: str = ""
-
-
-@dataclass
-class ToolChoice:
-    mode: str = "auto"  # "none" | "auto" | "required" | "function" (then `name`)
-    name: str | None = None
-
-
-@dataclass
-class CompletionRequest:
-    """A validated request of any endpoint."""
-
-    kind: str  # "chat" | "completion" | "responses"
-    messages: list[dict[str, Any]] = field(default_factory=list)  # chat: as the chat template takes them
-    prompts: list[str | list[int]] = field(default_factory=list)  # completion: text, or token ids, each
-    model: str | None = None
-    params: DiffusionParams = field(default_factory=DiffusionParams)
-    max_new_tokens: int = 256
-    max_tokens_given: bool = False  # False: the server's default, shortened to what the context holds
-    max_tokens_param: str = "max_tokens"
-    seed: int | None = None
-    stream: bool = False
-    include_usage: bool = False
-    stop: list[str] = field(default_factory=list)
-    dg_steps: bool = False
-    n: int = 1
-    temperature: float | None = None  # the grammar-constrained decoder's only
-    tools: list[dict[str, Any]] = field(default_factory=list)
-    tool_choice: ToolChoice = field(default_factory=ToolChoice)
-    parallel_tool_calls: bool = True
-    response_format: ResponseFormat | None = None
-
-    @property
-    def prompt(self) -> str | list[int]:
-        return self.prompts[0]
-
-    @property
-    def n_choices(self) -> int:
-        return self.n * max(1, len(self.prompts))
-
-
-def get_field(body: dict, name: str, kinds: tuple[type, ...], what: str, where: str | None = None) -> Any:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-        raise bad(f"'{where or name}' must be {what}", param=where or name)
-    return value
-
-
-def number_in(value: Any, low: float, high: float) -> bool:
-    """A JSON number within [low, high]; an integer too long for a float is not (it was a 500)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    try:
-        as_float = float(value)
-    except OverflowError:
-        return False
-    return math.isfinite(as_float) and low <= as_float <= high
-
-
 def parse_request(body: Any, kind: str, defaults: DiffusionParams, default_max_tokens: int,
                   max_tokens_limit: int, canvas_length: int | None = None) -> CompletionRequest:
     """Validate a request body of /v1/chat/completions (kind "chat") or /v1/completions ("completion");
     canvas_length: the served model's, which bounds the steps a canvas may take."""
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
-    from dgcli.server.structured import parse_response_format  # noqa: PLC0415
-    from dgcli.server.tools import parse_tool_choice, parse_tools  # noqa: PLC0415
-
     req = CompletionRequest(kind=kind)
     for name, what in UNSUPPORTED_FIELDS.items():
         if body.get(name) not in (None, [], {}):
@@ -248,8 +158,6 @@ def parse_max_tokens(body: dict, req: CompletionRequest, default: int, limit: in
 def parse_messages(messages: Any) -> list[dict[str, Any]]:
     """OpenAI chat messages -> what the chat template takes: {"role", "content"} (text), assistant
     tool_calls with their arguments as objects, tool results with their call's id and name."""
-    from dgcli.server.tools import parse_message_tool_calls  # noqa: PLC0415
-
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' must be a non-empty array of {role, content} objects", param="messages")
     if len(messages) > MAX_MESSAGES:
@@ -278,14 +186,6 @@ def parse_messages(messages: Any) -> list[dict[str, Any]]:
             entry["name"] = unicode_text(name, f"{where}.name")
         out.append(entry)
     return out
-
-
-def unicode_text(text: str, param: str) -> str:
-    try:
-        check_utf8(text, f"'{param}'")
-    except DgError as err:
-        raise bad(str(err), param=param) from None
-    return text
 
 
 TEXT_PART_TYPES = ("text", "input_text", "output_text")

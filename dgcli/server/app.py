@@ -20,26 +20,27 @@ waiting, cancels its request: its slots go to the next one.
 from __future__ import annotations
 
 import hmac
-import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
 from dgcli.engine.diffusion import DiffusionEngine, prompt_token_ids
-from dgcli.engine.types import DgError
-from dgcli.server.api import ApiError, CompletionRequest, error_body, parse_request
+from dgcli.errors import DgError
+from dgcli.server.api import parse_request
 from dgcli.server.bodies import created_now, system_fingerprint
 from dgcli.server.guard import CorsPolicy, HostCheck, HttpGuard
-from dgcli.server.run import Job, failure_error  # noqa: F401 (failure_error: tests import it from here)
+from dgcli.server.http import EventStreamResponse, error_response, read_json, wait_unless_gone
+from dgcli.server.request import ApiError, CompletionRequest, error_body
+from dgcli.server.responses import parse_responses_request, respond
+from dgcli.server.run import Job
 from dgcli.server.scheduler import BatchScheduler, QueueFull, RequestTooLong, SchedulerClosed
 from dgcli.server.structured import check_grammar, grammar_for
 from dgcli.server.tools import MarkerText, parses_tool_calls, template_tools
@@ -136,75 +137,6 @@ class DgService:
         return self._pieces[token]
 
 
-class EventStreamResponse(StreamingResponse):
-    """SSE that also listens for the client's disconnect the whole time (Starlette only notices a
-    disconnect on its next write when the server speaks ASGI 2.4, and a canvas can take a while)."""
-
-    def __init__(self, content: AsyncIterator[str], headers: dict[str, str] | None = None):
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async with anyio.create_task_group() as group:
-            async def stream() -> None:
-                try:
-                    await self.stream_response(send)
-                except OSError:
-                    pass  # the client is gone
-                group.cancel_scope.cancel()
-
-            group.start_soon(stream)
-            await self.listen_for_disconnect(receive)
-            group.cancel_scope.cancel()
-
-
-def error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
-
-
-async def read_json(request: Request, limit: int) -> Any:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and len(declared) < 20 and int(declared) > limit:
-        raise ApiError(413, f"request body of {int(declared)} bytes exceeds the limit of {limit}")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise ApiError(413, f"request body exceeds the limit of {limit} bytes")
-    try:
-        return json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ApiError(400, f"the request body is not valid JSON: {err}") from None
-    except RecursionError:  # e.g. 100000 nested arrays: was a 500 and a traceback in the log
-        raise ApiError(400, "the request body is nested too deeply") from None
-    except ValueError:  # an integer past Python's 4300-digit limit for reading one
-        raise ApiError(400, "the request body holds a number too long to read") from None
-
-
-async def until_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def wait_unless_gone(request: Request, job: Job) -> Any:
-    """The job's outcomes (non-streaming), an ApiError for a failure, or None when the client left first
-    (the job is cancelled then)."""
-    box: list[Any] = []
-    async with anyio.create_task_group() as group:
-        async def watch() -> None:
-            await until_disconnect(request)
-            job.cancel()
-            group.cancel_scope.cancel()
-
-        group.start_soon(watch)
-        try:
-            box.append(await job.outcome())
-        except ApiError as err:
-            box.append(err.with_traceback(None))
-        group.cancel_scope.cancel()
-    return box[0] if box else None
-
-
 class Endpoints:
     """The routes over one DgService."""
 
@@ -276,8 +208,6 @@ class Endpoints:
         body = await read_json(request, self.config.max_body_bytes)
         service = self.service
         if kind == "responses":
-            from dgcli.server.responses import parse_responses_request  # noqa: PLC0415
-
             req = parse_responses_request(body, service.engine.default_params, self.config.default_max_tokens,
                                           service.max_tokens_limit, service.model.canvas_length)
         else:
@@ -336,8 +266,6 @@ class Endpoints:
         return await self.generate(request, "completion")
 
     async def responses(self, request: Request) -> Response:
-        from dgcli.server.responses import respond  # noqa: PLC0415
-
         req = await self.parse(request, "responses")
         return await respond(self, request, req)
 

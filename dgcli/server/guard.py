@@ -21,7 +21,7 @@ import re
 import uuid
 from typing import Any, Callable, Iterable
 
-from dgcli.server.api import error_body
+from dgcli.server.request import error_body
 
 REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 HEADER_TOKEN_RE = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~\-]+$")

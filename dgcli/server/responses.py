@@ -22,9 +22,11 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from dgcli.engine.types import DiffusionParams
-from dgcli.server.api import ApiError, CompletionRequest, bad, message_text, parse_request
+from dgcli.params import DiffusionParams
+from dgcli.server.api import message_text, parse_request
 from dgcli.server.bodies import ChoiceOutcome, dg_field, system_fingerprint
+from dgcli.server.http import EventStreamResponse, error_response, wait_unless_gone
+from dgcli.server.request import ApiError, CompletionRequest, bad
 from dgcli.server.run import Delta, Failed, Finished, Job, failure_error
 from dgcli.server.structured import parse_response_format
 
@@ -137,7 +139,6 @@ class ResponseShape:
 
 
 async def respond(endpoints: "Endpoints", request: Request, req: CompletionRequest) -> Response:
-    from dgcli.server.app import EventStreamResponse, error_response, wait_unless_gone  # noqa: PLC0415
 
     job = await endpoints.start(req)
     shape = ResponseShape(job, req)

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from dgcli.engine.rng import SEED_LIMIT
 from dgcli.engine.types import CanvasEvent, StepEvent, TokenEvent
-from dgcli.server.api import ApiError, CompletionRequest
 from dgcli.server.bodies import (
     ChoiceOutcome,
     chunk_body,
@@ -29,6 +28,7 @@ from dgcli.server.bodies import (
     timings,
     usage,
 )
+from dgcli.server.request import ApiError, CompletionRequest
 from dgcli.server.scheduler import GenerationRequest, RequestDone, RequestFailed
 from dgcli.server.structured import CONSTRAINED, DIFFUSION
 from dgcli.server.text import AnswerStream

@@ -47,11 +47,13 @@ from typing import Any, Callable, Sequence
 
 from dgcli.engine.diffusion import DiffusionEngine, DiffusionSequence, denoising_step, validate_max_new_tokens
 from dgcli.engine.grammar import ConstrainedSequence, GrammarSampler
-from dgcli.engine.model import ENCODE_CHUNK
 from dgcli.engine.rng import RngStream, resolve_seed
-from dgcli.engine.types import CanvasEvent, ContextFull, DgError, DiffusionParams, GenerationResult, StepEvent, TokenEvent
-from dgcli.render import plural
+from dgcli.engine.types import CanvasEvent, GenerationResult, StepEvent, TokenEvent
+from dgcli.errors import ContextFull, DgError
+from dgcli.params import DiffusionParams
+from dgcli.runtime.model import ENCODE_CHUNK
 from dgcli.server.slots import DECODING, DENOISING, PREFILLING, SlotLayout
+from dgcli.units import plural
 
 
 class QueueFull(DgError):

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from dgcli.engine.grammar import JSON_OBJECT_SCHEMA, GrammarError, json_schema_grammar, tool_call_grammar
-from dgcli.server.api import ApiError, CompletionRequest, ResponseFormat, bad
+from dgcli.server.request import ApiError, CompletionRequest, ResponseFormat, bad
 from dgcli.server.tools import CALL_PREFIX, TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 DIFFUSION = "diffusion"

@@ -23,7 +23,7 @@ import re
 import uuid
 from typing import Any, Callable, Sequence
 
-from dgcli.server.api import ToolChoice, bad, get_field, unicode_text
+from dgcli.server.request import ToolChoice, bad, get_field, unicode_text
 
 TOOL_CALL_OPEN = "<|tool_call>"
 TOOL_CALL_CLOSE = "<tool_call|>"

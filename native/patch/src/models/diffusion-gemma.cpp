@@ -22,7 +22,7 @@
 // The dg_* functions (diffusion-gemma-api.cpp) remove the canvas from the cache after a decoder
 // forward, so from the outside the decoder never changes the cache.
 
-// the largest meaningful values (dgcli/engine/types.py and hparams.py hold the same bounds)
+// the largest meaningful values (dgcli/params.py and dgcli/modelfile/hparams.py hold the same bounds)
 static constexpr uint32_t DG_MAX_CANVAS_LENGTH  = 1024;
 static constexpr uint32_t DG_MAX_SLIDING_WINDOW = 1u << 24;
 
@@ -311,7 +311,7 @@ const dg_lm_head * llama_model_diffusion_gemma::dense(const ggml_tensor * w) con
 // The MoE experts of Q8_0, Q5_0 and (AVX2) Q4_K type (all of a Q8_0 or a Q4_K_M file's but Q6_K
 // ones) through the same tiles, packed on the fly (dg_experts): ggml's MUL_MAT_ID runs them at 44-64%
 // of the core's int8 rate here. Q4_K experts qualify only outside ggml's CPU repack buffers, which
-// the loader keeps them out of where this runs (dg_plain_cpu_buffer_type, dgcli.engine.offload).
+// the loader keeps them out of where this runs (dg_plain_cpu_buffer_type, dgcli.runtime.offload).
 // Not where a GPU is in use (uses_gpu: e.g. --n-cpu-moe's host experts then run on the GPU).
 // Decided once, on the first graph; DG_EXPERT_GEMM=ggml keeps ggml's MUL_MAT_ID (A/B runs).
 const dg_experts * llama_model_diffusion_gemma::experts(const ggml_tensor * w) const {
@@ -342,7 +342,7 @@ const dg_experts * llama_model_diffusion_gemma::experts(const ggml_tensor * w) c
 // token is routed to, packed on the fly: a canvas's 256 columns pay for a group's packing many times
 // over, and ggml's repacked Q4_K / Q6_K GEMMs run at ~70% of the int8 rate here. AVX2 only (the tiles'
 // only form), not where a GPU is in use, and only outside ggml's CPU repack buffers, which the loader
-// keeps these tensors out of where this runs (dgcli.engine.offload.tiled_weight_pattern).
+// keeps these tensors out of where this runs (dgcli.runtime.offload.tiled_weight_pattern).
 // DG_DENSE_GEMM=ggml keeps ggml's matmul.
 const dg_experts * llama_model_diffusion_gemma::dense_tiled(const ggml_tensor * w) const {
     std::call_once(dense_tiled_once, [this] {
