@@ -146,6 +146,8 @@ def test_the_capture_is_the_gpu_form_at_real_widths(captured):
 
 @pytest.mark.slow
 @pytest.mark.subprocess
+@pytest.mark.xfail(strict=True, reason="the self-conditioning contraction is still an OUT_PROD, which ggml-metal "
+                                        "refuses; the MUL_MAT form is issue 26 item 5")
 def test_every_node_runs_on_metal(captured):
     """ggml-metal's supports_op, on the oldest Apple GPU it runs matrix kernels on (with and without
     bfloat), takes every node of the prefill, the step and the commit: nothing falls back to the CPU."""
