@@ -11,6 +11,7 @@ import typer
 
 from dgcli import render
 from dgcli.commands import _shared as shared
+from dgcli.engine.types import WORKER_LOST
 
 # 2: the AR side's tokens_per_second counts only the answer tokens made after the prefill (null when none were)
 COMPARE_SCHEMA = "dg-compare/2"
@@ -123,6 +124,10 @@ def compare(
             else:
                 shared.echo_text(render.answer_plain(d.text, thinking))
                 shared.notice(render.result_summary(d))
+            if d.stop_reason == WORKER_LOST:
+                from dgcli.engine import rpc
+
+                rpc.check_workers()  # its one line and exit status, after the answer it cut short
             shared.notice("interrupted: the diffusion output above is what was produced; the AR side did not run")
             raise typer.Exit(shared.EXIT_INTERRUPTED)
         if a.interrupted:
@@ -139,6 +144,10 @@ def compare(
                 shared.echo_text(render.answer_plain(a.text, thinking))
             shared.print_table(render.compare_table(d, a, diff_rss.peak, ar_rss.peak, diff_res.display_name,
                                                     ar_res.display_name))
+        if a.stop_reason == WORKER_LOST:
+            from dgcli.engine import rpc
+
+            rpc.check_workers()
         if a.interrupted:
             shared.notice("interrupted: the AR output above is what was produced")
             raise typer.Exit(shared.EXIT_INTERRUPTED)

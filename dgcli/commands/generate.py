@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from dgcli import outputs, render
-from dgcli.engine.types import DgError, InvalidParameter
+from dgcli.engine.types import WORKER_LOST, DgError, InvalidParameter
 from dgcli.commands import _shared as shared
 
 GENERATE_SCHEMA = "dg-generate/1"
@@ -114,6 +114,10 @@ def generate(
             shared.notice(render.result_summary(result))
         if result.stop_reason == "context_full" and not json_out:
             shared.notice("note: the context is full; the answer stops here")
+        if result.stop_reason == WORKER_LOST:
+            from dgcli.engine import rpc
+
+            rpc.check_workers()  # its one line and exit status, after the answer it cut short
         if result.interrupted:
             shared.notice("interrupted: the output above is what was produced so far")
             raise typer.Exit(shared.EXIT_INTERRUPTED)

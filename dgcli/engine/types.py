@@ -14,7 +14,9 @@ import numpy as np
 
 
 class DgError(Exception):
-    """An error a user can act on. The CLI prints `str(err)` on one line and exits non-zero."""
+    """An error a user can act on. The CLI prints `str(err)` on one line and exits with `exit_code`."""
+
+    exit_code = 1
 
 
 class InvalidParameter(DgError, ValueError):
@@ -23,6 +25,18 @@ class InvalidParameter(DgError, ValueError):
     def __init__(self, name: str, value: Any, allowed: str):
         self.name, self.value, self.allowed = name, value, allowed
         super().__init__(f"invalid {name}={value!r}: must be {allowed}")
+
+
+class WorkerLost(DgError):
+    """A machine that held part of the model (an RPC worker) stopped answering, closed the connection or
+    sent a malformed reply, after the model began loading there: the layers it held are gone. An
+    engine's generation ends with what it produced before (stop_reason WORKER_LOST)."""
+
+    exit_code = 3
+
+
+# the stop_reason of a generation that a lost worker ended (its result also counts as interrupted)
+WORKER_LOST = "worker_lost"
 
 
 class ModelLoadError(DgError):
@@ -271,6 +285,7 @@ class GenerationResult:
     # "end_token" | "pad_canvas" (a canvas of padding only: ends as an end token would) | "length" | "interrupted"
     # | "stop" (the caller asked for no further canvas: a stop string in dg serve)
     # | "context_full" (no room in the KV cache for another canvas or token)
+    # | "worker_lost" (WORKER_LOST: an RPC worker holding layers failed; interrupted is True too)
     stop_reason: str = "length"
     interrupted: bool = False
     seed: int | None = None  # the seed the run used (picked at random when none was given)
