@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from dgcli.engine.types import GenerationResult
-from dgcli.errors import DgError
+from dgcli.errors import WORKER_LOST, DgError, WorkerLost
 from dgcli.params import DiffusionParams
 from dgcli.textfile import read_text_file
 from dgcli.units import format_bytes, format_figure
@@ -488,6 +488,8 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], *,
                                           seed=config.seed + i)
                 else:
                     res = engine.generate(p.text, max_new_tokens=config.max_new_tokens, seed=config.seed + i)
+                if res.stop_reason == WORKER_LOST:  # the worker's own error: see rpc.check_workers
+                    raise WorkerLost("an RPC worker was lost")
                 if res.interrupted:  # the engine returned what it had: not a complete run
                     raise KeyboardInterrupt
                 runs.append(_record(mode, p, i, res))
@@ -525,6 +527,9 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], *,
     except KeyboardInterrupt:
         interrupted = True
         notes.append("interrupted (Ctrl-C): the report holds the runs finished before it")
+    except WorkerLost:
+        interrupted = True
+        notes.append("an RPC worker was lost: the report holds the runs finished before it")
 
     if speed is not None:
         ar_decodes = [r.mean_forward_s for r in runs if r.mode == "autoregressive" and r.mean_forward_s is not None]

@@ -45,7 +45,7 @@ from dgcli.engine.sampler import (
     schedule_temperature,
 )
 from dgcli.engine.types import CanvasEvent, GenerationResult, StepEvent, answer_token_ids
-from dgcli.errors import ContextFull, DgError, InvalidParameter
+from dgcli.errors import WORKER_LOST, ContextFull, DgError, InvalidParameter, WorkerLost
 from dgcli.params import DiffusionParams
 from dgcli.runtime.forward import StepStats
 
@@ -348,10 +348,11 @@ class DiffusionSequence:
     # ---- result ------------------------------------------------------------------------------------
 
     def result(self, stop_reason: str | None = None, seed: int | None = None) -> GenerationResult:
-        """What this generation produced so far; stop_reason "interrupted" adds the current canvas's answer."""
+        """What this generation produced so far; stop_reason "interrupted" (or WORKER_LOST) adds the
+        current canvas's answer."""
         state = self.state
         stop_reason = stop_reason or self.stop_reason or "length"
-        interrupted = stop_reason == "interrupted"
+        interrupted = stop_reason in ("interrupted", WORKER_LOST)
         answer = list(state.answer)
         if interrupted and state.current_argmax is not None and not state.found_end:
             answer.extend(answer_token_ids(state.current_argmax, self.end_token_ids, self.pad_token_id,
@@ -543,6 +544,8 @@ class DiffusionEngine:
                         seq.start_canvas()
         except (KeyboardInterrupt, _StopRequested):
             stop_reason = "interrupted"
+        except WorkerLost:  # the worker's error is the caller's to report (rpc.check_workers raises it again)
+            stop_reason = WORKER_LOST
         except ContextFull:
             if not seq.state.steps_per_canvas:
                 raise  # the prompt alone does not fit: nothing was generated

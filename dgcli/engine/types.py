@@ -143,6 +143,7 @@ class GenerationResult:
     # "end_token" | "pad_canvas" (a canvas of padding only: ends as an end token would) | "length" | "interrupted"
     # | "stop" (the caller asked for no further canvas: a stop string in dg serve)
     # | "context_full" (no room in the KV cache for another canvas or token)
+    # | "worker_lost" (WORKER_LOST: an RPC worker holding layers failed; interrupted is True too)
     stop_reason: str = "length"
     interrupted: bool = False
     seed: int | None = None  # the seed the run used (picked at random when none was given)

@@ -191,7 +191,7 @@ class _LlamaModel:
         L = getattr(self, "_lib", None)
         if L is None:
             return
-        with native.deferred_interrupts():
+        with native.deferred_interrupts(check=False):  # a lost RPC worker's model is freed like any other
             if self._ctx:
                 L.llama_free(self._ctx)
                 self._ctx = None

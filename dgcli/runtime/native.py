@@ -24,7 +24,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from dgcli.errors import DgError
 
@@ -88,6 +88,15 @@ def _on_log(level: int, text: bytes, _user_data: Any) -> None:
 
 
 _interrupt_pending = threading.Event()
+# Run after every native call made in `deferred_interrupts()`, in the caller's thread: dgcli.runtime.rpc
+# adds one that raises WorkerLost when an RPC worker failed during the call (ggml's client then
+# completes the call with neutral values, which must not be used).
+call_checks: list[Callable[[], None]] = []
+
+
+def check_calls() -> None:
+    for check in list(call_checks):
+        check()
 
 
 def _record_interrupt(_signum: int, _frame: Any) -> None:
@@ -95,23 +104,31 @@ def _record_interrupt(_signum: int, _frame: Any) -> None:
 
 
 @contextlib.contextmanager
-def deferred_interrupts() -> Iterator[None]:
-    """Ctrl-C inside the block is recorded and raised as KeyboardInterrupt when the block ends.
+def deferred_interrupts(check: bool = True) -> Iterator[None]:
+    """Ctrl-C inside the block is recorded and raised as KeyboardInterrupt when the block ends, after
+    `call_checks` (each may raise; check=False: none run, for calls that only free what was made).
 
     Only where Ctrl-C would raise KeyboardInterrupt anyway (the main thread, Python's default
     handler): a handler the application installed is left alone. Nested blocks are one block.
     """
     if (threading.current_thread() is not threading.main_thread()
             or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
-        yield
+        try:
+            yield
+        finally:
+            if check:
+                check_calls()
         return
     signal.signal(signal.SIGINT, _record_interrupt)
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        if _interrupt_pending.is_set():
-            _interrupt_pending.clear()
+        interrupted = _interrupt_pending.is_set()
+        _interrupt_pending.clear()
+        if check:
+            check_calls()  # a lost worker first: it, not the Ctrl-C, is why the call returned early
+        if interrupted:
             raise KeyboardInterrupt
 
 

@@ -101,4 +101,8 @@ def bench(
                 console.print(f"note: {note}", style="yellow", markup=False, highlight=False,
                               soft_wrap=not console.is_terminal)
         if report.interrupted:
+            if rpc_servers:
+                from dgcli.runtime import rpc
+
+                rpc.check_workers()  # a lost worker ended it: its one line and exit status, after the report
             raise typer.Exit(_errors.EXIT_INTERRUPTED)

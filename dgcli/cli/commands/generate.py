@@ -11,7 +11,7 @@ import typer
 from dgcli import outputs
 from dgcli.cli import _display, _errors, _models, _options, _output, _prompt, _terminal, render
 from dgcli.engine.thinking import split_thinking
-from dgcli.errors import DgError, InvalidParameter
+from dgcli.errors import WORKER_LOST, DgError, InvalidParameter
 
 GENERATE_SCHEMA = "dg-generate/1"
 
@@ -115,6 +115,10 @@ def generate(
             _output.notice(render.result_summary(result))
         if result.stop_reason == "context_full" and not json_out:
             _output.notice("note: the context is full; the answer stops here")
+        if result.stop_reason == WORKER_LOST:
+            from dgcli.runtime import rpc
+
+            rpc.check_workers()  # its one line and exit status, after the answer it cut short
         if result.interrupted:
             _output.notice("interrupted: the output above is what was produced so far")
             raise typer.Exit(_errors.EXIT_INTERRUPTED)

@@ -141,6 +141,10 @@ def _run(listener: socket.socket, name: str, path, *, parallel: int, queue_size:
         # a KV-cache stream per request: each is laid out as if alone, so answers equal `dg generate`'s
         model = DiffusionModel(str(path), n_threads=threads, n_gpu_layers=gpu_layers, n_ctx=ctx_size * parallel,
                                n_seq_max=parallel, kv_unified=False, rpc_servers=rpc_servers)
+    if rpc_servers:  # no request can go on without the worker's layers: the server ends, with one line
+        from dgcli.runtime import rpc
+
+        rpc.end_process_on_lost_worker()
     _models.warn_if_not_offloaded("model", model, gpu_layers)
     scheduler = None
     try:
