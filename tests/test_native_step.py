@@ -201,7 +201,7 @@ def test_graph_step_checks_its_inputs(exact_model):
         m.denoise_step(np.zeros((3, 16), np.int64), 0.5, np.zeros((3, 16)))
     with pytest.raises(InvalidParameter):
         m.denoise_step(np.full((1, 16), m.vocab_size), 0.5, u)
-    with pytest.raises(DgError, match="not both"):
+    with pytest.raises(DgError, match="one self-conditioning input"):
         m.denoise_step(canvas, 0.5, u, sc_logits=np.zeros((1, 16, m.vocab_size), np.float32),
                        sc_topk=(np.zeros((1, 16, 2), np.int32), np.zeros((1, 16, 2), np.float32)))
 
@@ -267,7 +267,14 @@ def test_engine_on_the_graph_step_generates_what_the_host_sampler_does(tiny_gguf
     (graph, graph_steps), (host, host_steps) = runs["graph"], runs["native"]
     assert graph.token_ids == host.token_ids
     assert graph.steps_per_canvas == host.steps_per_canvas
-    assert [e.mean_entropy for e in graph_steps] == [e.mean_entropy for e in host_steps]
+    graph_entropy, host_entropy = [e.mean_entropy for e in graph_steps], [e.mean_entropy for e in host_steps]
+    if top_k:
+        assert graph_entropy == host_entropy
+    else:
+        # dense: the graph step forms the next soft embedding from its own probabilities (its exp, within
+        # 2 ulp of numpy's), the host path from numpy's softmax of the processed logits; this random
+        # model feeds the difference back step after step (1e-7 at the second step, 3e-4 by the eighth)
+        np.testing.assert_allclose(graph_entropy, host_entropy, rtol=1e-3)
     assert [e.accepted_mask.tolist() for e in graph_steps] == [e.accepted_mask.tolist() for e in host_steps]
 
 
@@ -347,11 +354,13 @@ K_QUANT_TYPES = {"q4_K": 12, "q6_K": 14}  # ggml_type: the types with tiles of t
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 @pytest.mark.parametrize("weight_type", sorted(WEIGHT_TYPES))
-@pytest.mark.parametrize("n_embd, n_vocab, n_cols", [(64, 500, 16), (128, 37, 9), (2816, 1000, 70)])
+@pytest.mark.parametrize("n_embd, n_vocab, n_cols", [(64, 500, 16), (128, 37, 9), (2816, 1000, 70),
+                                                    (32 * 600, 40, 9)])
 def test_lm_head_kernel_agrees_with_a_double_precision_sum(kernel, weight_type, n_embd, n_vocab, n_cols):
     """Each kernel on random Q8_0 or Q5_0 weights (a partial last row group, a partial column tile)
     against a float64 sum of the same quantized activations and the weights as ggml's dequantizer
-    decodes them: float32 rounding only, so the Q5_0 -> int8 repack loses nothing."""
+    decodes them: float32 rounding only, so the Q5_0 -> int8 repack loses nothing. Rows of 600 blocks
+    (as the transposed embeddings' 8192) are multiplied in chunks of 256, the last one shorter."""
     import ctypes
 
     from dgcli.engine import native

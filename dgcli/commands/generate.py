@@ -35,8 +35,8 @@ def generate(
     thinking: str = shared.ThinkingOpt,
     self_cond_top_k: Optional[int] = typer.Option(
         None, "--self-cond-top-k", show_default=False,
-        help="Tokens per position fed back to self-conditioning (0 = all; default: all for small vocabularies, "
-             "else 64; the mass left out is in the trace as sc_dropped_mass)."),
+        help="Tokens per position fed back to self-conditioning (default 0: all of them, the reference's dense "
+             "form; K: the K most probable, the mass left out in the trace as sc_dropped_mass)."),
     pace: float = shared.PaceOpt,
     no_live: bool = shared.NoLiveOpt,
     json_out: bool = typer.Option(False, "--json", help=f"Print the result and the per-step trace as JSON ({GENERATE_SCHEMA})."),

@@ -34,8 +34,9 @@ def serve(
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="DG_API_KEY",
                                           help="Require `Authorization: Bearer KEY` (env DG_API_KEY)."),
     self_cond_top_k: Optional[int] = typer.Option(
-        None, "--self-cond-top-k", help="Tokens per position fed back to self-conditioning (0 = all; default: all "
-                                        "for small vocabularies, else 64)."),
+        None, "--self-cond-top-k", show_default=False,
+        help="Tokens per position fed back to self-conditioning (default 0: all of them, the reference's dense "
+             "form; K: the K most probable)."),
     threads: Optional[int] = shared.ThreadsOpt, gpu_layers: int = shared.GpuOpt,
     rpc: Optional[str] = shared.RpcOpt,
     yes: bool = shared.YesOpt,

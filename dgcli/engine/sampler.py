@@ -53,6 +53,9 @@ class StepStats:
     topk_ids: np.ndarray | None = None  # int32 [C, k]: most probable first
     topk_probs: np.ndarray | None = None  # float32 [C, k]: softmax(processed) at those ids
     dropped_mass: np.ndarray | None = None  # float64 [C]: 1 - sum(topk_probs), the mass left out
+    # the next step's dense self-conditioning input as the graph step forms it (next_soft):
+    # softmax(processed) @ E * sqrt(n_embd), float32 [C, n_embd]
+    soft: np.ndarray | None = None
 
 
 class StepSampler(Protocol):
