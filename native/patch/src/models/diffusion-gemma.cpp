@@ -808,6 +808,9 @@ ggml_tensor * llama_model_diffusion_gemma::graph::build_repacked_mm(const dg_lm_
                           GGML_N_TASKS_MAX, userdata);
 }
 
+// tokens per partial sum of exact mode's F32 dense product (build_chunked_mul_mat)
+static constexpr int64_t DG_SC_F32_CHUNK = 8192;
+
 // e + sc, where sc is the self-conditioning block on the previous step's soft embeddings
 ggml_tensor * llama_model_diffusion_gemma::graph::build_self_cond_input(const llama_model_diffusion_gemma & model, ggml_tensor * inp_embd) {
     const dg_request * req   = dg_active_request();
@@ -857,9 +860,30 @@ ggml_tensor * llama_model_diffusion_gemma::graph::build_soft_embd_dense(const ll
     if (et == nullptr) {
         throw std::runtime_error("diffusion-gemma: cannot make the transposed embeddings of the dense self-conditioning");
     }
-    ggml_tensor * soft = et->packed() ? build_repacked_mm(et->packed(), probs) : ggml_mul_mat(ctx0, et->tensor(), probs);
+    ggml_tensor * soft;
+    if (et->packed()) {
+        soft = build_repacked_mm(et->packed(), probs);
+    } else if (et->tensor()->type == GGML_TYPE_F32 && probs->ne[0] > DG_SC_F32_CHUNK && probs->ne[0] % DG_SC_F32_CHUNK == 0) {
+        soft = build_chunked_mul_mat(et->tensor(), probs, DG_SC_F32_CHUNK);
+    } else {
+        soft = ggml_mul_mat(ctx0, et->tensor(), probs);
+    }
     cb(soft, "sc_dense_product", -1);
     return ggml_scale(ctx0, soft, sqrtf((float) n_embd) / (probs_scale * et->scale()));
+}
+
+// a x b, [K, M] x [K, N] -> [M, N], as K / chunk products of `chunk`-long rows (one batched MUL_MAT
+// over views of a and b) whose partial sums are added in double (sum_rows). Exact mode's F32 product
+// over the 262144-token vocabulary: in one MUL_MAT each of ggml's accumulators adds ~4096 terms, whose
+// rounding moved the real-width logits by 7e-5 (against 1e-4 for the whole small-model budget).
+ggml_tensor * llama_model_diffusion_gemma::graph::build_chunked_mul_mat(ggml_tensor * a, ggml_tensor * b, int64_t chunk) {
+    const int64_t n_chunks = a->ne[0] / chunk;
+    GGML_ASSERT(a->ne[0] == b->ne[0] && n_chunks * chunk == a->ne[0]);
+    ggml_tensor * a3 = ggml_view_3d(ctx0, a, chunk, a->ne[1], n_chunks, a->nb[1], chunk * a->nb[0], 0);
+    ggml_tensor * b3 = ggml_view_3d(ctx0, b, chunk, b->ne[1], n_chunks, b->nb[1], chunk * b->nb[0], 0);
+    ggml_tensor * parts = ggml_mul_mat(ctx0, a3, b3);                            // [M, N, n_chunks]
+    parts = ggml_cont(ctx0, ggml_permute(ctx0, parts, 1, 2, 0, 3));              // [n_chunks, M, N]
+    return ggml_reshape_2d(ctx0, ggml_sum_rows(ctx0, parts), a->ne[1], b->ne[1]);
 }
 
 // The top-k form: soft[:, c] = sum_j probs[j, c] * E[:, ids[j, c]] * sqrt(n_embd), the k rows of E of
