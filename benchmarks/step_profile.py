@@ -76,6 +76,11 @@ NAMED_GROUPS = {
     ("CUSTOM", "lm_head"): "LM head (repacked int8 GEMM)",
     ("CUSTOM", "repacked_act"): "activations quantized for the repacked GEMMs",
     ("CUSTOM", "dg_step"): "step: softcap, softmax, entropy, sample, top-k",
+    ("CUSTOM", "sc_dense_product"): "dense self-conditioning product E^T x p (repacked int8 GEMM)",
+    ("MUL_MAT", "sc_dense_product"): "dense self-conditioning product E^T x p (MUL_MAT)",
+    ("MUL_MAT", "sc_topk_product"): "top-k self-conditioning: k rows x p (MUL_MAT)",
+    ("GET_ROWS", "sc_rows"): "top-k self-conditioning: gather k rows of E",
+    ("CONT", "sc_rows_t"): "top-k self-conditioning: transpose the rows",
 }
 # the dense projections, by node name: through our repacked GEMM (CUSTOM) or ggml's (MUL_MAT)
 DENSE_GROUPS = {"Qcur": "attention projections", "Kcur": "attention projections", "Vcur": "attention projections",
@@ -85,7 +90,7 @@ DENSE_GROUPS = {"Qcur": "attention projections", "Kcur": "attention projections"
 # the experts on our tiles: the GEMM's own name, or the gate+up product's (which it is)
 EXPERT_GEMMS = {"experts_gemm", "ffn_moe_gate_up"}
 NAMED_GROUPS[("CUSTOM", "experts_act")] = "activations quantized for the experts' GEMMs"
-REPACKED_GEMMS = {"lm_head", *DENSE_GROUPS, *EXPERT_GEMMS}
+REPACKED_GEMMS = {"lm_head", "sc_dense_product", *DENSE_GROUPS, *EXPERT_GEMMS}
 
 
 def group_of(node, n_vocab: int, n_embd: int) -> str:
@@ -237,7 +242,7 @@ def measure_dg(path: Path, threads: int, reps: int, sc_forms: list[int], peaks: 
         profiler.close()
 
     forms = {sc_form_name(k): op_groups(profiled[k], V, n_embd, peaks) for k in sc_forms}
-    return dict(threads=threads, lm_head=lm_head_path, self_cond_product=sc_path, steps=times, forms=forms)
+    return dict(threads=threads, canvas=C, lm_head=lm_head_path, self_cond_product=sc_path, steps=times, forms=forms)
 
 
 def op_groups(profiled: list, n_vocab: int, n_embd: int, peaks: dict) -> dict:
@@ -494,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
                 references = {dtype: ReferenceSteps(Path(path), dtype) for dtype in dtypes}
         runs = [measure_dg(path, t, args.reps, sc_forms, peaks,
                            {d: (lambda r=r, t=t: r(t)) for d, r in references.items()}) for t in threads_list]
-        report = dict(model=Path(path).name, canvas=256, sc_forms=sc_forms, reps=args.reps,
+        report = dict(model=Path(path).name, canvas=runs[0]["canvas"], sc_forms=sc_forms, reps=args.reps,
                       cpu_threads=os.cpu_count(), peaks=peaks, runs=runs)
     except DgError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -246,3 +246,34 @@ def test_engine_dense_default_runs_the_product_in_the_graph(blocks_gguf):
     assert [e.accepted_mask.tolist() for e in graph_steps] == [e.accepted_mask.tolist() for e in host_steps]
     np.testing.assert_allclose([e.mean_entropy for e in graph_steps], [e.mean_entropy for e in host_steps],
                                rtol=1e-5)
+
+
+@pytest.mark.parametrize("lm_head", ["emulated", "ggml"])
+def test_step_profile_counts_the_dense_product(blocks_gguf, monkeypatch, lm_head):
+    """benchmarks/step_profile.py shows the dense product as a group of its own, with V x n_embd
+    multiply-adds per canvas position, on our GEMM (a custom op) or ggml's MUL_MAT."""
+    import sys
+    from pathlib import Path
+
+    from dgcli.engine.model import DiffusionModel
+    from dgcli.engine.profile import NodeProfiler
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from step_profile import group_of, multiply_adds
+
+    monkeypatch.setenv("DG_LM_HEAD", lm_head)
+    profiler = NodeProfiler()
+    try:
+        with DiffusionModel(blocks_gguf, n_threads=1, n_ctx=256, eval_callback=profiler.eval_callback) as m:
+            m.prefill(PROMPT)
+            canvas, t, u = _step_inputs(m.vocab_size, 9)
+            profiler.enabled = True
+            m.denoise_step(canvas, t, u, next_soft=True)
+            nodes = profiler.take()
+            V, H = m.vocab_size, m.n_embd
+    finally:
+        profiler.close()
+    [product] = [n for n in nodes if n.name == "sc_dense_product"]
+    kind = "repacked int8 GEMM" if lm_head == "emulated" else "MUL_MAT"
+    assert group_of(product, V, H) == f"dense self-conditioning product E^T x p ({kind})"
+    assert multiply_adds(product, H) == V * H * 16

@@ -647,31 +647,79 @@ bool kernel_runs_here(dg_lm_head_kernel kernel) {
     return false;
 }
 
+// One block of 32 activations as ggml-cpu's quantize_row_q8_0 quantizes it: the scale amax / 127
+// rounded to fp16, the quants round-to-even of x * 127 / amax; stored ^ offset (VNNI: + 128).
+void quantize_block(const float * x, uint8_t * quants, float * scale, int8_t offset) {
+    float amax = 0.0f;
+    for (int64_t k = 0; k < QK; ++k) {
+        amax = std::max(amax, std::fabs(x[k]));
+    }
+    const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+    *scale = ggml_fp16_to_fp32(ggml_fp32_to_fp16(amax / 127.0f));
+    for (int64_t k = 0; k < QK; ++k) {
+        const int8_t q = (int8_t) std::nearbyint(x[k] * id);
+        quants[k] = (uint8_t) (q ^ offset);
+    }
+}
+
+#ifdef DG_LMH_X86
+// The same, 8 lanes at a time: the same products, rounded by cvtps2dq under the default rounding mode
+// (to nearest even, as nearbyint), packed to bytes in order (the packs interleave 4-byte groups, the
+// permute puts them back). The dense self-conditioning product quantizes 256 x 262144 activations a
+// step: 0.19 s of a 4.2 s step on one thread with the scalar loop.
+__attribute__((target("avx2,f16c"))) void quantize_block_avx2(const float * x, uint8_t * quants, float * scale,
+                                                              int8_t offset) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256       v[4];
+    __m256       m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(x + 8 * i);
+        m    = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h);
+    const float id   = amax != 0.0f ? 127.0f / amax : 0.0f;
+    *scale = ggml_fp16_to_fp32(ggml_fp32_to_fp16(amax / 127.0f));
+    const __m256 vid = _mm256_set1_ps(id);
+    __m256i      q[4];
+    for (int i = 0; i < 4; ++i) {
+        q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vid));
+    }
+    __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    bytes = _mm256_xor_si256(bytes, _mm256_set1_epi8(offset));
+    _mm256_storeu_si256((__m256i *) quants, bytes);
+}
+#endif
+
 // Columns [c0, c1) of x, n_blocks blocks each, into act: column c at act + c * act_stride holds its
-// quants, then their scales (a chunked layout calls this once per chunk, act and x at the chunk's start).
+// quants, then their scales (a chunked layout calls this once per chunk, act and x at the chunk's
+// start). `scalar`: the portable loop even where the CPU has AVX2 (the selftest compares the two).
 void quantize_columns(dg_lm_head_kernel kernel, int64_t n_blocks, const float * x, int64_t ld_x, int64_t c0, int64_t c1,
-                      uint8_t * act, int64_t act_stride) {
+                      uint8_t * act, int64_t act_stride, bool scalar = false) {
     // the VNNI layout's operand is unsigned: the activation + 128
-    const int8_t  offset    = kernel == dg_lm_head_kernel::avx2 ? 0 : -128;
+    const int8_t offset = kernel == dg_lm_head_kernel::avx2 ? 0 : -128;
+    static const bool avx2 = cpu_has("avx2");
     for (int64_t c = c0; c < c1; ++c) {
         const float * col    = x + c * ld_x;
         uint8_t *     quants = act + c * act_stride;
         uint8_t *     scales = quants + n_blocks * QK;
         for (int64_t b = 0; b < n_blocks; ++b) {
-            float amax = 0.0f;
-            for (int64_t k = 0; k < QK; ++k) {
-                amax = std::max(amax, std::fabs(col[b * QK + k]));
-            }
-            // as ggml-cpu's quantize_row_q8_0: the scale rounded to fp16, quants round-to-even of x * 127 / amax
-            const float id    = amax != 0.0f ? 127.0f / amax : 0.0f;
-            const float scale = ggml_fp16_to_fp32(ggml_fp32_to_fp16(amax / 127.0f));
-            for (int64_t k = 0; k < QK; ++k) {
-                const int8_t q = (int8_t) std::nearbyint(col[b * QK + k] * id);
-                quants[b * QK + k] = (uint8_t) (q ^ offset);
+            float scale;
+#ifdef DG_LMH_X86
+            if (avx2 && !scalar) {
+                quantize_block_avx2(col + b * QK, quants + b * QK, &scale, offset);
+            } else
+#endif
+            {
+                quantize_block(col + b * QK, quants + b * QK, &scale, offset);
             }
             std::memcpy(scales + b * 4, &scale, sizeof(scale));
         }
     }
+    (void) avx2;
 }
 
 void quantize_columns(dg_lm_head_kernel kernel, int64_t n_blocks, const float * x, int64_t ld_x, int64_t c0, int64_t c1,
@@ -1187,6 +1235,16 @@ int32_t dg_lm_head_selftest(int32_t kernel, int32_t weight_type, int64_t n_embd,
 
     const int8_t  offset = k == dg_lm_head_kernel::avx2 ? 0 : -128;
     const int64_t chunk  = head->chunk_blocks(); // long rows: quantized and multiplied a chunk at a time
+    // the quantization (vectorized where the CPU has AVX2) byte for byte as the portable loop's
+    std::vector<uint8_t> portable(act.size());
+    for (int64_t k0 = 0; k0 < nb; k0 += chunk) {
+        quantize_columns(k, std::min(chunk, nb - k0), x.data() + k0 * QK, n_embd, 0, n_cols,
+                         portable.data() + k0 * (QK + 4), head->act_bytes(), /*scalar =*/ true);
+    }
+    if (portable != act) {
+        *max_rel_error = INFINITY;
+        return 0;
+    }
     double worst = 0.0;
     for (int64_t c = 0; c < n_cols; ++c) {
         for (int64_t v = 0; v < n_vocab; ++v) {
