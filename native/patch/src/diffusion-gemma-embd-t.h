@@ -5,7 +5,7 @@
 // ggml's MUL_MAT contracts along rows (ne0) of both operands: the probabilities are rows over the
 // vocabulary, so E must be too, E^T [n_vocab, n_embd]: row h holds dimension h of every token's
 // embedding. The copy is made once, on the first graph that needs it, from the model's tok_embd (any
-// type ggml dequantizes), a chunk of 256 tokens at a time (no whole-size intermediate):
+// type ggml dequantizes), chunks of 256 tokens shared out among the cores (no whole-size intermediate):
 //   Q8_0   blocks of 32 tokens along each row, scaled by a power of two so that the largest |E| is near
 //          2^14 (the block scales are fp16: an embedding of small values would otherwise fall into fp16's
 //          subnormals); on the CPU repacked for the LM head's int8 GEMM (dg_lm_head), else a ggml tensor
