@@ -550,4 +550,4 @@ def test_info_shows_the_self_conditioning_copy(tiny_diff, monkeypatch):
     assert meta.to_json()["self_cond_bytes"] == meta.self_cond_bytes
     result = CliRunner().invoke(app, ["info", str(tiny_diff)])
     assert result.exit_code == 0, result.output
-    assert "dense (the reference's): 128.0 kB of transposed embeddings in RAM" in " ".join(result.output.split())
+    assert "dense (the reference's): 128.0 kB of transposed embeddings in RAM, made on first use" in " ".join(result.output.split())
