@@ -18,7 +18,7 @@ thread count:
    the host (`decode_canvas` + the native sampler, dg's previous path); with torch installed, the
    Transformers reference's steps in the same loop (part 3); interleaved, minimum and median of --reps;
 2. where the graph step's time goes, per form: every node timed through llama.cpp's per-node eval
-   callback (dgcli.engine.profile), grouped by op and node name: seconds, share of the step,
+   callback (dgcli.runtime.profile), grouped by op and node name: seconds, share of the step,
    multiply-adds, achieved G MAC/s per thread against this CPU's single-thread int8 and bf16 peaks
    (measured here with register-resident instruction chains, `dg_peak_gmacs`), and the op's floor
    (its multiply-adds at the peak: int8 for quantized weights, bf16 otherwise); the dense product
@@ -49,7 +49,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dgcli.engine.types import DgError  # noqa: E402
+from dgcli.errors import DgError  # noqa: E402
 
 PROMPT_TOKENS = 64
 
@@ -145,7 +145,7 @@ def open_model(path: Path, threads: int, ggml: tuple[str, ...] = (), eval_callba
     """A DiffusionModel whose `ggml` GEMMs ("lm_head", "dense", "experts") keep ggml's matmul instead of
     ours (DG_LM_HEAD / DG_DENSE_GEMM / DG_EXPERT_GEMM are read when the model's first graph is built,
     here)."""
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     env = {"DG_LM_HEAD": "ggml" if "lm_head" in ggml else None, "DG_DENSE_GEMM": "ggml" if "dense" in ggml else None,
            "DG_EXPERT_GEMM": "ggml" if "experts" in ggml else None}
@@ -179,8 +179,9 @@ def measure_dg(path: Path, threads: int, reps: int, sc_forms: list[int], peaks: 
                references: dict | None = None) -> dict:
     """`references`: {name: callable} timing one reference generation each, run inside the loop; each
     returns {row name: (wall, cpu)}."""
-    from dgcli.engine.profile import NodeProfiler
+    from dgcli.runtime.profile import NodeProfiler
     from dgcli.engine.sampler import make_step_sampler
+    from dgcli.runtime.profile import NodeProfiler
 
     profiler = NodeProfiler()
     new = open_model(path, threads, eval_callback=profiler.eval_callback)
@@ -232,7 +233,7 @@ def measure_dg(path: Path, threads: int, reps: int, sc_forms: list[int], peaks: 
                 graph_step(new, k)()
                 profiler.enabled = False
                 profiled[k].append(profiler.take())
-        from dgcli.engine import native
+        from dgcli.runtime import native
 
         lm_head_path = native.lib()._lib.dg_lm_head_path(new._model).decode()
         sc_path = new.self_cond_path()
@@ -316,7 +317,7 @@ def reference_config(path: Path):
         final_logit_softcapping=float(value(f"{arch}.final_logit_softcapping", 30.0)),
         max_position_embeddings=int(value(f"{arch}.context_length", 262144)),
     )
-    from dgcli.reference import TINY_VISION
+    from dgcli.testing.reference import TINY_VISION
 
     return DiffusionGemmaConfig(text_config=text, vision_config=dict(TINY_VISION),
                                 canvas_length=int(value("diffusion.canvas_length")))
@@ -469,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         print_report(report)
         return 0
 
-    from dgcli.engine import native
+    from dgcli.runtime import native
 
     try:
         try:

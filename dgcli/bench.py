@@ -18,7 +18,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from dgcli.engine.types import DgError, DiffusionParams, GenerationResult
+from dgcli.engine.types import GenerationResult
+from dgcli.errors import DgError
+from dgcli.params import DiffusionParams
 from dgcli.textfile import read_text_file
 from dgcli.units import format_bytes, format_figure
 
@@ -44,7 +46,8 @@ BENCH_SCHEMA = "dg-bench/4"
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16)
 SPEEDUP_STEPS = (1, 2, 4, 8, 12, 16, 24, 32, 48)
 # the speed model loads one context with a sequence per canvas of the largest batch: llama.cpp refuses
-# more than LLAMA_MAX_SEQ (256) sequences, which it said only after every generation run had finished
+# more than LLAMA_MAX_SEQ (256) sequences, and only when that context is made, after every generation
+# run: checked before the first
 MAX_BATCH_SIZE = 256
 
 
@@ -133,6 +136,8 @@ class BenchConfig:
     n_gpu_layers: int = 0
     n_cpu_moe: int = 0  # expert tensors of the first N layers kept in system memory (-1: all)
     rpc_servers: Optional[Sequence[str]] = None  # llama.cpp RPC workers holding the offloaded layers
+    # the two files' quantization types (dgcli.modelfile.info.QuantPair.to_json()): {diffusion, autoregressive, match}
+    quantization: Optional[dict[str, Any]] = None
     # the self-conditioning width of the diffusion runs and the speed model (None: the engine's default;
     # 0: dense; k: top-k); every run records the form it ran (RunRecord.self_conditioning)
     self_cond_top_k: Optional[int] = None
@@ -228,7 +233,7 @@ class BenchReport:
     speed_model: Optional[SpeedModel]
     notes: list[str] = field(default_factory=list)
     interrupted: bool = False  # Ctrl-C ended it early: the runs finished before it
-    # where llama.cpp put each loaded model's weights (engine.offload.LoadReport.to_json()), by role:
+    # where llama.cpp put each loaded model's weights (runtime.offload.LoadReport.to_json()), by role:
     # the figures are the devices' these say, not the ones --gpu-layers asked for
     placement: dict[str, Any] = field(default_factory=dict)
 
@@ -329,8 +334,8 @@ def measure_speed_model(model, *, batch_sizes: Sequence[int], repeat: int = 5, s
     engine's form, or `self_cond_top_k`'s: dense or top-k, each also forming the next step's), only
     per-position results leaving the graph; else the decoder forward with its logits copied out.
     Each sample is timed on its second run of that shape, as in a generation, where steps and
-    decodes run back to back: on an H200 a one-token decoder row timed as the first run after a
-    prefill read 17.4 ms, and 13.0 ms timed warm.
+    decodes run back to back: the first run of a shape after a prefill is slower than the warm ones a
+    generation makes (docs/json.md has the figures).
 
     With the native multi-sequence forward (`decode_canvases`, up to the model's n_seq_max rows),
     batch b is b canvases in one decoder forward vs b one-token rows in one forward (a batched AR
@@ -379,10 +384,10 @@ def measure_speed_model(model, *, batch_sizes: Sequence[int], repeat: int = 5, s
 
     def one_decode() -> None:
         # the encoder's causal one-token step with its logits: an AR decode on these weights. (The
-        # decoder over a one-token row cost the same on a CPU, but 13.0 ms against 4.9 on an H200.)
+        # decoder over a one-token row costs the same on a CPU, but more on a GPU: docs/json.md.)
         model.prefill([int(tokens(1)[0])], return_logits=True)
 
-    from dgcli.engine.self_cond import resolve_self_cond_top_k, self_cond_form
+    from dgcli.runtime.self_cond import resolve_self_cond_top_k, self_cond_form
 
     graph_step = callable(getattr(model, "denoise_step", None))
     # the width the engine would run (an explicit setting, else its default)
@@ -448,6 +453,15 @@ def measure_speed_model(model, *, batch_sizes: Sequence[int], repeat: int = 5, s
                       ratio_max=ratio.max if ratio else None, canvas_step=step), notes
 
 
+def quantization_words(quantization: Optional[dict[str, Any]]) -> Optional[str]:
+    """The sentence saying the two files' quantization types differ (None when they match or are unknown)."""
+    from dgcli.modelfile.info import QuantPair
+
+    if not quantization:
+        return None
+    return QuantPair(quantization.get("diffusion"), quantization.get("autoregressive")).mismatch_words()
+
+
 def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], *,
               open_diffusion: Callable[[str], Any], open_ar: Callable[[str], Any],
               open_speed_model: Optional[Callable[[str, int], Any]] = None,
@@ -460,7 +474,7 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], *,
     Ctrl-C ends the bench early: the report holds the runs finished so far, `interrupted=True`.
     """
     runs: list[RunRecord] = []
-    notes: list[str] = []
+    notes: list[str] = [words] if (words := quantization_words(config.quantization)) else []
     speed: Optional[SpeedModel] = None
     interrupted = False
     placement: dict[str, Any] = {}
@@ -572,7 +586,11 @@ def report_tables(report: BenchReport):
     pair = f"diffusion: {cfg['diffusion_model']}, AR: {cfg['ar_model']}"
     tables = []
 
-    speed_caption = pair + "; speedup = diffusion tok/s ÷ AR tok/s"
+    quant = cfg.get("quantization") or {}
+    if quant.get("diffusion") or quant.get("autoregressive"):
+        pair += f" ({quant.get('diffusion') or '?'} vs {quant.get('autoregressive') or '?'})"
+    mismatch = quantization_words(quant)
+    speed_caption = pair + "; speedup = diffusion tok/s ÷ AR tok/s" + (f"; {mismatch}" if mismatch else "")
     speed = table(f"tok/s (answer tokens), median [min–max] of {runs}", "prompt", "diffusion", "AR", "speedup",
                   caption=speed_caption)
     partial = False  # a rate or speedup over only some of its row's runs (*)

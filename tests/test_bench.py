@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from dgcli import bench
-from dgcli.engine.types import DgError, GenerationResult
+from dgcli.engine.types import GenerationResult
+from dgcli.errors import DgError
 from dgcli.registry import Registry
 
 

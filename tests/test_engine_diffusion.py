@@ -8,7 +8,9 @@ import pytest
 from dgcli.engine.diffusion import DiffusionEngine
 from dgcli.engine.rng import RngStream
 from dgcli.engine.sampler import NumpyStepSampler, count_valid_tokens, schedule_temperature
-from dgcli.engine.types import CanvasEvent, DgError, DiffusionParams, InvalidParameter, StepEvent
+from dgcli.engine.types import CanvasEvent, StepEvent
+from dgcli.errors import DgError, InvalidParameter
+from dgcli.params import DiffusionParams
 
 VOCAB, CANVAS, EOS, PAD = 12, 4, 1, 0
 
@@ -104,6 +106,15 @@ def test_max_new_tokens_sets_the_number_of_canvases_and_cuts_the_answer():
     assert result.n_new_tokens == 5 and result.tokens_per_forward == pytest.approx(5 / result.decoder_forwards)
     assert [e.token_ids for e in events if isinstance(e, CanvasEvent)] == [[5, 6, 7, 8], [5]]
     assert result.stop_reason == "length"
+
+
+def test_ignore_eos_runs_past_end_tokens_and_pad_canvases_to_max_new_tokens():
+    model = ScriptedModel([[5, EOS, 6, 7], [0, 0, 0, 0], [8, 9, EOS, 4]])
+    result = make_engine(model).generate([2], max_new_tokens=10, seed=0, ignore_eos=True)
+    # the end token is an answer token; the canvas of pads adds nothing but does not stop it
+    assert result.token_ids == [5, EOS, 6, 7, 8, 9, EOS, 4]
+    assert result.stop_reason == "length" and len(result.steps_per_canvas) == 3
+    assert make_engine(ScriptedModel([[5, EOS, 6, 7]])).generate([2], max_new_tokens=10, seed=0).token_ids == [5]
 
 
 def test_pads_are_not_answer_tokens_and_a_canvas_of_pads_ends_the_generation():
@@ -253,7 +264,7 @@ def test_the_numpy_sampler_is_used_when_asked():
 
 
 def test_self_cond_top_k_setting_resolves_to_dense_or_a_width():
-    from dgcli.engine.self_cond import DEFAULT_SC_TOP_K, resolve_self_cond_top_k
+    from dgcli.runtime.self_cond import DEFAULT_SC_TOP_K, resolve_self_cond_top_k
 
     # the default at every vocabulary size: the reference's dense form (chosen by measurement: docs/design.md)
     assert DEFAULT_SC_TOP_K == 0

@@ -30,7 +30,7 @@ RPC_EXACT_TOL = 1e-5
 
 
 def _rpc_reason() -> str | None:
-    from dgcli.engine import native, rpc
+    from dgcli.runtime import native, rpc
 
     ok, reason = native.available()
     if not ok:
@@ -113,6 +113,7 @@ def assert_one_line_error(p: subprocess.CompletedProcess, *fragments: str) -> st
     return lines[0]
 
 
+@pytest.mark.subprocess
 def test_two_workers_give_the_local_tokens_and_logits(workers):
     endpoints = ",".join(w.endpoint for w in workers)
     p = subprocess.run([sys.executable, str(REPO / "tests" / "rpc_compare.py"), str(DEMO), endpoints], cwd=REPO,
@@ -129,6 +130,7 @@ def test_two_workers_give_the_local_tokens_and_logits(workers):
         assert any(f"[{w.endpoint}] model buffer size" in line for line in p.stderr.splitlines()), w.endpoint
 
 
+@pytest.mark.subprocess
 def test_generate_and_serve_over_rpc_answer_as_locally(workers):
     endpoints = ",".join(w.endpoint for w in workers)
     local = dg("generate", "reverse: HELLO", "--seed", "0", "--json")
@@ -174,9 +176,10 @@ def kill_a_worker_mid_run(workers, tiny_gguf, *args: str) -> tuple[int, list[str
     return rc, stderr, time.monotonic() - killed_at
 
 
+@pytest.mark.subprocess
 def test_a_worker_killed_mid_run_is_one_clear_error_not_a_hang(workers, tiny_gguf):
     rc, stderr, took = kill_a_worker_mid_run(workers, tiny_gguf)
-    from dgcli.engine.rpc import WORKER_LOST_EXIT
+    from dgcli.runtime.rpc import WORKER_LOST_EXIT
 
     assert rc == WORKER_LOST_EXIT, "\n".join(stderr[-5:])
     errors = [line for line in stderr if line.startswith("error:")]
@@ -185,16 +188,18 @@ def test_a_worker_killed_mid_run_is_one_clear_error_not_a_hang(workers, tiny_ggu
     print(f"client exited {took:.2f} s after the worker was killed")
 
 
+@pytest.mark.subprocess
 def test_a_worker_lost_mid_run_leaves_no_half_written_output(workers, tiny_gguf, tmp_path):
     # the abort callback ended the process with os._exit: the trace's .partial temporary stayed
     trace = tmp_path / "run.jsonl"
     rc, stderr, _ = kill_a_worker_mid_run(workers, tiny_gguf, "--trace", str(trace))
-    from dgcli.engine.rpc import WORKER_LOST_EXIT
+    from dgcli.runtime.rpc import WORKER_LOST_EXIT
 
     assert rc == WORKER_LOST_EXIT, "\n".join(stderr[-5:])
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+@pytest.mark.subprocess
 def test_unreachable_busy_and_malformed_workers_are_one_line_errors(tiny_gguf):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -216,7 +221,7 @@ def test_unreachable_busy_and_malformed_workers_are_one_line_errors(tiny_gguf):
 
 def test_a_server_that_is_no_worker_is_named_by_what_it_sent():
     # an HTTP server's answer read as "a 3543824036068086856-byte message" (the bytes 'HTTP/1.1' as a size)
-    from dgcli.engine import rpc
+    from dgcli.runtime import rpc
 
     with socket.socket() as http:
         http.bind(("127.0.0.1", 0))
@@ -236,6 +241,7 @@ def test_a_server_that_is_no_worker_is_named_by_what_it_sent():
                               "not a llama.cpp RPC worker of a compatible version")
 
 
+@pytest.mark.subprocess
 def test_one_worker_under_two_addresses_is_one_line_error_not_a_hang(tiny_gguf):
     # ggml's client opens one connection per address: the second one to the same worker (which
     # serves one at a time) waited forever during the model's load, and Ctrl-C did not end it
@@ -254,6 +260,7 @@ def test_one_worker_under_two_addresses_is_one_line_error_not_a_hang(tiny_gguf):
         worker.kill()
 
 
+@pytest.mark.subprocess
 def test_a_worker_serves_one_client_at_a_time_and_says_so(tiny_gguf):
     worker = Worker()
     try:
@@ -272,6 +279,7 @@ def test_a_worker_serves_one_client_at_a_time_and_says_so(tiny_gguf):
         worker.kill()
 
 
+@pytest.mark.subprocess
 def test_worker_usage_errors_and_ctrl_c():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -287,6 +295,7 @@ def test_worker_usage_errors_and_ctrl_c():
     assert worker.proc.wait(30) == 130
 
 
+@pytest.mark.subprocess
 def test_a_worker_listens_on_a_host_name(tiny_gguf):
     # ggml's server takes only a numeric address: --host localhost passed dg's own check, then
     # llama.cpp printed "Failed to create server socket" and the worker stopped
@@ -301,7 +310,7 @@ def test_a_worker_listens_on_a_host_name(tiny_gguf):
 
 def test_a_worker_whose_listening_socket_closes_just_after_the_abort_is_named():
     # the broken connection can arrive before the killed worker's listening socket is closed
-    from dgcli.engine import rpc
+    from dgcli.runtime import rpc
 
     listener = socket.create_server(("127.0.0.1", 0))
     endpoint = f"127.0.0.1:{listener.getsockname()[1]}"
@@ -309,19 +318,28 @@ def test_a_worker_whose_listening_socket_closes_just_after_the_abort_is_named():
     assert rpc._refusing_workers([endpoint]) == [endpoint]
 
 
+@pytest.mark.subprocess
 def test_the_layers_kept_here_run_on_dgs_cpu_gemms_beside_rpc_workers(workers, tmp_path):
     """dg's CPU GEMMs stand aside where a GPU is in use (llama.cpp's scheduler would run a canvas's
     matmuls on host weights there), but RPC devices, though they report themselves as GPUs, take no
-    such offload: the layers kept on this machine still run on the int8 GEMMs."""
-    from dgcli.tiny import write_tiny_random_gguf
+    such offload: the layers kept on this machine still run on the int8 GEMMs. The experts' GEMM is
+    forced to the AVX2 kernel, which every x86 CPU this suite runs on has: the automatic choice
+    depends on the CPU family (an AVX-512 VNNI CPU may leave them to ggml)."""
+    from dgcli.testing.tiny import write_tiny_random_gguf
+
+    kernel_env = dict(env(), DG_VERBOSE="1", DG_EXPERT_GEMM="avx2")
+    probe = subprocess.run([sys.executable, "-c", "from dgcli.runtime import native; print(native.lib()._lib.dg_expert_kernel())"],
+                           cwd=REPO, env=kernel_env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    if probe.stdout.strip() != "1":
+        pytest.skip("this CPU has no AVX2: dg's expert GEMM does not run here")
 
     q8 = write_tiny_random_gguf(tmp_path / "q8.gguf", seed=4, outtype="q8_0")
-    script = ("import sys; from dgcli.engine import native; from dgcli.engine.model import DiffusionModel\n"
+    script = ("import sys; from dgcli.runtime import native; from dgcli.runtime.model import DiffusionModel\n"
               "m = DiffusionModel(sys.argv[1], n_threads=2, n_ctx=128, n_gpu_layers=2, rpc_servers=[sys.argv[2]])\n"
               "lib = native.lib()._lib\n"
               "print(lib.dg_dense_repacked_count(m._model), lib.dg_expert_gemm_count(m._model))\n")
     endpoint = workers[0].endpoint
-    p = subprocess.run([sys.executable, "-c", script, str(q8), endpoint], cwd=REPO, env=dict(env(), DG_VERBOSE="1"),
+    p = subprocess.run([sys.executable, "-c", script, str(q8), endpoint], cwd=REPO, env=kernel_env,
                        capture_output=True, text=True, timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
     assert p.returncode == 0, p.stderr[-3000:]
     assert any(f"[{endpoint}] model buffer size" in line for line in p.stderr.splitlines())  # layers went there
@@ -329,6 +347,7 @@ def test_the_layers_kept_here_run_on_dgs_cpu_gemms_beside_rpc_workers(workers, t
     assert dense > 0 and experts > 0, p.stdout
 
 
+@pytest.mark.subprocess
 def test_verbose_names_the_rpc_workers_as_where_the_layers_went(workers):
     # it said "N/N layers offloaded to the GPU" when they went to other machines
     p = dg("generate", "reverse: HELLO", "--seed", "0", "--no-live", "-v", "--rpc", workers[0].endpoint)
@@ -337,6 +356,7 @@ def test_verbose_names_the_rpc_workers_as_where_the_layers_went(workers):
     assert "offloaded to the GPU" not in p.stderr
 
 
+@pytest.mark.subprocess
 def test_a_worker_on_every_interface_names_this_machine_for_clients():
     # --host 0.0.0.0 suggested `--rpc 0.0.0.0:P`, which no other machine can connect to
     worker = Worker(host="0.0.0.0")
@@ -364,7 +384,7 @@ def test_the_handshake_limit_holds_for_the_whole_reply():
     for as many limits as it sent bytes, while the error said 'within 5 s')."""
     import struct
 
-    from dgcli.engine import rpc
+    from dgcli.runtime import rpc
 
     reply = struct.pack("<QBBBB", rpc._HELLO_REPLY, rpc.RPC_PROTO_MAJOR, 0, 0, 0) + bytes(rpc._CONN_CAPS)
     with socket.socket() as listener:
@@ -388,6 +408,8 @@ def test_the_handshake_limit_holds_for_the_whole_reply():
         peer.join(10)
 
 
+@pytest.mark.subprocess
+@pytest.mark.pty
 def test_ggml_s_lines_on_a_terminal_do_not_take_in_the_worker_s_own():
     # on a terminal C's stdout was line-buffered and glibc wrote ggml's "Client connection closed" and
     # its newline in two writes: the worker's "listening on" line, printed between them, joined it
@@ -395,7 +417,7 @@ def test_ggml_s_lines_on_a_terminal_do_not_take_in_the_worker_s_own():
     import pty
 
     script = ("import ctypes, os\n"
-              "from dgcli.engine import rpc\n"
+              "from dgcli.runtime import rpc\n"
               "rpc.native_stdout_to_stderr()\n"
               "libc = ctypes.CDLL(None)\n"
               "libc.printf(b'Client connection closed\\n')\n"
@@ -421,6 +443,7 @@ def test_ggml_s_lines_on_a_terminal_do_not_take_in_the_worker_s_own():
     assert out.replace(b"\r\n", b"\n") == b"dg worker: listening\nClient connection closed\n"
 
 
+@pytest.mark.subprocess
 def test_gpu_layers_0_with_rpc_keeps_the_layers_here_as_asked():
     # --rpc offloads every layer "unless --gpu-layers says how many": `--gpu-layers 0` was taken for
     # "not given" and every layer went to the worker anyway
@@ -435,6 +458,7 @@ def test_gpu_layers_0_with_rpc_keeps_the_layers_here_as_asked():
         worker.kill()
 
 
+@pytest.mark.subprocess
 def test_a_worker_refuses_more_threads_than_ggml_s_pool_takes():
     # --threads 100000 started a worker that died of a native std::bad_alloc at a client's first graph
     for threads in ("100000", "513", "100000000000"):
@@ -442,6 +466,7 @@ def test_a_worker_refuses_more_threads_than_ggml_s_pool_takes():
                               f"invalid --threads {threads}: must be an integer from 1 to 512")
 
 
+@pytest.mark.subprocess
 def test_a_cache_directory_that_cannot_be_made_is_one_line(tmp_path):
     # DG_CACHE_DIR naming a file: `dg worker --cache` ended in a NotADirectoryError traceback
     (tmp_path / "file").write_text("")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dgcli.engine.types import DgError, InvalidParameter
+from dgcli.errors import DgError, InvalidParameter
 from native_helpers import requires_native
 
 pytestmark = requires_native
@@ -23,7 +23,7 @@ PROMPT = [2, 105, 40, 41, 42, 43, 44, 45, 46, 47, 48, 106, 107, 105, 60, 61]
 @pytest.fixture(scope="module")
 def blocks_gguf(tmp_path_factory):
     """Small widths, a 512-token vocabulary: whole Q8_0 blocks along E^T's rows."""
-    from dgcli.tiny import write_synthetic_gguf
+    from dgcli.testing.tiny import write_synthetic_gguf
 
     return write_synthetic_gguf(tmp_path_factory.mktemp("blocks") / "v512.gguf", n_layer=2, vocab_size=512,
                                 hidden=64, outtype="f32", intermediate_size=96, num_attention_heads=2,
@@ -70,7 +70,7 @@ def _step_inputs(vocab: int, seed: int):
 def test_dense_step_hands_back_the_reference_soft_embedding(request, gguf_name, exact, tol):
     """denoise_step(next_soft=True) forms softmax(this step's values) @ E * sqrt(n_embd) inside its
     graph: against float64 over the same values and the file's E."""
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     path = _path(request, gguf_name)
     with DiffusionModel(path, n_threads=2, exact=exact, n_ctx=256) as m:
@@ -95,8 +95,8 @@ def test_dense_step_hands_back_the_reference_soft_embedding(request, gguf_name, 
 def test_the_soft_embedding_conditions_the_next_step_as_the_dense_logits_do(blocks_gguf, exact):
     """The three ways into the graph of the same dense input agree: the step's soft embedding
     (sc_soft), the processed logits (sc_logits, softmax on the host) and the probabilities (sc_probs)."""
-    from dgcli.engine.model import DiffusionModel
-    from dgcli.engine.self_cond import dense_self_cond_probs
+    from dgcli.runtime.model import DiffusionModel
+    from dgcli.runtime.self_cond import dense_self_cond_probs
 
     with DiffusionModel(blocks_gguf, n_threads=2, exact=exact, n_ctx=256) as m:
         m.prefill(PROMPT)
@@ -115,7 +115,7 @@ def test_the_soft_embedding_conditions_the_next_step_as_the_dense_logits_do(bloc
 
 
 def test_a_zero_row_is_no_signal_in_every_dense_form(blocks_gguf):
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     with DiffusionModel(blocks_gguf, n_threads=2, exact=True, n_ctx=256) as m:
         m.prefill(PROMPT)
@@ -128,7 +128,7 @@ def test_a_zero_row_is_no_signal_in_every_dense_form(blocks_gguf):
 
 
 def test_a_top_k_run_makes_no_transposed_copy(blocks_gguf):
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     with DiffusionModel(blocks_gguf, n_threads=2, n_ctx=256) as m:
         m.prefill(PROMPT)
@@ -141,7 +141,7 @@ def test_a_top_k_run_makes_no_transposed_copy(blocks_gguf):
 
 
 def test_self_conditioning_inputs_are_checked(blocks_gguf):
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     with DiffusionModel(blocks_gguf, n_threads=1, n_ctx=256) as m:
         m.prefill(PROMPT)
@@ -167,8 +167,8 @@ def test_the_self_conditioned_step_is_made_of_ops_every_backend_has(blocks_gguf,
     """With ggml's matmuls (the form a GPU backend runs): no OUT_PROD, which ggml-metal's supports_op
     lacks (the top-k contraction was one, and ran on the CPU there), and the dense product is one
     MUL_MAT of E^T [V, n_embd] and the probabilities [V, C], input and next-step forms alike."""
-    from dgcli.engine.model import DiffusionModel
-    from dgcli.engine.profile import NodeProfiler
+    from dgcli.runtime.model import DiffusionModel
+    from dgcli.runtime.profile import NodeProfiler
 
     for env in ("DG_LM_HEAD", "DG_DENSE_GEMM", "DG_EXPERT_GEMM"):
         monkeypatch.setenv(env, "ggml")
@@ -201,8 +201,8 @@ def test_the_self_conditioned_step_is_made_of_ops_every_backend_has(blocks_gguf,
 def test_the_dense_product_takes_the_lm_head_gemm_where_the_cpu_has_it(blocks_gguf, monkeypatch):
     """Outside exact mode, with no GPU, a CPU that has the LM head's int8 kernel runs the product on
     it (a custom op over the repacked Q8_0 copy); the emulated kernel exists on every CPU."""
-    from dgcli.engine.model import DiffusionModel
-    from dgcli.engine.profile import NodeProfiler
+    from dgcli.runtime.model import DiffusionModel
+    from dgcli.runtime.profile import NodeProfiler
 
     monkeypatch.setenv("DG_LM_HEAD", "emulated")
     profiler = NodeProfiler()
@@ -228,8 +228,8 @@ def test_engine_dense_default_runs_the_product_in_the_graph(blocks_gguf):
     """The engine's default (dense) on the graph step feeds the step's own soft embedding forward:
     the same generation as the host sampler, which passes the processed logits back instead."""
     from dgcli.engine.diffusion import DiffusionEngine
-    from dgcli.engine.model import DiffusionModel
-    from dgcli.engine.types import DiffusionParams
+    from dgcli.runtime.model import DiffusionModel
+    from dgcli.params import DiffusionParams
 
     params = DiffusionParams(max_denoising_steps=6)
     runs = {}
@@ -255,8 +255,8 @@ def test_step_profile_counts_the_dense_product(blocks_gguf, monkeypatch, lm_head
     import sys
     from pathlib import Path
 
-    from dgcli.engine.model import DiffusionModel
-    from dgcli.engine.profile import NodeProfiler
+    from dgcli.runtime.model import DiffusionModel
+    from dgcli.runtime.profile import NodeProfiler
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from step_profile import group_of, multiply_adds

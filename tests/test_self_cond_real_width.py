@@ -44,8 +44,8 @@ def real_width(tmp_path_factory):
     import torch
 
     from dgcli.convert import convert_checkpoint
-    from dgcli.reference import ReferenceRunner, random_model, save_checkpoint, tiny_config
-    from dgcli.tiny import TinyVocab
+    from dgcli.testing.reference import ReferenceRunner, random_model, save_checkpoint, tiny_config
+    from dgcli.testing.tiny import TinyVocab
 
     torch.set_num_threads(2)
     config = tiny_config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2112, num_attention_heads=16,
@@ -94,7 +94,7 @@ def _soft_float64(values: np.ndarray, path) -> np.ndarray:
 
 
 def test_exact_mode_dense_self_conditioning_matches_the_reference(real_width):
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     path, canvas, sc, first, self_cond = real_width
     with DiffusionModel(path, n_threads=2, exact=True, n_ctx=256, n_ubatch=32) as m:
@@ -129,7 +129,7 @@ def test_exact_mode_dense_self_conditioning_matches_the_reference(real_width):
 
 def test_default_mode_dense_self_conditioning_matches_the_reference_loosely(real_width):
     """Default mode: the Q8_0 transposed copy (the int8 GEMM where the CPU has it), F16 K/V, the GELU table."""
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     path, canvas, sc, _, self_cond = real_width
     with DiffusionModel(path, n_threads=2, n_ctx=256, n_ubatch=32) as m:

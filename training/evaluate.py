@@ -71,7 +71,7 @@ def load_reference(checkpoint: Path):
     from transformers.models.diffusion_gemma import DiffusionGemmaForBlockDiffusion
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import DiffusionGemmaGenerationConfig
 
-    from dgcli.tiny import tiny_vocab
+    from dgcli.testing.tiny import tiny_vocab
 
     vocab = tiny_vocab()
     generation_config = DiffusionGemmaGenerationConfig(eos_token_id=list(vocab.end_token_ids), pad_token_id=vocab.pad_id,
@@ -86,7 +86,7 @@ def reference_backends(checkpoint: Path, threads: int = 1):
     """Transformers' DiffusionGemmaForBlockDiffusion.generate and a greedy AR loop on the encoder."""
     import torch
 
-    from dgcli.tiny import tiny_vocab
+    from dgcli.testing.tiny import tiny_vocab
 
     torch.set_num_threads(threads)
     vocab = tiny_vocab()
@@ -142,8 +142,8 @@ def engine_over_reference_backend(checkpoint: Path, threads: int = 1):
     import torch
 
     from dgcli.engine import DiffusionEngine
-    from dgcli.engine.torch_model import TorchDiffusionModel
-    from dgcli.tiny import tiny_vocab
+    from dgcli.testing.tiny import tiny_vocab
+    from dgcli.testing.torch_model import TorchDiffusionModel
 
     torch.set_num_threads(threads)
     vocab = tiny_vocab()

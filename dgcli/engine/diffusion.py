@@ -5,7 +5,7 @@ Outer loop, one canvas at a time (at most ceil(max_new_tokens / canvas_length) c
     stop at an end token, else commit it (encoder pass appending it to the KV cache) and go on.
 Inner loop, cur_step from max_denoising_steps down to 1 (`denoising_step`):
     decoder forward (self-conditioned on the previous step's processed logits: dense as the
-    reference, or the sampler's top-k of their softmax; see self_cond.py); temperature,
+    reference, or the sampler's top-k of their softmax; runtime/self_cond.py); temperature,
     entropy, argmax and multinomial sample per position; entropy-bound acceptance; renoise;
     adaptive stop. The forward and the per-position pass are one graph when the model offers
     `denoise_step` (the "graph" step: only per-position results leave llama.cpp), else the model's
@@ -34,33 +34,27 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from dgcli.engine.rng import RngStream, resolve_seed
-from dgcli.engine.self_cond import SelfCond, batched_self_cond, resolve_self_cond_top_k, self_cond_form
 from dgcli.engine.sampler import (
     StableAndConfidentStop,
     StepSampler,
     entropy_bound_accept_mask,
     finalize_canvas,
-    StepStats,
     make_step_sampler,
     mean_entropy,
     renoise_canvas,
     schedule_temperature,
 )
-from dgcli.engine.types import (
-    CanvasEvent,
-    ContextFull,
-    DgError,
-    DiffusionParams,
-    GenerationResult,
-    InvalidParameter,
-    StepEvent,
-    answer_token_ids,
-)
+from dgcli.engine.types import CanvasEvent, GenerationResult, StepEvent, answer_token_ids
+from dgcli.errors import ContextFull, DgError, InvalidParameter
+from dgcli.params import DiffusionParams
+from dgcli.runtime.forward import StepStats
+from dgcli.runtime.self_cond import SelfCond, batched_self_cond, resolve_self_cond_top_k, self_cond_form
 
 EventCallback = Callable[[Any], Any]
 
 # Gemma's <pad>; used when a model object does not say (the reference reads generation_config.pad_token_id)
 GEMMA_PAD_TOKEN_ID = 0
+
 
 class _StopRequested(Exception):
     """on_event returned False."""
@@ -113,8 +107,9 @@ STEP_BACKENDS = ("auto", "graph", "native", "numpy")
 
 def _resolve_step_backend(sampler: str | StepSampler, model: Any, n_threads: int | None) -> StepSampler | None:
     """The host sampler for `sampler`, or None when the step runs inside the model's graph.
-    "auto": the graph step when the model has one (`denoise_step`), else the best host sampler;
-    "graph": the graph step (error without it); "native" / "numpy": host logits, that sampler."""
+    "auto": the graph step when the model has one (`denoise_step`) that this placement can run
+    (`graph_step_refused`), else the best host sampler; "graph": the graph step (error without it);
+    "native" / "numpy": host logits, that sampler."""
     if not isinstance(sampler, str):
         return sampler  # a StepSampler object (tests hand in a freshly compiled one)
     if sampler not in STEP_BACKENDS:
@@ -122,6 +117,10 @@ def _resolve_step_backend(sampler: str | StepSampler, model: Any, n_threads: int
     has_graph_step = callable(getattr(model, "denoise_step", None))
     if sampler == "graph" and not has_graph_step:
         raise DgError(f"{type(model).__name__} has no in-graph denoising step (denoise_step)")
+    refused = getattr(model, "graph_step_refused", lambda: None)() if has_graph_step else None
+    if sampler == "graph" and refused:
+        raise DgError(refused)
+    has_graph_step = has_graph_step and not refused
     if sampler in ("graph", "auto") and has_graph_step:
         return None
     return make_step_sampler(sampler, n_threads=n_threads)
@@ -192,8 +191,12 @@ class DiffusionSequence:
 
     def __init__(self, model: Any, prompt_ids: Sequence[int], params: DiffusionParams, max_new_tokens: int,
                  rng: RngStream, step_sampler: StepSampler | None, top_k: int = 0, pad_token_id: int | None = GEMMA_PAD_TOKEN_ID,
-                 on_event: EventCallback | None = None):
+                 on_event: EventCallback | None = None, ignore_eos: bool = False):
         self.model = model
+        # ignore_eos (llama.cpp's --ignore-eos): end tokens are answer tokens like any other and a
+        # canvas of padding does not end it either, so a generation runs to max_new_tokens
+        self.ignore_eos = ignore_eos
+        self.end_token_ids = [] if ignore_eos else [int(t) for t in model.end_token_ids]
         self.params = params.validate(canvas_length=model.canvas_length)
         limit = validate_max_new_tokens(max_new_tokens)
         self.max_new_canvases = math.ceil(limit / model.canvas_length)
@@ -291,17 +294,17 @@ class DiffusionSequence:
         generation stops here (stop_reason says why)."""
         state = self.state
         argmax_canvas = state.current_argmax
-        canvas, state.found_end = finalize_canvas(argmax_canvas, self.model.end_token_ids, self.pad_token_id)
+        canvas, state.found_end = finalize_canvas(argmax_canvas, self.end_token_ids, self.pad_token_id)
         state.committed.append(canvas)
         state.current_argmax = None
-        whole = answer_token_ids(canvas, self.model.end_token_ids, self.pad_token_id)
+        whole = answer_token_ids(canvas, self.end_token_ids, self.pad_token_id)
         self._canvas_answer = whole[:state.limit - len(state.answer)]
         state.answer.extend(self._canvas_answer)
         if len(self._canvas_answer) < len(whole):
             self.stop_reason = "length"  # cut at max_new_tokens, whatever the canvas went on to say
         elif state.found_end:
             self.stop_reason = "end_token"
-        elif self.pad_token_id is not None and bool(np.all(canvas == self.pad_token_id)):
+        elif not self.ignore_eos and self.pad_token_id is not None and bool(np.all(canvas == self.pad_token_id)):
             self.stop_reason = "pad_canvas"
         elif self.canvas_index + 1 == self.max_new_canvases or len(state.answer) >= state.limit:
             self.stop_reason = "length"
@@ -323,7 +326,7 @@ class DiffusionSequence:
         interrupted = stop_reason == "interrupted"
         answer = list(state.answer)
         if interrupted and state.current_argmax is not None and not state.found_end:
-            answer.extend(answer_token_ids(state.current_argmax, self.model.end_token_ids, self.pad_token_id,
+            answer.extend(answer_token_ids(state.current_argmax, self.end_token_ids, self.pad_token_id,
                                            limit=state.limit - len(state.answer)))
         forwards = state.decoder_forwards
         display_s = self.events.seconds
@@ -404,7 +407,7 @@ class DiffusionEngine:
                  self_cond_top_k: int | str | None = None, n_cpu_moe: int = 0,
                  rpc_servers: Sequence[str] | None = None):
         if isinstance(model, (str, os.PathLike)):
-            from dgcli.engine.model import DiffusionModel
+            from dgcli.runtime.model import DiffusionModel
 
             self.model = DiffusionModel(os.fspath(model), n_threads=n_threads, n_gpu_layers=n_gpu_layers,
                                         exact=exact, n_ctx=n_ctx, n_cpu_moe=n_cpu_moe, rpc_servers=rpc_servers)
@@ -447,24 +450,24 @@ class DiffusionEngine:
 
     def new_sequence(self, prompt_ids: Sequence[int], params: DiffusionParams | None = None, max_new_tokens: int = 256,
                      seed: int | None = None, on_event: EventCallback | None = None, rng: RngStream | None = None,
-                     self_cond_top_k: int | str | None = None) -> DiffusionSequence:
+                     self_cond_top_k: int | str | None = None, ignore_eos: bool = False) -> DiffusionSequence:
         """A generation's state with every setting validated; nothing runs yet. seed None: a random
-        seed (rng.seed reports it)."""
+        seed (rng.seed reports it). ignore_eos: end tokens do not end the answer."""
         setting = self.self_cond_top_k if self_cond_top_k is None else self_cond_top_k
         top_k = resolve_self_cond_top_k(setting, self.model.vocab_size, exact=getattr(self.model, "exact", False))
         return DiffusionSequence(
             self.model, prompt_ids, params or self.default_params, max_new_tokens,
             rng if rng is not None else RngStream(resolve_seed(seed)), self.step_sampler,
-            top_k=top_k, pad_token_id=self.pad_token_id, on_event=on_event)
+            top_k=top_k, pad_token_id=self.pad_token_id, on_event=on_event, ignore_eos=ignore_eos)
 
     def generate(self, prompt: str | Sequence[int], params: DiffusionParams | None = None, max_new_tokens: int = 256,
                  seed: int | None = None, chat: bool = True, on_event: EventCallback | None = None,
                  rng: RngStream | None = None, self_cond_top_k: int | str | None = None,
-                 reuse_cache: bool = False, parse_special: bool = False) -> GenerationResult:
+                 reuse_cache: bool = False, parse_special: bool = False, ignore_eos: bool = False) -> GenerationResult:
         """One generation. prompt: see `prompt_token_ids`. seed None: a random seed, reported in the
         result. reuse_cache: keep the KV cache's longest prefix shared with the prompt's tokens and
         prefill only the rest (chat turns)."""
-        seq = self.new_sequence([], params, max_new_tokens, seed, on_event, rng, self_cond_top_k)
+        seq = self.new_sequence([], params, max_new_tokens, seed, on_event, rng, self_cond_top_k, ignore_eos)
         stop_reason = None
         try:
             seq.state.prompt_ids = prompt_token_ids(self.model, prompt, chat, parse_special)

@@ -1,6 +1,6 @@
 #pragma once
 // C functions for driving a diffusion-gemma model (see src/models/diffusion-gemma.cpp).
-// Called through ctypes on libllama (dgcli/engine/native.py). Every function works on the KV
+// Called through ctypes on libllama (dgcli/runtime/native.py). Every function works on the KV
 // cache of the context's sequences; the caller owns model and context (llama.h API).
 //
 // Context requirements: n_ubatch >= n_seqs*canvas_length (a canvas is one non-causal micro-batch),

@@ -918,8 +918,10 @@ bool is_k_quant(ggml_type type) {
 }
 
 bool expert_type_fits(ggml_type type, int64_t n_in, dg_lm_head_kernel kernel) {
-    if (type == GGML_TYPE_Q6_K) { // DG_Q6_K_TILE=0 leaves Q6_K weights to ggml (A/B runs)
-        const char * env = std::getenv("DG_Q6_K_TILE");
+    // DG_Q4_K_TILE=0 / DG_Q6_K_TILE=0 leave that type's weights to ggml (A/B runs), wherever they sit
+    const char * off_switch = type == GGML_TYPE_Q4_K ? "DG_Q4_K_TILE" : type == GGML_TYPE_Q6_K ? "DG_Q6_K_TILE" : nullptr;
+    if (off_switch) {
+        const char * env = std::getenv(off_switch);
         if (env && !std::strcmp(env, "0")) {
             return false;
         }

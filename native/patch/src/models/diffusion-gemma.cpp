@@ -23,7 +23,7 @@
 // The dg_* functions (diffusion-gemma-api.cpp) remove the canvas from the cache after a decoder
 // forward, so from the outside the decoder never changes the cache.
 
-// the largest meaningful values (dgcli/engine/types.py and hparams.py hold the same bounds)
+// the largest meaningful values (dgcli/params.py and dgcli/modelfile/hparams.py hold the same bounds)
 static constexpr uint32_t DG_MAX_CANVAS_LENGTH  = 1024;
 static constexpr uint32_t DG_MAX_SLIDING_WINDOW = 1u << 24;
 
@@ -362,7 +362,7 @@ const dg_lm_head * llama_model_diffusion_gemma::dense(const ggml_tensor * w) con
 // The MoE experts of Q8_0, Q5_0 and (AVX2) Q4_K type (all of a Q8_0 or a Q4_K_M file's but Q6_K
 // ones) through the same tiles, packed on the fly (dg_experts): ggml's MUL_MAT_ID runs them at 44-64%
 // of the core's int8 rate here. Q4_K experts qualify only outside ggml's CPU repack buffers, which
-// the loader keeps them out of where this runs (dg_plain_cpu_buffer_type, dgcli.engine.offload).
+// the loader keeps them out of where this runs (dg_plain_cpu_buffer_type, dgcli.runtime.offload).
 // Not where a GPU is in use (uses_gpu: e.g. --n-cpu-moe's host experts then run on the GPU).
 // Decided once, on the first graph; DG_EXPERT_GEMM=ggml keeps ggml's MUL_MAT_ID (A/B runs).
 const dg_experts * llama_model_diffusion_gemma::experts(const ggml_tensor * w) const {
@@ -393,7 +393,7 @@ const dg_experts * llama_model_diffusion_gemma::experts(const ggml_tensor * w) c
 // token is routed to, packed on the fly: a canvas's 256 columns pay for a group's packing many times
 // over, and ggml's repacked Q4_K / Q6_K GEMMs run at ~70% of the int8 rate here. AVX2 only (the tiles'
 // only form), not where a GPU is in use, and only outside ggml's CPU repack buffers, which the loader
-// keeps these tensors out of where this runs (dgcli.engine.offload.tiled_weight_pattern).
+// keeps these tensors out of where this runs (dgcli.runtime.offload.tiled_weight_pattern).
 // DG_DENSE_GEMM=ggml keeps ggml's matmul.
 const dg_experts * llama_model_diffusion_gemma::dense_tiled(const ggml_tensor * w) const {
     std::call_once(dense_tiled_once, [this] {
@@ -705,7 +705,8 @@ void llama_model_diffusion_gemma::graph::build_step(const llama_model_diffusion_
 
 // The step from ggml ops, for backends without our op: the same record in float arithmetic
 // (softmax, cumulative sum and the sample's comparison in F32, where the op accumulates in double;
-// the top-k sorted by probability, ties in the backend's order).
+// the top-k sorted by probability, ties in the backend's order; the argmax's ties to the lowest id,
+// as the op, where a top-k is asked for).
 ggml_tensor * llama_model_diffusion_gemma::graph::build_step_ops(ggml_tensor * logits, ggml_tensor * temperatures,
                                                                   ggml_tensor * uniforms, int32_t k, ggml_tensor *& values,
                                                                   ggml_tensor *& probs) {
@@ -740,16 +741,31 @@ ggml_tensor * llama_model_diffusion_gemma::graph::build_step_ops(ggml_tensor * l
     ggml_tensor * below   = ggml_step(ctx0, ggml_neg(ctx0, ggml_sub(ctx0, ggml_cumsum(ctx0, probs), uniforms)));
     ggml_tensor * sampled = ggml_clamp(ctx0, ggml_sum_rows(ctx0, below), 0.0f, (float) (n_vocab - 1));
 
-    ggml_tensor * record = ggml_concat(ctx0, entropy, ggml_cast(ctx0, argmax, GGML_TYPE_F32), 0);
-    record = ggml_concat(ctx0, record, sampled, 0);
     if (k == 0) {
+        ggml_tensor * record = ggml_concat(ctx0, entropy, ggml_cast(ctx0, argmax, GGML_TYPE_F32), 0);
+        record = ggml_concat(ctx0, record, sampled, 0);
         return ggml_concat(ctx0, record, ggml_scale(ctx0, entropy, 0.0f), 0); // dropped: 0
     }
     ggml_tensor * ids     = ggml_top_k(ctx0, probs, k);                         // I32 [k, N], any order
+    ggml_tensor * ids_f   = ggml_cast(ctx0, ids, GGML_TYPE_F32);                // exact below 2^24
+
+    // Equal maxima: ggml's argmax keeps its backend's own one (the CPU the last index, GPUs one by
+    // thread order); the reference and the step op the lowest id. Every maximum is among the top k
+    // (unless more than k tie): the lowest id there whose value equals the maximum, by an argmax over
+    // k entries of (value == max) * (V - id).
+    ggml_tensor * is_max  = ggml_scale_bias(ctx0, ggml_step(ctx0, ggml_neg(ctx0, ggml_sub(ctx0, at(values, ids), v_max))),
+                                            -1.0f, 1.0f);                       // [k, N]: 1 where equal
+    ggml_tensor * score   = ggml_mul(ctx0, is_max, ggml_scale_bias(ctx0, ids_f, -1.0f, (float) n_vocab));
+    ggml_tensor * first   = ggml_reshape_2d(ctx0, ggml_argmax(ctx0, score), 1, n_rows);
+    ggml_tensor * lowest  = ggml_reshape_2d(ctx0, ggml_get_rows(ctx0, ggml_reshape_3d(ctx0, ids_f, 1, k, n_rows), first),
+                                            1, n_rows);                         // F32 [1, N]
+
+    ggml_tensor * record  = ggml_concat(ctx0, entropy, lowest, 0);
+    record = ggml_concat(ctx0, record, sampled, 0);
     ggml_tensor * kept    = at(probs, ids);                                     // [k, N]
     ggml_tensor * order   = ggml_argsort(ctx0, kept, GGML_SORT_ORDER_DESC);      // most probable first
-    ggml_tensor * ids_f   = ggml_reshape_3d(ctx0, ggml_cast(ctx0, ids, GGML_TYPE_F32), 1, k, n_rows);
-    ggml_tensor * ids_out = ggml_reshape_2d(ctx0, ggml_get_rows(ctx0, ids_f, order), k, n_rows);
+    ggml_tensor * ids_out = ggml_reshape_2d(ctx0, ggml_get_rows(ctx0, ggml_reshape_3d(ctx0, ids_f, 1, k, n_rows), order),
+                                            k, n_rows);
     ggml_tensor * p_out   = ggml_reshape_2d(ctx0, ggml_get_rows(ctx0, ggml_reshape_3d(ctx0, kept, 1, k, n_rows), order),
                                             k, n_rows);
     ggml_tensor * dropped = ggml_scale_bias(ctx0, ggml_sum_rows(ctx0, p_out), -1.0f, 1.0f);
