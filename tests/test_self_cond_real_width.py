@@ -28,7 +28,7 @@ import pytest
 
 from native_helpers import requires_native
 
-pytestmark = [requires_native, pytest.mark.slow]
+pytestmark = [requires_native, pytest.mark.reference, pytest.mark.slow]
 
 VOCAB, HIDDEN, CANVAS = 262144, 2816, 16
 EXACT_TOL_HERE = 1e-3
