@@ -235,6 +235,8 @@ def header_plan(header: GgufHeader, n_gpu_layers: int, n_cpu_moe: int, gpus: lis
     plan, ram_need, gpu_need = memory_plan(header.get, tensor_sizes(header), header.n_vocab or 0, header.file_size,
                                            n_gpu_layers, n_cpu_moe, gpus, context)
     sc_ram, sc_gpu = self_cond_copy_bytes(header, plan)
+    if any(g.metal for g in gpus):  # one memory: the copy a Mac's GPU holds is taken from RAM too
+        sc_ram += sc_gpu
     return plan, ram_need + repacked_bytes(header, plan) + sc_ram, gpu_need + sc_gpu
 
 
