@@ -152,6 +152,8 @@ class GenerationResult:
     # answer tokens whose logits came from the prefill (AR: the first token, when it is an answer token): made
     # before the time tok/s divides by, so not counted in it
     prefill_answer_tokens: int = 0
+    # diffusion: the self-conditioning form the steps fed back, "dense" (the reference's) or "top-K"
+    self_conditioning: str | None = None
     # diffusion: every finalized canvas as the reference returns it (end token and padding kept)
     canvas_token_ids: list[int] = field(default_factory=list, repr=False)
 

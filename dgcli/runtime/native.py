@@ -51,6 +51,20 @@ class StepOutputs(ctypes.Structure):
         ("topk_probs", ctypes.POINTER(ctypes.c_float)),
         ("dropped", ctypes.POINTER(ctypes.c_float)),
         ("values", ctypes.POINTER(ctypes.c_float)),
+        ("soft", ctypes.POINTER(ctypes.c_float)),
+    ]
+
+
+class SelfCond(ctypes.Structure):
+    """struct dg_self_cond: a decoder forward's self-conditioning input, one of three forms (top-k ids
+    and probabilities, the whole distribution, or the soft embedding itself)."""
+
+    _fields_ = [
+        ("topk_ids", ctypes.POINTER(ctypes.c_int32)),
+        ("topk_probs", ctypes.POINTER(ctypes.c_float)),
+        ("k", ctypes.c_int32),
+        ("probs", ctypes.POINTER(ctypes.c_float)),
+        ("soft", ctypes.POINTER(ctypes.c_float)),
     ]
 
 
@@ -167,13 +181,15 @@ def _declare(lib_mod: Any) -> None:
         "dg_canvas_length": ([lib_mod.llama_model_p_ctypes], ctypes.c_int32),
         "dg_encode": ([lib_mod.llama_context_p_ctypes, token_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_bool, c_float_p],
                       ctypes.c_int32),
-        # (ctx, canvases, n_seqs, n_canvas, sc_ids, sc_probs, sc_k, exact, logits_out)
-        "dg_decode_canvases": ([lib_mod.llama_context_p_ctypes, token_p, ctypes.c_int32, ctypes.c_int32, token_p,
-                                c_float_p, ctypes.c_int32, ctypes.c_bool, c_float_p], ctypes.c_int32),
-        # (ctx, canvases, n_seqs, n_canvas, sc_ids, sc_probs, sc_k, temperatures, uniforms, top_k, flags, out)
-        "dg_denoise_step": ([lib_mod.llama_context_p_ctypes, token_p, ctypes.c_int32, ctypes.c_int32, token_p, c_float_p,
-                             ctypes.c_int32, c_float_p, ctypes.POINTER(ctypes.c_double), ctypes.c_int32, ctypes.c_uint32,
-                             ctypes.POINTER(StepOutputs)], ctypes.c_int32),
+        # (ctx, canvases, n_seqs, n_canvas, self_cond, exact, logits_out)
+        "dg_decode_canvases": ([lib_mod.llama_context_p_ctypes, token_p, ctypes.c_int32, ctypes.c_int32,
+                                ctypes.POINTER(SelfCond), ctypes.c_bool, c_float_p], ctypes.c_int32),
+        # (ctx, canvases, n_seqs, n_canvas, self_cond, temperatures, uniforms, top_k, flags, out)
+        "dg_denoise_step": ([lib_mod.llama_context_p_ctypes, token_p, ctypes.c_int32, ctypes.c_int32,
+                             ctypes.POINTER(SelfCond), c_float_p, ctypes.POINTER(ctypes.c_double), ctypes.c_int32,
+                             ctypes.c_uint32, ctypes.POINTER(StepOutputs)], ctypes.c_int32),
+        "dg_self_cond_path": ([lib_mod.llama_model_p_ctypes, ctypes.c_bool], ctypes.c_char_p),
+        "dg_self_cond_bytes": ([lib_mod.llama_model_p_ctypes, ctypes.c_bool], ctypes.c_int64),
         "dg_lm_head_path": ([lib_mod.llama_model_p_ctypes], ctypes.c_char_p),
         "dg_dense_repacked_count": ([lib_mod.llama_model_p_ctypes], ctypes.c_int32),
         # (kernel, weight ggml type, n_embd, n_vocab, n_cols, seed, max_rel_error out)

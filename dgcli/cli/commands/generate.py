@@ -36,8 +36,8 @@ def generate(
     thinking: str = _options.ThinkingOpt,
     self_cond_top_k: Optional[int] = typer.Option(
         None, "--self-cond-top-k", show_default=False,
-        help="Tokens per position fed back to self-conditioning (0 = all; default: all for small vocabularies, "
-             "else 64; the mass left out is in the trace as sc_dropped_mass)."),
+        help="Tokens per position fed back to self-conditioning (default 0: all of them, the reference's dense "
+             "form; K: the K most probable, the mass left out in the trace as sc_dropped_mass)."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past end tokens, up to --max-new-tokens (as llama.cpp's --ignore-eos)."),
     pace: float = _options.PaceOpt,
     no_live: bool = _options.NoLiveOpt,

@@ -42,8 +42,9 @@ def serve(
     max_connections: int = typer.Option(1024, "--max-connections", help="Open connections at most (idle ones "
                                                                         "are closed first to make room)."),
     self_cond_top_k: Optional[int] = typer.Option(
-        None, "--self-cond-top-k", help="Tokens per position fed back to self-conditioning (0 = all; default: all "
-                                        "for small vocabularies, else 64)."),
+        None, "--self-cond-top-k", show_default=False,
+        help="Tokens per position fed back to self-conditioning (default 0: all of them, the reference's dense "
+             "form; K: the K most probable)."),
     threads: Optional[int] = _options.ThreadsOpt, gpu_layers: int = _options.GpuOpt,
     rpc: Optional[str] = _options.RpcOpt,
     yes: bool = _options.YesOpt,
