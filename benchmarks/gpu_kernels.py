@@ -114,6 +114,13 @@ def model_cases(path: Path, n_tokens: int = CANVAS) -> dict[str, list[str]]:
             k, m = shape
             dense.append(f"mul_mat:{qtype}:{m}:{n_tokens}:{k}")
     half = [f"mul_mat_id:{ty}:{e}:{used}:{m}:{n_tokens}:{k}" for (e, m, k) in sorted(moe_shapes) for ty in HALF_EXPERT_TYPES]
+    # the dense self-conditioning product (the engine's default): E^T, made at load as Q8_0 where the
+    # vocabulary is whole 32-token blocks (native/patch/src/diffusion-gemma-embd-t.h), times the probabilities
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embd is not None:
+        n_embd, n_vocab = (int(n) for n in embd.shape[:2])
+        if n_vocab % 32 == 0:
+            dense.append(f"mul_mat:q8_0:{n_embd}:{n_tokens}:{n_vocab}")
     return {"moe": sorted(set(moe)), "moe_half": half, "dense": sorted(set(dense)), "topk": [TOPK_CASE]}
 
 
@@ -171,7 +178,7 @@ def tbo_env(lib_dirs: list[str]) -> dict[str, str]:
 def ggml_lib_dirs(llama_lib: Path, scratch: Path) -> list[str]:
     """The folders test-backend-ops loads its libraries from: a scratch folder with libggml.so.0
     (a link to the wheel's libggml.so), the wheel's lib folder, NVIDIA's pip wheels' lib folders."""
-    from dgcli.engine import native
+    from dgcli.runtime import native
 
     scratch.mkdir(parents=True, exist_ok=True)
     link = scratch / "libggml.so.0"
@@ -273,8 +280,12 @@ def agreement_with_base(settings: dict[str, dict[str, str]], step: Callable[[], 
     for name, r in records.items():
         topk = (float(np.mean([len(set(a) & set(b)) / max(1, len(a)) for a, b in zip(r.topk_ids, base.topk_ids)]))
                 if r.topk_ids is not None else 1.0)
+        soft = 0.0
+        if getattr(r, "soft", None) is not None and getattr(base, "soft", None) is not None:
+            soft = float(np.max(np.abs(r.soft - base.soft)) / max(float(np.max(np.abs(base.soft))), 1e-30))
         out[name] = {"argmax": float(np.mean(r.argmax == base.argmax)), "sampled": float(np.mean(r.sampled == base.sampled)),
-                     "topk": topk, "entropy": float(np.max(np.abs(r.entropy.astype(np.float64) - base.entropy)))}
+                     "topk": topk, "entropy": float(np.max(np.abs(r.entropy.astype(np.float64) - base.entropy))),
+                     "soft": soft}
     return out
 
 
@@ -306,11 +317,13 @@ def summary_ms(seconds: list[float]) -> dict[str, float]:
 
 
 def step_and_decode(model, rng) -> tuple[dict[str, Callable[[], Any]], Callable[[], None]]:
-    """The one-graph step (256-token canvas, top-64 self-conditioning, the sampler's pass in the
-    graph), the one-token decode (encoder, logits out: an AR decode on these weights), the decoder
-    over a one-token row (logits out), and the commit (the encoder over a finished canvas: a
-    256-token prefill) on the same weights; and the restart that puts the 64-token prompt back in an
-    empty cache (decodes add a token each, commits a canvas)."""
+    """The one-graph step as the engine runs it by default (256-token canvas, dense self-conditioning:
+    the previous step's soft embedding in, this step's probabilities times E out, the sampler's pass
+    in the graph), the same step with top-64 self-conditioning (the earlier default), the one-token
+    decode (encoder, logits out: an AR decode on these weights), the decoder over a one-token row
+    (logits out), and the commit (the encoder over a finished canvas: a 256-token prefill) on the
+    same weights; and the restart that puts the 64-token prompt back in an empty cache (decodes add
+    a token each, commits a canvas)."""
     import numpy as np
 
     C = int(model.canvas_length)
@@ -325,9 +338,13 @@ def step_and_decode(model, rng) -> tuple[dict[str, Callable[[], Any]], Callable[
     canvas = np.asarray([rng.integers(200, 400, C)], dtype=np.int32)
     ids = np.stack([rng.choice(V, k, replace=False) for _ in range(C)]).astype(np.int32)
     probs = np.full((C, k), 1 / k, dtype=np.float32)
+    soft = rng.standard_normal((1, C, int(model.n_embd))).astype(np.float32)  # as dg bench's speed model
     uniforms = rng.random((1, C))
 
     def step():
+        return model.denoise_step(canvas, np.float32(0.6), uniforms, sc_soft=soft, next_soft=True)[0]
+
+    def step_top64():
         return model.denoise_step(canvas, np.float32(0.6), uniforms, sc_topk=(ids[None], probs[None]), top_k=k)[0]
 
     def decode() -> None:
@@ -339,7 +356,8 @@ def step_and_decode(model, rng) -> tuple[dict[str, Callable[[], Any]], Callable[
     def commit() -> None:  # last: the cache grows by a canvas
         model.commit(canvas[0])
 
-    return {"step": step, "decode": decode, "decoder_row": decoder_row, "commit": commit}, restart
+    return {"step": step, "step_top64": step_top64, "decode": decode, "decoder_row": decoder_row,
+            "commit": commit}, restart
 
 
 # -- the results file -----------------------------------------------------------------------------------
@@ -499,7 +517,7 @@ def step_variants(check, path: Path, quant: str, dense_shapes: list[str], rounds
     """The one-graph step and the one-token decode under every setting, interleaved rounds."""
     import numpy as np
 
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     t0 = time.monotonic()
     model = DiffusionModel(path, n_gpu_layers=-1)
@@ -507,7 +525,7 @@ def step_variants(check, path: Path, quant: str, dense_shapes: list[str], rounds
     try:
         fns, restart = step_and_decode(model, np.random.default_rng(0))
         settings = variants(dense_shapes)
-        agreement = agreement_with_base(settings, fns["step"], restart)
+        agreement = {form: agreement_with_base(settings, fns[form], restart) for form in ("step", "step_top64")}
         times = time_interleaved(settings, fns, rounds, reps, restart)
         alternating = {name: alternating_step(model, fns, restart, settings[name], rounds * reps)
                        for name in ("base", "all")}
@@ -516,23 +534,29 @@ def step_variants(check, path: Path, quant: str, dense_shapes: list[str], rounds
     ms = {f: {name: summary_ms(t[f]) for name, t in times.items()} for f in fns}
     base = ms["step"]["base"]["min"]
     for name in settings:
-        s, d, row, c = (ms[f][name] for f in ("step", "decode", "decoder_row", "commit"))
+        s, t64, d, row, c = (ms[f][name] for f in ("step", "step_top64", "decode", "decoder_row", "commit"))
         check.add(f"variants {quant}", f"{name}: step / decode (min)", f"{s['min']:.2f} / {d['min']:.2f} ms",
                   f"median {s['median']:.2f} / {d['median']:.2f}; step {base / s['min']:.2f}x base, "
-                  f"{s['min'] / d['min']:.1f}x decode; decoder row {row['min']:.2f}, commit {c['min']:.2f} ms")
-    for name, a in agreement.items():
-        if name != "base":
-            check.add(f"variants {quant}", f"{name}: same step as base", f"argmax {a['argmax']:.3f}",
-                      f"sample {a['sampled']:.3f}, top-k ids {a['topk']:.3f}, max |entropy diff| {a['entropy']:.2e}")
+                  f"{s['min'] / d['min']:.1f}x decode; top-64 step {t64['min']:.2f}, decoder row {row['min']:.2f}, "
+                  f"commit {c['min']:.2f} ms")
+    for form, by_name in agreement.items():
+        for name, a in by_name.items():
+            if name != "base":
+                check.add(f"variants {quant}", f"{name}: same {form.replace('_', ' ')} as base",
+                          f"argmax {a['argmax']:.3f}",
+                          f"sample {a['sampled']:.3f}, top-k ids {a['topk']:.3f}, max |entropy diff| "
+                          f"{a['entropy']:.2e}, soft embedding max rel diff {a['soft']:.2e}")
     for name, a in alternating.items():
         check.add(f"variants {quant}", f"{name}: step right after a decode (min)", f"{a['step_ms']['min']:.2f} ms",
                   f"median {a['step_ms']['median']:.2f}; llama.cpp reused {a['reused']} of {a['calls']} graphs "
                   "(it keeps one: a rebuilt graph also restarts ggml-cuda's CUDA graph warm-up)")
-    out = {"step_ms": ms["step"], "decode_ms": ms["decode"], "decoder_row_ms": ms["decoder_row"],
+    out = {"step_ms": ms["step"], "step_top64_ms": ms["step_top64"], "decode_ms": ms["decode"],
+           "decoder_row_ms": ms["decoder_row"],
            "commit_ms": ms["commit"], "agreement_with_base": agreement, "step_after_decode": alternating,
            "settings": settings, "rounds": rounds, "reps": reps}
     check.data.setdefault("quants", {})[quant] = out
-    wrong = [name for name, a in agreement.items() if a["argmax"] < MIN_AGREEMENT]
+    wrong = [f"{name} ({form})" for form, by_name in agreement.items() for name, a in by_name.items()
+             if a["argmax"] < MIN_AGREEMENT]
     if wrong:
         raise RuntimeError(f"settings whose step disagrees with the base: {', '.join(wrong)} (argmax agreement "
                            f"below {MIN_AGREEMENT}); their timings are in the table")
@@ -543,7 +567,7 @@ def step_speed_model(check, path: Path, switches: dict[str, str], batch_sizes: l
     """dg bench's speed model and batch sweep (dgcli.bench.measure_speed_model, what `dg bench` runs
     after its prompts) on the diffusion weights, with `switches` set."""
     from dgcli.bench import measure_speed_model
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     with switched(switches):
         model = DiffusionModel(path, n_gpu_layers=-1, n_seq_max=max(batch_sizes))

@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PATCH = ROOT / "native" / "patch"
 COMPILER = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 
-pytestmark = pytest.mark.skipif(COMPILER is None, reason="no C++ compiler on PATH to build the host test")
+pytestmark = [pytest.mark.subprocess,
+              pytest.mark.skipif(COMPILER is None, reason="no C++ compiler on PATH to build the host test")]
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import pytest
 
 from dgcli.bench import load_prompts
 from dgcli.registry import Registry
-from dgcli.tiny import tiny_vocab
+from dgcli.testing.tiny import tiny_vocab
 from training import evaluate, tasks
 
 MODELS = Path(__file__).resolve().parents[1] / "dgcli" / "models"
@@ -35,7 +35,7 @@ MIN_TOKENS_PER_FORWARD = 4.0
 
 
 def _native_reason() -> str | None:
-    from dgcli.engine import native
+    from dgcli.runtime import native
 
     ok, reason = native.available()
     return None if ok else reason

@@ -83,7 +83,7 @@ def test_every_setting_names_only_known_switches():
 
 
 def test_cases_come_from_the_files_tensors(tmp_path):
-    from dgcli.tiny import write_synthetic_gguf
+    from dgcli.testing.tiny import write_synthetic_gguf
 
     path = write_synthetic_gguf(tmp_path / "m.gguf", n_layer=2, outtype="q8_0", vocab_size=4096, hidden=256,
                                 num_experts=8, top_k_experts=2, moe_intermediate_size=256, intermediate_size=512,
@@ -94,6 +94,7 @@ def test_cases_come_from_the_files_tensors(tmp_path):
     assert "mul_mat_id:q8_0:8:2:256:32:256" in cases["moe"]  # down
     assert {c.split(":")[1] for c in cases["moe_half"]} == {"bf16", "f16"}
     assert "mul_mat:q8_0:4096:32:256" in cases["dense"]  # the LM head, tied to the embedding
+    assert "mul_mat:q8_0:256:32:4096" in cases["dense"]  # the dense self-conditioning product, E^T x probs
     assert all(c.startswith("mul_mat:") for c in cases["dense"])
     assert cases["topk"] == [gpu_kernels.TOPK_CASE]
 
@@ -149,6 +150,7 @@ def patched_test_backend_ops(tmp_path_factory):
     return exe, lib
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("bad", ["nonsense", "mul_mat:q4_K:0:256:2816", "mul_mat:q9_9:64:8:256"])
 def test_test_backend_ops_refuses_a_bad_case_list(patched_test_backend_ops, bad):
     """A DG_TBO_CASES item it cannot read stops it with one line naming the variable, exit 1."""
@@ -160,6 +162,7 @@ def test_test_backend_ops_refuses_a_bad_case_list(patched_test_backend_ops, bad)
     assert run.returncode == 1 and "DG_TBO_CASES" in run.stderr
 
 
+@pytest.mark.subprocess
 def test_test_backend_ops_runs_exactly_the_listed_cases(patched_test_backend_ops):
     import subprocess
 

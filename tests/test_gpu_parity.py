@@ -22,7 +22,7 @@ import pytest
 from native_helpers import GPU_LOGIT_TOL, requires_gpu
 from test_native_model import DEFAULT_TOL, PROMPT, _maxdiff, _run_native, scenario, vocab_size  # noqa: F401
 
-pytestmark = requires_gpu
+pytestmark = [requires_gpu, pytest.mark.native, pytest.mark.reference]
 
 GPU_TOL = GPU_LOGIT_TOL
 ARGMAX_AGREEMENT = 0.97
@@ -44,7 +44,7 @@ def _offloaded_everything(model) -> None:
 
 
 def test_offloaded_exact_mode_matches_cpu_exact_and_reference(reference_gguf, scenario):  # noqa: F811
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     with DiffusionModel(reference_gguf, n_threads=2, exact=True, n_ctx=256, n_ubatch=16, n_gpu_layers=-1) as gpu:
         _offloaded_everything(gpu)
@@ -58,7 +58,7 @@ def test_offloaded_exact_mode_matches_cpu_exact_and_reference(reference_gguf, sc
 
 def test_offloaded_default_mode_matches_reference(reference_gguf, scenario):  # noqa: F811
     """Default mode on the GPU: flash attention with an F16 cache, table-free GELU."""
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     with DiffusionModel(reference_gguf, n_threads=2, n_ctx=256, n_gpu_layers=-1) as gpu:
         _offloaded_everything(gpu)
@@ -68,8 +68,8 @@ def test_offloaded_default_mode_matches_reference(reference_gguf, scenario):  # 
 
 
 def test_offloaded_ar_twin_matches_reference(reference_ar_gguf, reference_model):
-    from dgcli.engine.model import ArModel
-    from dgcli.reference import reference_causal_logits
+    from dgcli.runtime.model import ArModel
+    from dgcli.testing.reference import reference_causal_logits
 
     ref = reference_causal_logits(reference_model, PROMPT)
     with ArModel(reference_ar_gguf, n_threads=2, n_ctx=128, n_gpu_layers=-1) as ar:
@@ -82,7 +82,7 @@ def test_offloaded_ar_twin_matches_reference(reference_ar_gguf, reference_model)
 def test_partial_offload_keeps_experts_in_ram_and_agrees(reference_gguf, scenario):  # noqa: F811
     """--n-cpu-moe 3: the first three layers' experts in CPU buffers, everything else on the GPU, the
     same logits as full offload within the GPU budget."""
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     with DiffusionModel(reference_gguf, n_threads=2, exact=True, n_ctx=256, n_ubatch=16, n_gpu_layers=-1,
                         n_cpu_moe=3) as part:
@@ -104,8 +104,8 @@ def test_self_conditioning_rows_are_gathered_on_the_gpu(reference_gguf, monkeypa
     GPU every step (176 MiB on a real canvas, 40% of an H200's step): no split input may be that big."""
     import re
 
-    from dgcli.engine import native
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime import native
+    from dgcli.runtime.model import DiffusionModel
 
     monkeypatch.setenv("GGML_SCHED_DEBUG", "1")  # the scheduler lists its splits and their inputs
     with DiffusionModel(reference_gguf, n_threads=2, n_ctx=256, n_gpu_layers=-1) as gpu:
@@ -135,8 +135,8 @@ def test_fused_step_on_the_gpu_agrees_with_the_ggml_ops_step_and_the_cpu(referen
     split of its graph (the step op is the graph's last node) is CUDA's."""
     import re
 
-    from dgcli.engine import native
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime import native
+    from dgcli.runtime.model import DiffusionModel
     from test_native_step import _sample_margin
 
     with DiffusionModel(reference_gguf, n_threads=2, n_ctx=256, n_gpu_layers=-1) as gpu:
@@ -156,6 +156,13 @@ def test_fused_step_on_the_gpu_agrees_with_the_ggml_ops_step_and_the_cpu(referen
             [fused] = gpu.denoise_step(canvas, np.float32(0.7), u, **args)
         monkeypatch.delenv("DG_CUDA_FUSED_STEP")
         [ops] = gpu.denoise_step(canvas, np.float32(0.7), u, **args)
+        # the engine's default form: the previous soft embedding in, the next one out (the fused step
+        # leaves its probabilities over the logits for the product, as the CPU op does)
+        dense = dict(sc_soft=rng.standard_normal((1, C, gpu.n_embd)).astype(np.float32), next_soft=True)
+        monkeypatch.setenv("DG_CUDA_FUSED_STEP", "1")
+        [fused_dense] = gpu.denoise_step(canvas, np.float32(0.7), u, **dense)
+        monkeypatch.delenv("DG_CUDA_FUSED_STEP")
+        [ops_dense] = gpu.denoise_step(canvas, np.float32(0.7), u, **dense)
     with DiffusionModel(reference_gguf, n_threads=2, n_ctx=256) as cpu:
         cpu.prefill(PROMPT[:8])
         [host] = cpu.denoise_step(canvas, np.float32(0.7), u, **args)
@@ -173,6 +180,13 @@ def test_fused_step_on_the_gpu_agrees_with_the_ggml_ops_step_and_the_cpu(referen
     for r, (a, b) in enumerate(zip(fused.sampled, ops.sampled)):
         if a != b:
             assert _sample_margin(fused.processed[r], u[0, r], int(a)) < 1e-5, r
+
+    assert fused_dense.argmax.tolist() == ops_dense.argmax.tolist()
+    np.testing.assert_allclose(fused_dense.entropy, ops_dense.entropy, rtol=1e-4, atol=1e-5)
+    # the product quantizes the probabilities per block (as a matmul's activations): a last-bit
+    # difference of one can move its block's scale
+    soft_diff = np.max(np.abs(fused_dense.soft - ops_dense.soft)) / np.max(np.abs(ops_dense.soft))
+    assert soft_diff < 1e-2, soft_diff
 
     agree = float(np.mean(fused.argmax == host.argmax))
     print(f"fused GPU step vs CPU step: argmax agreement {agree:.3f}, "

@@ -14,6 +14,12 @@ and the AR twin's accuracy.
     .venv/bin/python -m training.evaluate --write-bench-prompts dgcli/data/demo-prompts.tsv
 
 writes the held-out set `dg bench --model demo` runs (tasks.BENCH_LEVELS, 3 prompts per level).
+
+    .venv/bin/python -m training.evaluate --gguf dgcli/models/demo-diffusion.gguf --no-ar \\
+        --self-cond-top-k 0,1,4,16,64
+
+runs the diffusion side once per self-conditioning form (0: dense, the reference's and dg's default;
+k: the k most probable tokens per position) and ends with one summary row per form.
 """
 
 from __future__ import annotations
@@ -65,7 +71,7 @@ def load_reference(checkpoint: Path):
     from transformers.models.diffusion_gemma import DiffusionGemmaForBlockDiffusion
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import DiffusionGemmaGenerationConfig
 
-    from dgcli.tiny import tiny_vocab
+    from dgcli.testing.tiny import tiny_vocab
 
     vocab = tiny_vocab()
     generation_config = DiffusionGemmaGenerationConfig(eos_token_id=list(vocab.end_token_ids), pad_token_id=vocab.pad_id,
@@ -80,7 +86,7 @@ def reference_backends(checkpoint: Path, threads: int = 1):
     """Transformers' DiffusionGemmaForBlockDiffusion.generate and a greedy AR loop on the encoder."""
     import torch
 
-    from dgcli.tiny import tiny_vocab
+    from dgcli.testing.tiny import tiny_vocab
 
     torch.set_num_threads(threads)
     vocab = tiny_vocab()
@@ -136,8 +142,8 @@ def engine_over_reference_backend(checkpoint: Path, threads: int = 1):
     import torch
 
     from dgcli.engine import DiffusionEngine
-    from dgcli.engine.torch_model import TorchDiffusionModel
-    from dgcli.tiny import tiny_vocab
+    from dgcli.testing.tiny import tiny_vocab
+    from dgcli.testing.torch_model import TorchDiffusionModel
 
     torch.set_num_threads(threads)
     vocab = tiny_vocab()
@@ -154,11 +160,12 @@ def engine_over_reference_backend(checkpoint: Path, threads: int = 1):
     return diffusion
 
 
-def engine_backends(gguf: Path, ar_gguf: Path | None, threads: int | None = None):
-    """dg's DiffusionEngine / AutoregressiveEngine over the patched llama.cpp."""
+def engine_backends(gguf: Path, ar_gguf: Path | None, threads: int | None = None, self_cond_top_k: int | None = None):
+    """dg's DiffusionEngine / AutoregressiveEngine over the patched llama.cpp (self_cond_top_k: the
+    engine's setting; None: its default)."""
     from dgcli.engine import AutoregressiveEngine, DiffusionEngine
 
-    engine = DiffusionEngine(str(gguf), n_threads=threads)
+    engine = DiffusionEngine(str(gguf), n_threads=threads, self_cond_top_k=self_cond_top_k)
     ar_engine = AutoregressiveEngine(str(ar_gguf), n_threads=threads) if ar_gguf else None
 
     def diffusion(example: tasks.Example, seed: int) -> Outcome:
@@ -226,6 +233,21 @@ def markdown_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def form_table(by_form: dict[int | None, list[Row]]) -> str:
+    """One row per self-conditioning form over the whole set: accuracy, steps per canvas (over every
+    canvas), tokens per forward (answer tokens over decoder forwards, summed over the set)."""
+    lines = ["| self-conditioning | n | diffusion acc | steps/canvas | tokens/forward |", "| --- | --- | --- | --- | --- |"]
+    for k, rows in by_form.items():
+        n = sum(r.n for r in rows)
+        canvases = sum(r.mean_canvases * r.n for r in rows)
+        forwards = sum(r.mean_steps * r.mean_canvases * r.n for r in rows)
+        tokens = sum(r.tokens_per_forward * r.mean_steps * r.mean_canvases * r.n for r in rows)
+        name = "default" if k is None else "dense" if k == 0 else f"top-{k}"
+        lines.append(f"| {name} | {n} | {sum(r.accuracy * r.n for r in rows) / n:.3f} | {forwards / canvases:.2f} | "
+                     f"{tokens / forwards:.2f} |")
+    return "\n".join(lines)
+
+
 def bench_prompt_lines(per_level: int = 3) -> list[str]:
     """dg bench's prompt file for the demo: name<TAB>prompt<TAB>answer, held-out examples at
     tasks.BENCH_LEVELS, then the hand-written unknown prompts (tasks.UNKNOWN_PROMPTS)."""
@@ -255,6 +277,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--levels", help="difficulties to run, e.g. 1,4,8 (default: all)")
     parser.add_argument("--tasks", help="tasks to run, e.g. sort,nato (default: all)")
     parser.add_argument("--write-bench-prompts", type=Path, metavar="TSV", help="write dg bench's demo prompt set and exit")
+    parser.add_argument("--self-cond-top-k", metavar="K[,K...]",
+                        help="with --gguf: self-conditioning forms to run, each on the whole set (0: dense; "
+                             "default: the engine's)")
     args = parser.parse_args(argv)
     if args.write_bench_prompts:
         args.write_bench_prompts.write_text("\n".join(bench_prompt_lines()) + "\n", encoding="utf-8")
@@ -263,18 +288,32 @@ def main(argv: list[str] | None = None) -> None:
         diffusion, autoregressive = engine_over_reference_backend(args.checkpoint, args.threads), None
     elif args.checkpoint:
         diffusion, autoregressive = reference_backends(args.checkpoint, args.threads)
-    elif args.gguf:
-        diffusion, autoregressive = engine_backends(args.gguf, args.ar_gguf, args.threads)
-    else:
+    elif not args.gguf:
         parser.error("give --checkpoint or --gguf")
+    if args.self_cond_top_k and not args.gguf:
+        parser.error("--self-cond-top-k runs dg's engine: give --gguf")
     chosen = args.tasks.split(",") if args.tasks else list(tasks.TASKS)
     wanted = [int(x) for x in args.levels.split(",")] if args.levels else None
     levels = {t: [d for d in (wanted or range(1, tasks.MAX_DIFFICULTY[t] + 1)) if d <= tasks.MAX_DIFFICULTY[t]]
               or [tasks.MAX_DIFFICULTY[t]] for t in chosen}
-    rows = measure(diffusion, None if args.no_ar else autoregressive, args.per_cell, difficulties=levels)
-    print(markdown_table(rows))
+    if args.gguf:
+        forms = [int(k) for k in args.self_cond_top_k.split(",")] if args.self_cond_top_k else [None]
+        by_form = {}
+        for k in forms:
+            diffusion, autoregressive = engine_backends(args.gguf, args.ar_gguf, args.threads, k)
+            if k is not None:
+                print(f"self-conditioning: {'dense' if k == 0 else f'top-{k}'}", flush=True)
+            by_form[k] = measure(diffusion, None if args.no_ar else autoregressive, args.per_cell, difficulties=levels)
+            print(markdown_table(by_form[k]))
+        if len(forms) > 1:
+            print(form_table(by_form))
+        rows = [asdict(r) | {"self_cond_top_k": k} for k, rs in by_form.items() for r in rs]
+    else:
+        rows = [asdict(r) for r in measure(diffusion, None if args.no_ar else autoregressive, args.per_cell,
+                                           difficulties=levels)]
+        print(markdown_table([Row(**r) for r in rows]))
     if args.json_out:
-        args.json_out.write_text(json.dumps([asdict(r) for r in rows], indent=1))
+        args.json_out.write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

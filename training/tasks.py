@@ -29,7 +29,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Callable
 
-from dgcli.tiny import TinyVocab, tiny_vocab
+from dgcli.testing.tiny import TinyVocab, tiny_vocab
 
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 CANVAS_LENGTH = 32

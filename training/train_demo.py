@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from dgcli.tiny import tiny_vocab
+from dgcli.testing.tiny import tiny_vocab
 from training import tasks
 
 SEED = 20260610
@@ -290,7 +290,7 @@ def save_hf_checkpoint(model, out_dir: Path) -> None:
     """Save weights, config and the dg-tiny tokenizer in the form dg convert reads."""
     model.eval()
     try:
-        from dgcli.reference import save_checkpoint  # the converter's own writer, when present
+        from dgcli.testing.reference import save_checkpoint  # the converter's own writer, when present
     except ImportError:
         save_checkpoint = None
     if save_checkpoint is not None:

@@ -162,11 +162,12 @@ static void test_layout() {
 static void test_step() {
     for (const row_case & rc : make_step_cases()) {
         std::vector<float> rec(DG_REC_TOPK + 2 * rc.top_k);
+        std::vector<float> probs(rc.logits.size());
         const bool planned = dg_step_row_chunked(rc.logits.data(), (int32_t) rc.logits.size(), rc.softcap, rc.t, rc.u,
-                                                 rc.top_k, rec.data());
+                                                 rc.top_k, rec.data(), DG_TEST_PROBS_SCALE, probs.data());
         check(planned, "step " + rc.name + ": no plan for these sizes");
         if (planned) {
-            compare_record(rc, rec.data(), "step " + rc.name);
+            compare_record(rc, rec.data(), "step " + rc.name, probs.data());
         }
     }
     check_plans();

@@ -57,7 +57,8 @@ struct scratch {
     }
 };
 
-// One row through the kernels (twice: keeping the values, and not), compared with the CPU step.
+// One row through the kernels three times (the values kept; not; the probabilities left for the
+// dense self-conditioning product), each compared with the CPU step.
 static void run_case(const row_case & rc) {
     const int          n    = (int) rc.logits.size();
     const dg_step_plan plan = dg_step_make_plan(n, rc.top_k);
@@ -66,19 +67,28 @@ static void run_case(const row_case & rc) {
         return;
     }
     const int width = DG_REC_TOPK + 2 * rc.top_k;
-    for (bool keep : { false, true }) {
+    for (int mode = 0; mode < 3; ++mode) {
+        const bool  keep        = mode == 1;
+        const float probs_scale = mode == 2 ? DG_TEST_PROBS_SCALE : 0.0f;
         float *  d_logits = to_device(rc.logits);
         float *  d_t      = to_device(std::vector<float>{ rc.t });
         double * d_u      = to_device(std::vector<double>{ rc.u });
         float *  d_rec    = to_device(std::vector<float>(width, -12345.0f));
         scratch  s(plan, 1);
-        DG_CHECK_CUDA(dg_step_launch(d_logits, keep, n, n, 1, d_t, d_u, rc.softcap, rc.top_k, d_rec, width, s.stats,
-                                     s.cand_v, s.cand_i, 0));
+        DG_CHECK_CUDA(dg_step_launch(d_logits, keep, probs_scale, n, n, 1, d_t, d_u, rc.softcap, rc.top_k, d_rec, width,
+                                     s.stats, s.cand_v, s.cand_i, 0));
         DG_CHECK_CUDA(cudaDeviceSynchronize());
-        const std::vector<float> rec = to_host(d_rec, width);
-        const std::string tag = "kernel " + rc.name + (keep ? " (values kept)" : "");
-        compare_record(rc, rec.data(), tag);
+        const std::vector<float> rec   = to_host(d_rec, width);
         const std::vector<float> after = to_host(d_logits, n);
+        const std::string tag = "kernel " + rc.name + (keep ? " (values kept)" : mode == 2 ? " (probabilities)" : "");
+        compare_record(rc, rec.data(), tag, mode == 2 ? after.data() : nullptr);
+        if (mode == 2) {
+            cudaFree(d_logits);
+            cudaFree(d_t);
+            cudaFree(d_u);
+            cudaFree(d_rec);
+            continue;
+        }
         int changed = 0, wrong = 0;
         for (int i = 0; i < n; ++i) {
             const float want = dg_step_value(rc.logits[i], rc.softcap, rc.t);
@@ -99,8 +109,9 @@ static void run_case(const row_case & rc) {
     }
 }
 
-// The real canvas: 256 rows of 262144 columns, top-64; the kernels' time (min and median of 20).
-static void time_canvas(double & min_ms, double & median_ms, int top_k) {
+// The real canvas: 256 rows of 262144 columns; the kernels' time (min and median of 20) with top_k
+// candidates, or (probs) the probabilities left for the dense self-conditioning product.
+static void time_canvas(double & min_ms, double & median_ms, int top_k, bool probs = false) {
     const int n_vocab = 262144, n_rows = 256;
     std::mt19937                    rng(3);
     std::normal_distribution<float> N(0.0f, 3.0f);
@@ -109,6 +120,7 @@ static void time_canvas(double & min_ms, double & median_ms, int top_k) {
     std::vector<double> u(n_rows);
     for (int r = 0; r < n_rows; ++r) u[r] = (r + 0.5) / n_rows;
     float *  d_logits = to_device(logits);
+    float *  d_copy   = probs ? to_device(logits) : nullptr;
     float *  d_t      = to_device(std::vector<float>(n_rows, 0.7f));
     double * d_u      = to_device(u);
     const int width   = DG_REC_TOPK + 2 * top_k;
@@ -121,8 +133,12 @@ static void time_canvas(double & min_ms, double & median_ms, int top_k) {
     std::vector<double> ms;
     for (int it = 0; it < 22; ++it) {
         cudaEventRecord(a);
-        DG_CHECK_CUDA(dg_step_launch(d_logits, false, n_vocab, n_vocab, n_rows, d_t, d_u, 30.0f, top_k, d_rec, width,
-                                     s.stats, s.cand_v, s.cand_i, 0));
+        if (probs) {  // the probabilities overwrite the logits: each run on the same logits
+            DG_CHECK_CUDA(cudaMemcpyAsync(d_logits, d_copy, logits.size() * sizeof(float), cudaMemcpyDeviceToDevice));
+            cudaEventRecord(a);
+        }
+        DG_CHECK_CUDA(dg_step_launch(d_logits, false, probs ? DG_TEST_PROBS_SCALE : 0.0f, n_vocab, n_vocab, n_rows, d_t,
+                                     d_u, 30.0f, top_k, d_rec, width, s.stats, s.cand_v, s.cand_i, 0));
         cudaEventRecord(b);
         DG_CHECK_CUDA(cudaEventSynchronize(b));
         float t = 0.0f;
@@ -140,6 +156,7 @@ static void time_canvas(double & min_ms, double & median_ms, int top_k) {
                      30.0f, 0.7f, u[r], top_k };
         compare_record(rc, rec.data() + (size_t) r * width, "kernel " + rc.name);
     }
+    cudaFree(d_copy);
     cudaFree(d_logits);
     cudaFree(d_t);
     cudaFree(d_u);
@@ -189,11 +206,12 @@ int main() {
         run_case(rc);
     }
     test_layout_kernel();
-    double min64 = 0, med64 = 0, min0 = 0, med0 = 0;
+    double min64 = 0, med64 = 0, min0 = 0, med0 = 0, minp = 0, medp = 0;
     time_canvas(min64, med64, 64);
     time_canvas(min0, med0, 0);
+    time_canvas(minp, medp, 0, true);
     std::printf("%d checks, %d failures\n", g_checks, g_failures);
-    std::printf("{\"step_ms_top64\": {\"min\": %.4f, \"median\": %.4f}, \"step_ms_top0\": {\"min\": %.4f, \"median\": %.4f}}\n",
-                min64, med64, min0, med0);
+    std::printf("{\"step_ms_top64\": {\"min\": %.4f, \"median\": %.4f}, \"step_ms_top0\": {\"min\": %.4f, \"median\": %.4f}, "
+                "\"step_ms_probs\": {\"min\": %.4f, \"median\": %.4f}}\n", min64, med64, min0, med0, minp, medp);
     return g_failures == 0 ? 0 : 1;
 }

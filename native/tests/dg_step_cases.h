@@ -53,8 +53,15 @@ static bool near_cdf_edge(const std::vector<float> & values, double u, int32_t a
     return false;
 }
 
-// One row's record (emulated or from the GPU) against the CPU step's row routine on the same row.
-static void compare_record(const row_case & rc, const float * record, const std::string & tag) {
+// The scale the step gives the probabilities it leaves for the dense self-conditioning product
+// (DG_SC_PROBS_SCALE in native/patch/src/diffusion-gemma-embd-t.h).
+constexpr float DG_TEST_PROBS_SCALE = 32768.0f;
+
+// One row's record (emulated or from the GPU) against the CPU step's row routine on the same row;
+// with `probs`, the probabilities left over the row against the CPU op's (its weights times
+// (float) (scale / total), models/diffusion-gemma.cpp: dg_step_op).
+static void compare_record(const row_case & rc, const float * record, const std::string & tag,
+                           const float * left_probs = nullptr) {
     const int32_t n = (int32_t) rc.logits.size();
     const int32_t k = rc.top_k;
 
@@ -88,6 +95,19 @@ static void compare_record(const row_case & rc, const float * record, const std:
         return;
     }
     check(!std::isnan(rec[DG_REC_ENTROPY]), tag + ": NaN entropy for a finite row");
+    if (left_probs != nullptr) {
+        const float to_probs = (float) ((double) DG_TEST_PROBS_SCALE / out.total);
+        int wrong = 0;
+        double sum = 0.0;
+        for (int32_t i = 0; i < n; ++i) {
+            const float want = weights[i] * to_probs;
+            wrong += std::fabs(left_probs[i] - want) > 2e-5f * want + 1e-30f;
+            sum += left_probs[i];
+        }
+        check(wrong == 0, tag + ": " + std::to_string(wrong) + " probabilities differ from the CPU op's");
+        check(std::fabs(sum / DG_TEST_PROBS_SCALE - 1.0) < 1e-4, tag + ": probabilities sum to " +
+                                                                  std::to_string(sum / DG_TEST_PROBS_SCALE));
+    }
 
     // argmax: equal unless the two best values are within rounding of each other
     const int32_t am = (int32_t) rec[DG_REC_ARGMAX];

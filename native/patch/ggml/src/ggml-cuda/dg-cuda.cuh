@@ -59,7 +59,8 @@ bool dg_dense_bf16(const ggml_tensor * src0, const ggml_tensor * src1);
 void dg_moe_tile_layout_cuda(const int32_t * expert_bounds, int n_experts, int J, int n_tiles_max,
                              int32_t * tile_bounds, int32_t * tile_expert, cudaStream_t stream);
 
-// The fused step: GGML_OP_CUSTOM nodes whose function libllama registered (ggml-cuda-dg.h).
+// The fused step: GGML_OP_CUSTOM nodes whose function libllama registered (ggml-cuda-dg.h): the step,
+// and the no-op view of its probabilities after it.
 bool dg_cuda_step_supports_op(const ggml_tensor * op);
 void dg_cuda_step_compute(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
-bool dg_cuda_step_register(ggml_custom_op_t fun, int64_t n_vocab, int32_t top_k);
+bool dg_cuda_step_register(ggml_custom_op_t step, ggml_custom_op_t after, int64_t n_vocab, int32_t top_k);

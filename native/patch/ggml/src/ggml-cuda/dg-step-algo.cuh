@@ -228,9 +228,10 @@ DG_HD inline int dg_sample_chunk(const dg_chunk_stats * c, int n_chunks, float r
 #    include <vector>
 
 // The kernels' per-row algorithm, sequentially (for tests on a CPU). logits: the row; record:
-// DG_REC_TOPK + 2 top_k floats. Returns false if the plan does not hold these sizes.
+// DG_REC_TOPK + 2 top_k floats; probs (may be null): the row's probabilities times probs_scale, as
+// pass 2 leaves them over the logits. Returns false if the plan does not hold these sizes.
 inline bool dg_step_row_chunked(const float * logits, int32_t n_vocab, float softcap, float t, double u,
-                                int32_t top_k, float * record) {
+                                int32_t top_k, float * record, float probs_scale = 0.0f, float * probs = nullptr) {
     const dg_step_plan plan = dg_step_make_plan(n_vocab, top_k);
     if (!plan.ok) {
         return false;
@@ -320,6 +321,12 @@ inline bool dg_step_row_chunked(const float * logits, int32_t n_vocab, float sof
         }
     }
     record[DG_REC_SAMPLED] = (float) (pick >= 0 ? pick : (last >= 0 ? last : r.argmax));
+    if (probs != nullptr) {
+        const float to_probs = (float) ((double) probs_scale / r.sum);
+        for (int32_t i = 0; i < n_vocab; ++i) {
+            probs[i] = dg_step_exp(dg_step_value(logits[i], softcap, t) - r.max) * to_probs;
+        }
+    }
     return true;
 }
 #endif

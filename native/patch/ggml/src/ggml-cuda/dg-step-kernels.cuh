@@ -228,7 +228,7 @@ dg_step_pass1(const float * logits, float * values_out /* logits itself, or null
 // Pass 2: one block per row. The row's statistics from its chunks, its top-k from the candidates
 // (bitonic sort in shared memory), the sample from one chunk scanned in index order; the record.
 static __global__ void __launch_bounds__(DG_STEP_THREADS)
-dg_step_pass2(const float * __restrict__ logits, bool values_kept, int64_t row_stride, int n_vocab, int chunk,
+dg_step_pass2(float * logits, bool values_kept, float probs_scale, int64_t row_stride, int n_vocab, int chunk,
               int n_chunks, const float * __restrict__ temps, const double * __restrict__ uniforms, float softcap,
               int top_k, int n_cand, const dg_chunk_stats * __restrict__ stats, const float * __restrict__ cand_v,
               const int32_t * __restrict__ cand_i, int n_sort, float * __restrict__ record, int64_t record_stride) {
@@ -242,9 +242,10 @@ dg_step_pass2(const float * __restrict__ logits, bool values_kept, int64_t row_s
     __shared__ int          s_pick;
     __shared__ int          s_last;
 
-    const int    tid = threadIdx.x;
-    const int    row = blockIdx.x;
-    float *      rec = record + (int64_t) row * record_stride;
+    const int    tid       = threadIdx.x;
+    const int    row       = blockIdx.x;
+    const int    row_index = row;
+    float *      rec       = record + (int64_t) row * record_stride;
     const float  t   = temps[row];
     const dg_chunk_stats * st = stats + (int64_t) row * n_chunks;
 
@@ -363,6 +364,16 @@ dg_step_pass2(const float * __restrict__ logits, bool values_kept, int64_t row_s
         rec[DG_REC_ARGMAX]  = (float) r.argmax;
         rec[DG_REC_SAMPLED] = (float) (pick >= 0 ? begin + pick : r.argmax);
     }
+    if (probs_scale != 0.0f) {
+        // the next step's probabilities over the row, as the CPU op leaves them: each weight times
+        // (float) (scale / S); after the sample, which read this row's logits
+        __syncthreads();
+        const float   to_probs = (float) ((double) probs_scale / r.sum);
+        float *       row      = logits + (int64_t) row_index * row_stride;
+        for (int i = tid; i < n_vocab; i += DG_STEP_THREADS) {
+            row[i] = dg_step_exp(dg_step_value(row[i], softcap, t) - r.max) * to_probs;
+        }
+    }
 }
 
 struct dg_step_scratch_size {
@@ -376,13 +387,15 @@ static inline dg_step_scratch_size dg_step_scratch(const dg_step_plan & plan, in
 }
 
 // Both passes over logits [n_rows rows of row_stride floats, n_vocab used] into record [n_rows rows of
-// record_stride floats]; keep_values leaves softcap(logits) / t in the logits. The plan must be ok.
-static inline cudaError_t dg_step_launch(float * logits, bool keep_values, int64_t row_stride, int n_vocab, int n_rows,
+// record_stride floats]; keep_values leaves softcap(logits) / t in the logits, probs_scale (not 0,
+// without keep_values) softmax of them times probs_scale. The plan must be ok.
+static inline cudaError_t dg_step_launch(float * logits, bool keep_values, float probs_scale, int64_t row_stride,
+                                         int n_vocab, int n_rows,
                                          const float * temps, const double * uniforms, float softcap, int top_k,
                                          float * record, int64_t record_stride, dg_chunk_stats * stats, float * cand_v,
                                          int32_t * cand_i, cudaStream_t stream) {
     const dg_step_plan plan = dg_step_make_plan(n_vocab, top_k);
-    if (!plan.ok || n_rows <= 0 || n_rows > 65535) {
+    if (!plan.ok || n_rows <= 0 || n_rows > 65535 || (keep_values && probs_scale != 0.0f)) {
         return cudaErrorInvalidValue;
     }
     const size_t smem1 = (size_t) plan.chunk * sizeof(float);
@@ -407,7 +420,7 @@ static inline cudaError_t dg_step_launch(float * logits, bool keep_values, int64
         return err;
     }
     dg_step_pass2<<<n_rows, DG_STEP_THREADS, smem2, stream>>>(
-        logits, keep_values, row_stride, n_vocab, plan.chunk, plan.n_chunks, temps, uniforms, softcap, top_k,
+        logits, keep_values, probs_scale, row_stride, n_vocab, plan.chunk, plan.n_chunks, temps, uniforms, softcap, top_k,
         plan.n_cand, stats, cand_v, cand_i, top_k > 0 ? n_sort : 1, record, record_stride);
     return cudaGetLastError();
 }
