@@ -168,7 +168,7 @@ def test_unknown_registry_name_and_quant():
     (["--steps", "-3"], "invalid --steps -3"),
     (["--t-min", "0.9", "--t-max", "0.5"], "invalid --t-max 0.5: must be at least t_min (0.9)"),
     (["--temp", "0.5", "--t-min", "0.4"], "pass --temp or --t-min/--t-max, not both"),
-    (["--temp", "0"], "invalid t_max=0.0"),
+    (["--temp", "-1"], "invalid --temp -1.0: must be 0 (greedy) or a number between"),
     (["--entropy-bound", "0"], "invalid --entropy-bound 0.0"),
     (["--entropy-bound", "-1"], "invalid --entropy-bound -1.0"),
     (["--confidence-threshold", "0"], "invalid --confidence-threshold 0.0"),

@@ -80,6 +80,41 @@ def resolve_offload(gpu_layers: int, n_cpu_moe: Optional[int], cpu_moe: bool) ->
     return gpu_layers, experts
 
 
+# the command line as dg was given it (cli._OneLineErrors.main records it): which of an option's names
+# the user typed (`-n` or `--max-new-tokens`) is not kept by click
+command_line: list[str] = []
+
+
+def typed_flag(name: str) -> str:
+    """The running command's option `name` as the user typed it (`-n`, `--n-predict`, `--max-new-tokens=5`
+    all name max_new_tokens), for an error about its value; its first long name when it was not typed
+    (a default, an environment variable) or outside a command."""
+    ctx = _current_context()
+    param = next((p for p in ctx.command.params if p.name == name), None) if ctx is not None else None
+    if param is None:
+        return "--" + name.replace("_", "-")
+    names = [*param.opts, *param.secondary_opts]
+    # every name of the command's options: `-ngl` is an option of its own, not `-n` with the value "gl"
+    every = {o for p in ctx.command.params for o in (*getattr(p, "opts", ()), *getattr(p, "secondary_opts", ()))}
+    typed = None
+    for arg in command_line:
+        if arg == "--":
+            break
+        whole = arg.split("=", 1)[0]
+        for opt in names:
+            if whole == opt or (len(opt) == 2 and whole not in every and arg.startswith(opt) and arg[1] != "-"):
+                typed = opt  # the last one counts, as click takes the last value
+    return typed or next((o for o in names if o.startswith("--")), names[0])
+
+
+def _current_context():
+    try:  # typer >= 0.20 vendors click
+        from typer._click.globals import get_current_context
+    except ImportError:  # pragma: no cover - older typer on real click
+        from click.globals import get_current_context
+    return get_current_context(silent=True)
+
+
 def typed_option(name: str) -> bool:
     """Whether the user gave the running command's parameter `name` (e.g. `--gpu-layers 0`), rather than
     it holding its default; False outside a command."""
@@ -122,14 +157,23 @@ def is_loopback(host: str) -> bool:
 
 def diffusion_params(path: Path, temp: Optional[float] = None, **flags: Any) -> DiffusionParams:
     """The GGUF's sampler defaults with the user's flags on top, validated (against the file's canvas)
-    before any loading. temp: a constant temperature (t_min = t_max), llama-cli's --temp."""
+    before any loading. temp: a constant temperature (t_min = t_max), llama-cli's --temp; 0 is greedy."""
     if temp is not None:
+        check_temp(temp)
         if flags.get("t_min") is not None or flags.get("t_max") is not None:
             raise DgError("--temp sets both ends of the temperature schedule; pass --temp or --t-min/--t-max, not both")
         flags.update(t_min=temp, t_max=temp)
     header = read_header(path)
     canvas = header.get("diffusion.canvas_length")
     return sampler_defaults(header).replace(**flags).validate(canvas_length=canvas if isinstance(canvas, int) else None)
+
+
+def check_temp(temp: Optional[float]) -> None:
+    """--temp: 0 (greedy, as llama.cpp's) or a temperature the sampler can compute with."""
+    from dgcli.params import MAX_SAMPLER_FLOAT, MIN_T_MAX, is_real
+
+    if temp is not None and not (is_real(temp) and (temp == 0 or MIN_T_MAX <= temp <= MAX_SAMPLER_FLOAT)):
+        raise InvalidParameter("temp", temp, f"0 (greedy) or a number between {MIN_T_MAX:g} and {MAX_SAMPLER_FLOAT:g}")
 
 
 def check_generation_args(max_new_tokens: int, threads: Optional[int], gpu_layers: int,

@@ -5,6 +5,7 @@ Other modules read `_output.stdout` / `_output.stderr` through this module, so a
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from pathlib import Path
@@ -40,10 +41,19 @@ def _dumb_terminal_size(stream: Any) -> tuple[Optional[int], Optional[int]]:
     return (int(columns) if columns.isdigit() else size.columns) or 80, (int(lines) if lines.isdigit() else size.lines) or 25
 
 
+class _Console(Console):
+    """Rich's Console, but a closed pipe is an error dg handles (cli._errors.output_errors: exit 141
+    quietly), not Rich's exit 1 after pointing stdout at /dev/null whichever stream it was."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+
+
 _PIPE_WIDTH = _pipe_width()
 _STDOUT_DUMB, _STDERR_DUMB = _dumb_terminal_size(sys.stdout), _dumb_terminal_size(sys.stderr)
-stdout = Console(highlight=False, width=_PIPE_WIDTH or _STDOUT_DUMB[0], height=_STDOUT_DUMB[1])
-stderr = Console(stderr=True, highlight=False, width=_STDERR_DUMB[0], height=_STDERR_DUMB[1])
+stdout = _Console(highlight=False, width=_PIPE_WIDTH or _STDOUT_DUMB[0], height=_STDOUT_DUMB[1])
+stderr = _Console(stderr=True, highlight=False, width=_STDERR_DUMB[0], height=_STDERR_DUMB[1])
 
 
 def notice(text: str, style: Optional[str] = None) -> None:

@@ -52,6 +52,7 @@ def chat(
         live = _terminal.use_live(no_live, False)
         engine = _models.open_diffusion_engine(path, threads=threads, gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe,
                                               ctx_size=ctx_size, verbose=verbose)
+        _prompt.note_context_size(engine.model, ctx_size)
         try:
             # a template that cannot render fails every message: say so once, before the session
             template = engine.model.chat_template

@@ -78,7 +78,7 @@ def compare(
                 diff_placement = _models.placement_of(engine.model)
                 try:
                     ids = _prompt.prompt_ids(engine.model, text, system=system, raw=raw, parse_special=parse_special)
-                    _prompt.check_prompt_fits(engine, len(ids))
+                    _prompt.check_prompt_fits(engine, len(ids), ctx_size)
                     if not live:
                         typer.echo(diff_title, err=True)
                     view = _display.diffusion_view(engine.model, title=diff_title, thinking=thinking)

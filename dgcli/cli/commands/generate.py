@@ -80,7 +80,7 @@ def generate(
             placement = _models.placement_of(engine.model)
             try:
                 ids = _prompt.prompt_ids(engine.model, text, system=system, raw=raw, parse_special=parse_special)
-                _prompt.check_prompt_fits(engine, len(ids))
+                _prompt.check_prompt_fits(engine, len(ids), ctx_size)
                 events: Optional[list] = [] if json_out else None
                 sinks = ([trace_out.write_line] if trace_out else []) + ([events.append] if events is not None else [])
                 recorder = _display.trace_recorder(engine.model, sinks)
