@@ -42,7 +42,9 @@ BUILTIN_PROMPTS: list[BenchPrompt] = [
 
 # 2: new tokens count answer tokens only (GenerationResult.token_ids); ratios carry their spread
 # 3: AR tokens_per_second counts only the answer tokens made after the prefill (null when none were)
-BENCH_SCHEMA = "dg-bench/4"
+# 4: speed-model times are warm samples of the step the engine runs
+# 5: tokens_per_forward counts the commit passes as forwards; placement buffers in bytes
+BENCH_SCHEMA = "dg-bench/5"
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16)
 SPEEDUP_STEPS = (1, 2, 4, 8, 12, 16, 24, 32, 48)
 # the speed model loads one context with a sequence per canvas of the largest batch: llama.cpp refuses
@@ -148,7 +150,7 @@ class RunRecord:
     n_new_tokens: int
     total_s: float
     tokens_per_second: Optional[float]  # None: every answer token came from the prefill (AR at -n 1)
-    tokens_per_forward: float
+    tokens_per_forward: float  # answer tokens / forwards (decoder_forwards + commit_forwards)
     decoder_forwards: int
     steps_per_canvas: list[int]
     mean_forward_s: Optional[float]  # mean decoder forward: a canvas forward (diffusion) or one decode (AR); None: none ran
@@ -156,6 +158,7 @@ class RunRecord:
     correct: Optional[bool] = None  # the answer equals the prompt's expected answer (None: no answer given)
     prefill_s: float = 0.0  # tokens_per_second = (n_new_tokens - prefill_answer_tokens) / (total_s - prefill_s)
     prefill_answer_tokens: int = 0  # AR: 1 when its first answer token came from the prefill's logits
+    commit_forwards: int = 0  # diffusion: commit passes (each canvas but the last); AR: 0
 
     @property
     def mean_steps_per_canvas(self) -> Optional[float]:
@@ -263,7 +266,8 @@ def _record(mode: str, prompt: BenchPrompt, run: int, res: GenerationResult) -> 
                      tokens_per_second=res.tokens_per_second, tokens_per_forward=res.tokens_per_forward,
                      decoder_forwards=res.decoder_forwards, steps_per_canvas=list(res.steps_per_canvas),
                      mean_forward_s=res.mean_forward_s, stop_reason=res.stop_reason, correct=correct,
-                     prefill_s=res.prefill_s, prefill_answer_tokens=res.prefill_answer_tokens)
+                     prefill_s=res.prefill_s, prefill_answer_tokens=res.prefill_answer_tokens,
+                     commit_forwards=res.commit_forwards)
 
 
 def summarize(runs: Sequence[RunRecord]) -> list[PromptSummary]:
@@ -584,7 +588,8 @@ def report_tables(report: BenchReport):
                   caption=speed_caption)
     partial = False  # a rate or speedup over only some of its row's runs (*)
     sampler = table("diffusion sampler per prompt", "prompt", "steps/canvas", "tokens/forward", "answer tokens",
-                    caption="tokens/forward: answer tokens per decoder forward (AR: 1.00); answer tokens: diffusion/AR")
+                    caption="tokens/forward: answer tokens per forward, denoising steps and commit passes "
+                            "(AR: 1.00); answer tokens: diffusion/AR")
     graded = any(s.accuracy is not None for s in report.summaries)
     accuracy = table("accuracy (graded prompts)", "prompt", "diffusion", "AR")
     for prompt, modes in by_prompt.items():

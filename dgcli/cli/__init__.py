@@ -3,7 +3,7 @@ library, render); this module only assembles them and turns usage errors into on
 
 from __future__ import annotations
 
-from dgcli.cli import _help, _signals
+from dgcli.cli import _signals
 
 
 def _reopen_closed_standard_streams() -> None:
@@ -78,6 +78,7 @@ with _signals.quiet_startup():
     except ImportError:  # pragma: no cover - older typer on real click
         from click.exceptions import ClickException
 
+    from dgcli.cli import _help
     from dgcli.cli.commands import bench, chat, compare, convert, generate, info, list_models, pull, replay, serve, worker
 
 

@@ -265,15 +265,33 @@ class SideBySide:
             yield from console.render(view, view_options)
 
 
+def forwards_words(res: GenerationResult) -> str:
+    """"8 forwards (7 steps + 1 commit)": every model pass after the prefill, and what they were (a
+    diffusion run's commit passes each cost a forward too)."""
+    total = plural(res.forwards, "forward")
+    if res.mode != "diffusion":
+        return total
+    return f"{total} ({plural(res.decoder_forwards, 'step')} + {plural(res.commit_forwards, 'commit')})"
+
+
+def unfinished_words(res: GenerationResult) -> str:
+    """What an interruption left: "interrupted; the last 7 tokens are canvas 2's, unfinished"."""
+    if not res.unfinished_tokens:
+        return "interrupted"
+    canvas = len(res.steps_per_canvas) or 1
+    return (f"interrupted; the last {plural(res.unfinished_tokens, 'token')} are what unfinished canvas {canvas} "
+            "had accepted")
+
+
 def result_summary(res: GenerationResult) -> str:
     """One line: answer tokens (answer_token_ids), time, tok/s, forwards, tokens per forward, stop, seed."""
     spc = res.steps_per_canvas
     steps = f"  steps/canvas {','.join(map(str, spc))}" if spc else ""
-    flag = "  (interrupted)" if res.interrupted else ""
+    flag = f"  ({unfinished_words(res)})" if res.interrupted else ""
     seed = f"  seed {res.seed}" if res.seed is not None else ""
     return (
         f"{plural(res.n_new_tokens, 'new token')} in {format_figure(res.total_s, 2, significant=1)}s  {_fmt(res.tokens_per_second, 1)} tok/s  "
-        f"{plural(res.decoder_forwards, 'forward')}  {format_figure(res.tokens_per_forward)} tokens/forward{steps}  "
+        f"{forwards_words(res)}  {format_figure(res.tokens_per_forward)} tokens/forward{steps}  "
         f"stop={res.stop_reason}{seed}{flag}"
     )
 
@@ -293,7 +311,8 @@ def compare_rows(diff: GenerationResult, ar: GenerationResult,
         ("new tokens", str(diff.n_new_tokens), str(ar.n_new_tokens)),
         ("wall time (s)", _fmt(diff.total_s, significant=1), _fmt(ar.total_s, significant=1)),
         ("tok/s", _fmt(diff.tokens_per_second), _fmt(ar.tokens_per_second)),
-        ("forwards", str(diff.decoder_forwards), str(ar.decoder_forwards)),
+        ("forwards", str(diff.forwards), str(ar.forwards)),
+        ("of them commits", str(diff.commit_forwards), str(ar.commit_forwards)),
         ("tokens/forward", _fmt(diff.tokens_per_forward), _fmt(ar.tokens_per_forward)),
         ("steps/canvas", spc(diff), spc(ar)),
         ("peak RSS", format_bytes(diff_rss), format_bytes(ar_rss)),
@@ -349,16 +368,17 @@ def placement_lines(what: str, report, target: str = "the GPU") -> list[str]:
     """A runtime.offload.LoadReport as a few lines: layers offloaded (to `target`: the GPU, or the RPC
     workers), buffers per device, and the tensors an override kept in system memory (layer runs merged:
     blk.{0-9}.ffn_down_exps.weight)."""
-    from dgcli.runtime.offload import layer_ranges
+    from dgcli.runtime.offload import layer_ranges, mib_bytes
 
     if report.offloaded_layers is None:
         lines = [f"{what}: every weight is in system memory: {report.why_cpu_only()}"]
     else:
         lines = [f"{what}: {report.offloaded_layers}/{report.total_layers} layers offloaded to {target}"]
     if report.buffers:
-        # as llama.cpp logs them, in MiB to 2 decimals: converted to kB or MB they would read as more
-        # precise than they are, and a buffer under 0.005 MiB as none
-        lines.append("  buffers: " + ", ".join(f"{name} {kind} {mib:.2f} MiB" for name, kind, mib in report.buffers))
+        # decimal MB as every size dg prints, to 2 decimals as llama.cpp logs its MiB: a kB figure would read
+        # as more precise than it is (0.12 MiB as "125.8 kB"), and a buffer under 0.005 MiB as "0 B"
+        lines.append("  buffers: " + ", ".join(f"{name} {kind} {mib_bytes(mib) / 1e6:.2f} MB"
+                                              for name, kind, mib in report.buffers))
     runs: dict[tuple[str, str], set[int]] = {}
     for tensor, buft in report.overridden:
         layer, _, rest = tensor.removeprefix("blk.").partition(".")

@@ -100,8 +100,10 @@ class _LoopState:
     committed: list[np.ndarray] = field(default_factory=list)  # finalized canvases (padded after the end token)
     answer: list[int] = field(default_factory=list)  # answer tokens of the finalized canvases
     current_argmax: np.ndarray | None = None  # the in-progress canvas's argmax after its latest step
+    current_accepted: np.ndarray | None = None  # the positions its latest step accepted
     steps_per_canvas: list[int] = field(default_factory=list)
     decoder_forwards: int = 0
+    commit_forwards: int = 0  # encoder passes that appended a finished canvas to the KV cache
     forward_s: float = 0.0
     sampling_s: float = 0.0
     prefill_s: float = 0.0
@@ -287,7 +289,7 @@ class DiffusionSequence:
         used_dropped = self.self_cond.dropped_mass if self.self_cond is not None else 0.0
         outcome = self._apply_rules(plan, stats, sampler_s)
         self.canvas, self.self_cond = outcome.canvas, outcome.self_cond
-        state.current_argmax = outcome.argmax
+        state.current_argmax, state.current_accepted = outcome.argmax, outcome.accepted_mask
         state.steps_per_canvas[-1] = plan.step
         state.decoder_forwards += 1
         state.forward_s += forward_s
@@ -324,7 +326,7 @@ class DiffusionSequence:
         argmax_canvas = state.current_argmax
         canvas, state.found_end = finalize_canvas(argmax_canvas, self.end_token_ids, self.pad_token_id)
         state.committed.append(canvas)
-        state.current_argmax = None
+        state.current_argmax = state.current_accepted = None
         whole = answer_token_ids(canvas, self.end_token_ids, self.pad_token_id)
         self._canvas_answer = whole[:state.limit - len(state.answer)]
         state.answer.extend(self._canvas_answer)
@@ -338,25 +340,31 @@ class DiffusionSequence:
             self.stop_reason = "length"
         return None if self.done else argmax_canvas
 
-    def canvas_done(self, commit_s: float) -> None:
-        """Emit the CanvasEvent (the canvas's answer tokens); the next canvas follows unless done."""
+    def canvas_done(self, commit_s: float | None) -> None:
+        """Emit the CanvasEvent (the canvas's answer tokens); the next canvas follows unless done.
+        commit_s: the commit pass's time, None when the canvas was not committed (the last one)."""
+        if commit_s is not None:
+            self.state.commit_forwards += 1
         _emit(self.events, CanvasEvent(canvas_index=self.canvas_index, token_ids=self._canvas_answer,
-                                       steps=self.state.steps_per_canvas[-1], commit_s=commit_s))
+                                       steps=self.state.steps_per_canvas[-1], commit_s=commit_s or 0.0))
         if not self.done:
             self.canvas_index += 1
 
     # ---- result ------------------------------------------------------------------------------------
 
     def result(self, stop_reason: str | None = None, seed: int | None = None) -> GenerationResult:
-        """What this generation produced so far; stop_reason "interrupted" adds the current canvas's answer."""
+        """What this generation produced so far; stop_reason "interrupted" adds what the unfinished
+        canvas has accepted (`unfinished_canvas_tokens`)."""
         state = self.state
         stop_reason = stop_reason or self.stop_reason or "length"
         interrupted = stop_reason == "interrupted"
         answer = list(state.answer)
+        unfinished: list[int] = []
         if interrupted and state.current_argmax is not None and not state.found_end:
-            answer.extend(answer_token_ids(state.current_argmax, self.end_token_ids, self.pad_token_id,
-                                           limit=state.limit - len(state.answer)))
-        forwards = state.decoder_forwards
+            unfinished = unfinished_canvas_tokens(state.current_argmax, state.current_accepted, self.end_token_ids,
+                                                  self.pad_token_id, limit=state.limit - len(state.answer))
+            answer.extend(unfinished)
+        forwards = state.decoder_forwards + state.commit_forwards
         display_s = self.events.seconds
         return GenerationResult(
             mode="diffusion",
@@ -364,8 +372,10 @@ class DiffusionSequence:
             token_ids=answer,
             n_prompt_tokens=len(state.prompt_ids),
             steps_per_canvas=list(state.steps_per_canvas),
-            decoder_forwards=forwards,
+            decoder_forwards=state.decoder_forwards,
+            commit_forwards=state.commit_forwards,
             tokens_per_forward=len(answer) / forwards if forwards else 0.0,
+            unfinished_tokens=len(unfinished),
             prefill_s=state.prefill_s,
             total_s=time.perf_counter() - self.started - display_s,
             forward_s=state.forward_s,
@@ -377,6 +387,17 @@ class DiffusionSequence:
             n_cached_prompt_tokens=state.n_cached_prompt,
             canvas_token_ids=[int(t) for canvas in state.committed for t in canvas],
         )
+
+
+def unfinished_canvas_tokens(argmax: np.ndarray, accepted: np.ndarray | None, end_token_ids: Sequence[int],
+                             pad_token_id: int | None, limit: int) -> list[int]:
+    """The answer tokens of a canvas an interruption left unfinished: its argmax at the positions its
+    latest step accepted, from its start up to the first position not accepted (a position after
+    that one may read well but follows text the canvas has not settled), up to an end token."""
+    if accepted is None:
+        return []
+    settled = int(np.argmin(accepted)) if not bool(np.all(accepted)) else len(accepted)
+    return answer_token_ids(argmax[:settled], end_token_ids, pad_token_id, limit=limit)
 
 
 def batched_self_cond(self_conds: Sequence[_SelfCond | None]) -> tuple[np.ndarray, np.ndarray] | None:
@@ -538,7 +559,7 @@ class DiffusionEngine:
                     to_commit = seq.finish_canvas()
                     if to_commit is not None and not self._room_for_another_canvas():
                         seq.stop_reason, to_commit = "context_full", None
-                    seq.canvas_done(0.0 if to_commit is None else self._commit_canvas(to_commit))
+                    seq.canvas_done(None if to_commit is None else self._commit_canvas(to_commit))
                     if not seq.done:
                         seq.start_canvas()
         except (KeyboardInterrupt, _StopRequested):

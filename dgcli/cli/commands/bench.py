@@ -20,7 +20,7 @@ def bench(
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="Prompt file: one prompt per line, `name<TAB>prompt`, or `name<TAB>prompt<TAB>answer` (accuracy). Default: the model's own set (demo), else math/Korean/code/trivial."),
     repeat: int = typer.Option(3, "--repeat", "-r", help="Runs per prompt and model (median and spread reported)."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n"),
-    seed: int = typer.Option(0, "--seed", help="Base seed; run i uses seed+i."),
+    seed: int = typer.Option(0, "--seed", "-s", help="Base seed; run i uses seed+i."),
     steps: Optional[int] = _options.StepsOpt, t_min: Optional[float] = _options.TMinOpt, t_max: Optional[float] = _options.TMaxOpt,
     entropy_bound: Optional[float] = _options.EBOpt, stability_threshold: Optional[int] = _options.StabOpt,
     confidence_threshold: Optional[float] = _options.ConfOpt,

@@ -13,7 +13,8 @@ from dgcli.cli import _display, _errors, _models, _options, _output, _prompt, _t
 from dgcli.modelfile import info as ginfo
 
 # 2: the AR side's tokens_per_second counts only the answer tokens made after the prefill (null when none were)
-COMPARE_SCHEMA = "dg-compare/2"
+# 3: tokens_per_forward counts the commit passes as forwards; placement buffers in bytes
+COMPARE_SCHEMA = "dg-compare/3"
 
 
 def compare(

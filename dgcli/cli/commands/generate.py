@@ -13,7 +13,9 @@ from dgcli.cli import _display, _errors, _models, _options, _output, _prompt, _t
 from dgcli.engine.thinking import split_thinking
 from dgcli.errors import DgError, InvalidParameter
 
-GENERATE_SCHEMA = "dg-generate/1"
+# 2: tokens_per_forward counts the commit passes as forwards; an interrupted canvas adds only what it
+# had accepted (unfinished_tokens); placement buffers in bytes
+GENERATE_SCHEMA = "dg-generate/2"
 
 
 def generate(
@@ -42,7 +44,7 @@ def generate(
     pace: float = _options.PaceOpt,
     no_live: bool = _options.NoLiveOpt,
     json_out: bool = typer.Option(False, "--json", help=f"Print the result and the per-step trace as JSON ({GENERATE_SCHEMA})."),
-    trace: Optional[Path] = typer.Option(None, "--trace", help="Write the per-step trace to this file (JSON lines, dg-trace/1; `dg replay` shows it again; '-': stdout).", show_default=False),
+    trace: Optional[Path] = typer.Option(None, "--trace", help="Write the per-step trace to this file (JSON lines, dg-trace/2; `dg replay` shows it again; '-': stdout).", show_default=False),
     force: bool = _options.ForceOpt,
     parse_special: bool = _options.ParseSpecialOpt,
     yes: bool = _options.YesOpt,
@@ -116,5 +118,7 @@ def generate(
         if result.stop_reason == "context_full" and not json_out:
             _output.notice("note: the context is full; the answer stops here")
         if result.interrupted:
-            _output.notice("interrupted: the output above is what was produced so far")
+            unfinished = (f"; its last {result.unfinished_tokens} tokens are what the unfinished canvas had accepted"
+                          if result.unfinished_tokens else "")
+            _output.notice("interrupted: the output above is what was produced so far" + unfinished)
             raise typer.Exit(_errors.EXIT_INTERRUPTED)
