@@ -79,7 +79,7 @@ with _signals.quiet_startup():
         from click.exceptions import ClickException
 
     from dgcli.cli import _help
-    from dgcli.cli.commands import bench, chat, compare, convert, generate, info, list_models, pull, replay, serve, worker
+    from dgcli.cli.commands import bench, chat, compare, convert, generate, info, list_models, pull, replay, rm, serve, worker
 
 
 def _flags_without_metavar(command: Any) -> None:
@@ -154,7 +154,7 @@ app = typer.Typer(
     name="dg",
     help="Run DiffusionGemma (text diffusion) and its autoregressive base from GGUF files; watch, compare, benchmark.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
@@ -179,6 +179,7 @@ def _root_options(show_version: bool = typer.Option(False, "--version", "-V", ca
 
 app.command("list")(list_models.list_cmd)
 app.command("pull")(pull.pull)
+app.command("rm")(rm.rm)
 app.command("info")(info.info_cmd)
 app.command("generate")(generate.generate)
 app.command("chat")(chat.chat)

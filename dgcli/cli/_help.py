@@ -36,10 +36,25 @@ class FittedHelpFormatter(HelpFormatter):
             return
         indent = self.current_indent + TEXT_INDENT
         for first, second in rows:
-            self.write(f"{'':>{self.current_indent}}{first}\n")
+            for line in _names_lines(first, self.width - self.current_indent):
+                self.write(f"{'':>{self.current_indent}}{line}\n")
             if second:
                 for line in wrap_text(second, max(self.width - indent, 10), preserve_paragraphs=True).splitlines():
                     self.write(f"{'':>{indent}}{line}\n")
+
+
+def _names_lines(names: str, width: int) -> list[str]:
+    """An option's names ("-n, --max-new-tokens, --n-predict <int>") on as many lines as the width
+    needs, broken after a comma, never inside a name."""
+    lines: list[str] = []
+    for part in names.split(", "):
+        if lines and len(lines[-1]) + 2 + len(part) <= width:
+            lines[-1] += ", " + part
+        else:
+            if lines:
+                lines[-1] += ","
+            lines.append(part)
+    return lines
 
 
 def narrow(formatter: HelpFormatter) -> bool:

@@ -16,6 +16,7 @@ from dgcli.errors import DgError, check_utf8
 
 # A prompt file or piped prompt larger than this is a mistake (a 262k-token context is ~1 MB of text).
 MAX_PROMPT_BYTES = 16 << 20
+END_OF_INPUT = "Ctrl-Z, Enter" if sys.platform == "win32" else "Ctrl-D"
 
 
 def read_prompt(argument: Optional[str], option: Optional[str] = None, file: Optional[Path] = None) -> str:
@@ -32,6 +33,9 @@ def read_prompt(argument: Optional[str], option: Optional[str] = None, file: Opt
     elif text is None or text == "-" or file is not None:
         if text is None and file is None and sys.stdin.isatty():
             raise DgError("no prompt: pass one as an argument, with -p/--prompt or -f/--file, or pipe it on stdin")
+        if sys.stdin.isatty():  # `dg generate -` at a terminal waits for typing: say so, and how to end it
+            notice(f"reading the prompt from the terminal: type it, then {END_OF_INPUT} on a line of its own",
+                   style="dim")
         text = decode_prompt(sys.stdin.buffer.read(MAX_PROMPT_BYTES + 1), "stdin").rstrip("\r\n")
     if not text.strip():
         raise DgError("empty prompt")
@@ -69,6 +73,14 @@ def read_text_file(path: Path, what: str) -> str:
 def prompt_messages(text: str, system: Optional[str]) -> list[dict]:
     """The chat messages of one turn: the system prompt (if any), then the user's text."""
     return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+
+
+def check_stop_strings(stop: Optional[list[str]]) -> list[str]:
+    """-r/--reverse-prompt/--stop texts: UTF-8 as typed (argument_text), none empty."""
+    texts = [argument_text(s, "the --stop text") for s in stop or []]
+    if any(not s for s in texts):
+        raise DgError("empty --reverse-prompt/--stop text: it would end every answer before its first token")
+    return texts
 
 
 def check_prompt_options(system: Optional[str], raw: bool) -> Optional[str]:

@@ -44,6 +44,7 @@ from dgcli.engine.sampler import (
     renoise_canvas,
     schedule_temperature,
 )
+from dgcli.engine.stops import first_stop, tokens_before
 from dgcli.engine.types import CanvasEvent, GenerationResult, StepEvent, answer_token_ids
 from dgcli.errors import ContextFull, DgError, InvalidParameter
 from dgcli.params import DiffusionParams
@@ -223,8 +224,12 @@ class DiffusionSequence:
 
     def __init__(self, model: Any, prompt_ids: Sequence[int], params: DiffusionParams, max_new_tokens: int,
                  rng: RngStream, step_sampler: StepSampler | None, top_k: int = 0, pad_token_id: int | None = GEMMA_PAD_TOKEN_ID,
-                 on_event: EventCallback | None = None, ignore_eos: bool = False):
+                 on_event: EventCallback | None = None, ignore_eos: bool = False, stop: Sequence[str] = ()):
         self.model = model
+        # stop strings: the answer ends before the first of them (stop_reason "stop"); its text then
+        # ends exactly there, its tokens at the last one wholly before it
+        self.stop_strings = [s for s in stop if s]
+        self.stop_text: str | None = None
         # ignore_eos (llama.cpp's --ignore-eos): end tokens are answer tokens like any other and a
         # canvas of padding does not end it either, so a generation runs to max_new_tokens
         self.ignore_eos = ignore_eos
@@ -330,7 +335,9 @@ class DiffusionSequence:
         whole = answer_token_ids(canvas, self.end_token_ids, self.pad_token_id)
         self._canvas_answer = whole[:state.limit - len(state.answer)]
         state.answer.extend(self._canvas_answer)
-        if len(self._canvas_answer) < len(whole):
+        if self._cut_at_stop_string():
+            self.stop_reason = "stop"
+        elif len(self._canvas_answer) < len(whole):
             self.stop_reason = "length"  # cut at max_new_tokens, whatever the canvas went on to say
         elif state.found_end:
             self.stop_reason = "end_token"
@@ -339,6 +346,22 @@ class DiffusionSequence:
         elif self.canvas_index + 1 == self.max_new_canvases or len(state.answer) >= state.limit:
             self.stop_reason = "length"
         return None if self.done else argmax_canvas
+
+    def _cut_at_stop_string(self) -> bool:
+        """A stop string in the answer so far: the answer (and this canvas's part of it) ends before it."""
+        if not self.stop_strings:
+            return False
+        state = self.state
+        text = self.model.detokenize(state.answer)
+        cut = first_stop(text, self.stop_strings)
+        if cut < 0:
+            return False
+        keep = tokens_before(state.answer, self.model.detokenize, cut)
+        dropped = len(state.answer) - keep
+        self._canvas_answer = self._canvas_answer[:max(len(self._canvas_answer) - dropped, 0)]
+        del state.answer[keep:]
+        self.stop_text = text[:cut]
+        return True
 
     def canvas_done(self, commit_s: float | None) -> None:
         """Emit the CanvasEvent (the canvas's answer tokens); the next canvas follows unless done.
@@ -368,7 +391,7 @@ class DiffusionSequence:
         display_s = self.events.seconds
         return GenerationResult(
             mode="diffusion",
-            text=self.model.detokenize(answer),
+            text=self.stop_text if self.stop_text is not None else self.model.detokenize(answer),
             token_ids=answer,
             n_prompt_tokens=len(state.prompt_ids),
             steps_per_canvas=list(state.steps_per_canvas),
@@ -528,24 +551,28 @@ class DiffusionEngine:
 
     def new_sequence(self, prompt_ids: Sequence[int], params: DiffusionParams | None = None, max_new_tokens: int = 256,
                      seed: int | None = None, on_event: EventCallback | None = None, rng: RngStream | None = None,
-                     self_cond_top_k: int | str | None = None, ignore_eos: bool = False) -> DiffusionSequence:
+                     self_cond_top_k: int | str | None = None, ignore_eos: bool = False,
+                     stop: Sequence[str] = ()) -> DiffusionSequence:
         """A generation's state with every setting validated; nothing runs yet. seed None: a random
-        seed (rng.seed reports it). ignore_eos: end tokens do not end the answer."""
+        seed (rng.seed reports it). ignore_eos: end tokens do not end the answer. stop: strings that
+        end it (left out)."""
         setting = self.self_cond_top_k if self_cond_top_k is None else self_cond_top_k
         top_k = resolve_self_cond_top_k(setting, self.model.vocab_size)
         return DiffusionSequence(
             self.model, prompt_ids, params or self.default_params, max_new_tokens,
             rng if rng is not None else RngStream(resolve_seed(seed)), self.step_sampler,
-            top_k=top_k, pad_token_id=self.pad_token_id, on_event=on_event, ignore_eos=ignore_eos)
+            top_k=top_k, pad_token_id=self.pad_token_id, on_event=on_event, ignore_eos=ignore_eos, stop=stop)
 
     def generate(self, prompt: str | Sequence[int], params: DiffusionParams | None = None, max_new_tokens: int = 256,
                  seed: int | None = None, chat: bool = True, on_event: EventCallback | None = None,
                  rng: RngStream | None = None, self_cond_top_k: int | str | None = None,
-                 reuse_cache: bool = False, parse_special: bool = False, ignore_eos: bool = False) -> GenerationResult:
+                 reuse_cache: bool = False, parse_special: bool = False, ignore_eos: bool = False,
+                 stop: Sequence[str] = ()) -> GenerationResult:
         """One generation. prompt: see `prompt_token_ids`. seed None: a random seed, reported in the
         result. reuse_cache: keep the KV cache's longest prefix shared with the prompt's tokens and
-        prefill only the rest (chat turns)."""
-        seq = self.new_sequence([], params, max_new_tokens, seed, on_event, rng, self_cond_top_k, ignore_eos)
+        prefill only the rest (chat turns). stop: the answer ends before the first of these strings
+        (stop_reason "stop"; llama-cli's -r, llama-server's stop)."""
+        seq = self.new_sequence([], params, max_new_tokens, seed, on_event, rng, self_cond_top_k, ignore_eos, stop)
         stop_reason = None
         try:
             seq.state.prompt_ids = prompt_token_ids(self.model, prompt, chat, parse_special)

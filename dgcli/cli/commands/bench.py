@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from dgcli import outputs
-from dgcli.cli import _errors, _models, _options, _output, _terminal
+from dgcli.cli import _errors, _models, _options, _output, _prompt, _terminal, render_bench
 from dgcli.engine.rng import SEED_LIMIT
 from dgcli.errors import DgError, InvalidParameter
 
@@ -18,14 +18,18 @@ def bench(
     model: Optional[str] = _options.ModelOpt,
     ar_model: Optional[str] = typer.Option(None, "--ar-model", help="The autoregressive side (default: the registry pair)."),
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="Prompt file: one prompt per line, `name<TAB>prompt`, or `name<TAB>prompt<TAB>answer` (accuracy). Default: the model's own set (demo), else math/Korean/code/trivial."),
+    system: Optional[str] = _options.SystemOpt,
     repeat: int = typer.Option(3, "--repeat", "-r", help="Runs per prompt and model (median and spread reported)."),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n"),
+    max_new_tokens: int = _options.max_new_tokens_option("At most this many answer tokens per run."),
     seed: int = typer.Option(0, "--seed", "-s", help="Base seed; run i uses seed+i."),
+    temp: Optional[float] = typer.Option(None, "--temp", show_default=False,
+                                         help="A constant temperature for both sides (0: greedy; the AR side is greedy without it)."),
     steps: Optional[int] = _options.StepsOpt, t_min: Optional[float] = _options.TMinOpt, t_max: Optional[float] = _options.TMaxOpt,
     entropy_bound: Optional[float] = _options.EBOpt, stability_threshold: Optional[int] = _options.StabOpt,
     confidence_threshold: Optional[float] = _options.ConfOpt,
     batch_sizes: str = typer.Option("1,2,4,8,16", "--batch-sizes", help="Batch sizes for the speed-model sweep."),
     no_speed_model: bool = typer.Option(False, "--no-speed-model", help="Skip the canvas-forward vs AR-decode measurement."),
+    ctx_size: Optional[int] = _options.CtxOpt,
     threads: Optional[int] = _options.ThreadsOpt, gpu_layers: int = _options.GpuOpt,
     rpc: Optional[str] = _options.RpcOpt,
     n_cpu_moe: Optional[int] = _options.NCpuMoeOpt, cpu_moe: bool = _options.CpuMoeOpt, verbose: bool = _options.VerboseOpt,
@@ -38,7 +42,8 @@ def bench(
     from dgcli import bench as benchlib
 
     with _errors.user_errors():
-        _options.check_generation_args(max_new_tokens, threads, gpu_layers)
+        _options.check_generation_args(max_new_tokens, threads, gpu_layers, ctx_size)
+        system = _prompt.check_prompt_options(system, False)
         gpu_layers, n_cpu_moe = _options.resolve_offload(gpu_layers, n_cpu_moe, cpu_moe)
         rpc_servers, gpu_layers = _options.rpc_placement(rpc, gpu_layers)
         if repeat < 1:
@@ -53,17 +58,20 @@ def bench(
         prompt_set = benchlib.load_prompts(prompt_file) if prompt_file \
             else benchlib.BUILTIN_PROMPTS
         ar_res, ar_path = _models.resolve_pair(diff_res, ar_model, yes=yes)
-        _models.preflight(diff_path, diffusion=True, command="bench", gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe)
-        _models.preflight(ar_path, diffusion=False, command="bench", gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe)
-        params = _options.diffusion_params(diff_path, **_options.sampler_flags(steps, t_min, t_max, entropy_bound, stability_threshold,
-                                                              confidence_threshold))
+        _models.preflight(diff_path, diffusion=True, command="bench", gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe,
+                          ctx_size=ctx_size)
+        _models.preflight(ar_path, diffusion=False, command="bench", gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe,
+                          ctx_size=ctx_size)
+        params = _options.diffusion_params(diff_path, temp, **_options.sampler_flags(
+            steps, t_min, t_max, entropy_bound, stability_threshold, confidence_threshold))
         from dgcli.modelfile.info import quant_pair
         config = benchlib.BenchConfig(
             diffusion_model=diff_res.display_name, diffusion_path=str(diff_path),
             ar_model=ar_res.display_name, ar_path=str(ar_path), repeat=repeat, max_new_tokens=max_new_tokens,
             seed=seed, params=params, batch_sizes=sizes, speed_model=not no_speed_model,
             n_threads=threads, n_gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe, rpc_servers=rpc_servers,
-            quantization=quant_pair(diff_path, ar_path).to_json(),
+            quantization=quant_pair(diff_path, ar_path).to_json(), system=system, n_ctx=ctx_size,
+            ar_temperature=temp or 0.0,
         )
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -80,10 +88,17 @@ def bench(
                 def on_progress(desc: str) -> None:
                     progress.update(task, advance=1, description=desc)
 
-                report = benchlib.run_bench(config, prompt_set, on_progress=on_progress,
-                                            open_diffusion=lambda p: _models.open_diffusion_engine(Path(p), **offload, verbose=verbose),
-                                            open_ar=lambda p: _models.open_ar_engine(Path(p), **offload, verbose=verbose),
-                                            open_speed_model=lambda p, n: _models.open_speed_model(p, n, **offload))
+                def opened(engine):
+                    _prompt.note_context_size(engine.model, ctx_size)
+                    return engine
+
+                report = benchlib.run_bench(
+                    config, prompt_set, on_progress=on_progress,
+                    on_status=lambda text: progress.update(task, description=text),
+                    open_diffusion=lambda p: opened(_models.open_diffusion_engine(Path(p), **offload, ctx_size=ctx_size,
+                                                                                  verbose=verbose)),
+                    open_ar=lambda p: opened(_models.open_ar_engine(Path(p), **offload, ctx_size=ctx_size, verbose=verbose)),
+                    open_speed_model=lambda p, n: _models.open_speed_model(p, n, **offload))
             doc = report.to_json()
             if out is not None:
                 out.write_all(doc)
@@ -95,7 +110,7 @@ def bench(
                 typer.echo(json.dumps(doc, indent=2))
         else:
             console = _output.stderr if report_on_stdout else _output.stdout
-            for table in benchlib.report_tables(report):
+            for table in render_bench.report_tables(report, show_prompts=prompts is not None):
                 _output.print_table(table, console)
             for note in report.notes:  # text, not markup (it may quote an error); one line when piped
                 console.print(f"note: {note}", style="yellow", markup=False, highlight=False,
