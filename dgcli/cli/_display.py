@@ -5,8 +5,7 @@ text, or nothing; a ticker while a slow forward computes; the trace recorder fed
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from rich.live import Live
 
@@ -122,21 +121,19 @@ class DiffusionDisplay:
             self.status.show(self.status_prefix + activity)
 
     def _stream_committed_text(self) -> None:
-        """Plain mode streams each committed canvas's text as soon as it is final; off the status line
-        when both are on one terminal."""
+        """Plain mode streams each committed canvas's text as soon as it is final. Text that may reach
+        the terminal (stdout a terminal, or a pipe: `| cat`) ends the status line for the rest of the
+        run: a redrawn line would erase text written at its place, by dg or by the other end of a pipe
+        (a file or /dev/null keeps it)."""
         text = self.view.committed_text
         text = text[:len(text) - held_back(text, self.stop)]
         if len(text) <= self.streamed_chars:
             return
-        on_terminal = (_output.stderr if self.text_to_stderr else _output.stdout).is_terminal
-        with self.status.pause() if self.status is not None and on_terminal else _nothing():
-            echo_text(text[self.streamed_chars:], nl=False, err=self.text_to_stderr)
+        if self.status is not None and not (not self.text_to_stderr and _output.stdout_is_a_file()):
+            self.status.stop()
+            self.status = None
+        echo_text(text[self.streamed_chars:], nl=False, err=self.text_to_stderr)
         self.streamed_chars = len(text)
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 def next_work(ev) -> str:
@@ -149,13 +146,13 @@ def next_work(ev) -> str:
 
 
 class BusyTicker:
-    """Redraws a live view about once a second while one of its panels' engines computes something
+    """Redraws a live view twice a second while one of its panels' engines computes something
     slower than render.SLOW_FORWARD_S (a load, a prefill, a forward), so that the panel's "working
     N s" counts up instead of a frozen screen (a step of the real model takes tens of seconds on a
     CPU), and says when a Ctrl-C has arrived that the main thread can only act on once the forward
     returns. A fast model never triggers it. Rich's Live serializes redraws from several threads."""
 
-    def __init__(self, live: Live, views: "list | Callable[[], list]", interval: float = 1.0):
+    def __init__(self, live: Live, views: "list | Callable[[], list]", interval: float = 0.5):
         import threading
 
         self.live, self.views, self.interval = live, views, interval

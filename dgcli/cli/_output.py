@@ -117,6 +117,19 @@ def _end_text_line() -> None:
     _mid_line.update(stdout=False, stderr=False)
 
 
+def stdout_is_a_file() -> bool:
+    """stdout goes to a regular file or /dev/null: nothing written there shows on a terminal."""
+    import stat
+
+    try:
+        mode = os.fstat(sys.stdout.fileno()).st_mode
+        null = os.stat(os.devnull)
+        mine = os.fstat(sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):  # no file descriptor (a test runner's buffer)
+        return False
+    return stat.S_ISREG(mode) or (mine.st_dev, mine.st_ino) == (null.st_dev, null.st_ino)
+
+
 def _one_stream() -> bool:
     """stdout and stderr are the same open file or pipe (`2>&1`)."""
     try:

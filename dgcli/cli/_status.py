@@ -9,8 +9,8 @@ nothing (the plain status lines stay as they were), and it is gone from the scre
 from __future__ import annotations
 
 import time
-from contextlib import ExitStack, contextmanager
-from typing import Any, Iterator, Optional
+from contextlib import ExitStack
+from typing import Any, Optional
 
 from rich.text import Text
 
@@ -40,8 +40,8 @@ def can_show() -> bool:
 
 class StatusLine:
     """`with StatusLine() as status: status.show("loading demo")`: what dg does now, with the seconds it
-    has taken so far, redrawn a few times a second on stderr. `pause()` takes it off the screen while
-    something else draws there (a live panel on the same terminal, text streamed to stdout)."""
+    has taken so far, redrawn a few times a second on stderr. `stop()` takes it off the screen for
+    what draws there instead (a live panel on the same terminal, text streamed to it)."""
 
     def __init__(self, enabled: Optional[bool] = None):
         self.enabled = can_show() if enabled is None else enabled
@@ -70,16 +70,6 @@ class StatusLine:
         stack, self._stack = self._stack, None
         if stack is not None:
             stack.close()
-
-    @contextmanager
-    def pause(self) -> Iterator[None]:
-        running = self._stack is not None
-        self.stop()
-        try:
-            yield
-        finally:
-            if running:
-                self.resume()
 
     def __rich__(self) -> Text:
         if not self.text:

@@ -75,11 +75,11 @@ def compare(
         ar_view = render.AutoregressiveLiveView(title=ar_title, thinking=thinking)
         side = render.SideBySide(render.DiffusionLiveView(lambda t: "", lambda ids: "", title=diff_title),
                                  ar_view) if live else None
+        if side is not None:
+            side.left.start_activity(f"loading {diff_res.display_name}")  # drawn as the view starts
         with _terminal.live_view(side) if side is not None else nullcontext() as lv, \
                 _display.BusyTicker(lv, lambda: [side.left, side.right]) if side is not None else nullcontext(), \
                 _status.StatusLine(enabled=False if side is not None else None) as status:
-            if side is not None:
-                side.left.start_activity(f"loading {diff_res.display_name}")
             status.show(f"diffusion: loading {diff_res.display_name}")
             with PeakRss() as diff_rss:
                 engine = _models.open_diffusion_engine(diff_path, threads=threads, gpu_layers=gpu_layers,

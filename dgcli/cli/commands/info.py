@@ -42,7 +42,7 @@ def info_cmd(model_arg: Optional[str] = typer.Argument(None, metavar="[MODEL]", 
     with _errors.user_errors():
         from dgcli.runtime.model import check_gpu_layers
 
-        if model_arg is not None and model is not None and _options.typed_option("model"):
+        if model_arg is not None and model is not None and not _options.from_environment("model"):
             raise DgError("the model was given twice: pass it as the argument or with -m/--model")
         spec = model_arg if model_arg is not None else model if model is not None else DEFAULT_MODEL
         what = ("MODEL argument: `dg info` takes a .gguf path or a registry name" if model_arg is not None
