@@ -307,9 +307,9 @@ class SideBySide:
 
 def forwards_words(res: GenerationResult) -> str:
     """"8 forwards (7 steps + 1 commit)": every model pass after the prefill, and what they were (a
-    diffusion run's commit passes each cost a forward too)."""
+    diffusion run's commit passes each cost a forward too); "2 forwards" when all were steps."""
     total = plural(res.forwards, "forward")
-    if res.mode != "diffusion":
+    if res.mode != "diffusion" or not res.commit_forwards:  # a single canvas: every forward was a step
         return total
     return f"{total} ({plural(res.decoder_forwards, 'step')} + {plural(res.commit_forwards, 'commit')})"
 
