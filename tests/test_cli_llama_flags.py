@@ -93,7 +93,9 @@ def test_chat_stops_each_answer_at_a_reverse_prompt():
 
 
 def test_an_empty_stop_string_is_refused(tiny_gguf):
-    assert_one_line_error(run("generate", "hi", "-m", tiny_gguf, "--stop", ""), "empty --reverse-prompt/--stop text")
+    assert_one_line_error(run("generate", "hi", "-m", tiny_gguf, "--stop", ""), "empty --stop text")
+    assert_one_line_error(run("generate", "hi", "-m", tiny_gguf, "-r", "x", "-r", ""), "empty -r text")
+    assert_one_line_error(run("generate", "hi", "-m", tiny_gguf, "-sys", "x", "--raw"), "-sys needs the chat template")
 
 
 @pytest.mark.native

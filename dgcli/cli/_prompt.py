@@ -77,19 +77,19 @@ def prompt_messages(text: str, system: Optional[str]) -> list[dict]:
 
 def check_stop_strings(stop: Optional[list[str]]) -> list[str]:
     """-r/--reverse-prompt/--stop texts: UTF-8 as typed (argument_text), none empty."""
-    texts = [argument_text(s, "the --stop text") for s in stop or []]
+    texts = [argument_text(s, f"the {typed_flag('stop')} text") for s in stop or []]
     if any(not s for s in texts):
-        raise DgError("empty --reverse-prompt/--stop text: it would end every answer before its first token")
+        raise DgError(f"empty {typed_flag('stop')} text: it would end every answer before its first token")
     return texts
 
 
 def check_prompt_options(system: Optional[str], raw: bool) -> Optional[str]:
     """--system checked against --raw; returns its text (argument_text)."""
     if raw and system:
-        raise DgError("--system needs the chat template; with --raw, write the system text into the prompt")
+        raise DgError(f"{typed_flag('system')} needs the chat template; with --raw, write the system text into the prompt")
     if system is not None and not system.strip():
-        raise DgError("empty --system text")
-    return argument_text(system, "the --system text") if system is not None else None
+        raise DgError(f"empty {typed_flag('system')} text")
+    return argument_text(system, f"the {typed_flag('system')} text") if system is not None else None
 
 
 def prompt_ids(model, text: str, *, system: Optional[str], raw: bool, parse_special: bool) -> list[int]:

@@ -50,7 +50,8 @@ def bench(
             raise InvalidParameter("repeat", repeat, "an integer >= 1")
         seed = _options.seed_of(seed)
         if seed + repeat > SEED_LIMIT:  # run i uses seed + i
-            raise DgError(f"invalid seed={seed}: with --repeat {repeat} the last run's seed would pass {SEED_LIMIT - 1}")
+            raise DgError(f"invalid {_options.typed_flag('seed')} {seed}: with {_options.typed_flag('repeat')} {repeat} "
+                          f"the last run's seed would pass {SEED_LIMIT - 1}")
         sizes = benchlib.parse_batch_sizes(batch_sizes)
         diff_res, diff_path = _models.resolve_model(model, yes=yes, want="diffusion")
         own_prompts = diff_res.entry.bench_prompts if diff_res.entry is not None else None
