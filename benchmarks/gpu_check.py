@@ -239,6 +239,13 @@ def measure_diffusion(check: Check, path: Path, backends: list[str], reps: int) 
             check.add("diffusion", "one-graph step, same canvas + top-64 SC (median)", ms(statistics.median(graph)),
                       f"min {ms(min(graph))}; the sampler's pass in the graph, only per-position results to the host")
             check.data["diffusion_graph_step_s"] = graph
+            soft = rng.standard_normal((1, CANVAS, model.n_embd)).astype(np.float32)
+            dense = timed(lambda: model.denoise_step(np.asarray([canvas]), np.float32(0.6), rng.random((1, CANVAS)),
+                                                     sc_soft=soft, next_soft=True), reps, warmup=2)
+            check.add("diffusion", "one-graph step, same canvas + dense SC (median)", ms(statistics.median(dense)),
+                      f"min {ms(min(dense))}; the reference's form: the soft embedding in, this step's "
+                      f"[{model.vocab_size} x {model.n_embd}] x [{model.vocab_size} x {CANVAS}] product out")
+            check.data["diffusion_graph_step_dense_s"] = dense
             check.add("diffusion", "one-graph step / one-token decode",
                       f"{statistics.median(graph) / statistics.median(decode):.2f}x",
                       "a denoising step as dg runs it on a GPU, against an AR-style decode")
@@ -338,6 +345,9 @@ def profile_forward(check: Check, path: Path, top: int) -> None:
             "canvas forward (logits out)": lambda: model.decode_canvas(canvas[0]),
             "one-graph step + top-64 SC": lambda: model.denoise_step(
                 canvas, np.float32(0.6), rng.random((1, CANVAS)), sc_topk=(ids[None], probs[None]), top_k=64),
+            "one-graph step + dense SC": lambda: model.denoise_step(
+                canvas, np.float32(0.6), rng.random((1, CANVAS)), next_soft=True,
+                sc_soft=np.zeros((1, CANVAS, model.n_embd), np.float32)),
         }
         splits: list[str] = [f"# at load: {line}" for line in reserved]
         if reserved:

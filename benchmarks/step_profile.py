@@ -2,27 +2,32 @@
 """One denoising step, op by op, against this CPU's measured peaks, and the Transformers reference.
 
     .venv/bin/python benchmarks/step_profile.py [--gguf PATH | --layers 2 --experts 8 --quant q8_0]
-                                                [--threads 1,2] [--reps 3] [--sc-top-k 64]
+                                                [--threads 1,2] [--reps 3] [--sc-forms 0,64]
                                                 [--no-reference] [--json]
 
 For any diffusion-gemma GGUF (default: the real-width synthetic model of benchmarks/native_costs.py,
 vocab 262144, hidden 2816, --layers layers of --experts experts, written once and cached), per
 thread count:
 
-1. the step end to end, self-conditioned on the previous step's top-k (what `dg generate` runs on
-   this vocabulary): the one-graph step (`DiffusionModel.denoise_step`) with our repacked int8
-   GEMMs, the same with ggml's matmul for the dense projections (DG_DENSE_GEMM=ggml) and for the
-   LM head too (DG_LM_HEAD=ggml), and the forward with the logits copied out and sampled on the
-   host (`decode_canvas` + the native sampler, dg's previous path), interleaved, minimum and
-   median of --reps;
-2. where the graph step's time goes: every node timed through llama.cpp's per-node eval callback
-   (dgcli.runtime.profile), grouped by op and node name: seconds, share of the step, multiply-adds,
-   achieved G MAC/s per thread against this CPU's single-thread int8 and bf16 peaks (measured here
-   with register-resident instruction chains, `dg_peak_gmacs`), and the op's floor (its
-   multiply-adds at the peak: int8 for quantized weights, bf16 otherwise);
-3. with torch installed, the Transformers reference (DiffusionGemmaForBlockDiffusion in bf16 or fp32 with
-   the GGUF's shapes and random weights) timed through its own `_denoising_step`: with the dense
-   self-conditioning it always uses after a canvas's first step, and without (the first step).
+1. the step end to end, self-conditioned on the previous step, in each --sc-forms form: dense (0:
+   the reference's computation and dg's default; the previous step's soft embedding in, this step's
+   product E^T x p out, both inside the graph) and top-k (k > 0): the one-graph step
+   (`DiffusionModel.denoise_step`) with our repacked int8 GEMMs; for the first form also the same
+   with ggml's matmul for the dense projections (DG_DENSE_GEMM=ggml), then for the LM head and the
+   dense product too (DG_LM_HEAD=ggml), and the forward with the logits copied out and sampled on
+   the host (`decode_canvas` + the native sampler, dg's previous path); with torch installed, the
+   Transformers reference's steps in the same loop (part 3); interleaved, minimum and median of --reps;
+2. where the graph step's time goes, per form: every node timed through llama.cpp's per-node eval
+   callback (dgcli.runtime.profile), grouped by op and node name: seconds, share of the step,
+   multiply-adds, achieved G MAC/s per thread against this CPU's single-thread int8 and bf16 peaks
+   (measured here with register-resident instruction chains, `dg_peak_gmacs`), and the op's floor
+   (its multiply-adds at the peak: int8 for quantized weights, bf16 otherwise); the dense product
+   is a row of its own;
+3. with torch installed, the Transformers reference (DiffusionGemmaForBlockDiffusion in bf16 or fp32
+   with the GGUF's shapes and random weights) timed through its own `_denoising_step`, one
+   two-step generation per repetition: the first step without self-conditioning, the second with
+   the dense self-conditioning it always uses after a canvas's first step. Its dense step is
+   compared with dg's dense step, dg's top-k steps are rows of their own.
 
 The per-node timing runs the graph one node at a time, so its total is a little above the
 uninterrupted step of part 1; the shares are what to read from it.
@@ -71,6 +76,11 @@ NAMED_GROUPS = {
     ("CUSTOM", "lm_head"): "LM head (repacked int8 GEMM)",
     ("CUSTOM", "repacked_act"): "activations quantized for the repacked GEMMs",
     ("CUSTOM", "dg_step"): "step: softcap, softmax, entropy, sample, top-k",
+    ("CUSTOM", "sc_dense_product"): "dense self-conditioning product E^T x p (repacked int8 GEMM)",
+    ("MUL_MAT", "sc_dense_product"): "dense self-conditioning product E^T x p (MUL_MAT)",
+    ("MUL_MAT", "sc_topk_product"): "top-k self-conditioning: k rows x p (MUL_MAT)",
+    ("GET_ROWS", "sc_rows"): "top-k self-conditioning: gather k rows of E",
+    ("CONT", "sc_rows_t"): "top-k self-conditioning: transpose the rows",
 }
 # the dense projections, by node name: through our repacked GEMM (CUSTOM) or ggml's (MUL_MAT)
 DENSE_GROUPS = {"Qcur": "attention projections", "Kcur": "attention projections", "Vcur": "attention projections",
@@ -80,7 +90,7 @@ DENSE_GROUPS = {"Qcur": "attention projections", "Kcur": "attention projections"
 # the experts on our tiles: the GEMM's own name, or the gate+up product's (which it is)
 EXPERT_GEMMS = {"experts_gemm", "ffn_moe_gate_up"}
 NAMED_GROUPS[("CUSTOM", "experts_act")] = "activations quantized for the experts' GEMMs"
-REPACKED_GEMMS = {"lm_head", *DENSE_GROUPS, *EXPERT_GEMMS}
+REPACKED_GEMMS = {"lm_head", "sc_dense_product", *DENSE_GROUPS, *EXPERT_GEMMS}
 
 
 def group_of(node, n_vocab: int, n_embd: int) -> str:
@@ -151,7 +161,25 @@ def open_model(path: Path, threads: int, ggml: tuple[str, ...] = (), eval_callba
     return m
 
 
-def measure_dg(path: Path, threads: int, reps: int, sc_top_k: int, peaks: dict) -> dict:
+def sc_form_name(k: int) -> str:
+    return f"top-{k}" if k else "dense"
+
+
+def first_self_cond(m, canvas, temperature, rng, k: int) -> dict:
+    """The self-conditioning input a canvas's second step gets in form k (top-k ids and
+    probabilities, or the dense form's soft embedding), from a first step."""
+    if k:
+        [first] = m.denoise_step(canvas, temperature, rng.random(canvas.shape), top_k=k)
+        return {"sc_topk": (first.topk_ids[None], first.topk_probs[None]), "top_k": k}
+    [first] = m.denoise_step(canvas, temperature, rng.random(canvas.shape), next_soft=True)
+    return {"sc_soft": first.soft[None], "next_soft": True}
+
+
+def measure_dg(path: Path, threads: int, reps: int, sc_forms: list[int], peaks: dict,
+               references: dict | None = None) -> dict:
+    """`references`: {name: callable} timing one reference generation each, run inside the loop; each
+    returns {row name: (wall, cpu)}."""
+    from dgcli.runtime.profile import NodeProfiler
     from dgcli.engine.sampler import make_step_sampler
     from dgcli.runtime.profile import NodeProfiler
 
@@ -167,46 +195,64 @@ def measure_dg(path: Path, threads: int, reps: int, sc_top_k: int, peaks: dict) 
             m.prefill(prompt)
         canvas = rng.integers(0, V, (1, C))
         temperature = np.float32(0.6)
-        # a first step (no self-conditioning) gives the top-k the next ones are conditioned on
-        [first] = new.denoise_step(canvas, temperature, rng.random((1, C)), top_k=sc_top_k)
-        sc = (first.topk_ids[None], first.topk_probs[None])
+        # a first step gives what the next ones are conditioned on, in each form
+        inputs = {k: first_self_cond(new, canvas, temperature, rng, k) for k in sc_forms}
+        lead = sc_forms[0]
         host = make_step_sampler("native", n_threads=threads)
+        [values] = new.denoise_step(canvas, temperature, rng.random((1, C)), return_values=True)
 
-        def graph_step(m):
-            return lambda: m.denoise_step(canvas, temperature, rng.random((1, C)), sc_topk=sc, top_k=sc_top_k)
+        def graph_step(m, k):
+            return lambda: m.denoise_step(canvas, temperature, rng.random((1, C)), **inputs[k])
 
         def host_step():
-            logits = old.decode_canvas(canvas[0], sc_topk=(sc[0][0], sc[1][0]))
-            host.process_logits(logits, temperature, rng.random(C), top_k=sc_top_k)
+            sc = inputs[lead]
+            if lead:
+                logits = old.decode_canvas(canvas[0], sc_topk=(sc["sc_topk"][0][0], sc["sc_topk"][1][0]))
+                host.process_logits(logits, temperature, rng.random(C), top_k=lead)
+            else:  # the host sampler's dense input: the processed logits, softmax on the host
+                logits = old.decode_canvas(canvas[0], sc_logits=values.processed)
+                host.process_logits(logits, temperature, rng.random(C))
 
-        variants = {"graph step": graph_step(new), "graph step, ggml dense and expert matmuls": graph_step(ggml_dense),
-                    "graph step, ggml LM head, dense and expert matmuls": graph_step(old),
-                    "previous: forward + host sampler, ggml matmuls": host_step}
+        lead_name = sc_form_name(lead)
+        variants = {f"graph step, {sc_form_name(k)} self-conditioning": graph_step(new, k) for k in sc_forms}
+        variants |= {f"graph step, {lead_name}, ggml dense and expert matmuls": graph_step(ggml_dense, lead),
+                     f"graph step, {lead_name}, ggml LM head, dense and expert matmuls": graph_step(old, lead),
+                     f"previous: forward + host sampler, {lead_name}, ggml matmuls": host_step}
         times: dict[str, list] = {name: [] for name in variants}
         for _ in range(reps):  # interleaved: the box's load hits every variant alike
             for name, fn in variants.items():
                 times[name].append(timed(fn))
+            for reference in (references or {}).values():
+                for row, sample in reference().items():
+                    times.setdefault(row, []).append(sample)
 
-        profiled = []
+        profiled: dict[int, list] = {k: [] for k in sc_forms}
         for _ in range(reps):
-            profiler.enabled = True
-            graph_step(new)()
-            profiler.enabled = False
-            profiled.append(profiler.take())
+            for k in sc_forms:
+                profiler.enabled = True
+                graph_step(new, k)()
+                profiler.enabled = False
+                profiled[k].append(profiler.take())
         from dgcli.runtime import native
 
         lm_head_path = native.lib()._lib.dg_lm_head_path(new._model).decode()
+        sc_path = new.self_cond_path()
     finally:
         for m in (new, ggml_dense, old):
             m.close()
         profiler.close()
 
-    # per group: the repetition with the least CPU time (the box's load only adds)
+    forms = {sc_form_name(k): op_groups(profiled[k], V, n_embd, peaks) for k in sc_forms}
+    return dict(threads=threads, canvas=C, lm_head=lm_head_path, self_cond_product=sc_path, steps=times, forms=forms)
+
+
+def op_groups(profiled: list, n_vocab: int, n_embd: int, peaks: dict) -> dict:
+    """Per group, the repetition with the least CPU time (the box's load only adds): the table's rows."""
     groups: dict[str, dict] = {}
     for nodes in profiled:
         sums: dict[str, list] = defaultdict(lambda: [0.0, 0.0, 0, 0.0])
         for node in nodes:
-            g = sums[group_of(node, V, n_embd)]
+            g = sums[group_of(node, n_vocab, n_embd)]
             macs = multiply_adds(node, n_embd)
             g[0] += node.cpu_seconds
             g[1] += node.seconds
@@ -223,8 +269,7 @@ def measure_dg(path: Path, threads: int, reps: int, sc_top_k: int, peaks: dict) 
                          gmac=g["multiply_adds"] / 1e9, gmacs_per_thread=rate,
                          of_int8_peak=rate / peaks["int8"][0], of_bf16_peak=rate / peaks["bf16"][0],
                          floor_cpu_s=g["floor_cpu_s"]))
-    return dict(threads=threads, lm_head=lm_head_path, steps={k: v for k, v in times.items()},
-                profiled_cpu_s=total, ops=rows, step_gmac=sum(r["gmac"] for r in rows),
+    return dict(profiled_cpu_s=total, ops=rows, step_gmac=sum(r["gmac"] for r in rows),
                 floor_cpu_s=sum(r["floor_cpu_s"] for r in rows))
 
 
@@ -278,39 +323,48 @@ def reference_config(path: Path):
                                 canvas_length=int(value("diffusion.canvas_length")))
 
 
-def measure_reference(path: Path, threads_list: list[int], reps: int, dtype: str = "bf16") -> dict:
-    """Seconds per `_denoising_step` of the reference in `dtype` (bf16 or fp32): the first step of
-    a canvas (no self-conditioning), and the later ones (dense self-conditioning)."""
-    import torch
-    from transformers import DiffusionGemmaForBlockDiffusion
-    from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
+class ReferenceSteps:
+    """The Transformers reference in `dtype` (bf16 or fp32) with the GGUF's shapes and random weights,
+    loaded once; each call runs one two-step generation on `threads` threads and returns the wall and
+    CPU seconds of its `_denoising_step`s: the first step (no self-conditioning) and the second (dense
+    self-conditioning, as every later step of a canvas)."""
 
-    config = reference_config(path)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-    model = DiffusionGemmaForBlockDiffusion._from_config(config, dtype=torch_dtype).eval()
-    step_times: list[tuple[float, float]] = []
-    real_step = model._denoising_step
+    def __init__(self, path: Path, dtype: str):
+        import torch
+        from transformers import DiffusionGemmaForBlockDiffusion
 
-    def timed_step(*args, **kwargs):
-        out = []
-        step_times.append(timed(lambda: out.append(real_step(*args, **kwargs))))
-        return out[0]
+        config = reference_config(path)
+        config._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+        self.dtype = dtype
+        self.model = DiffusionGemmaForBlockDiffusion._from_config(config, dtype=torch_dtype).eval()
+        self.config = config
+        self.step_times: list[tuple[float, float]] = []
+        real_step = self.model._denoising_step
 
-    model._denoising_step = timed_step
-    prompt = torch.randint(200, 400, (1, PROMPT_TOKENS))
-    results = {}
-    for threads in threads_list:
+        def timed_step(*args, **kwargs):
+            out = []
+            self.step_times.append(timed(lambda: out.append(real_step(*args, **kwargs))))
+            return out[0]
+
+        self.model._denoising_step = timed_step
+        self.prompt = torch.randint(200, 400, (1, PROMPT_TOKENS))
+
+    def __call__(self, threads: int) -> dict[str, tuple[float, float]]:
+        import torch
+        from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
+
         torch.set_num_threads(threads)
-        step_times.clear()
+        self.step_times.clear()
         with torch.no_grad():
-            # confidence 1e-30: the adaptive stop never fires, every step runs
-            model.generate(prompt, max_new_tokens=config.canvas_length, max_denoising_steps=1 + reps,
-                           t_min=0.4, t_max=0.8, sampler_config=EntropyBoundSamplerConfig(entropy_bound=0.1),
-                           stability_threshold=1, confidence_threshold=1e-30)
-        results[threads] = {"no_sc_s": step_times[0], "dense_sc_s": list(step_times[1:])}  # (wall, CPU) each
-    return results
+            # confidence 1e-30: the adaptive stop never fires, both steps run
+            self.model.generate(self.prompt, max_new_tokens=self.config.canvas_length, max_denoising_steps=2,
+                                t_min=0.4, t_max=0.8, sampler_config=EntropyBoundSamplerConfig(entropy_bound=0.1),
+                                stability_threshold=1, confidence_threshold=1e-30)
+        first, dense = self.step_times[:2]
+        return {f"Transformers {self.dtype}, dense self-conditioning": dense,
+                f"Transformers {self.dtype}, no self-conditioning": first}
 
 
 # ---- report ------------------------------------------------------------------------------------
@@ -322,48 +376,71 @@ def print_report(report: dict) -> None:
 
     console = Console(width=None if sys.stdout.isatty() else 150)
     peaks = report["peaks"]
+    forms = ", ".join(sc_form_name(k) for k in report["sc_forms"])
     console.print(f"[bold]{report['model']}[/bold]: canvas {report['canvas']}, prompt {PROMPT_TOKENS}, "
-                  f"self-conditioning top-{report['sc_top_k']}, {report['reps']} reps; times in CPU seconds "
+                  f"self-conditioning {forms}, {report['reps']} reps; times in CPU seconds "
                   f"of the process (the wait for a core on a shared machine left out), wall seconds beside")
     console.print(f"single-thread peaks: int8 {peaks['int8'][0]:.1f} G MAC/s ({peaks['int8'][1]}), "
                   f"bf16 {peaks['bf16'][0]:.1f} G MAC/s ({peaks['bf16'][1]})")
     for run in report["runs"]:
         t = run["threads"]
-        table = Table(title=f"{t} thread(s), LM head kernel {run['lm_head']}: one self-conditioned step, "
-                            f"{run['step_gmac']:.0f} G multiply-adds, {run['floor_cpu_s']:.2f} CPU s at the peaks")
-        for col in ("op", "CPU s", "wall s", "share", "G MAC", "G MAC/s/thread", "of int8 peak", "of bf16 peak",
-                    "floor CPU s"):
-            table.add_column(col, justify="left" if col == "op" else "right")
-        shown, rest = run["ops"][:12], run["ops"][12:]
-        for r in shown:
-            has = r["gmac"] > 0
-            table.add_row(r["op"], f"{r['cpu_s']:.3f}", f"{r['wall_s']:.3f}", f"{r['share']:.1%}",
-                          f"{r['gmac']:.1f}" if has else "", f"{r['gmacs_per_thread']:.1f}" if has else "",
-                          f"{r['of_int8_peak']:.0%}" if has else "", f"{r['of_bf16_peak']:.0%}" if has else "",
-                          f"{r['floor_cpu_s']:.3f}" if has else "")
-        if rest:
-            table.add_row(f"({len(rest)} more groups)", f"{sum(r['cpu_s'] for r in rest):.3f}",
-                          f"{sum(r['wall_s'] for r in rest):.3f}", f"{sum(r['share'] for r in rest):.1%}",
-                          "", "", "", "", "")
-        table.add_row("profiled total", f"{run['profiled_cpu_s']:.3f}", "", "100%", "", "", "", "", "")
-        console.print(table)
+        for form, prof in run["forms"].items():
+            table = Table(title=f"{t} thread(s), LM head kernel {run['lm_head']}, dense product "
+                                f"{run['self_cond_product']}: one step self-conditioned {form}, "
+                                f"{prof['step_gmac']:.0f} G multiply-adds, {prof['floor_cpu_s']:.2f} CPU s at the peaks")
+            for col in ("op", "CPU s", "wall s", "share", "G MAC", "G MAC/s/thread", "of int8 peak", "of bf16 peak",
+                        "floor CPU s"):
+                table.add_column(col, justify="left" if col == "op" else "right")
+            shown, rest = prof["ops"][:12], prof["ops"][12:]
+            for r in shown:
+                has = r["gmac"] > 0
+                table.add_row(r["op"], f"{r['cpu_s']:.3f}", f"{r['wall_s']:.3f}", f"{r['share']:.1%}",
+                              f"{r['gmac']:.1f}" if has else "", f"{r['gmacs_per_thread']:.1f}" if has else "",
+                              f"{r['of_int8_peak']:.0%}" if has else "", f"{r['of_bf16_peak']:.0%}" if has else "",
+                              f"{r['floor_cpu_s']:.3f}" if has else "")
+            if rest:
+                table.add_row(f"({len(rest)} more groups)", f"{sum(r['cpu_s'] for r in rest):.3f}",
+                              f"{sum(r['wall_s'] for r in rest):.3f}", f"{sum(r['share'] for r in rest):.1%}",
+                              "", "", "", "", "")
+            table.add_row("profiled total", f"{prof['profiled_cpu_s']:.3f}", "", "100%", "", "", "", "", "")
+            console.print(table)
 
+        # like against like: each row against dg's graph step of the same self-conditioning form
         steps = Table(title=f"{t} thread(s): the step end to end, interleaved (min / median)")
-        for col in ("variant", "CPU s", "wall s", "CPU vs graph step"):
+        for col in ("variant", "CPU s", "wall s", "vs dg's step of its form (min, median)"):
             steps.add_column(col, justify="left" if col == "variant" else "right")
-        base = min(c for _, c in run["steps"]["graph step"])
-        rows = dict(run["steps"])
-        for dtype, by_threads in (report.get("reference") or {}).items():
-            ref = by_threads.get(t)
-            if ref:
-                rows[f"Transformers {dtype}, dense self-conditioning"] = ref["dense_sc_s"]
-                rows[f"Transformers {dtype}, no self-conditioning"] = [ref["no_sc_s"]]
+        rows = run["steps"]
+        bases = {sc_form_name(k): rows.get(f"graph step, {sc_form_name(k)} self-conditioning")
+                 for k in report["sc_forms"]}
+
+        def base_of(name: str):
+            """dg's step of the self-conditioning form a row ran (rows name it: "top-64", "dense")."""
+            for form in bases:
+                if form != "dense" and form in name:
+                    return bases[form]
+            if "dense self-conditioning" in name or ", dense," in name:
+                return bases.get("dense")
+            return None
+
         for name, samples in rows.items():
             cpu = [c for _, c in samples]
             wall = [w for w, _ in samples]
+            base = base_of(name)
+            ratio = ""
+            if base:
+                base_cpu = [c for _, c in base]
+                ratio = (f"{min(cpu) / min(base_cpu):.2f}x, "
+                         f"{statistics.median(cpu) / statistics.median(base_cpu):.2f}x")
             steps.add_row(name, f"{min(cpu):.2f} / {statistics.median(cpu):.2f}",
-                          f"{min(wall):.2f} / {statistics.median(wall):.2f}", f"{min(cpu) / base:.2f}x")
+                          f"{min(wall):.2f} / {statistics.median(wall):.2f}", ratio)
         console.print(steps)
+        dense = bases.get("dense")
+        for form, samples in bases.items():
+            if form != "dense" and dense and samples:
+                d = [c for _, c in dense]
+                k = [c for _, c in samples]
+                console.print(f"dg dense / dg {form}: {min(d) / min(k):.2f}x (min), "
+                              f"{statistics.median(d) / statistics.median(k):.2f}x (median), CPU s")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -374,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quant", default="q8_0", choices=["q8_0", "q4_k_m", "f16"])
     parser.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--sc-top-k", type=int, default=64)
+    parser.add_argument("--sc-forms", default="0,64",
+                        help="comma-separated self-conditioning forms: 0 dense (the reference's), k top-k")
     parser.add_argument("--peak-seconds", type=float, default=1.0)
     parser.add_argument("--no-reference", action="store_true", help="skip the Transformers reference")
     parser.add_argument("--reference-dtype", default="bf16",
@@ -389,9 +467,6 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError) as err:
             print(f"error: cannot read {args.from_json}: {err}", file=sys.stderr)
             return 1
-        # JSON object keys are strings: the thread counts back to ints
-        report["reference"] = {dtype: {int(t): v for t, v in by_threads.items()}
-                               for dtype, by_threads in (report.get("reference") or {}).items()}
         print_report(report)
         return 0
 
@@ -400,28 +475,33 @@ def main(argv: list[str] | None = None) -> int:
     try:
         try:
             threads_list = [int(t) for t in args.threads.split(",") if t.strip()]
+            sc_forms = [int(k) for k in args.sc_forms.split(",") if k.strip()]
         except ValueError:
-            raise DgError(f"--threads takes comma-separated counts, got {args.threads!r}") from None
+            raise DgError(f"--threads and --sc-forms take comma-separated integers, got {args.threads!r}, "
+                          f"{args.sc_forms!r}") from None
         if not threads_list or min(threads_list) < 1 or args.reps < 1:
             raise DgError("--threads needs counts >= 1 and --reps >= 1")
+        if not sc_forms or min(sc_forms) < 0 or len(set(sc_forms)) != len(sc_forms):
+            raise DgError("--sc-forms needs distinct widths >= 0 (0: dense)")
         dtypes = [d.strip() for d in args.reference_dtype.split(",") if d.strip()]
         if any(d not in ("bf16", "fp32") for d in dtypes):
             raise DgError(f"--reference-dtype takes bf16 and/or fp32, got {args.reference_dtype!r}")
         path = args.gguf or synthetic_model(args.layers, args.quant, args.experts)
         peaks = {"int8": native.peak_gmacs(native.PEAK_INT8, args.peak_seconds),
                  "bf16": native.peak_gmacs(native.PEAK_BF16, args.peak_seconds)}
-        runs = [measure_dg(path, t, args.reps, args.sc_top_k, peaks) for t in threads_list]
-        report = dict(model=Path(path).name, canvas=256, sc_top_k=args.sc_top_k, reps=args.reps,
-                      cpu_threads=os.cpu_count(), peaks=peaks, runs=runs)
+        references = {}
         if not args.no_reference:
             try:
                 import torch  # noqa: F401
                 import transformers  # noqa: F401
             except ImportError:
-                print("(torch/transformers not installed: no reference column)", file=sys.stderr)
+                print("(torch/transformers not installed: no reference rows)", file=sys.stderr)
             else:
-                report["reference"] = {dtype: measure_reference(Path(path), threads_list, args.reps, dtype)
-                                       for dtype in dtypes}
+                references = {dtype: ReferenceSteps(Path(path), dtype) for dtype in dtypes}
+        runs = [measure_dg(path, t, args.reps, sc_forms, peaks,
+                           {d: (lambda r=r, t=t: r(t)) for d, r in references.items()}) for t in threads_list]
+        report = dict(model=Path(path).name, canvas=runs[0]["canvas"], sc_forms=sc_forms, reps=args.reps,
+                      cpu_threads=os.cpu_count(), peaks=peaks, runs=runs)
     except DgError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from dgcli.engine.types import GenerationResult
-from dgcli.errors import DgError
+from dgcli.errors import WORKER_LOST, DgError, WorkerLost
 from dgcli.params import DiffusionParams
 from dgcli.textfile import read_text_file
 from dgcli.units import format_bytes, format_figure
@@ -143,6 +143,9 @@ class BenchConfig:
     system: Optional[str] = None  # a system prompt before every prompt (through each model's chat template)
     n_ctx: Optional[int] = None  # the context each model is loaded with (None: dg's default)
     ar_temperature: float = 0.0  # the AR side's (0: greedy); the diffusion side's is in params
+    # the self-conditioning width of the diffusion runs and the speed model (None: the engine's default;
+    # 0: dense; k: top-k); every run records the form it ran (RunRecord.self_conditioning)
+    self_cond_top_k: Optional[int] = None
 
 
 @dataclass
@@ -162,6 +165,7 @@ class RunRecord:
     prefill_s: float = 0.0  # tokens_per_second = (n_new_tokens - prefill_answer_tokens) / (total_s - prefill_s)
     prefill_answer_tokens: int = 0  # AR: 1 when its first answer token came from the prefill's logits
     commit_forwards: int = 0  # diffusion: commit passes (each canvas but the last); AR: 0
+    self_conditioning: Optional[str] = None  # diffusion: "dense" or "top-K", the form its steps fed back
 
     @property
     def mean_steps_per_canvas(self) -> Optional[float]:
@@ -270,7 +274,7 @@ def _record(mode: str, prompt: BenchPrompt, run: int, res: GenerationResult) -> 
                      decoder_forwards=res.decoder_forwards, steps_per_canvas=list(res.steps_per_canvas),
                      mean_forward_s=res.mean_forward_s, stop_reason=res.stop_reason, correct=correct,
                      prefill_s=res.prefill_s, prefill_answer_tokens=res.prefill_answer_tokens,
-                     commit_forwards=res.commit_forwards)
+                     commit_forwards=res.commit_forwards, self_conditioning=res.self_conditioning)
 
 
 def bench_prompt(text: str, system: Optional[str]) -> Any:
@@ -345,12 +349,14 @@ def _logits_bytes(n_tokens: int, vocab: int) -> int:
     return n_tokens * vocab * 4
 
 
-def measure_speed_model(model, *, batch_sizes: Sequence[int], repeat: int = 5, seed: int = 0) -> tuple[SpeedModel, list[str]]:
+def measure_speed_model(model, *, batch_sizes: Sequence[int], repeat: int = 5, seed: int = 0,
+                        self_cond_top_k: Optional[int] = None) -> tuple[SpeedModel, list[str]]:
     """Canvas step vs one-token decode on one DiffusionModel (the same weights for both).
 
     The canvas side is a denoising step as `dg generate` runs it: where the model has the one-graph
     step (`denoise_step`, what the engine's "auto" backend picks), the decoder forward with the
-    sampler's per-position pass and the self-conditioning input of a canvas's later steps, only
+    sampler's per-position pass and the self-conditioning input of a canvas's later steps (the
+    engine's form, or `self_cond_top_k`'s: dense or top-k, each also forming the next step's), only
     per-position results leaving the graph; else the decoder forward with its logits copied out.
     Each sample is timed on its second run of that shape, as in a generation, where steps and
     decodes run back to back: the first run of a shape after a prefill is slower than the warm ones a
@@ -406,22 +412,24 @@ def measure_speed_model(model, *, batch_sizes: Sequence[int], repeat: int = 5, s
         # decoder over a one-token row costs the same on a CPU, but more on a GPU: docs/json.md.)
         model.prefill([int(tokens(1)[0])], return_logits=True)
 
-    from dgcli.engine.diffusion import resolve_self_cond_top_k
+    from dgcli.runtime.self_cond import resolve_self_cond_top_k, self_cond_form
 
     graph_step = callable(getattr(model, "denoise_step", None))
-    sc_k = resolve_self_cond_top_k(None, V)  # the engine's default self-conditioning width
+    # the width the engine would run (an explicit setting, else its default)
+    sc_k = resolve_self_cond_top_k(self_cond_top_k, V, exact=bool(getattr(model, "exact", False)))
 
     def canvas_step(b: int) -> Callable[[], Any]:
         """One denoising step of b canvases in one forward, as the engine runs it (see above), with
-        the engine's self-conditioning form: top-k, or dense over a small vocabulary (a batch whose
-        dense input the graph cannot hold is skipped, as the engine would refuse it)."""
+        its self-conditioning form: top-k, or dense (the previous step's soft embedding in, this
+        step's product out)."""
         if not graph_step:
             return (lambda: model.decode_canvas(tokens(C))) if b == 1 else (lambda: multi(tokens(b, C)))
         if sc_k:
             self_cond = {"sc_topk": (rng.integers(0, V, (b, C, sc_k)).astype(np.int32),
                                      np.full((b, C, sc_k), 1.0 / sc_k, np.float32)), "top_k": sc_k}
         else:
-            self_cond = {"sc_logits": np.zeros((b, C, V), np.float32)}
+            n_embd = int(model.n_embd)
+            self_cond = {"sc_soft": rng.standard_normal((b, C, n_embd)).astype(np.float32), "next_soft": True}
         return lambda: model.denoise_step(tokens(b, C), np.float32(0.6), rng.random((b, C)), **self_cond)
 
     base = paired(canvas_step(1), one_decode, repeat)
@@ -462,7 +470,7 @@ def measure_speed_model(model, *, batch_sizes: Sequence[int], repeat: int = 5, s
     curve = [{"steps": s, "speedup": speedup_model(C, canvas_s, decode_s, commit_s, s)} for s in SPEEDUP_STEPS]
     ratio = base.ratio()
     step = ("one-graph step: decoder forward + the sampler's per-position pass, "
-            + (f"top-{sc_k}" if sc_k else "dense") + " self-conditioning" if graph_step
+            + self_cond_form(sc_k) + " self-conditioning" if graph_step
             else "decoder forward, logits copied to the host")
     return SpeedModel(canvas_length=C, canvas_forward_s=canvas_s, decode_s=decode_s, commit_s=commit_s,
                       ratio=ratio.median if ratio else float("nan"), speedup_vs_steps=curve, batch_sweep=points,
@@ -518,10 +526,12 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], *,
                 events = run_events(desc, on_status)
                 if mode == "diffusion":
                     res = engine.generate(prompt, params=config.params, max_new_tokens=config.max_new_tokens,
-                                          seed=config.seed + i, on_event=events)
+                                          seed=config.seed + i, on_event=events, self_cond_top_k=config.self_cond_top_k)
                 else:
                     res = engine.generate(prompt, max_new_tokens=config.max_new_tokens, seed=config.seed + i,
                                           on_event=events, temperature=config.ar_temperature)
+                if res.stop_reason == WORKER_LOST:  # the worker's own error: see rpc.check_workers
+                    raise WorkerLost("an RPC worker was lost")
                 if res.interrupted:  # the engine returned what it had: not a complete run
                     raise KeyboardInterrupt
                 runs.append(_record(mode, p, i, res))
@@ -535,7 +545,8 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], *,
             if config.speed_model and open_speed_model is None:
                 on_progress("speed model: canvas forward vs one-token decode")
                 speed, speed_notes = measure_speed_model(engine.model, batch_sizes=config.batch_sizes,
-                                                         repeat=config.speed_model_repeat, seed=config.seed)
+                                                         repeat=config.speed_model_repeat, seed=config.seed,
+                                                         self_cond_top_k=config.self_cond_top_k)
                 notes.extend(speed_notes)
         finally:
             engine.close()
@@ -546,7 +557,8 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], *,
             record_placement("speed", model)
             try:
                 speed, speed_notes = measure_speed_model(model, batch_sizes=config.batch_sizes,
-                                                         repeat=config.speed_model_repeat, seed=config.seed)
+                                                         repeat=config.speed_model_repeat, seed=config.seed,
+                                                         self_cond_top_k=config.self_cond_top_k)
                 notes.extend(speed_notes)
             finally:
                 if hasattr(model, "close"):
@@ -562,6 +574,9 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], *,
     except KeyboardInterrupt:
         interrupted = True
         notes.append("interrupted (Ctrl-C): the report holds the runs finished before it")
+    except WorkerLost:
+        interrupted = True
+        notes.append("an RPC worker was lost: the report holds the runs finished before it")
 
     if speed is not None:
         ar_decodes = [r.mean_forward_s for r in runs if r.mode == "autoregressive" and r.mean_forward_s is not None]

@@ -9,7 +9,9 @@ from typing import Any
 
 
 class DgError(Exception):
-    """An error a user can act on. The CLI prints `str(err)` on one line and exits non-zero."""
+    """An error a user can act on. The CLI prints `str(err)` on one line and exits with `exit_code`."""
+
+    exit_code = 1
 
 
 class InvalidParameter(DgError, ValueError):
@@ -18,6 +20,18 @@ class InvalidParameter(DgError, ValueError):
     def __init__(self, name: str, value: Any, allowed: str):
         self.name, self.value, self.allowed = name, value, allowed
         super().__init__(f"invalid {name}={value!r}: must be {allowed}")
+
+
+class WorkerLost(DgError):
+    """A machine that held part of the model (an RPC worker) stopped answering, closed the connection or
+    sent a malformed reply, after the model began loading there: the layers it held are gone. An
+    engine's generation ends with what it produced before (stop_reason WORKER_LOST)."""
+
+    exit_code = 3
+
+
+# the stop_reason of a generation that a lost worker ended (its result also counts as interrupted)
+WORKER_LOST = "worker_lost"
 
 
 class ModelLoadError(DgError):

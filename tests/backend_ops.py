@@ -418,8 +418,9 @@ def cuda_verdicts(nodes: list[Node], groups: dict[str, str]) -> list[tuple[Node,
 
 def capture(model: Path, harness: Path, canvas_tokens: int = 256, top_k: int = 64) -> list[dict]:
     """The graphs a generation runs, each node as harness.c records it: the prompt's prefill, the
-    one-graph step (self-conditioned, with the next step's top-k, in the ggml-ops form a GPU backend
-    gets) and the canvas's commit."""
+    one-graph step in the ggml-ops form a GPU backend gets, self-conditioned in both forms (top-k in
+    with the next step's top-k out; dense, the default: the soft embedding in, the next one's product
+    out) and the canvas's commit."""
     import ctypes
 
     import numpy as np
@@ -449,6 +450,9 @@ def capture(model: Path, harness: Path, canvas_tokens: int = 256, top_k: int = 6
         m.denoise_step(canvas, 1.0, rng.random((1, canvas_tokens)), sc_topk=(ids[None], probs[None]), top_k=top_k,
                        portable_ops=True)
         take("step")
+        soft = rng.standard_normal((1, canvas_tokens, m.n_embd)).astype(np.float32)
+        m.denoise_step(canvas, 1.0, rng.random((1, canvas_tokens)), sc_soft=soft, next_soft=True, portable_ops=True)
+        take("dense-step")
         m.commit(canvas[0])
         take("commit")
     return graphs

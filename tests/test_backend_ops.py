@@ -127,7 +127,7 @@ def test_cuda_check_tells_supported_ops_from_unsupported_ones(llama):
 @pytest.mark.subprocess
 def test_the_capture_is_the_gpu_form_at_real_widths(captured):
     step = [n for n in captured if n.graph == "step"]
-    assert {n.graph for n in captured} == {"prefill", "step", "commit"}
+    assert {n.graph for n in captured} == {"prefill", "step", "dense-step", "commit"}
     # dg's CPU-only ops (its GEMMs, the sampler's op) are what a GPU never sees
     assert not [n for n in captured if n.op == "CUSTOM"]
     [lm_head] = [n for n in step if n.op == "MUL_MAT" and n.tensor.ne[:2] == (VOCAB, CANVAS)]
@@ -139,9 +139,16 @@ def test_the_capture_is_the_gpu_form_at_real_widths(captured):
     # the sampler's pass as ggml ops, over the whole vocabulary of every canvas position
     for op in ("ARGMAX", "CUMSUM", "TOP_K", "SOFT_MAX"):
         assert any(n.op == op and n.src[0].ne[:2] == (VOCAB, CANVAS) for n in step), op
-    # the top-k self-conditioning input: k rows of E per canvas position
+    # the top-k self-conditioning input: k rows of E per canvas position, contracted by a MUL_MAT
     [rows] = [n for n in step if n.name == "sc_rows"]
     assert rows.tensor.ne[:2] == (HIDDEN, TOP_K * CANVAS)
+    [topk] = [n for n in step if n.name == "sc_topk_product"]
+    assert topk.op == "MUL_MAT" and topk.src[0].ne[:3] == (TOP_K, HIDDEN, CANVAS)
+    # the dense form (the default): the next step's soft embedding, one MUL_MAT of E^T and the probabilities
+    [dense] = [n for n in captured if n.graph == "dense-step" and n.name == "sc_dense_product"]
+    assert dense.op == "MUL_MAT" and dense.src[0].type == "q8_0" and dense.src[0].ne[:2] == (VOCAB, HIDDEN)
+    assert dense.src[1].ne[:2] == (VOCAB, CANVAS) and dense.tensor.ne[:2] == (HIDDEN, CANVAS)
+    assert not [n for n in captured if n.op == "OUT_PROD"]
 
 
 @pytest.mark.slow

@@ -452,8 +452,9 @@ def test_tables_piped_have_their_title_and_caption_on_lines_of_their_own(tiny_gg
     lines = r.stdout.splitlines()
     for title in ("diffusion sampler per prompt", "speed model: one canvas step vs one decode step", "batch sweep"):
         assert title in lines, r.stdout
+    # the caption names the self-conditioning form the runs fed back
     assert ("tokens/forward: answer tokens per forward, denoising steps and commit passes (AR: 1.00); answer tokens: "
-            "diffusion/AR") in lines
+            "diffusion/AR; self-conditioning: dense") in lines
     sweep = next(line for line in lines if "canvas, decode: one step of `batch` canvases" in line)
     assert sweep.endswith("@16 steps: the implied speedup without the commit pass"), r.stdout
     info = run("info", tiny_gguf).stdout.splitlines()

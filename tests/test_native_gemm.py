@@ -89,11 +89,14 @@ K_QUANT_TYPES = {"q4_K": 12, "q6_K": 14}  # ggml_type: the types with tiles of t
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 @pytest.mark.parametrize("weight_type", sorted(WEIGHT_TYPES))
-@pytest.mark.parametrize("n_embd, n_vocab, n_cols", [(64, 500, 16), (128, 37, 9), (2816, 1000, 70)])
+@pytest.mark.parametrize("n_embd, n_vocab, n_cols", [(64, 500, 16), (128, 37, 9), (2816, 1000, 70),
+                                                    (32 * 600, 40, 9)])
 def test_lm_head_kernel_agrees_with_a_double_precision_sum(kernel, weight_type, n_embd, n_vocab, n_cols):
     """Each kernel on random Q8_0 or Q5_0 weights (a partial last row group, a partial column tile)
     against a float64 sum of the same quantized activations and the weights as ggml's dequantizer
-    decodes them: float32 rounding only, so the Q5_0 -> int8 repack loses nothing."""
+    decodes them: float32 rounding only, so the Q5_0 -> int8 repack loses nothing. Rows of 600 blocks
+    (as the transposed embeddings' 8192) are multiplied in chunks of 256, the last one shorter; the
+    vectorized quantization equals the portable loop byte for byte."""
     import ctypes
 
     from dgcli.runtime import native

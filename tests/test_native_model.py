@@ -402,5 +402,5 @@ def test_bad_top_k_input_is_refused(exact_model, scenario, vocab_size):
     for bad in ((ids + vocab_size, probs), (ids, -probs), (ids[:, :2], probs), (ids[:-1], probs[:-1])):
         with pytest.raises(DgError, match="sc_topk"):
             exact_model.decode_canvas(canvas, sc_topk=bad)
-    with pytest.raises(DgError, match="not both"):
+    with pytest.raises(DgError, match="one self-conditioning input"):
         exact_model.decode_canvas(canvas, scenario["sc"], sc_topk=(ids, probs))

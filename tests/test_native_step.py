@@ -234,7 +234,7 @@ def test_graph_step_checks_its_inputs(exact_model):
         m.denoise_step(np.zeros((3, 16), np.int64), 0.5, np.zeros((3, 16)))
     with pytest.raises(InvalidParameter):
         m.denoise_step(np.full((1, 16), m.vocab_size), 0.5, u)
-    with pytest.raises(DgError, match="not both"):
+    with pytest.raises(DgError, match="one self-conditioning input"):
         m.denoise_step(canvas, 0.5, u, sc_logits=np.zeros((1, 16, m.vocab_size), np.float32),
                        sc_topk=(np.zeros((1, 16, 2), np.int32), np.zeros((1, 16, 2), np.float32)))
 
@@ -301,7 +301,14 @@ def test_engine_on_the_graph_step_generates_what_the_host_sampler_does(tiny_gguf
     (graph, graph_steps), (host, host_steps) = runs["graph"], runs["native"]
     assert graph.token_ids == host.token_ids
     assert graph.steps_per_canvas == host.steps_per_canvas
-    assert [e.mean_entropy for e in graph_steps] == [e.mean_entropy for e in host_steps]
+    graph_entropy, host_entropy = [e.mean_entropy for e in graph_steps], [e.mean_entropy for e in host_steps]
+    if top_k:
+        assert graph_entropy == host_entropy
+    else:
+        # dense: the graph step forms the next soft embedding from its own probabilities (its exp, within
+        # 2 ulp of numpy's), the host path from numpy's softmax of the processed logits; this random
+        # model feeds the difference back step after step (1e-7 at the second step, 3e-4 by the eighth)
+        np.testing.assert_allclose(graph_entropy, host_entropy, rtol=1e-3)
     assert [e.accepted_mask.tolist() for e in graph_steps] == [e.accepted_mask.tolist() for e in host_steps]
 
 

@@ -515,3 +515,44 @@ def test_cpu_moe_with_gpu_layers_0_offloads_nothing_as_asked():
         result = CliRunner().invoke(app, ["generate", "reverse: AB", "-n", "4", "--seed", "0", "--no-live",
                                           "--n-cpu-moe", "1"])
         assert result.exit_code == 0 and "warning: --n-cpu-moe (which offloads" in result.stderr, result.stderr
+
+
+def test_memory_needs_count_the_transposed_embeddings_of_dense_self_conditioning(monkeypatch):
+    """The dense form (the default) makes a Q8_0 copy of E^T on the first self-conditioned step,
+    262144 x 2816 at real widths: 36 bytes per 32 weights where dg's int8 GEMM repacks it (CPU), 34 as
+    ggml's Q8_0 beside the output layer on a GPU; dg info says so."""
+    from dgcli.modelfile.info import self_cond_copy_bytes
+
+    class Tensor:
+        def __init__(self, name, shape):
+            self.name, self.shape = name, shape
+
+    class Header:
+        architecture = "diffusion-gemma"
+        tensors = [Tensor("token_embd.weight", (2816, 262144))]
+
+    weights = 262144 * 2816
+    tensors = real_size_tensors(2)
+    monkeypatch.setattr(info, "_cpu_runs_repacked_gemms", lambda: True)
+    cpu = plan_placement(tensors, 2, 0, 0, gpu=False)
+    assert self_cond_copy_bytes(Header(), cpu) == (weights // 32 * 36, 0)
+    gpu = plan_placement(tensors, 2, -1, 0, gpu=True)
+    assert self_cond_copy_bytes(Header(), gpu) == (0, weights // 32 * 34)
+    monkeypatch.setattr(info, "_cpu_runs_repacked_gemms", lambda: False)
+    assert self_cond_copy_bytes(Header(), cpu) == (weights // 32 * 34, 0)
+    # a vocabulary that is not whole 32-token blocks: an F32 copy
+    Header.tensors = [Tensor("token_embd.weight", (64, 500))]
+    assert self_cond_copy_bytes(Header(), cpu) == (64 * 500 * 4, 0)
+    # only where dense is the default: a top-k default makes no copy
+    monkeypatch.setattr("dgcli.runtime.self_cond.DEFAULT_SC_TOP_K", 64)
+    assert self_cond_copy_bytes(Header(), cpu) == (0, 0)
+
+
+def test_info_shows_the_self_conditioning_copy(tiny_diff, monkeypatch):
+    fake_ram(monkeypatch, 64 * GB)
+    meta = info.read_info(tiny_diff)
+    assert meta.self_cond_bytes == 500 * 64 * 4 and not meta.self_cond_on_gpu  # dg-tiny: 500 tokens, F32
+    assert meta.to_json()["self_cond_bytes"] == meta.self_cond_bytes
+    result = CliRunner().invoke(app, ["info", str(tiny_diff)])
+    assert result.exit_code == 0, result.output
+    assert "dense (the reference's): 128.0 kB of transposed embeddings in RAM, made on first use" in " ".join(result.output.split())

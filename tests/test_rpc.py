@@ -98,8 +98,8 @@ def first_line(stream, timeout: float = TIMEOUT_S) -> str:
     return got[0] if got else ""
 
 
-def dg(*args: str, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dgcli.cli", *map(str, args)], cwd=REPO, env=env(),
+def dg(*args: str, timeout: float = TIMEOUT_S, **extra_env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dgcli.cli", *map(str, args)], cwd=REPO, env=dict(env(), **extra_env),
                           capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=timeout)
 
 
@@ -146,57 +146,100 @@ def test_generate_and_serve_over_rpc_answer_as_locally(workers):
     assert status == 200 and body["choices"][0]["message"]["content"] == json.loads(local.stdout)["answer"]
 
 
-def kill_a_worker_mid_run(workers, tiny_gguf, *args: str) -> tuple[int, list[str], float]:
-    """`dg generate ARGS --rpc` over both workers, the second killed after the first step: (exit status,
-    stderr lines, seconds from the kill to the client's exit)."""
+class LostWorkerRun:
+    """What `dg generate --rpc` did after one of its workers was killed or stopped mid-run."""
+
+    def __init__(self, rc: int, stdout: str, stderr: list[str], took: float):
+        self.rc, self.stdout, self.stderr, self.took = rc, stdout, stderr, took
+
+    @property
+    def errors(self) -> list[str]:
+        return [line for line in self.stderr if line.startswith("error:")]
+
+
+def lose_a_worker_mid_run(workers, tiny_gguf, *args: str, signum: int = signal.SIGKILL, at: str = "canvas 1  step",
+                          **extra_env: str) -> LostWorkerRun:
+    """`dg generate ARGS --rpc` over both workers, `signum` sent to the second once a stderr line starts
+    with `at`; the client must end within 60 s of it."""
     endpoints = ",".join(w.endpoint for w in workers)
     client = subprocess.Popen([sys.executable, "-m", "dgcli.cli", "generate", "hi", "-m", str(tiny_gguf), "--steps", "48",
-                               "--max-new-tokens", str(16 * 60), "--seed", "0", "--no-live", "--rpc", endpoints, *args],
-                              cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               "--max-new-tokens", str(16 * 60), "--seed", "0", "--no-live", "--ignore-eos",
+                               "--rpc", endpoints, *args],
+                              cwd=REPO, env=dict(env(), **extra_env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               stdin=subprocess.DEVNULL, text=True)
     stderr: list[str] = []
-    first_step = threading.Event()
+    stdout: list[str] = []
+    reached = threading.Event()
 
     def read_stderr() -> None:
         for line in client.stderr:
             stderr.append(line.rstrip("\n"))
-            if line.startswith("canvas 1  step"):
-                first_step.set()
+            if line.startswith(at):
+                reached.set()
 
-    threading.Thread(target=read_stderr, daemon=True).start()
-    assert first_step.wait(TIMEOUT_S), "\n".join(stderr)
-    workers[1].kill()
-    killed_at = time.monotonic()
+    readers = [threading.Thread(target=read_stderr, daemon=True),
+               threading.Thread(target=lambda: stdout.extend(client.stdout), daemon=True)]
+    for reader in readers:
+        reader.start()
+    assert reached.wait(TIMEOUT_S), "\n".join(stderr)
+    workers[1].proc.send_signal(signum)
+    lost_at = time.monotonic()
     try:
         rc = client.wait(60)
     except subprocess.TimeoutExpired:
         client.kill()
-        raise AssertionError("the client hung after its worker died")
-    time.sleep(0.2)  # the reader thread takes the last lines
-    return rc, stderr, time.monotonic() - killed_at
+        raise AssertionError("the client hung after its worker was lost")
+    took = time.monotonic() - lost_at
+    for reader in readers:
+        reader.join(10)
+    return LostWorkerRun(rc, "".join(stdout), stderr, took)
 
 
 @pytest.mark.subprocess
 def test_a_worker_killed_mid_run_is_one_clear_error_not_a_hang(workers, tiny_gguf):
-    rc, stderr, took = kill_a_worker_mid_run(workers, tiny_gguf)
+    run = lose_a_worker_mid_run(workers, tiny_gguf)
     from dgcli.runtime.rpc import WORKER_LOST_EXIT
 
-    assert rc == WORKER_LOST_EXIT, "\n".join(stderr[-5:])
-    errors = [line for line in stderr if line.startswith("error:")]
-    assert errors == [errors[-1]] and errors[-1].startswith(f"error: lost RPC worker {workers[1].endpoint} mid-run")
-    assert not any("Aborted" in line or "ggml_print_backtrace" in line or "#0 " in line for line in stderr)
-    print(f"client exited {took:.2f} s after the worker was killed")
+    assert run.rc == WORKER_LOST_EXIT, "\n".join(run.stderr[-5:])
+    assert run.errors == [run.errors[-1]]
+    assert run.errors[-1].startswith(f"error: lost RPC worker {workers[1].endpoint} mid-run: it closed the connection")
+    assert not any("Aborted" in line or "ggml_print_backtrace" in line or "#0 " in line for line in run.stderr)
+    print(f"client exited {run.took:.2f} s after the worker was killed")
 
 
 @pytest.mark.subprocess
-def test_a_worker_lost_mid_run_leaves_no_half_written_output(workers, tiny_gguf, tmp_path):
-    # the abort callback ended the process with os._exit: the trace's .partial temporary stayed
-    trace = tmp_path / "run.jsonl"
-    rc, stderr, _ = kill_a_worker_mid_run(workers, tiny_gguf, "--trace", str(trace))
+def test_a_worker_frozen_mid_run_ends_the_run_with_its_answer_so_far(workers, tiny_gguf):
+    # `kill -STOP`: the worker's kernel keeps its connections open and even accepts new ones, so only
+    # a deadline can tell. dg hung with no output: two Ctrl-C did nothing, SIGTERM ended it (143) and
+    # the answer so far was lost
     from dgcli.runtime.rpc import WORKER_LOST_EXIT
 
-    assert rc == WORKER_LOST_EXIT, "\n".join(stderr[-5:])
-    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    run = lose_a_worker_mid_run(workers, tiny_gguf, signum=signal.SIGSTOP, at="canvas 3  step", DG_RPC_TIMEOUT="5")
+    assert run.rc == WORKER_LOST_EXIT, "\n".join(run.stderr[-5:])
+    assert run.errors == [f"error: lost RPC worker {workers[1].endpoint} mid-run: it sent nothing for 5 s (stopped, "
+                          "frozen, or its machine or network is gone? DG_RPC_TIMEOUT sets how long dg waits); the "
+                          "model's layers there are gone: restart the worker and run again"], run.stderr[-5:]
+    # the two canvases finished before it: their answer on stdout, the summary says why it stopped
+    summary = [line for line in run.stderr if "stop=" in line]
+    assert summary and "stop=worker_lost" in summary[-1], run.stderr[-5:]
+    streamed = re.search(r"(\d+) tokens", summary[-1])
+    assert streamed and int(streamed.group(1)) >= 32 and run.stdout.strip(), (summary, run.stdout)
+    print(f"client exited {run.took:.2f} s after the worker was stopped (DG_RPC_TIMEOUT=5)")
+
+
+@pytest.mark.subprocess
+def test_a_worker_lost_mid_run_keeps_the_trace_of_what_was_done(workers, tiny_gguf, tmp_path):
+    # the run ends as a Ctrl-C ends it: the trace of the canvases done is written whole, no temporary
+    # is left behind (the abort callback's os._exit used to leave the .partial file)
+    trace = tmp_path / "run.jsonl"
+    run = lose_a_worker_mid_run(workers, tiny_gguf, "--trace", str(trace), at="canvas 2  step")
+    from dgcli.runtime.rpc import WORKER_LOST_EXIT
+
+    assert run.rc == WORKER_LOST_EXIT, "\n".join(run.stderr[-5:])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.jsonl"]
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert any(r["kind"] == "canvas" for r in records)  # canvas 1 was done
+    assert records[-1]["kind"] == "result" and records[-1]["stop_reason"] == "worker_lost" and records[-1]["interrupted"]
 
 
 @pytest.mark.subprocess

@@ -429,22 +429,22 @@ def test_per_sequence_forward_is_bit_identical_to_each_sequence_alone(tiny_gguf)
     sequence s's own cache in a shared forward gives exactly the logits of a model holding that
     sequence alone; a zero-probability self-conditioning row equals none; a moved sequence decodes
     as before. (Default mode: flash attention and an F16 cache, whose sums depend on cell order.)"""
-    from dgcli.engine.diffusion import _SelfCond, batched_self_cond
     from dgcli.runtime.model import DiffusionModel
+    from dgcli.runtime.self_cond import SelfCond, batched_self_cond
 
     rng = np.random.default_rng(0)
     C, V = 16, 500
     prompts = [rng.integers(5, V, size=n) for n in (7, 20, 3)]
     committed = rng.integers(5, V, size=C)
     canvases = rng.integers(0, V, size=(3, C))
-    sc = _SelfCond(logits=rng.standard_normal((C, V)).astype(np.float32))
+    sc = SelfCond(logits=rng.standard_normal((C, V)).astype(np.float32))
     with DiffusionModel(str(tiny_gguf), n_seq_max=3, n_ctx=3 * 256, kv_unified=False) as m:
         assert (m.canvas_length, m.vocab_size) == (C, V)
         for s, p in enumerate(prompts):
             m.prefill(p, seq=s)
         m.commit(committed, seq=1)
         plain = m.decode_canvases(canvases, per_sequence=True)
-        mixed = m.decode_canvases(canvases, sc_topk=batched_self_cond([None, sc, None]), per_sequence=True)
+        mixed = m.decode_canvases(canvases, per_sequence=True, **batched_self_cond([None, sc, None]))
         assert [m.cached_tokens(s) for s in range(3)] == [7, 20 + C, 3]  # forwards leave the caches as they were
         m.move_sequence(2, 0)
         moved = m.decode_canvas(canvases[2])

@@ -38,7 +38,7 @@ def user_errors() -> Iterator[None]:
     except InvalidParameter as err:
         raise fail(flag_message(err)) from None
     except DgError as err:
-        raise fail(str(err)) from None
+        raise fail(str(err), err.exit_code) from None
     except ImportError as err:
         raise fail(f"native layer unavailable ({err}); build it with `make setup` (python native/build.py)") from None
     except KeyboardInterrupt:

@@ -38,7 +38,8 @@ GpuOpt = typer.Option(0, "--gpu-layers", "--n-gpu-layers", "-ngl", help="Layers 
 RpcOpt = typer.Option(
     None, "--rpc", metavar="HOST:PORT[,HOST:PORT]",
     help="Spread the model's layers over llama.cpp RPC workers (`dg worker` on each; all layers unless "
-         "--gpu-layers says how many). The protocol is unauthenticated: trusted networks only.")
+         "--gpu-layers says how many). The protocol is unauthenticated: trusted networks only. "
+         "DG_RPC_TIMEOUT: seconds a worker may stay silent before dg gives up on it (default 30).")
 NCpuMoeOpt = typer.Option(None, "--n-cpu-moe", metavar="N",
                           help="Keep the expert weights of the first N layers in system memory, the rest on the GPU "
                                "(offloads every layer unless --gpu-layers is given).")

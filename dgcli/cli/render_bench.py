@@ -77,9 +77,11 @@ def report_tables(report: BenchReport, show_prompts: bool = False):
     speed = table(f"tok/s (answer tokens), median [min–max] of {runs}", "prompt", "diffusion", "AR", "speedup",
                   caption=speed_caption)
     partial = False  # a rate or speedup over only some of its row's runs (*)
+    forms = sorted({r.self_conditioning for r in report.runs if r.mode == "diffusion" and r.self_conditioning})
     sampler = table("diffusion sampler per prompt", "prompt", "steps/canvas", "tokens/forward", "answer tokens",
                     caption="tokens/forward: answer tokens per forward, denoising steps and commit passes "
-                            "(AR: 1.00); answer tokens: diffusion/AR")
+                            "(AR: 1.00); answer tokens: diffusion/AR"
+                            + (f"; self-conditioning: {', '.join(forms)}" if forms else ""))
     graded = any(s.accuracy is not None for s in report.summaries)
     accuracy = table("accuracy (graded prompts)", "prompt", "diffusion", "AR")
     for prompt, modes, runs_of_row in groups:

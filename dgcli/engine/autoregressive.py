@@ -17,7 +17,7 @@ import numpy as np
 from dgcli.engine.diffusion import GEMMA_PAD_TOKEN_ID, TimedEvents, prompt_token_ids, validate_max_new_tokens
 from dgcli.engine.rng import RngStream, inverse_cdf_sample, resolve_seed
 from dgcli.engine.types import GenerationResult, TokenEvent
-from dgcli.errors import ContextFull, DgError, InvalidParameter
+from dgcli.errors import WORKER_LOST, ContextFull, DgError, InvalidParameter, WorkerLost
 
 EventCallback = Callable[[Any], Any]
 
@@ -127,6 +127,8 @@ class AutoregressiveEngine:
                 decodes += 1
         except (KeyboardInterrupt, _StopRequested):
             stop_reason = "interrupted"
+        except WorkerLost:  # the worker's error is the caller's to report (rpc.check_workers raises it again)
+            stop_reason = WORKER_LOST
         return GenerationResult(
             mode="autoregressive",
             text=self.model.detokenize(new_tokens),
@@ -140,7 +142,7 @@ class AutoregressiveEngine:
             timed_forwards=decodes,
             sampling_s=sampling_s,
             stop_reason=stop_reason,
-            interrupted=stop_reason == "interrupted",
+            interrupted=stop_reason in ("interrupted", WORKER_LOST),
             seed=seed,
             display_s=events.seconds,
             prefill_answer_tokens=from_prefill,

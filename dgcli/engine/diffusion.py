@@ -5,7 +5,7 @@ Outer loop, one canvas at a time (at most ceil(max_new_tokens / canvas_length) c
     stop at an end token, else commit it (encoder pass appending it to the KV cache) and go on.
 Inner loop, cur_step from max_denoising_steps down to 1 (`denoising_step`):
     decoder forward (self-conditioned on the previous step's processed logits: dense as the
-    reference on small vocabularies, else the sampler's top-k of their softmax); temperature,
+    reference, or the sampler's top-k of their softmax; runtime/self_cond.py); temperature,
     entropy, argmax and multinomial sample per position; entropy-bound acceptance; renoise;
     adaptive stop. The forward and the per-position pass are one graph when the model offers
     `denoise_step` (the "graph" step: only per-position results leave llama.cpp), else the model's
@@ -46,45 +46,15 @@ from dgcli.engine.sampler import (
 )
 from dgcli.engine.stops import first_stop, tokens_before
 from dgcli.engine.types import CanvasEvent, GenerationResult, StepEvent, answer_token_ids
-from dgcli.errors import ContextFull, DgError, InvalidParameter
+from dgcli.errors import WORKER_LOST, ContextFull, DgError, InvalidParameter, WorkerLost
 from dgcli.params import DiffusionParams
 from dgcli.runtime.forward import StepStats
+from dgcli.runtime.self_cond import SelfCond, batched_self_cond, resolve_self_cond_top_k, self_cond_form
 
 EventCallback = Callable[[Any], Any]
 
 # Gemma's <pad>; used when a model object does not say (the reference reads generation_config.pad_token_id)
 GEMMA_PAD_TOKEN_ID = 0
-
-# Self-conditioning input (the previous step's softmax over the vocabulary, times E): dense, as the
-# reference, up to this vocabulary size (tiny and demo models: exact reference behaviour, cheap);
-# above it the sampler's top SPARSE_SC_TOP_K tokens per position. On the real vocabulary (262144)
-# the dense product is ~190 G multiply-adds per step, 10x the rest of a 2-layer forward; the
-# dropped tail mass is reported per step (StepEvent.sc_dropped_mass).
-DENSE_SC_MAX_VOCAB = 4096
-SPARSE_SC_TOP_K = 64
-
-
-def resolve_self_cond_top_k(value: Any, vocab_size: int) -> int:
-    """The top-k width for a `self_cond_top_k` setting; 0 means dense (the reference's form).
-    None: dense when vocab_size <= DENSE_SC_MAX_VOCAB, else SPARSE_SC_TOP_K. 0 or "dense": dense.
-    k >= vocab_size is dense too (nothing would be dropped)."""
-    if value is None:
-        return 0 if vocab_size <= DENSE_SC_MAX_VOCAB else min(SPARSE_SC_TOP_K, vocab_size)
-    if isinstance(value, str) and value.strip().lower() == "dense":
-        return 0
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise InvalidParameter("self_cond_top_k", value, 'an integer >= 0 (0 = dense), "dense" or None (auto)')
-    return 0 if value >= vocab_size else int(value)
-
-
-@dataclass
-class _SelfCond:
-    """The next decoder forward's self-conditioning input: dense processed logits, or top-k."""
-
-    logits: np.ndarray | None = None  # float32 [C, V]
-    ids: np.ndarray | None = None  # int32 [C, k]
-    probs: np.ndarray | None = None  # float32 [C, k]
-    dropped_mass: float = 0.0  # largest probability mass left out of a position's top-k
 
 
 class _StopRequested(Exception):
@@ -128,7 +98,7 @@ class _StepOutcome:
     canvas: np.ndarray  # the next step's input canvas
     argmax: np.ndarray
     accepted_mask: np.ndarray
-    self_cond: _SelfCond  # the next step's self-conditioning input
+    self_cond: SelfCond  # the next step's self-conditioning input
     stopped: bool
     mean_entropy: float
     temperature: float
@@ -243,7 +213,7 @@ class DiffusionSequence:
         self.state = _LoopState(limit=limit, prompt_ids=[int(t) for t in prompt_ids])
         self.canvas_index = 0
         self.canvas: np.ndarray | None = None  # the next forward's input canvas
-        self.self_cond: _SelfCond | None = None  # None: no self-conditioning signal (a canvas's first step)
+        self.self_cond: SelfCond | None = None  # None: no self-conditioning signal (a canvas's first step)
         self.stop_rule: StableAndConfidentStop | None = None
         self.stop_reason: str | None = None  # set when the generation is over
         self.started = time.perf_counter()
@@ -311,10 +281,12 @@ class DiffusionSequence:
     def _apply_rules(self, plan: _StepPlan, stats: StepStats, sampler_s: float) -> _StepOutcome:
         began = time.perf_counter()
         if self.top_k:
-            next_sc = _SelfCond(ids=stats.topk_ids, probs=stats.topk_probs,
-                                dropped_mass=float(np.max(stats.dropped_mass)))
+            next_sc = SelfCond(ids=stats.topk_ids, probs=stats.topk_probs,
+                               dropped_mass=float(np.max(stats.dropped_mass)))
+        elif stats.soft is not None:
+            next_sc = SelfCond(soft=stats.soft)  # the graph step formed the product already
         else:
-            next_sc = _SelfCond(logits=stats.processed)
+            next_sc = SelfCond(logits=stats.processed)
         accepted = entropy_bound_accept_mask(stats.entropy, self.params.entropy_bound)
         next_canvas = renoise_canvas(stats.sampled, accepted, self.rng.renoise(len(self.canvas), self.model.vocab_size))
         stopped = self.stop_rule(stats.argmax, stats.entropy)
@@ -376,11 +348,11 @@ class DiffusionSequence:
     # ---- result ------------------------------------------------------------------------------------
 
     def result(self, stop_reason: str | None = None, seed: int | None = None) -> GenerationResult:
-        """What this generation produced so far; stop_reason "interrupted" adds what the unfinished
-        canvas has accepted (`unfinished_canvas_tokens`)."""
+        """What this generation produced so far; stop_reason "interrupted" (or WORKER_LOST) adds what the
+        unfinished canvas had accepted (`unfinished_canvas_tokens`)."""
         state = self.state
         stop_reason = stop_reason or self.stop_reason or "length"
-        interrupted = stop_reason == "interrupted"
+        interrupted = stop_reason in ("interrupted", WORKER_LOST)
         answer = list(state.answer)
         unfinished: list[int] = []
         if interrupted and state.current_argmax is not None and not state.found_end:
@@ -408,6 +380,7 @@ class DiffusionSequence:
             seed=seed if seed is not None else self.rng.seed,
             display_s=display_s,
             n_cached_prompt_tokens=state.n_cached_prompt,
+            self_conditioning=self_cond_form(self.top_k),
             canvas_token_ids=[int(t) for canvas in state.committed for t in canvas],
         )
 
@@ -421,34 +394,6 @@ def unfinished_canvas_tokens(argmax: np.ndarray, accepted: np.ndarray | None, en
         return []
     settled = int(np.argmin(accepted)) if not bool(np.all(accepted)) else len(accepted)
     return answer_token_ids(argmax[:settled], end_token_ids, pad_token_id, limit=limit)
-
-
-def batched_self_cond(self_conds: Sequence[_SelfCond | None]) -> tuple[np.ndarray, np.ndarray] | None:
-    """Several canvases' self-conditioning inputs as one top-k pair (ids [n, C, k], probs [n, C, k]).
-    A canvas on its first step (None) gets all-zero probabilities: the graph then adds exactly zero,
-    as when no input is passed. Dense inputs become k = V: every id, softmax probabilities."""
-    from dgcli.runtime.forward import dense_self_cond_probs
-
-    present = [sc for sc in self_conds if sc is not None]
-    if not present:
-        return None
-    first = present[0]
-    dense = first.ids is None
-    length, k = (first.logits if dense else first.ids).shape
-    ids = np.zeros((len(self_conds), length, k), dtype=np.int32)
-    probs = np.zeros((len(self_conds), length, k), dtype=np.float32)
-    if dense:
-        ids[:] = np.arange(k, dtype=np.int32)
-    for row, sc in enumerate(self_conds):
-        if sc is None:
-            continue
-        if (sc.ids is None) != dense or (sc.logits if dense else sc.ids).shape != (length, k):
-            raise DgError("canvases in one forward need the same self-conditioning form (dense or the same top-k)")
-        if dense:
-            probs[row] = dense_self_cond_probs(sc.logits)
-        else:
-            ids[row], probs[row] = sc.ids, sc.probs
-    return ids, probs
 
 
 def denoising_step(model: Any, sequences: Sequence[DiffusionSequence]) -> list[bool]:
@@ -476,28 +421,26 @@ def denoising_step(model: Any, sequences: Sequence[DiffusionSequence]) -> list[b
             logits = model.decode_canvas(seq.canvas, None if sc is None else sc.logits)[None]
     else:
         canvases = np.stack([seq.canvas for seq in sequences])
-        logits = model.decode_canvases(canvases, sc_topk=batched_self_cond([seq.self_cond for seq in sequences]),
-                                       per_sequence=True)
+        logits = model.decode_canvases(canvases, per_sequence=True,
+                                       **batched_self_cond([seq.self_cond for seq in sequences]))
     forward_s = time.perf_counter() - began
     return [seq.sample_step(rows, forward_s, plan) for seq, plan, rows in zip(sequences, plans, logits)]
 
 
 def _graph_step(model: Any, sequences: Sequence[DiffusionSequence], plans: Sequence[_StepPlan]) -> list[StepStats]:
-    """The decoder forward and the per-position pass in one graph, for every sequence's canvas.
-    The dense self-conditioning input (top_k 0) needs the processed logits back."""
+    """The decoder forward and the per-position pass in one graph, for every sequence's canvas. The
+    next step's self-conditioning input comes out of the same graph: the top-k, or (dense) the soft
+    embedding, this step's probabilities times E."""
     top_k = sequences[0].top_k
     if any(seq.top_k != top_k for seq in sequences):
         raise DgError("canvases in one forward need the same self-conditioning form (dense or the same top-k)")
     canvases = np.stack([seq.canvas for seq in sequences])
     temperatures = np.array([plan.temperature for plan in plans], dtype=np.float32)
     uniforms = np.stack([plan.uniforms for plan in plans])
-    if len(sequences) == 1:
-        sc = sequences[0].self_cond
-        self_cond = {} if sc is None else (
-            {"sc_topk": (sc.ids[None], sc.probs[None])} if sc.ids is not None else {"sc_logits": sc.logits[None]})
-    else:
-        self_cond = {"sc_topk": batched_self_cond([seq.self_cond for seq in sequences]), "per_sequence": True}
-    return model.denoise_step(canvases, temperatures, uniforms, top_k=top_k, return_values=not top_k, **self_cond)
+    self_cond = batched_self_cond([seq.self_cond for seq in sequences])
+    if len(sequences) > 1:
+        self_cond["per_sequence"] = True
+    return model.denoise_step(canvases, temperatures, uniforms, top_k=top_k, next_soft=not top_k, **self_cond)
 
 
 class DiffusionEngine:
@@ -557,7 +500,7 @@ class DiffusionEngine:
         seed (rng.seed reports it). ignore_eos: end tokens do not end the answer. stop: strings that
         end it (left out)."""
         setting = self.self_cond_top_k if self_cond_top_k is None else self_cond_top_k
-        top_k = resolve_self_cond_top_k(setting, self.model.vocab_size)
+        top_k = resolve_self_cond_top_k(setting, self.model.vocab_size, exact=getattr(self.model, "exact", False))
         return DiffusionSequence(
             self.model, prompt_ids, params or self.default_params, max_new_tokens,
             rng if rng is not None else RngStream(resolve_seed(seed)), self.step_sampler,
@@ -591,6 +534,8 @@ class DiffusionEngine:
                         seq.start_canvas()
         except (KeyboardInterrupt, _StopRequested):
             stop_reason = "interrupted"
+        except WorkerLost:  # the worker's error is the caller's to report (rpc.check_workers raises it again)
+            stop_reason = WORKER_LOST
         except ContextFull:
             if not seq.state.steps_per_canvas:
                 raise  # the prompt alone does not fit: nothing was generated

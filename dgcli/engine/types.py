@@ -146,6 +146,7 @@ class GenerationResult:
     # "end_token" | "pad_canvas" (a canvas of padding only: ends as an end token would) | "length" | "interrupted"
     # | "stop" (the caller asked for no further canvas: a stop string in dg serve)
     # | "context_full" (no room in the KV cache for another canvas or token)
+    # | "worker_lost" (WORKER_LOST: an RPC worker holding layers failed; interrupted is True too)
     stop_reason: str = "length"
     interrupted: bool = False
     seed: int | None = None  # the seed the run used (picked at random when none was given)
@@ -157,6 +158,8 @@ class GenerationResult:
     # the last this many of token_ids come from a canvas an interruption left unfinished: what it had
     # accepted from its start (diffusion; 0 otherwise)
     unfinished_tokens: int = 0
+    # diffusion: the self-conditioning form the steps fed back, "dense" (the reference's) or "top-K"
+    self_conditioning: str | None = None
     # diffusion: every finalized canvas as the reference returns it (end token and padding kept)
     canvas_token_ids: list[int] = field(default_factory=list, repr=False)
 

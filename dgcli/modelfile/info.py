@@ -143,6 +143,9 @@ class GgufInfo:
     gpu_needed: int = 0
     offloaded_layers: int = 0
     placement: list[tuple[str, str, int, int]] = field(default_factory=list)  # (what, where, tensors, bytes)
+    # diffusion: the transposed embeddings of dense self-conditioning (counted in the needs above), and where
+    self_cond_bytes: int = 0
+    self_cond_on_gpu: bool = False
     # the context whose KV cache the needs count (dg info -c N), in tokens; None: none asked for (the
     # default context's cache is then counted on the GPU only)
     kv_context: int | None = None
@@ -245,7 +248,10 @@ def header_plan(header: GgufHeader, n_gpu_layers: int, n_cpu_moe: int, gpus: lis
     """memory_plan from the header: what `dg info` and the pre-load check use."""
     plan, ram_need, gpu_need = memory_plan(header.get, tensor_sizes(header), header.n_vocab or 0, header.file_size,
                                            n_gpu_layers, n_cpu_moe, gpus, context)
-    return plan, ram_need + repacked_bytes(header, plan), gpu_need
+    sc_ram, sc_gpu = self_cond_copy_bytes(header, plan)
+    if any(g.metal for g in gpus):  # one memory: the copy a Mac's GPU holds is taken from RAM too
+        sc_ram += sc_gpu
+    return plan, ram_need + repacked_bytes(header, plan) + sc_ram, gpu_need + sc_gpu
 
 
 # The weights dg's int8 GEMMs copy into their own layout when they run on this CPU (x86-64 with AVX2;
@@ -277,6 +283,27 @@ def repacked_bytes(header: GgufHeader, plan: PlacementPlan) -> int:
     return sum(t.n_bytes * 36 // REPACKED_TYPES[t.type_name] for name, t in tensors.items()
                if _REPACKED_WEIGHTS.fullmatch(name) and name not in on_gpu and t.type_name in REPACKED_TYPES
                and len(t.shape) == 2 and t.shape[0] % 32 == 0)
+
+
+def self_cond_copy_bytes(header: GgufHeader, plan: PlacementPlan) -> tuple[int, int]:
+    """(RAM, GPU) bytes of the transposed token embeddings a diffusion-gemma model makes for the dense
+    self-conditioning product on its first self-conditioned step (the default form; a top-k run never
+    makes them): Q8_0 (34 bytes per 32 weights; 36 where dg's int8 GEMM repacks it on this CPU), F32
+    where the vocabulary is not whole 32-token blocks. Beside the output layer: on the GPU when it is
+    offloaded (native/patch/src/diffusion-gemma-embd-t.h)."""
+    from dgcli.runtime.self_cond import DEFAULT_SC_TOP_K
+
+    tensors = {t.name: t for t in header.tensors}
+    embd = tensors.get("token_embd.weight")
+    if header.architecture != "diffusion-gemma" or DEFAULT_SC_TOP_K or embd is None or len(embd.shape) != 2:
+        return 0, 0
+    n_embd, vocab = embd.shape
+    on_gpu = any(t.on_gpu for t in plan.tensors if t.name.startswith("output"))
+    if vocab % 32:
+        size = vocab * n_embd * 4
+    else:
+        size = vocab * n_embd * (36 if not plan.gpu and _cpu_runs_repacked_gemms() else 34) // 32
+    return (0, size) if on_gpu else (size, 0)
 
 
 def tensor_sizes(header: GgufHeader) -> list[tuple[str, int]]:
@@ -415,6 +442,7 @@ def info_from_header(header: GgufHeader, *, n_gpu_layers: int = 0, n_cpu_moe: in
         gpus = detect_gpus() if n_gpu_layers != 0 else []
     cells = context_cells(header, n_ctx) if n_ctx is not None else None
     plan, ram_need, gpu_need = header_plan(header, n_gpu_layers, n_cpu_moe, gpus, None if cells is None else (cells, 1))
+    sc_ram, sc_gpu = self_cond_copy_bytes(header, plan)
     return GgufInfo(
         path=str(header.path),
         file_size=header.file_size,
@@ -448,6 +476,8 @@ def info_from_header(header: GgufHeader, *, n_gpu_layers: int = 0, n_cpu_moe: in
         gpu_needed=gpu_need,
         offloaded_layers=plan.gpu_layer_count,
         placement=plan.groups(),
+        self_cond_bytes=sc_ram + sc_gpu,
+        self_cond_on_gpu=sc_gpu > 0,
         kv_context=cells,
     )
 

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from dgcli.errors import InvalidParameter
-from dgcli.runtime import native
+from dgcli.runtime.self_cond import DecoderSelfCond
 
 
 def check_tokens(tokens: Any, vocab_size: int, what: str) -> np.ndarray:
@@ -27,31 +27,15 @@ def check_tokens(tokens: Any, vocab_size: int, what: str) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.int32)
 
 
-def dense_self_cond_probs(sc_logits: np.ndarray) -> np.ndarray:
-    """softmax over the last axis in float32, as the reference forms its self-conditioning input."""
-    sc = np.asarray(sc_logits, dtype=np.float32)
-    # exp(x - max) <= 1 cannot overflow
-    probs = np.exp(sc - sc.max(axis=-1, keepdims=True), dtype=np.float32)
-    probs /= probs.sum(axis=-1, keepdims=True, dtype=np.float32)
-    return probs
-
-
 @dataclass
 class DecoderInputs:
-    """A decoder forward's checked inputs: canvases (flat int32) and the self-conditioning top-k."""
+    """A decoder forward's checked inputs: canvases (flat int32) and the self-conditioning input."""
 
     tokens: np.ndarray
     n: int
     length: int
     per_sequence: bool  # canvas s after sequence s's own cache (else all after sequence 0's)
-    sc_ids: np.ndarray | None = None  # int32 [n, C, k]
-    sc_probs: np.ndarray | None = None  # float32 [n, C, k]
-
-    def self_cond_args(self) -> tuple[Any, Any, int]:
-        """(sc_ids, sc_probs, sc_k) as the dg_* functions take them."""
-        if self.sc_ids is None:
-            return None, None, 0
-        return native.as_token_p(self.sc_ids), native.as_float_p(self.sc_probs), int(self.sc_ids.shape[-1])
+    self_cond: DecoderSelfCond
 
 
 @dataclass
@@ -68,3 +52,6 @@ class StepStats:
     topk_ids: np.ndarray | None = None  # int32 [C, k]: most probable first
     topk_probs: np.ndarray | None = None  # float32 [C, k]: softmax(processed) at those ids
     dropped_mass: np.ndarray | None = None  # float64 [C]: 1 - sum(topk_probs), the mass left out
+    # the next step's dense self-conditioning input as the graph step forms it (next_soft):
+    # softmax(processed) @ E * sqrt(n_embd), float32 [C, n_embd]
+    soft: np.ndarray | None = None

@@ -40,10 +40,10 @@ from dgcli.modelfile.hparams import AR_ARCH, DIFFUSION_ARCH, check_model_header,
 from dgcli.params import MAX_CANVAS_LENGTH, DiffusionParams
 from dgcli.runtime import native
 from dgcli.runtime.cpu import check_threads, cpu_flags, default_threads
-from dgcli.runtime.forward import DecoderInputs, StepStats, check_tokens, dense_self_cond_probs
+from dgcli.runtime.forward import DecoderInputs, StepStats, check_tokens
 from dgcli.runtime.offload import LoadReport, check_offload, expert_override_pattern, tiled_weight_pattern
+from dgcli.runtime.self_cond import check_decoder_self_cond
 from dgcli.templates.sandbox import start_renderer
-from dgcli.units import format_bytes
 
 if TYPE_CHECKING:
     from dgcli.templates.chat_template import ChatTemplate
@@ -191,7 +191,7 @@ class _LlamaModel:
         L = getattr(self, "_lib", None)
         if L is None:
             return
-        with native.deferred_interrupts():
+        with native.deferred_interrupts(check=False):  # a lost RPC worker's model is freed like any other
             if self._ctx:
                 L.llama_free(self._ctx)
                 self._ctx = None
@@ -452,49 +452,40 @@ class DiffusionModel(_LlamaModel):
         self._encode(canvas, False, reserve=self.canvas_length, seq=seq)
 
     def decode_canvas(self, canvas: Sequence[int], sc_logits: np.ndarray | None = None,
-                      sc_topk: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+                      sc_topk: tuple[np.ndarray, np.ndarray] | None = None,
+                      sc_soft: np.ndarray | None = None) -> np.ndarray:
         """Decoder forward: float32 [len(canvas), vocab] softcapped logits. The cache is unchanged.
 
-        Self-conditioning input (at most one; neither = a canvas's first step, zero signal):
-        sc_logits [C, V], the previous step's processed logits (dense: softmax over the whole
-        vocabulary, the reference's computation), or sc_topk = (ids [C, k], probs [C, k]), the k
-        most probable tokens per position and their softmax probabilities (the sampler's top-k)."""
+        Self-conditioning input (at most one; none = a canvas's first step, zero signal; see
+        dgcli.runtime.self_cond): sc_logits [C, V], the previous step's processed logits (dense:
+        softmax over the whole vocabulary times E, the reference's computation), sc_topk = (ids [C, k],
+        probs [C, k]), the k most probable tokens per position and their softmax probabilities (the
+        sampler's top-k), or sc_soft [C, n_embd], a dense step's soft embedding."""
         arr = check_tokens(canvas, self.vocab_size, "canvas")
         sc = None if sc_logits is None else np.asarray(sc_logits)[None]
         topk = None if sc_topk is None else tuple(np.asarray(a)[None] for a in sc_topk)
-        return self.decode_canvases(arr[None], sc, sc_topk=topk)[0]
-
-    # the dense form gathers every row of E for every position: [n_embd, V * C] floats in the graph
-    DENSE_SC_MAX_BYTES = 2 << 30
-
-    def _dense_topk(self, sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The dense self-conditioning input as top-k with k = V: ids 0..V-1, probs = softmax(sc)."""
-        n, length, vocab = sc.shape
-        need = n * length * vocab * self.n_embd * 4
-        if need > self.DENSE_SC_MAX_BYTES:
-            raise DgError(f"dense self-conditioning over a {vocab}-token vocabulary needs {format_bytes(need)} "
-                          "of graph memory: pass sc_topk (the sampler's top-k) instead")
-        if not np.isfinite(sc).all():
-            raise InvalidParameter("sc_logits", "non-finite values", "finite logits")
-        ids = np.broadcast_to(np.arange(vocab, dtype=np.int32), sc.shape)
-        return np.ascontiguousarray(ids), dense_self_cond_probs(sc)
+        soft = None if sc_soft is None else np.asarray(sc_soft)[None]
+        return self.decode_canvases(arr[None], sc, sc_topk=topk, sc_soft=soft)[0]
 
     def decode_canvases(self, canvases: Any, sc_logits: np.ndarray | None = None,
-                        sc_topk: tuple[np.ndarray, np.ndarray] | None = None,
-                        per_sequence: bool = False) -> np.ndarray:
+                        sc_topk: tuple[np.ndarray, np.ndarray] | None = None, per_sequence: bool = False,
+                        sc_probs: np.ndarray | None = None, sc_soft: np.ndarray | None = None) -> np.ndarray:
         """Several canvases (rows) in ONE decoder forward: float32 [n, C, vocab]. Needs n <= n_seq_max
         (constructor). The cache is unchanged.
 
         per_sequence=False: every canvas sits after sequence 0's cached context (sequences 1..n-1
         must be empty; they borrow sequence 0's cells for the forward). per_sequence=True: canvas s
         sits after sequence s's own cached tokens (independent generations batched together).
-        sc_logits [n, C, V] or sc_topk = (ids [n, C, k], probs [n, C, k]): see decode_canvas. A row
-        whose probs are all zero gets no self-conditioning signal, exactly as a first step does."""
-        inputs = self._decoder_inputs(canvases, sc_logits, sc_topk, per_sequence)
+        sc_logits [n, C, V], sc_topk = (ids [n, C, k], probs [n, C, k]) or sc_soft [n, C, n_embd]: see
+        decode_canvas; sc_probs [n, C, V]: the dense form as probabilities. A row whose probabilities
+        (or soft embedding) are all zero gets no self-conditioning signal, exactly as a first step does."""
+        inputs = self._decoder_inputs(canvases, per_sequence, sc_logits=sc_logits, sc_topk=sc_topk,
+                                      sc_probs=sc_probs, sc_soft=sc_soft)
         out = np.empty((inputs.n, inputs.length, self.vocab_size), dtype=np.float32)
+        sc = inputs.self_cond.struct()
         rc = self._run_decoder(inputs, lambda L: L._lib.dg_decode_canvases(
-            self._ctx, native.as_token_p(inputs.tokens), inputs.n, inputs.length, *inputs.self_cond_args(),
-            self.exact, native.as_float_p(out)))
+            self._ctx, native.as_token_p(inputs.tokens), inputs.n, inputs.length,
+            ctypes.byref(sc) if sc is not None else None, self.exact, native.as_float_p(out)))
         if rc != 0:
             raise DgError(f"decoder forward failed (status {rc}): {native.last_error('no detail logged')}")
         return out
@@ -511,20 +502,23 @@ class DiffusionModel(_LlamaModel):
     def denoise_step(self, canvases: Any, temperatures: Any, uniforms: Any, sc_logits: np.ndarray | None = None,
                      sc_topk: tuple[np.ndarray, np.ndarray] | None = None, top_k: int = 0,
                      return_values: bool = False, portable_ops: bool = False,
-                     per_sequence: bool = False) -> list[StepStats]:
+                     per_sequence: bool = False, sc_probs: np.ndarray | None = None,
+                     sc_soft: np.ndarray | None = None, next_soft: bool = False) -> list[StepStats]:
         """One denoising step of n canvases in ONE graph: the decoder forward (as decode_canvases,
         same self-conditioning inputs and per_sequence), then, where the logits are, the sampler's pass over
         softmax(softcap(logits) / t). Only per-position results leave the graph: one StepStats per
-        canvas with entropy, argmax, the inverse-CDF sample at `uniforms`, and with top_k > 0 the
-        next step's self-conditioning input (topk_ids, topk_probs, dropped_mass). `processed`
-        (logits / t, [C, V]) only with return_values=True (debugging; the dense self-conditioning
-        of small vocabularies). temperatures: one per canvas (or one for all); uniforms [n, C] in
-        [0, 1). portable_ops: the ggml-ops form of the step that non-CPU backends run (tests).
-        The cache is unchanged."""
+        canvas with entropy, argmax, the inverse-CDF sample at `uniforms`, and the next step's
+        self-conditioning input: with top_k > 0 in top-k form (topk_ids, topk_probs, dropped_mass),
+        with next_soft in dense form (`soft`, [C, n_embd]: this step's probabilities times E, one
+        product inside the graph). `processed` (logits / t, [C, V]) only with return_values=True
+        (debugging; not with next_soft). temperatures: one per canvas (or one for all); uniforms
+        [n, C] in [0, 1). portable_ops: the ggml-ops form of the step that non-CPU backends run
+        (tests). The cache is unchanged."""
         refused = self.graph_step_refused()
         if refused:
             raise DgError(refused)
-        inputs = self._decoder_inputs(canvases, sc_logits, sc_topk, per_sequence)
+        inputs = self._decoder_inputs(canvases, per_sequence, sc_logits=sc_logits, sc_topk=sc_topk,
+                                      sc_probs=sc_probs, sc_soft=sc_soft)
         n, length, vocab = inputs.n, inputs.length, self.vocab_size
         temps = np.broadcast_to(np.asarray(temperatures, dtype=np.float32), (n,)).copy() \
             if np.ndim(temperatures) == 0 else np.ascontiguousarray(temperatures, dtype=np.float32)
@@ -535,6 +529,9 @@ class DiffusionModel(_LlamaModel):
             raise InvalidParameter("uniforms", f"array of shape {unif.shape}", f"[{n}, {length}] values in [0, 1)")
         if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or not 0 <= top_k <= vocab:
             raise InvalidParameter("top_k", top_k, f"an integer in [0, {vocab}]")
+        if next_soft and return_values:
+            raise DgError("denoise_step: next_soft and return_values exclude each other (the probabilities "
+                          "take the values' place in the graph)")
         top_k = int(top_k)
 
         entropy = np.empty((n, length), dtype=np.float32)
@@ -544,13 +541,16 @@ class DiffusionModel(_LlamaModel):
         topk_probs = np.empty((n, length, top_k), dtype=np.float32)
         dropped = np.zeros((n, length), dtype=np.float32)
         values = np.empty((n, length, vocab), dtype=np.float32) if return_values else None
+        soft = np.empty((n, length, self.n_embd), dtype=np.float32) if next_soft else None
         out = native.StepOutputs(
             native.as_float_p(entropy), native.as_token_p(argmax), native.as_token_p(sampled),
             native.as_token_p(topk_ids), native.as_float_p(topk_probs), native.as_float_p(dropped),
-            native.as_float_p(values) if values is not None else None)
+            native.as_float_p(values) if values is not None else None,
+            native.as_float_p(soft) if soft is not None else None)
         flags = (native.DG_STEP_EXACT if self.exact else 0) | (native.DG_STEP_PORTABLE_OPS if portable_ops else 0)
+        sc = inputs.self_cond.struct()
         rc = self._run_decoder(inputs, lambda L: L._lib.dg_denoise_step(
-            self._ctx, native.as_token_p(inputs.tokens), n, length, *inputs.self_cond_args(),
+            self._ctx, native.as_token_p(inputs.tokens), n, length, ctypes.byref(sc) if sc is not None else None,
             native.as_float_p(temps), unif.ctypes.data_as(ctypes.POINTER(ctypes.c_double)), top_k, flags,
             ctypes.byref(out)))
         if rc == -3:
@@ -561,11 +561,24 @@ class DiffusionModel(_LlamaModel):
                           sampled=sampled[i].astype(np.int64),
                           processed=values[i] if values is not None else None,
                           topk_ids=topk_ids[i] if top_k else None, topk_probs=topk_probs[i] if top_k else None,
-                          dropped_mass=dropped[i].astype(np.float64) if top_k else None)
+                          dropped_mass=dropped[i].astype(np.float64) if top_k else None,
+                          soft=soft[i] if soft is not None else None)
                 for i in range(n)]
 
-    def _decoder_inputs(self, canvases: Any, sc_logits: np.ndarray | None,
-                        sc_topk: tuple[np.ndarray, np.ndarray] | None, per_sequence: bool) -> "DecoderInputs":
+    def self_cond_path(self, exact: bool | None = None) -> str:
+        """The kernel of the dense self-conditioning product on the CPU ("avx512-vnni", "avx2",
+        "emulated": the LM head's int8 GEMM on a Q8_0 copy of E^T; "ggml": ggml's MUL_MAT)."""
+        self._require_open()
+        exact = self.exact if exact is None else exact
+        return self._lib._lib.dg_self_cond_path(self._model, exact).decode()
+
+    def self_cond_bytes(self, exact: bool | None = None) -> int:
+        """Bytes of the transposed embeddings the dense form holds (0 until a dense forward made them)."""
+        self._require_open()
+        exact = self.exact if exact is None else exact
+        return int(self._lib._lib.dg_self_cond_bytes(self._model, exact))
+
+    def _decoder_inputs(self, canvases: Any, per_sequence: bool, **self_cond: Any) -> "DecoderInputs":
         """The checked canvases and self-conditioning input of a decoder forward."""
         self._require_open()
         arr = np.asarray(canvases)
@@ -587,18 +600,8 @@ class DiffusionModel(_LlamaModel):
             if used + extra > room:
                 what = f"{extra // length} canvases of {length} tokens" if extra > length else f"a {length}-token canvas"
                 raise ContextFull(f"context full: {used} cached + {what} exceed n_ctx = {room}")
-        if sc_logits is not None and sc_topk is not None:
-            raise DgError("pass sc_logits or sc_topk, not both")
-        ids = probs = None
-        if sc_logits is not None:
-            sc = np.asarray(sc_logits)
-            if sc.shape != (n, length, self.vocab_size):
-                raise InvalidParameter("sc_logits", f"array of shape {sc.shape}",
-                                       f"shape {(length, self.vocab_size)} (one row of logits per canvas position)")
-            ids, probs = self._dense_topk(np.asarray(sc, dtype=np.float32))
-        elif sc_topk is not None:
-            ids, probs = self._check_topk(sc_topk, n, length)
-        return DecoderInputs(tokens=flat, n=n, length=length, per_sequence=per_sequence, sc_ids=ids, sc_probs=probs)
+        sc = check_decoder_self_cond(n, length, self.vocab_size, self.n_embd, **self_cond)
+        return DecoderInputs(tokens=flat, n=n, length=length, per_sequence=per_sequence, self_cond=sc)
 
     def _run_decoder(self, inputs: "DecoderInputs", call: Any) -> int:
         """`call(lib)`; without per_sequence, sequences 1..n-1 share sequence 0's cached cells for its
@@ -615,24 +618,6 @@ class DiffusionModel(_LlamaModel):
             finally:
                 for s in borrowed:
                     L.llama_memory_seq_rm(self._mem, s, -1, -1)
-
-    def _check_topk(self, sc_topk: Any, n: int, length: int) -> tuple[np.ndarray, np.ndarray]:
-        if not isinstance(sc_topk, (tuple, list)) or len(sc_topk) != 2:
-            raise InvalidParameter("sc_topk", type(sc_topk).__name__, "a pair (ids, probs)")
-        ids, probs = (np.asarray(a) for a in sc_topk)
-        if ids.ndim != 3 or ids.shape[:2] != (n, length) or ids.shape != probs.shape \
-                or not 1 <= ids.shape[2] <= self.vocab_size:
-            raise InvalidParameter("sc_topk", f"arrays of shapes {ids.shape} and {probs.shape}",
-                                   f"two [{length}, k] arrays with 1 <= k <= {self.vocab_size}")
-        if not np.issubdtype(ids.dtype, np.integer):
-            raise InvalidParameter("sc_topk ids", f"dtype {ids.dtype}", "integer token ids")
-        # the k x C values are few: checking them costs nothing next to the forward
-        if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
-            raise InvalidParameter("sc_topk ids", "an id outside the vocabulary", f"ids in [0, {self.vocab_size})")
-        probs = np.ascontiguousarray(probs, dtype=np.float32)
-        if not np.isfinite(probs).all() or (probs < 0).any():
-            raise InvalidParameter("sc_topk probs", "negative or non-finite values", "probabilities")
-        return np.ascontiguousarray(ids, dtype=np.int32), probs
 
 
 class ArModel(_LlamaModel):

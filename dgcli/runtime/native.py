@@ -24,7 +24,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from dgcli.errors import DgError
 
@@ -51,6 +51,20 @@ class StepOutputs(ctypes.Structure):
         ("topk_probs", ctypes.POINTER(ctypes.c_float)),
         ("dropped", ctypes.POINTER(ctypes.c_float)),
         ("values", ctypes.POINTER(ctypes.c_float)),
+        ("soft", ctypes.POINTER(ctypes.c_float)),
+    ]
+
+
+class SelfCond(ctypes.Structure):
+    """struct dg_self_cond: a decoder forward's self-conditioning input, one of three forms (top-k ids
+    and probabilities, the whole distribution, or the soft embedding itself)."""
+
+    _fields_ = [
+        ("topk_ids", ctypes.POINTER(ctypes.c_int32)),
+        ("topk_probs", ctypes.POINTER(ctypes.c_float)),
+        ("k", ctypes.c_int32),
+        ("probs", ctypes.POINTER(ctypes.c_float)),
+        ("soft", ctypes.POINTER(ctypes.c_float)),
     ]
 
 
@@ -88,6 +102,15 @@ def _on_log(level: int, text: bytes, _user_data: Any) -> None:
 
 
 _interrupt_pending = threading.Event()
+# Run after every native call made in `deferred_interrupts()`, in the caller's thread: dgcli.runtime.rpc
+# adds one that raises WorkerLost when an RPC worker failed during the call (ggml's client then
+# completes the call with neutral values, which must not be used).
+call_checks: list[Callable[[], None]] = []
+
+
+def check_calls() -> None:
+    for check in list(call_checks):
+        check()
 
 
 def _record_interrupt(_signum: int, _frame: Any) -> None:
@@ -95,23 +118,31 @@ def _record_interrupt(_signum: int, _frame: Any) -> None:
 
 
 @contextlib.contextmanager
-def deferred_interrupts() -> Iterator[None]:
-    """Ctrl-C inside the block is recorded and raised as KeyboardInterrupt when the block ends.
+def deferred_interrupts(check: bool = True) -> Iterator[None]:
+    """Ctrl-C inside the block is recorded and raised as KeyboardInterrupt when the block ends, after
+    `call_checks` (each may raise; check=False: none run, for calls that only free what was made).
 
     Only where Ctrl-C would raise KeyboardInterrupt anyway (the main thread, Python's default
     handler): a handler the application installed is left alone. Nested blocks are one block.
     """
     if (threading.current_thread() is not threading.main_thread()
             or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
-        yield
+        try:
+            yield
+        finally:
+            if check:
+                check_calls()
         return
     signal.signal(signal.SIGINT, _record_interrupt)
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        if _interrupt_pending.is_set():
-            _interrupt_pending.clear()
+        interrupted = _interrupt_pending.is_set()
+        _interrupt_pending.clear()
+        if check:
+            check_calls()  # a lost worker first: it, not the Ctrl-C, is why the call returned early
+        if interrupted:
             raise KeyboardInterrupt
 
 
@@ -150,13 +181,15 @@ def _declare(lib_mod: Any) -> None:
         "dg_canvas_length": ([lib_mod.llama_model_p_ctypes], ctypes.c_int32),
         "dg_encode": ([lib_mod.llama_context_p_ctypes, token_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_bool, c_float_p],
                       ctypes.c_int32),
-        # (ctx, canvases, n_seqs, n_canvas, sc_ids, sc_probs, sc_k, exact, logits_out)
-        "dg_decode_canvases": ([lib_mod.llama_context_p_ctypes, token_p, ctypes.c_int32, ctypes.c_int32, token_p,
-                                c_float_p, ctypes.c_int32, ctypes.c_bool, c_float_p], ctypes.c_int32),
-        # (ctx, canvases, n_seqs, n_canvas, sc_ids, sc_probs, sc_k, temperatures, uniforms, top_k, flags, out)
-        "dg_denoise_step": ([lib_mod.llama_context_p_ctypes, token_p, ctypes.c_int32, ctypes.c_int32, token_p, c_float_p,
-                             ctypes.c_int32, c_float_p, ctypes.POINTER(ctypes.c_double), ctypes.c_int32, ctypes.c_uint32,
-                             ctypes.POINTER(StepOutputs)], ctypes.c_int32),
+        # (ctx, canvases, n_seqs, n_canvas, self_cond, exact, logits_out)
+        "dg_decode_canvases": ([lib_mod.llama_context_p_ctypes, token_p, ctypes.c_int32, ctypes.c_int32,
+                                ctypes.POINTER(SelfCond), ctypes.c_bool, c_float_p], ctypes.c_int32),
+        # (ctx, canvases, n_seqs, n_canvas, self_cond, temperatures, uniforms, top_k, flags, out)
+        "dg_denoise_step": ([lib_mod.llama_context_p_ctypes, token_p, ctypes.c_int32, ctypes.c_int32,
+                             ctypes.POINTER(SelfCond), c_float_p, ctypes.POINTER(ctypes.c_double), ctypes.c_int32,
+                             ctypes.c_uint32, ctypes.POINTER(StepOutputs)], ctypes.c_int32),
+        "dg_self_cond_path": ([lib_mod.llama_model_p_ctypes, ctypes.c_bool], ctypes.c_char_p),
+        "dg_self_cond_bytes": ([lib_mod.llama_model_p_ctypes, ctypes.c_bool], ctypes.c_int64),
         "dg_lm_head_path": ([lib_mod.llama_model_p_ctypes], ctypes.c_char_p),
         "dg_dense_repacked_count": ([lib_mod.llama_model_p_ctypes], ctypes.c_int32),
         # (kernel, weight ggml type, n_embd, n_vocab, n_cols, seed, max_rel_error out)

@@ -10,10 +10,21 @@ The protocol is llama.cpp's and it is unauthenticated and unencrypted: whoever r
 port can make it allocate memory and run computations, and can read what it holds. Bind workers to
 127.0.0.1 or a trusted network only.
 
-ggml's client aborts the process when a worker stops answering mid-run (GGML_ABORT in its
-dispatcher thread). `rpc_devices` installs ggml's abort callback so that this becomes one line on
-stderr naming the workers that are gone, and exit status WORKER_LOST_EXIT, instead of a native
-abort with a backtrace.
+Every wait on a worker has a deadline (our patch of ggml's client, see native/patch): a connection
+fails once no byte has moved for DG_RPC_TIMEOUT seconds (DEFAULT_TIMEOUT_S). A graph computation
+sends nothing until it is done, which on a slow CPU can take minutes, so a dg worker sends keepalive
+frames while it runs a command: a busy worker is not taken for a frozen one, however long its forward.
+A connection also fails when the worker closes it or sends a reply that is malformed or out of range
+(a device count, size, alignment or amount of memory no device has): every value is checked before it
+sizes an allocation or a loop.
+
+A failed connection is recorded natively and ggml's client then completes every command to that
+worker at once with neutral values, so the native call returns and the caller's thread raises:
+RpcError while `rpc_devices` sets the workers up, WorkerLost (exit WORKER_LOST_EXIT) afterwards, from
+the seam of every native call (`native.deferred_interrupts`). The engines end a generation there with
+what it produced before. Where nothing can use a partial result (a server),
+`end_process_on_lost_worker()` makes the failure end the process at once with one line instead
+(`_on_worker_failure`, which ggml calls on a thread of its own).
 """
 
 from __future__ import annotations
@@ -28,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from dgcli.errors import DgError
+from dgcli.errors import DgError, WorkerLost
 from dgcli.units import format_bytes
 from dgcli.runtime import native
 from dgcli.runtime.cpu import MAX_THREADS
@@ -38,7 +49,15 @@ DEFAULT_PORT = 50052
 RPC_PROTO_MAJOR = 7
 MAX_SERVERS = 16  # GGML_RPC_MAX_SERVERS
 PROBE_TIMEOUT_S = 5.0
-WORKER_LOST_EXIT = 3
+WORKER_LOST_EXIT = WorkerLost.exit_code
+# How long a worker may send nothing (and take nothing) before dg gives up on it. A dg worker sends a
+# keepalive frame every TIMEOUT/6 (at most 5 s) while it computes, so a long forward never comes near it.
+TIMEOUT_ENV = "DG_RPC_TIMEOUT"
+DEFAULT_TIMEOUT_S = 30.0
+MAX_TIMEOUT_S = 1e6
+# ggml's scheduler takes at most 16 backends (GGML_SCHED_MAX_BACKENDS): the workers' devices and this
+# machine's CPU; ggml's client refuses a worker that reports more than 16 devices of its own
+MAX_DEVICES = 15
 
 _CMD_HELLO = 14
 _CONN_CAPS = 24  # RPC_CONN_CAPS_SIZE: transport capabilities; all zero = plain TCP
@@ -49,6 +68,21 @@ GGML_BACKEND_DEVICE_TYPE_CPU, GGML_BACKEND_DEVICE_TYPE_ACCEL = 0, 3
 
 class RpcError(DgError):
     """A worker address that is malformed, unreachable, busy or speaks another protocol version."""
+
+
+def timeout_seconds() -> float:
+    """DG_RPC_TIMEOUT (seconds; 0: wait forever, as llama.cpp does), else DEFAULT_TIMEOUT_S."""
+    text = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not text:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= MAX_TIMEOUT_S:  # NaN fails this too
+        raise RpcError(f"invalid {TIMEOUT_ENV}={text!r}: must be seconds from 0 to {MAX_TIMEOUT_S:g} "
+                       "(0: wait for RPC workers forever)")
+    return value
 
 
 # -- addresses --------------------------------------------------------------------------------------
@@ -214,9 +248,18 @@ class _Ggml:
         start = self.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_rpc_start_server")
         if not add or not start:
             raise RpcError("llama.cpp's RPC backend lacks ggml_backend_rpc_add_server/start_server")
+        dg_functions = {name: self.ggml_backend_reg_get_proc_address(reg, name.encode()) for name in (
+            "dg_rpc_set_timeout", "dg_rpc_set_failure_hook", "dg_rpc_first_failure", "dg_rpc_clear_failures")}
+        if not all(dg_functions.values()):
+            raise RpcError(f"llama.cpp's RPC backend lacks dg's deadlines (not built with dg's patch); {native.BUILD_HINT}")
         self.add_server = ctypes.CFUNCTYPE(vp, ctypes.c_char_p)(add)
         self.start_server = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, sz, sz,
                                              ctypes.POINTER(vp))(start)
+        self.set_timeout = ctypes.CFUNCTYPE(None, ctypes.c_double)(dg_functions["dg_rpc_set_timeout"])
+        self.set_failure_hook = ctypes.CFUNCTYPE(None, _FAILURE_HOOK)(dg_functions["dg_rpc_set_failure_hook"])
+        self.first_failure = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_char_p, sz, ctypes.c_char_p, sz)(
+            dg_functions["dg_rpc_first_failure"])
+        self.clear_failures = ctypes.CFUNCTYPE(None)(dg_functions["dg_rpc_clear_failures"])
 
     def device_label(self, dev: int) -> str:
         free, total = ctypes.c_size_t(), ctypes.c_size_t()
@@ -227,6 +270,7 @@ class _Ggml:
 
 
 _ABORT_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
+_FAILURE_HOOK = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p)  # (endpoint, reason)
 _ggml: _Ggml | None = None
 _ggml_lock = threading.Lock()
 
@@ -270,10 +314,26 @@ _registered: dict[str, tuple[list[int], list[str]]] = {}
 
 def rpc_devices(endpoints: Sequence[str], timeout: float = PROBE_TIMEOUT_S) -> RpcDevices:
     """Every device of every worker, in the order given; each worker is asked first (probe), so a
-    missing, busy or incompatible one is an RpcError rather than a native abort or a hang."""
+    missing, busy or incompatible one is an RpcError rather than a native abort or a hang, as is one
+    that fails or reports values out of range while its devices are registered. From here on a
+    failing worker raises WorkerLost (see the module's docstring)."""
     endpoints = parse_endpoints(endpoints)
     check_distinct(endpoints)
+    deadline = timeout_seconds()
     lib = ggml()
+    lib.set_timeout(deadline)
+    watch_workers(list(_registered))
+    lib.clear_failures()
+    with _state_lock:
+        _state["setting_up"] = True
+    try:
+        return _register(endpoints, lib, timeout)
+    finally:
+        with _state_lock:
+            _state["setting_up"] = False
+
+
+def _register(endpoints: list[str], lib: "_Ggml", timeout: float) -> RpcDevices:
     # every new worker's handshake connection stays open until all have answered: one worker listed
     # under two addresses that check_distinct cannot tell apart (its LAN address and 127.0.0.1) then
     # fails its second handshake instead of hanging ggml's client at the model's load
@@ -290,16 +350,87 @@ def rpc_devices(endpoints: Sequence[str], timeout: float = PROBE_TIMEOUT_S) -> R
     for endpoint in endpoints:
         if endpoint not in _registered:
             watch_workers([*_registered, endpoint])
-            reg = lib.add_server(endpoint.encode())
+            with native.deferred_interrupts():
+                reg = lib.add_server(endpoint.encode())
+            _raise_setup_failure()
             count = lib.ggml_backend_reg_dev_count(reg) if reg else 0
             if not count:
                 raise RpcError(f"RPC worker {endpoint} offers no devices")
             devs = [lib.ggml_backend_reg_dev_get(reg, i) for i in range(count)]
-            _registered[endpoint] = (devs, [f"{endpoint}: {lib.device_label(d)}" for d in devs])
+            with native.deferred_interrupts():
+                names = [f"{endpoint}: {lib.device_label(d)}" for d in devs]
+            _raise_setup_failure()
+            _registered[endpoint] = (devs, names)
         devs, names = _registered[endpoint]
         handles += devs
         labels += names
+    if len(handles) > MAX_DEVICES:
+        raise RpcError(f"the RPC workers offer {len(handles)} devices in all; llama.cpp schedules at most "
+                       f"{MAX_DEVICES} beside this machine's CPU: list fewer workers")
     return RpcDevices(endpoints, handles, labels)
+
+
+# -- failures ---------------------------------------------------------------------------------------
+
+_state_lock = threading.Lock()
+_state = {"setting_up": False, "end_process": False}
+_failure_hook: Any = None  # keeps the ctypes callback alive
+
+
+def _on_worker_failure(endpoint: bytes | None, reason: bytes | None) -> None:
+    # once per failed connection, on a thread ggml starts for it (the failure is recorded natively
+    # already): where nothing can use a partial result, end the process here
+    failure = ((endpoint or b"?").decode("utf-8", "replace"), (reason or b"failed").decode("utf-8", "replace"))
+    with _state_lock:
+        end_now = _state["end_process"] and not _state["setting_up"]
+    if end_now:
+        _end_process(f"error: {lost_worker(*failure)}")
+
+
+def lost_worker(endpoint: str, reason: str) -> WorkerLost:
+    """The error for a worker that failed after the model began loading there."""
+    hint = ""
+    if "sends no keepalive" in reason:
+        hint = f": a forward longer than {TIMEOUT_ENV} looks the same"
+    elif reason.startswith(("sent nothing for", "took no data for")):
+        hint = f" (stopped, frozen, or its machine or network is gone? {TIMEOUT_ENV} sets how long dg waits)"
+    return WorkerLost(f"lost RPC worker {endpoint} mid-run: it {reason}{hint}; the model's layers there are "
+                      "gone: restart the worker and run again")
+
+
+def _first_failure() -> tuple[str, str] | None:
+    """(endpoint, reason) of the first worker that failed since `rpc_devices` began, if any."""
+    if _ggml is None:
+        return None
+    endpoint, reason = ctypes.create_string_buffer(512), ctypes.create_string_buffer(1024)
+    if not _ggml.first_failure(endpoint, len(endpoint), reason, len(reason)):
+        return None
+    return endpoint.value.decode("utf-8", "replace"), reason.value.decode("utf-8", "replace")
+
+
+def _raise_setup_failure() -> None:
+    failure = _first_failure()
+    if failure is not None:
+        raise RpcError(f"RPC worker {failure[0]} {failure[1]}")
+
+
+def check_workers() -> None:
+    """Raise WorkerLost when a worker failed since `rpc_devices` (runs after every native call); after
+    `end_process_on_lost_worker()`, end the process instead."""
+    failure = _first_failure()
+    if failure is None or _state["setting_up"]:
+        return
+    if _state["end_process"]:  # the hook's thread may be at it too: one of them ends it
+        _end_process(f"error: {lost_worker(*failure)}")
+    raise lost_worker(*failure)
+
+
+def end_process_on_lost_worker() -> None:
+    """From now on a worker's failure ends the process at once: one line, exit WORKER_LOST_EXIT (for a
+    server, whose requests cannot go on without the worker's layers); one that failed already ends it now."""
+    with _state_lock:
+        _state["end_process"] = True
+    check_workers()
 
 
 _watched: list[str] = []
@@ -310,10 +441,15 @@ exit_process: Callable[[int], None] = os._exit
 
 
 def watch_workers(endpoints: Sequence[str]) -> None:
-    """From now on a ggml abort (what ggml's RPC client does when a worker stops answering) prints
-    one line naming the workers that no longer accept connections and exits WORKER_LOST_EXIT."""
-    global _abort_callback
+    """From now on a worker's failure reaches `_on_worker_failure` (not ggml's abort), and any ggml abort
+    prints one line, naming a failed worker or the workers that no longer accept connections, and exits
+    WORKER_LOST_EXIT."""
+    global _abort_callback, _failure_hook
     _watched[:] = list(endpoints)
+    if _failure_hook is None:
+        _failure_hook = _FAILURE_HOOK(_on_worker_failure)
+        ggml().set_failure_hook(_failure_hook)
+        native.call_checks.append(check_workers)
     if _abort_callback is None:
         _abort_callback = _ABORT_CALLBACK(_on_ggml_abort)
         ggml().ggml_set_abort_callback(_abort_callback)
@@ -324,12 +460,25 @@ def _on_ggml_abort(message: bytes | None) -> None:
     # and end the process here, since ggml would abort right after this returns
     reason = (message or b"").decode("utf-8", "replace").strip()
     reason = reason.split(": ", 1)[1] if ": " in reason else reason  # drop "file.cpp:123: "
-    gone = _refusing_workers(_watched)
-    if gone:
+    failure = _first_failure()  # llama.cpp stopped on the neutral values a failed worker left behind
+    gone = [] if failure else _refusing_workers(_watched)
+    if failure:
+        line = f"error: {lost_worker(*failure)}"
+    elif gone:
         line = (f"error: lost RPC worker {', '.join(gone)} mid-run (llama.cpp: {reason}); "
                 "the model's layers there are gone: restart the worker and run again")
     else:
         line = f"error: llama.cpp stopped: {reason}"
+    _end_process(line)
+
+
+_ending = threading.Lock()
+
+
+def _end_process(line: str) -> None:
+    """`line` on stderr and exit WORKER_LOST_EXIT, once: a second thread that gets here waits for the end."""
+    if not _ending.acquire(blocking=False):
+        threading.Event().wait()
     try:
         sys.stderr.write(line + "\n")
         sys.stderr.flush()

@@ -29,6 +29,10 @@ def bench(
     confidence_threshold: Optional[float] = _options.ConfOpt,
     batch_sizes: str = typer.Option("1,2,4,8,16", "--batch-sizes", help="Batch sizes for the speed-model sweep."),
     no_speed_model: bool = typer.Option(False, "--no-speed-model", help="Skip the canvas-forward vs AR-decode measurement."),
+    self_cond_top_k: Optional[int] = typer.Option(
+        None, "--self-cond-top-k", show_default=False,
+        help="Tokens per position fed back to self-conditioning, in the runs and the speed model (default 0: all "
+             "of them, the reference's dense form; K: the K most probable). Each run records its form."),
     ctx_size: Optional[int] = _options.CtxOpt,
     threads: Optional[int] = _options.ThreadsOpt, gpu_layers: int = _options.GpuOpt,
     rpc: Optional[str] = _options.RpcOpt,
@@ -48,6 +52,8 @@ def bench(
         rpc_servers, gpu_layers = _options.rpc_placement(rpc, gpu_layers)
         if repeat < 1:
             raise InvalidParameter("repeat", repeat, "an integer >= 1")
+        if self_cond_top_k is not None and self_cond_top_k < 0:
+            raise InvalidParameter("self_cond_top_k", self_cond_top_k, "an integer >= 0 (0 = all tokens)")
         seed = _options.seed_of(seed)
         if seed + repeat > SEED_LIMIT:  # run i uses seed + i
             raise DgError(f"invalid {_options.typed_flag('seed')} {seed}: with {_options.typed_flag('repeat')} {repeat} "
@@ -73,6 +79,7 @@ def bench(
             n_threads=threads, n_gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe, rpc_servers=rpc_servers,
             quantization=quant_pair(diff_path, ar_path).to_json(), system=system, n_ctx=ctx_size,
             ar_temperature=temp or 0.0,
+            self_cond_top_k=self_cond_top_k,
         )
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -117,4 +124,8 @@ def bench(
                 console.print(f"note: {note}", style="yellow", markup=False, highlight=False,
                               soft_wrap=not console.is_terminal)
         if report.interrupted:
+            if rpc_servers:
+                from dgcli.runtime import rpc
+
+                rpc.check_workers()  # a lost worker ended it: its one line and exit status, after the report
             raise typer.Exit(_errors.EXIT_INTERRUPTED)

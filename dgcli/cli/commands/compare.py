@@ -12,6 +12,7 @@ import typer
 
 from dgcli.cli import _display, _errors, _models, _options, _output, _prompt, _status, _terminal, render
 from dgcli.modelfile import info as ginfo
+from dgcli.errors import WORKER_LOST
 from dgcli.units import plural
 
 # 2: the AR side's tokens_per_second counts only the answer tokens made after the prefill (null when none were)
@@ -137,6 +138,10 @@ def compare(
             else:
                 _output.echo_text(render.answer_plain(d.text, thinking))
                 _output.notice(render.result_summary(d))
+            if d.stop_reason == WORKER_LOST:
+                from dgcli.runtime import rpc
+
+                rpc.check_workers()  # its one line and exit status, after the answer it cut short
             _output.notice("interrupted: the diffusion output above is what was produced; the AR side did not run")
             raise typer.Exit(_errors.EXIT_INTERRUPTED)
         if a.interrupted:
@@ -153,6 +158,10 @@ def compare(
                 _output.echo_text(render.answer_plain(a.text, thinking))
             _output.print_table(render.compare_table(d, a, diff_rss.peak, ar_rss.peak, diff_res.display_name,
                                                     ar_res.display_name, quant=quant))
+        if a.stop_reason == WORKER_LOST:
+            from dgcli.runtime import rpc
+
+            rpc.check_workers()
         if a.interrupted:
             _output.notice("interrupted: the AR output above is what was produced")
             raise typer.Exit(_errors.EXIT_INTERRUPTED)

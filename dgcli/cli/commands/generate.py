@@ -11,7 +11,7 @@ import typer
 from dgcli import outputs
 from dgcli.cli import _display, _errors, _models, _options, _output, _prompt, _status, _terminal, render
 from dgcli.engine.thinking import split_thinking
-from dgcli.errors import DgError, InvalidParameter
+from dgcli.errors import WORKER_LOST, DgError, InvalidParameter
 
 # 2: tokens_per_forward counts the commit passes as forwards; an interrupted canvas adds only what it
 # had accepted (unfinished_tokens); placement buffers in bytes
@@ -40,8 +40,8 @@ def generate(
     thinking: str = _options.ThinkingOpt,
     self_cond_top_k: Optional[int] = typer.Option(
         None, "--self-cond-top-k", show_default=False,
-        help="Tokens per position fed back to self-conditioning (0 = all; default: all for small vocabularies, "
-             "else 64; the mass left out is in the trace as sc_dropped_mass)."),
+        help="Tokens per position fed back to self-conditioning (default 0: all of them, the reference's dense "
+             "form; K: the K most probable, the mass left out in the trace as sc_dropped_mass)."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past end tokens, up to --max-new-tokens (as llama.cpp's --ignore-eos)."),
     pace: float = _options.PaceOpt,
     no_live: bool = _options.NoLiveOpt,
@@ -123,6 +123,10 @@ def generate(
             _output.notice(render.result_summary(result))
         if result.stop_reason == "context_full" and not json_out:
             _output.notice("note: the context is full; the answer stops here")
+        if result.stop_reason == WORKER_LOST:
+            from dgcli.runtime import rpc
+
+            rpc.check_workers()  # its one line and exit status, after the answer it cut short
         if result.interrupted:
             _output.notice("interrupted: the output above is what was produced so far")
             raise typer.Exit(_errors.EXIT_INTERRUPTED)

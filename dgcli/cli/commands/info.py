@@ -108,6 +108,11 @@ def info_cmd(model_arg: Optional[str] = typer.Argument(None, metavar="[MODEL]", 
                        + unloadable_words(meta, "fits" if meta.fits_available_ram else "fits RAM but not what is free now"
                                           if meta.fits_ram else "DOES NOT FIT")),
         ]
+        if meta.self_cond_bytes:
+            # "self-cond" as in --self-cond-top-k: every label fits the narrowest terminal's label column
+            rows.append(("self-cond", f"dense (the reference's): {fmt(meta.self_cond_bytes)} of transposed "
+                                      f"embeddings in {'GPU memory' if meta.self_cond_on_gpu else 'RAM'}, "
+                                      "made on first use, counted in the needs"))
         if meta.reference_default_keys:
             rows.append(("added by dg", f"{_key_list(meta.reference_default_keys)}: the reference's defaults, where "
                                         "the model's config gave none (the published converter leaves these keys out)"))

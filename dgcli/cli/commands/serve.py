@@ -42,8 +42,9 @@ def serve(
     max_connections: int = typer.Option(1024, "--max-connections", help="Open connections at most (idle ones "
                                                                         "are closed first to make room)."),
     self_cond_top_k: Optional[int] = typer.Option(
-        None, "--self-cond-top-k", help="Tokens per position fed back to self-conditioning (0 = all; default: all "
-                                        "for small vocabularies, else 64)."),
+        None, "--self-cond-top-k", show_default=False,
+        help="Tokens per position fed back to self-conditioning (default 0: all of them, the reference's dense "
+             "form; K: the K most probable)."),
     threads: Optional[int] = _options.ThreadsOpt, gpu_layers: int = _options.GpuOpt,
     rpc: Optional[str] = _options.RpcOpt,
     yes: bool = _options.YesOpt,
@@ -141,6 +142,10 @@ def _run(listener: socket.socket, name: str, path, *, parallel: int, queue_size:
         # a KV-cache stream per request: each is laid out as if alone, so answers equal `dg generate`'s
         model = DiffusionModel(str(path), n_threads=threads, n_gpu_layers=gpu_layers, n_ctx=ctx_size * parallel,
                                n_seq_max=parallel, kv_unified=False, rpc_servers=rpc_servers)
+    if rpc_servers:  # no request can go on without the worker's layers: the server ends, with one line
+        from dgcli.runtime import rpc
+
+        rpc.end_process_on_lost_worker()
     _models.warn_if_not_offloaded("model", model, gpu_layers)
     scheduler = None
     try:
