@@ -218,7 +218,10 @@ def test_chat_ctrl_c_stops_an_answer_not_the_session(columns):
     assert term.wait() == 0
     assert_clean(term)
     text = term.all_text()
-    assert "stop=interrupted" in text.replace("\n", "") and "stop=end_token" in text.replace("\n", "")
+    # the first answer was stopped; the second ran to an end of the model's own (which end depends
+    # on the model's answer, not on this test)
+    stops = re.findall(r"stop=([a-z_]+)", text.replace("\n", ""))
+    assert stops[0] == "interrupted" and stops[1] in {"end_token", "pad_canvas"}, stops
     assert "from the cache" in text
 
 
