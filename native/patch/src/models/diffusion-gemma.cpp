@@ -21,6 +21,7 @@
 //       denoising step right after the LM head: per position only the sampler's results leave.
 // The dg_* functions (diffusion-gemma-api.cpp) remove the canvas from the cache after a decoder
 // forward, so from the outside the decoder never changes the cache.
+//
 // The graph is built here; which GEMM runs each weight is diffusion-gemma-kernel-choice.cpp, the
 // products and FFN blocks on those GEMMs diffusion-gemma-matmul.cpp, the denoising step after the LM
 // head diffusion-gemma-step-op.cpp, and the inputs a request sets diffusion-gemma-graph-inputs.cpp.
