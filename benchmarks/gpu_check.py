@@ -1,7 +1,7 @@
 """The GPU check: parity with every layer offloaded, then the speed numbers on a real-size model.
 
 One command on a machine with an NVIDIA GPU and the CUDA build of our llama.cpp (see
-native/README.md, "The GPU check", for how the wheel and dg's dependencies travel there):
+docs/gpu.md, "The GPU check", for how the wheel and dg's dependencies travel there):
 
     python3 benchmarks/gpu_check.py --out DIR [--budget 420] [--n-layer 30] [--skip-tests]
 
