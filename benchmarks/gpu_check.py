@@ -2,8 +2,8 @@
 the speed numbers on real-size models.
 
 One command on a machine with an NVIDIA GPU and the CUDA build of our llama.cpp (see
-native/README.md, "The GPU check", for how the wheel, the test binaries and dg's dependencies
-travel there):
+docs/gpu.md, "The GPU check", for how the wheel, the test binaries and dg's dependencies travel
+there):
 
     python3 benchmarks/gpu_check.py --out DIR [--budget 450] [--n-layer 30] [--skip-tests]
 

@@ -42,7 +42,9 @@ BUILTIN_PROMPTS: list[BenchPrompt] = [
 
 # 2: new tokens count answer tokens only (GenerationResult.token_ids); ratios carry their spread
 # 3: AR tokens_per_second counts only the answer tokens made after the prefill (null when none were)
-BENCH_SCHEMA = "dg-bench/4"
+# 4: speed-model times are warm samples of the step the engine runs
+# 5: tokens_per_forward counts the commit passes as forwards; placement buffers in bytes
+BENCH_SCHEMA = "dg-bench/5"
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16)
 SPEEDUP_STEPS = (1, 2, 4, 8, 12, 16, 24, 32, 48)
 # the speed model loads one context with a sequence per canvas of the largest batch: llama.cpp refuses
@@ -138,6 +140,9 @@ class BenchConfig:
     rpc_servers: Optional[Sequence[str]] = None  # llama.cpp RPC workers holding the offloaded layers
     # the two files' quantization types (dgcli.modelfile.info.QuantPair.to_json()): {diffusion, autoregressive, match}
     quantization: Optional[dict[str, Any]] = None
+    system: Optional[str] = None  # a system prompt before every prompt (through each model's chat template)
+    n_ctx: Optional[int] = None  # the context each model is loaded with (None: dg's default)
+    ar_temperature: float = 0.0  # the AR side's (0: greedy); the diffusion side's is in params
     # the self-conditioning width of the diffusion runs and the speed model (None: the engine's default;
     # 0: dense; k: top-k); every run records the form it ran (RunRecord.self_conditioning)
     self_cond_top_k: Optional[int] = None
@@ -151,7 +156,7 @@ class RunRecord:
     n_new_tokens: int
     total_s: float
     tokens_per_second: Optional[float]  # None: every answer token came from the prefill (AR at -n 1)
-    tokens_per_forward: float
+    tokens_per_forward: float  # answer tokens / forwards (decoder_forwards + commit_forwards)
     decoder_forwards: int
     steps_per_canvas: list[int]
     mean_forward_s: Optional[float]  # mean decoder forward: a canvas forward (diffusion) or one decode (AR); None: none ran
@@ -159,6 +164,7 @@ class RunRecord:
     correct: Optional[bool] = None  # the answer equals the prompt's expected answer (None: no answer given)
     prefill_s: float = 0.0  # tokens_per_second = (n_new_tokens - prefill_answer_tokens) / (total_s - prefill_s)
     prefill_answer_tokens: int = 0  # AR: 1 when its first answer token came from the prefill's logits
+    commit_forwards: int = 0  # diffusion: commit passes (each canvas but the last); AR: 0
     self_conditioning: Optional[str] = None  # diffusion: "dense" or "top-K", the form its steps fed back
 
     @property
@@ -268,7 +274,26 @@ def _record(mode: str, prompt: BenchPrompt, run: int, res: GenerationResult) -> 
                      decoder_forwards=res.decoder_forwards, steps_per_canvas=list(res.steps_per_canvas),
                      mean_forward_s=res.mean_forward_s, stop_reason=res.stop_reason, correct=correct,
                      prefill_s=res.prefill_s, prefill_answer_tokens=res.prefill_answer_tokens,
-                     self_conditioning=res.self_conditioning)
+                     commit_forwards=res.commit_forwards, self_conditioning=res.self_conditioning)
+
+
+def bench_prompt(text: str, system: Optional[str]) -> Any:
+    """A prompt as the engines take it: its text, or the chat messages with the system prompt first."""
+    return [{"role": "system", "content": system}, {"role": "user", "content": text}] if system else text
+
+
+def run_events(desc: str, on_status: Callable[[str], None]) -> Callable[[Any], None]:
+    """A generation's on_event that says what it is doing next: "diffusion math #1: canvas 1, step 3"."""
+    from dgcli.engine.types import CanvasEvent, StepEvent, TokenEvent
+
+    def on_event(ev: Any) -> None:
+        if isinstance(ev, StepEvent):
+            on_status(f"{desc}: canvas {ev.canvas_index + 1}, step {ev.step + 1}")
+        elif isinstance(ev, CanvasEvent):
+            on_status(f"{desc}: canvas {ev.canvas_index + 2}, step 1")
+        elif isinstance(ev, TokenEvent):
+            on_status(f"{desc}: token {ev.index + 2}")
+    return on_event
 
 
 def summarize(runs: Sequence[RunRecord]) -> list[PromptSummary]:
@@ -465,13 +490,16 @@ def quantization_words(quantization: Optional[dict[str, Any]]) -> Optional[str]:
 def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], *,
               open_diffusion: Callable[[str], Any], open_ar: Callable[[str], Any],
               open_speed_model: Optional[Callable[[str, int], Any]] = None,
-              on_progress: Callable[[str], None] = lambda desc: None) -> BenchReport:
+              on_progress: Callable[[str], None] = lambda desc: None,
+              on_status: Callable[[str], None] = lambda text: None) -> BenchReport:
     """Run every prompt `repeat` times on each model (one model loaded at a time), then the speed model.
 
     `open_speed_model(path, n_seq_max)` loads the diffusion weights for the speed model with room for
     the largest batch (a separate load, after the generation engine is closed); without it the
     generation engine's own model is measured (batch sizes it cannot hold are emulated).
     Ctrl-C ends the bench early: the report holds the runs finished so far, `interrupted=True`.
+    `on_progress(desc)`: a unit of work starts (a run, the speed model); `on_status(text)`: what it is
+    doing within it (loading a model, a run's steps), for a status line.
     """
     runs: list[RunRecord] = []
     notes: list[str] = [words] if (words := quantization_words(config.quantization)) else []
@@ -491,12 +519,17 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], *,
     def generation_runs(engine: Any, mode: str) -> None:
         for p in prompts:
             for i in range(config.repeat):
-                on_progress(f"{mode} {p.name} #{i + 1}")
+                desc = f"{mode} {p.name} #{i + 1}"
+                on_progress(desc)
+                on_status(f"{desc}: prefill, then {'step' if mode == 'diffusion' else 'token'} 1")
+                prompt = bench_prompt(p.text, config.system)
+                events = run_events(desc, on_status)
                 if mode == "diffusion":
-                    res = engine.generate(p.text, params=config.params, max_new_tokens=config.max_new_tokens,
-                                          seed=config.seed + i, self_cond_top_k=config.self_cond_top_k)
+                    res = engine.generate(prompt, params=config.params, max_new_tokens=config.max_new_tokens,
+                                          seed=config.seed + i, on_event=events, self_cond_top_k=config.self_cond_top_k)
                 else:
-                    res = engine.generate(p.text, max_new_tokens=config.max_new_tokens, seed=config.seed + i)
+                    res = engine.generate(prompt, max_new_tokens=config.max_new_tokens, seed=config.seed + i,
+                                          on_event=events, temperature=config.ar_temperature)
                 if res.stop_reason == WORKER_LOST:  # the worker's own error: see rpc.check_workers
                     raise WorkerLost("an RPC worker was lost")
                 if res.interrupted:  # the engine returned what it had: not a complete run
@@ -504,6 +537,7 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], *,
                 runs.append(_record(mode, p, i, res))
 
     try:
+        on_status(f"loading {config.diffusion_model}")
         engine = open_diffusion(config.diffusion_path)
         record_placement("diffusion", getattr(engine, "model", None))
         try:
@@ -518,6 +552,7 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], *,
             engine.close()
         if config.speed_model and open_speed_model is not None:
             on_progress("speed model: canvas forward vs one-token decode")
+            on_status(f"speed model: loading {config.diffusion_model} for batches up to {max(config.batch_sizes)}")
             model = open_speed_model(config.diffusion_path, max(config.batch_sizes))
             record_placement("speed", model)
             try:
@@ -529,6 +564,7 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], *,
                 if hasattr(model, "close"):
                     model.close()
 
+        on_status(f"loading {config.ar_model}")
         ar = open_ar(config.ar_path)
         record_placement("autoregressive", getattr(ar, "model", None))
         try:
@@ -551,128 +587,3 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], *,
     cfg["prompts"] = [asdict(p) for p in prompts]
     return BenchReport(config=cfg, runs=runs, summaries=summarize(runs), speed_model=speed, notes=notes,
                        interrupted=interrupted, placement=placement)
-
-
-def report_tables(report: BenchReport):
-    """Rich tables for `dg bench`, one per concern so each fits 80 columns: speed per prompt, the
-    diffusion sampler per prompt, accuracy (graded prompts), then the speed model and its batch sweep.
-    Cells are the median, with [min–max] over the runs when they differ."""
-    from rich.markup import escape
-    from rich.table import Table
-
-    def cell(s: Optional[Spread], digits: int = 2) -> str:
-        return s.fmt(digits) if s is not None else "-"
-
-    def count(s: Optional[Spread]) -> str:
-        # a median of an even number of runs can fall between two counts: 2.5, not "2"
-        def one(v: float) -> str:
-            return str(int(v)) if v == int(v) else f"{v:.1f}"
-        if s is None:
-            return "-"
-        return one(s.median) if s.n == 1 or s.min == s.max else f"{one(s.median)} [{one(s.min)}–{one(s.max)}]"
-
-    def pct(value: Optional[float]) -> str:
-        return "-" if value is None else f"{100 * value:.0f}%"
-
-    def table(title: str, *columns: str, caption: Optional[str] = None) -> Table:
-        t = Table(title=escape(title), caption=escape(caption) if caption else None)
-        for i, col in enumerate(columns):
-            # narrow terminals wrap and fold cells; nothing is cut to `diffu…`
-            t.add_column(col, justify="left" if i == 0 else "right", overflow="fold")
-        return t
-
-    by_prompt: dict[str, dict[str, PromptSummary]] = {}
-    for s in report.summaries:
-        by_prompt.setdefault(s.prompt, {})[s.mode] = s
-    cfg = report.config
-    runs = f"{cfg['repeat']} run{'s' if cfg['repeat'] != 1 else ''} per prompt"
-    if any(s.tokens_per_second is not None and s.tokens_per_second.n > cfg["repeat"] for s in report.summaries):
-        runs += ", every prompt of a row's name together"  # the demo's set: 3 prompts x 3 runs per row
-    pair = f"diffusion: {cfg['diffusion_model']}, AR: {cfg['ar_model']}"
-    tables = []
-
-    quant = cfg.get("quantization") or {}
-    if quant.get("diffusion") or quant.get("autoregressive"):
-        pair += f" ({quant.get('diffusion') or '?'} vs {quant.get('autoregressive') or '?'})"
-    mismatch = quantization_words(quant)
-    speed_caption = pair + "; speedup = diffusion tok/s ÷ AR tok/s" + (f"; {mismatch}" if mismatch else "")
-    speed = table(f"tok/s (answer tokens), median [min–max] of {runs}", "prompt", "diffusion", "AR", "speedup",
-                  caption=speed_caption)
-    partial = False  # a rate or speedup over only some of its row's runs (*)
-    forms = sorted({r.self_conditioning for r in report.runs if r.mode == "diffusion" and r.self_conditioning})
-    sampler = table("diffusion sampler per prompt", "prompt", "steps/canvas", "tokens/forward", "answer tokens",
-                    caption="tokens/forward: answer tokens per decoder forward (AR: 1.00); answer tokens: diffusion/AR"
-                            + (f"; self-conditioning: {', '.join(forms)}" if forms else ""))
-    graded = any(s.accuracy is not None for s in report.summaries)
-    accuracy = table("accuracy (graded prompts)", "prompt", "diffusion", "AR")
-    for prompt, modes in by_prompt.items():
-        d, a = modes.get("diffusion"), modes.get("autoregressive")
-        sp = "-"
-        # the medians of the same runs: run i of a prompt on each side, where both have a rate (an AR run whose
-        # only token came from the prefill has none; a row of several prompts then divided diffusion's median
-        # over all of them by AR's over the others). As compare's: none when a side has no rate, not "0.00x"
-        rates = {mode: [r.tokens_per_second for r in report.runs if r.mode == mode and r.prompt == prompt]
-                 for mode in ("diffusion", "autoregressive")}
-        both = [(dr, ar) for dr, ar in zip(rates["diffusion"], rates["autoregressive"])
-                if dr is not None and ar is not None]
-        if both:
-            d_rate, a_rate = statistics.median(x for x, _ in both), statistics.median(y for _, y in both)
-            if d_rate > 0 and a_rate > 0:
-                mark = "*" if len(both) < max(map(len, rates.values())) else ""
-                partial = partial or bool(mark)
-                sp = f"{format_figure(d_rate / a_rate)}x{mark}"
-        tok_s = []
-        for mode, summary in (("diffusion", d), ("autoregressive", a)):
-            rate = summary.tokens_per_second if summary else None
-            # a median over only the runs with a rate (the others' only token came from the prefill)
-            mark = "*" if rate is not None and rate.n < len(rates[mode]) else ""
-            partial = partial or bool(mark)
-            tok_s.append(cell(rate, 1) + mark)
-        speed.add_row(prompt, *tok_s, sp)
-        sampler.add_row(prompt, cell(d.steps_per_canvas if d else None, 1), cell(d.tokens_per_forward if d else None),
-                        f"{count(d.new_tokens if d else None)}/{count(a.new_tokens if a else None)}")
-        accuracy.add_row(prompt, pct(d.accuracy if d else None), pct(a.accuracy if a else None))
-    if partial:
-        speed.caption = escape(speed_caption + "; *over only the runs with a tok/s (for the speedup: on both sides)")
-    tables += [speed, sampler] + ([accuracy] if graded else [])
-
-    sm = report.speed_model
-    if sm is not None:
-        def ratio(median: Optional[float], lo: Optional[float], hi: Optional[float]) -> str:
-            if median is None:
-                return "-"
-            if lo is None or hi is None or lo == hi:
-                return format_figure(median)
-            return f"{format_figure(median)} [{format_figure(lo)}–{format_figure(hi)}]"
-
-        c = table("speed model: one canvas step vs one decode step", "quantity", "value",
-                  caption=f"same weights; canvas step: {sm.canvas_step}; each timed warm (the graph built); "
-                          "ratio: median [min–max] of paired samples; *for canvases full of answer (C decodes "
-                          "vs steps canvas steps + the commit pass)")
-        c.add_row(f"canvas step ({sm.canvas_length} tokens)", f"{sm.canvas_forward_s * 1e3:.3f} ms")
-        c.add_row("one-token decode", f"{sm.decode_s * 1e3:.3f} ms")
-        if sm.commit_s is not None:
-            c.add_row("commit pass (encode canvas)", f"{sm.commit_s * 1e3:.3f} ms")
-        if sm.ar_pair_decode_s is not None:
-            c.add_row("AR pair decode step (from runs)", f"{sm.ar_pair_decode_s * 1e3:.3f} ms")
-        c.add_row("canvas / decode cost ratio", ratio(sm.ratio, sm.ratio_min, sm.ratio_max))
-        c.add_row("implied speedup at 1 / 4 / 16 steps*",
-                  " / ".join(f"{format_figure(p['speedup'])}x" for p in sm.speedup_vs_steps if p["steps"] in (1, 4, 16)))
-        measured = [r.mean_steps_per_canvas for r in report.runs if r.mode == "diffusion" and r.mean_steps_per_canvas]
-        if measured:
-            steps = statistics.median(measured)
-            implied = speedup_model(sm.canvas_length, sm.canvas_forward_s, sm.decode_s, sm.commit_s, steps)
-            c.add_row(f"implied speedup at the runs' {steps:.1f} steps*", f"{format_figure(implied)}x")
-        tables.append(c)
-        b = table("batch sweep", "batch", "canvas", "decode", "ratio", "@16 steps",
-                  caption=sm.batch_method + "; canvas, decode: one step of `batch` canvases, of `batch` "
-                          "one-token rows (not per canvas); batch 1 is the speed model's sample (its decode: "
-                          "the encoder's one-token step); @16 steps: the implied speedup without the commit pass")
-        for p in sm.batch_sweep:
-            if p.ratio is None:
-                b.add_row(str(p.batch), "-", "-", "-", p.error or "-")
-            else:
-                b.add_row(str(p.batch), f"{p.canvas_s * 1e3:.2f} ms", f"{p.decode_s * 1e3:.2f} ms",
-                          ratio(p.ratio, p.ratio_min, p.ratio_max), f"{format_figure(p.speedup_at_16_steps)}x")
-        tables.append(b)
-    return tables

@@ -182,6 +182,8 @@ class OutputFile:
             return
         try:
             self.handle.write(data)
+        except BrokenPipeError:
+            raise  # a stream whose reader went away: the caller ends as a Unix tool does (exit 141)
         except OSError as err:
             raise self._fail(_os_reason(err)) from None
 
@@ -205,6 +207,8 @@ class OutputFile:
                 self._put_in_place()
         except OSError as err:
             self.discard()
+            if isinstance(err, BrokenPipeError):
+                raise
             raise self._fail(_os_reason(err)) from None
         finally:
             if self.tmp is not None:

@@ -35,6 +35,10 @@ MAX_STEPS_PER_CANVAS_POSITION = 4
 # t_max >= 1e-30 keeps the schedule's smallest temperature, t_max / max_steps at t_min = 0, > 0.
 MIN_T_MAX = 1e-30
 MAX_SAMPLER_FLOAT = 1e30
+# A schedule at temperature 0 (t_max = 0, so t_min = 0: llama.cpp's `--temp 0`) is greedy: it runs at
+# this temperature, where the softmax of float32 logits is one-hot on the argmax (logits closer than
+# ~1e-28 aside), so each position's sample is its argmax and its entropy 0. The reference divides by 0.
+GREEDY_TEMPERATURE = MIN_T_MAX
 
 
 def max_denoising_steps_for(canvas_length: int | None) -> int:
@@ -88,9 +92,9 @@ class DiffusionParams:
                                    f"an integer between 1 and {max_steps} (the most that is meaningful for {where})")
         if not is_real(self.t_min) or not 0 <= self.t_min <= MAX_SAMPLER_FLOAT:
             raise InvalidParameter("t_min", self.t_min, f"a number >= 0 and at most {MAX_SAMPLER_FLOAT:g}")
-        if not is_real(self.t_max) or not MIN_T_MAX <= self.t_max <= MAX_SAMPLER_FLOAT:
+        if not is_real(self.t_max) or not (MIN_T_MAX <= self.t_max <= MAX_SAMPLER_FLOAT or self.t_max == 0):
             raise InvalidParameter("t_max", self.t_max,
-                                   f"a number between {MIN_T_MAX:g} and {MAX_SAMPLER_FLOAT:g}")
+                                   f"a number between {MIN_T_MAX:g} and {MAX_SAMPLER_FLOAT:g}, or 0 (greedy)")
         # equal ends are a constant temperature (--temp); the reference refuses them, for no reason
         # its schedule needs (t_min + (t_max - t_min) * n / N is then t_min at every step)
         if self.t_max < self.t_min:

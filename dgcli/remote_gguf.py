@@ -71,6 +71,6 @@ def read_remote_header(remote: RemoteFile, *, max_bytes: int | None = None) -> G
             return parse_header_prefix(data, remote.size, name)
         except HeaderGoesOn:
             if len(data) >= min(remote.size, max_bytes):
-                raise HubError(f"the GGUF header of {name} is longer than the {max_bytes >> 20} MiB dg reads "
+                raise HubError(f"the GGUF header of {name} is longer than the {hub.format_bytes(max_bytes)} dg reads "
                                "from the Hub") from None
             want = min(len(data) * 2, remote.size, max_bytes)

@@ -1,7 +1,7 @@
 """The per-step trace of a diffusion generation (`dg generate --trace FILE`, `--json`'s "trace"),
-and reading it back (`dg replay`). Schema `dg-trace/1`, one JSON object per line:
+and reading it back (`dg replay`). Schema `dg-trace/2`, one JSON object per line:
 
-    {"kind": "header", "schema": "dg-trace/1", "model": {...}, "prompt": ..., "system": ..., "params": {...},
+    {"kind": "header", "schema": "dg-trace/2", "model": {...}, "prompt": ..., "system": ..., "params": {...},
      "max_new_tokens": N, "seed": S, "canvas_length": C, "end_token_ids": [...], "pad_token_id": P}
     {"kind": "step", ... StepEvent.to_json() ..., "pieces": {"id": "text", ...}}   # pieces of ids first seen
     {"kind": "canvas", ... CanvasEvent.to_json() ..., "text": "the canvas's answer text"}
@@ -24,7 +24,10 @@ from dgcli.engine.types import CanvasEvent, StepEvent
 from dgcli.errors import DgError
 from dgcli.params import is_int, is_real
 
-TRACE_SCHEMA = "dg-trace/1"
+# 2: the result's tokens_per_forward counts the commit passes as forwards (docs/json.md); a dg-trace/1
+# is read as well: its lines are the same, its result's figures as its dg wrote them
+TRACE_SCHEMA = "dg-trace/2"
+READABLE_TRACE_SCHEMAS = ("dg-trace/1", TRACE_SCHEMA)
 # A trace line is one canvas of ids and flags: 256 tokens of the real model is ~10 kB.
 MAX_LINE_BYTES = 64 << 20
 
@@ -71,7 +74,7 @@ class Trace:
 
 
 def read_trace(path: Path | str) -> Trace:
-    """Read and check a dg-trace/1 file ('-': stdin; a pipe, e.g. `<(...)`, too); DgError naming the
+    """Read and check a dg-trace/2 (or /1) file ('-': stdin; a pipe, e.g. `<(...)`, too); DgError naming the
     line for anything else."""
     if str(path) == "-":
         return _read_trace(sys.stdin.buffer, "stdin")
@@ -100,10 +103,10 @@ def _read_trace(f: BinaryIO, path: str) -> Trace:
         if trace is None:
             schema = doc.get("schema")
             if doc.get("kind") == "header" and isinstance(schema, str) and schema.startswith("dg-trace/") \
-                    and schema != TRACE_SCHEMA:
+                    and schema not in READABLE_TRACE_SCHEMAS:
                 raise DgError(f"{path} is a {' '.join(schema.split())[:40]} trace, which this dg cannot read "
-                              f"(it reads {TRACE_SCHEMA}; a newer dg wrote it?)")
-            if doc.get("kind") != "header" or schema != TRACE_SCHEMA:
+                              f"(it reads {' and '.join(READABLE_TRACE_SCHEMAS)}; a newer dg wrote it?)")
+            if doc.get("kind") != "header" or schema not in READABLE_TRACE_SCHEMAS:
                 raise DgError(f"{path} is not a {TRACE_SCHEMA} trace (its first line is not a {TRACE_SCHEMA} header; "
                               "write one with `dg generate --trace FILE`)")
             problem = _header_problem(doc)

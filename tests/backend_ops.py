@@ -402,7 +402,7 @@ CUDA_CONDITIONS = {
     "GLU:GEGLU": lambda n: "1" in n.src[0].layout,
     "FLASH_ATTN_EXT": _flash_attn,
     # dg's patch: its step op and the view after it, only where libllama registered them with
-    # ggml-cuda (DG_CUDA_FUSED_STEP; native/README.md, "CUDA kernels"); the GPU form captured here
+    # ggml-cuda (DG_CUDA_FUSED_STEP; docs/gpu.md, "dg's CUDA kernels"); the GPU form captured here
     # has no custom op, and no other custom op is taken
     "CUSTOM": lambda n: False,
 }

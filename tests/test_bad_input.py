@@ -71,7 +71,8 @@ def test_library_refuses_them_too(tiny_gguf):
 
 
 def test_empty_model_is_not_the_demo(no_engine):
-    assert "empty --model value" in error_line("generate", "hi", "-m", "")
+    assert "empty -m value" in error_line("generate", "hi", "-m", "")  # the option as typed
+    assert "empty --model value" in error_line("generate", "hi", "--model", "")
 
 
 def test_model_name_or_path_too_long_for_the_file_system(no_engine):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dgcli import bench
+from dgcli.cli import render_bench
 from dgcli.engine.types import GenerationResult
 from dgcli.errors import DgError
 from dgcli.registry import Registry
@@ -35,12 +36,40 @@ def test_accuracy_is_per_prompt_name_over_all_its_prompts_and_runs():
     summaries = {s.prompt: s for s in bench.summarize(runs)}
     assert summaries["sort-2"].accuracy == 0.5
     assert summaries["free"].accuracy is None
-    tables = bench.report_tables(bench.BenchReport(
+    tables = render_bench.report_tables(bench.BenchReport(
         config={"repeat": 2, "diffusion_model": "d", "ar_model": "a"}, runs=runs,
         summaries=list(summaries.values()), speed_model=None))
     accuracy = [t for t in tables if str(t.title).startswith("accuracy")][0]
     assert [c.header for c in accuracy.columns] == ["prompt", "diffusion", "AR"]
-    assert [list(c.cells) for c in accuracy.columns][1:] == [["50%", "-"], ["-", "-"]]
+    # and every run of every prompt together: 2 of the 4 graded runs
+    assert [list(c.cells) for c in accuracy.columns] == [["sort-2", "free", "all prompts"], ["50%", "-", "50%"],
+                                                        ["-", "-", "-"]]
+
+
+def test_a_prompt_file_is_shown_and_every_table_ends_with_all_prompts_together(tmp_path):
+    """`dg bench --prompts FILE` showed neither the prompts nor a total: the prompts come first, and each
+    per-prompt table ends with a row over every run (tok/s medians; the speedup of the paired runs)."""
+    path = tmp_path / "p.tsv"
+    path.write_text("rev\treverse: AB\tBA\nplain prompt\n", encoding="utf-8")
+    prompts = bench.load_prompts(path)
+    d_s, a_s = {"rev": (1.0, 2.0), "prompt-2": (4.0, 8.0)}, {"rev": (0.5, 0.5), "prompt-2": (1.0, 1.0)}
+    runs = [bench._record(mode, p, i, _timed("abcd", (d_s if mode == "diffusion" else a_s)[p.name][i], mode))
+            for mode in ("diffusion", "autoregressive") for p in prompts for i in range(2)]
+    tables = {str(t.title): t for t in render_bench.report_tables(bench.BenchReport(
+        config={"repeat": 2, "diffusion_model": "d", "ar_model": "a", "prompts": [vars(p) for p in prompts]},
+        runs=runs, summaries=bench.summarize(runs), speed_model=None), show_prompts=True)}
+    assert list(tables)[0] == "prompts"
+    assert [list(c.cells) for c in tables["prompts"].columns] == [["rev", "prompt-2"], ["reverse: AB", "plain prompt"],
+                                                                  ["BA", "-"]]
+    speed = next(t for title, t in tables.items() if title.startswith("tok/s"))
+    assert _column(speed, "prompt") == ["rev", "prompt-2", "all prompts"]
+    # 4 answer tokens in 1, 2 s (rev) and 4, 8 s; AR's in 0.5, 0.5 s and 1, 1 s: pooled, the medians of
+    # 4, 2, 1, 0.5 and of 8, 8, 4, 4 tok/s
+    assert _column(speed, "diffusion") == ["3.0 [2.0–4.0]", "0.75 [0.50–1.0]", "1.5 [0.50–4.0]"]
+    assert _column(speed, "AR")[-1] == "6.0 [4.0–8.0]"
+    assert _column(speed, "speedup")[-1] == "0.25x"
+    sampler = tables["diffusion sampler per prompt"]
+    assert _column(sampler, "prompt")[-1] == "all prompts" and _column(sampler, "answer tokens")[-1] == "4/4"
 
 
 def test_the_demo_declares_its_own_graded_prompt_set():
@@ -52,7 +81,7 @@ def test_the_demo_declares_its_own_graded_prompt_set():
 
 
 def _tables(runs, speed_model=None, repeat=2):
-    return {str(t.title): t for t in bench.report_tables(bench.BenchReport(
+    return {str(t.title): t for t in render_bench.report_tables(bench.BenchReport(
         config={"repeat": repeat, "diffusion_model": "d", "ar_model": "a"}, runs=runs,
         summaries=bench.summarize(runs), speed_model=speed_model))}
 
@@ -131,7 +160,7 @@ def test_speedup_is_none_when_either_side_produced_no_answer_tokens():
             bench._record("diffusion", bench.BenchPrompt("q", "y"), 0, _timed("ab", 1.0)),
             bench._record("autoregressive", bench.BenchPrompt("q", "y"), 0, _timed("", 0.1, "autoregressive"))]
     speed = [t for t in _tables(runs, repeat=1).values() if str(t.title).startswith("tok/s")][0]
-    assert _column(speed, "speedup") == ["-", "-"]
+    assert _column(speed, "speedup")[:2] == ["-", "-"]  # (the row of both prompts pools their runs)
 
 
 def test_the_batch_sweep_says_its_times_are_whole_batches():

@@ -244,7 +244,7 @@ def test_the_patchs_ggml_files_land_in_ggml(tmp_path):
     pinned sdist (when it is cached here), its ggml-cuda and test-backend-ops parts included."""
     files = build.new_source_files()
     assert {"ggml/src/ggml-cuda/dg-step.cu", "ggml/src/ggml-cuda/dg-moe-layout.cu", "ggml/src/ggml-cuda/dg-switches.cu",
-            "ggml/include/ggml-cuda-dg.h", "src/models/diffusion-gemma.cpp"} <= set(files)
+            "ggml/include/ggml-cuda-dg.h", "src/diffusion-gemma-step-op.cpp"} <= set(files)
     sdist = build.cache_root().parent / "sdist" / build.SDIST_FILE
     if not sdist.exists():
         pytest.skip(f"the sdist is not cached ({sdist}): the diff's application is not checked")

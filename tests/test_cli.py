@@ -168,7 +168,7 @@ def test_unknown_registry_name_and_quant():
     (["--steps", "-3"], "invalid --steps -3"),
     (["--t-min", "0.9", "--t-max", "0.5"], "invalid --t-max 0.5: must be at least t_min (0.9)"),
     (["--temp", "0.5", "--t-min", "0.4"], "pass --temp or --t-min/--t-max, not both"),
-    (["--temp", "0"], "invalid t_max=0.0"),
+    (["--temp", "-1"], "invalid --temp -1.0: must be 0 (greedy) or a number between"),
     (["--entropy-bound", "0"], "invalid --entropy-bound 0.0"),
     (["--entropy-bound", "-1"], "invalid --entropy-bound -1.0"),
     (["--confidence-threshold", "0"], "invalid --confidence-threshold 0.0"),
@@ -328,7 +328,7 @@ def test_compare_table_and_speedup(tiny_gguf, tiny_ar_gguf, scripted):
         assert row in out
     doc = json.loads(run("compare", "what is 3+5", "-m", tiny_gguf, "--ar-model", tiny_ar_gguf, "--json").stdout)
     # dg-compare/1's AR tokens_per_second counted the prefill's token: a new meaning, a new number
-    assert doc["schema"] == "dg-compare/2"
+    assert doc["schema"] == "dg-compare/3"
     d, a = doc["diffusion"]["result"], doc["autoregressive"]["result"]
     assert d["n_new_tokens"] == a["n_new_tokens"] == len(ANSWER)
     assert a["tokens_per_forward"] == 1.0 and d["tokens_per_forward"] > 1.0
@@ -396,7 +396,7 @@ def test_bench_json_and_tables(tiny_gguf, tiny_ar_gguf, scripted, tmp_path, monk
     assert r.exit_code == 0, r.stderr
     doc = json.loads(r.stdout)
     assert json.loads(out.read_text()) == doc
-    assert doc["schema"] == "dg-bench/4"
+    assert doc["schema"] == "dg-bench/5"
     assert [p["name"] for p in doc["config"]["prompts"]] == ["math", "prompt-2"]
     assert len(doc["runs"]) == 2 * 2 * 2
     s = {(x["mode"], x["prompt"]): x for x in doc["summaries"]}
@@ -426,7 +426,7 @@ def test_bench_report_to_stdout_is_the_only_thing_there(json_flag, tiny_gguf, ti
             "--no-speed-model", "-o", "-", *json_flag)
     assert r.exit_code == 0, r.stderr
     doc = json.loads(r.stdout)
-    assert doc["schema"] == "dg-bench/4" and len(doc["runs"]) == 2
+    assert doc["schema"] == "dg-bench/5" and len(doc["runs"]) == 2
     if not json_flag:
         assert "steps/canvas" in r.stderr  # the tables are still shown, on stderr
 
@@ -453,8 +453,8 @@ def test_tables_piped_have_their_title_and_caption_on_lines_of_their_own(tiny_gg
     for title in ("diffusion sampler per prompt", "speed model: one canvas step vs one decode step", "batch sweep"):
         assert title in lines, r.stdout
     # the caption names the self-conditioning form the runs fed back
-    assert ("tokens/forward: answer tokens per decoder forward (AR: 1.00); answer tokens: diffusion/AR; "
-            "self-conditioning: dense") in lines
+    assert ("tokens/forward: answer tokens per forward, denoising steps and commit passes (AR: 1.00); answer tokens: "
+            "diffusion/AR; self-conditioning: dense") in lines
     sweep = next(line for line in lines if "canvas, decode: one step of `batch` canvases" in line)
     assert sweep.endswith("@16 steps: the implied speedup without the commit pass"), r.stdout
     info = run("info", tiny_gguf).stdout.splitlines()

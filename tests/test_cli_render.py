@@ -62,7 +62,7 @@ def test_canvas_shows_whitespace_tokens_visibly():
 
 def test_live_view_shows_committed_text_canvas_and_status():
     view = render.DiffusionLiveView(piece, detok, end_token_ids=[1], title="diffusion: demo")
-    assert "prefilling prompt" in to_text(view)
+    assert "prefill, then step 1…" in to_text(view)
     view.on_event(step([5, 6, 9, 9], [True, False, False, False], step=1, temperature=0.8, entropy=2.5))
     out = to_text(view)
     assert "diffusion: demo" in out and "canvas 1  step 1/48  T=0.800  accepted 1/4  mean H=2.5000" in out
@@ -115,7 +115,7 @@ def test_live_view_counts_the_seconds_of_a_slow_forward():
     nothing."""
     view = render.DiffusionLiveView(piece, detok, end_token_ids=[1])
     view.busy_since = 100.0
-    assert view.busy_note(now=101.0) == ""
+    assert view.busy_note(now=100.9) == ""
     assert view.busy_note(now=112.4) == "  working 12 s"
     view.stopping = True  # a Ctrl-C the main thread acts on when the forward returns
     assert view.busy_note(now=112.4) == "  working 12 s, stopping after this forward (Ctrl-C again: now)"
@@ -150,7 +150,7 @@ def test_display_redraws_a_slow_forward_every_second_and_a_fast_one_never():
         time.sleep(3.3)
         ticks = [status for thread, status in live.redraws if thread == "dg-busy-ticker"]
         display.on_event(step([5, 6, 9, 9], [True, False, False, False], step=1))
-    assert ticks and ticks[-1].startswith("prefilling prompt, then step 1…  working 3 s"), ticks
+    assert ticks and ticks[-1].startswith("prefill, then step 1…  working 3 s"), ticks
     assert "stopping" not in ticks[-1]
     assert not display.ticker._thread.is_alive()  # stopped with the display
     # fast: events every 0.1 s for 1.5 s, the ticker never redraws

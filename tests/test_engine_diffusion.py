@@ -88,10 +88,11 @@ def test_canvases_chain_until_an_end_token_and_the_end_is_trimmed():
     canvases = [e for e in events if isinstance(e, CanvasEvent)]
     assert [c.token_ids for c in canvases] == [[5, 6, 7, 8], [9]]
     assert canvases[0].commit_s >= 0 and canvases[1].commit_s == 0.0
-    # tokens per forward counts the answer (no end token, no padding); the reference's figure (end
-    # token kept) is still there to compute from the canvases
-    assert result.decoder_forwards == sum(result.steps_per_canvas)
-    assert result.tokens_per_forward == pytest.approx(5 / result.decoder_forwards)
+    # tokens per forward counts the answer (no end token, no padding) over every forward, the commit
+    # pass included; the reference's figure (end token kept, steps only) is still there to compute
+    assert result.decoder_forwards == sum(result.steps_per_canvas) and result.commit_forwards == 1
+    assert result.forwards == result.decoder_forwards + 1
+    assert result.tokens_per_forward == pytest.approx(5 / result.forwards)
     assert result.canvas_token_ids == [5, 6, 7, 8, 9, EOS, 0, 0]
     assert count_valid_tokens(np.array(result.canvas_token_ids), 0) == 4 + 2
 
@@ -103,7 +104,8 @@ def test_max_new_tokens_sets_the_number_of_canvases_and_cuts_the_answer():
     assert len(result.steps_per_canvas) == 2  # ceil(5 / 4) canvases, each denoised whole (the reference's)
     assert len(result.canvas_token_ids) == 8
     assert result.token_ids == [5, 6, 7, 8, 5]  # but the answer stops at 5 tokens
-    assert result.n_new_tokens == 5 and result.tokens_per_forward == pytest.approx(5 / result.decoder_forwards)
+    assert result.n_new_tokens == 5 and result.tokens_per_forward == pytest.approx(5 / result.forwards)
+    assert result.commit_forwards == 1
     assert [e.token_ids for e in events if isinstance(e, CanvasEvent)] == [[5, 6, 7, 8], [5]]
     assert result.stop_reason == "length"
 
@@ -125,7 +127,7 @@ def test_pads_are_not_answer_tokens_and_a_canvas_of_pads_ends_the_generation():
     assert result.token_ids == [5, 6] and result.n_new_tokens == 2
     assert result.stop_reason == "pad_canvas"
     assert len(result.steps_per_canvas) == 2  # the third canvas never runs
-    assert result.tokens_per_forward == pytest.approx(2 / result.decoder_forwards)
+    assert result.commit_forwards == 1 and result.tokens_per_forward == pytest.approx(2 / result.forwards)
     assert [e.token_ids for e in events if isinstance(e, CanvasEvent)] == [[5, 6], []]
     # the all-pad canvas is the last: it is not committed to the cache
     assert [entry[1] for entry in model.log if entry[0] == "commit"] == [[5, 0, 6, 0]]

@@ -58,7 +58,7 @@ def test_pads_count_for_nothing_and_a_canvas_of_pads_ends_the_run():
     # speedup. The retrained one answers with its help line: every answer token counted, nothing else.
     assert d["text"] and d["stop_reason"] == "end_token" and 0 not in d["token_ids"]
     assert d["n_new_tokens"] == len(d["token_ids"]) and doc["speedup"] is not None
-    assert d["tokens_per_forward"] == pytest.approx(d["n_new_tokens"] / d["decoder_forwards"])
+    assert d["tokens_per_forward"] == pytest.approx(d["n_new_tokens"] / d["forwards"])
     # an empty answer (a first canvas of pads) has no rate, so no speedup either
     empty = GenerationResult(mode="diffusion", text="", token_ids=[], n_prompt_tokens=3, total_s=1.0)
     one = GenerationResult(mode="autoregressive", text="A", token_ids=[5], n_prompt_tokens=3, total_s=1.0)
@@ -67,7 +67,7 @@ def test_pads_count_for_nothing_and_a_canvas_of_pads_ends_the_run():
     long = ok_json("generate", "sort: ABCDEFGHIJKLMNOPQRSTUVWXYZ", "-n", "200", "--seed", "0", "--json")["result"]
     assert long["stop_reason"] == "pad_canvas" and len(long["steps_per_canvas"]) == 2  # not six more canvases
     assert long["n_new_tokens"] == len(long["token_ids"]) == len(long["text"]) and 0 not in long["token_ids"]
-    assert long["tokens_per_forward"] == pytest.approx(long["n_new_tokens"] / long["decoder_forwards"])
+    assert long["tokens_per_forward"] == pytest.approx(long["n_new_tokens"] / long["forwards"])
 
 
 # ------------------------------------------------------------------------------------ defect 3: stdin
@@ -137,14 +137,14 @@ def test_replay_shows_a_saved_trace_again_without_the_model(tmp_path):
     live = dg("generate", "sort: QWERTY", "--seed", "0", "--trace", trace)
     assert live.exit_code == 0, live.stderr
     lines = [json.loads(line) for line in trace.read_text().splitlines()]
-    assert lines[0]["kind"] == "header" and lines[0]["schema"] == "dg-trace/1" and lines[-1]["kind"] == "result"
+    assert lines[0]["kind"] == "header" and lines[0]["schema"] == "dg-trace/2" and lines[-1]["kind"] == "result"
     replayed = dg("replay", trace, "--pace", "0")
     assert replayed.exit_code == 0, replayed.stderr
     assert replayed.stdout == live.stdout == "EQRTWY\n"
     assert "canvas 1  step 1/48" in replayed.stderr and "recorded: 6 new tokens" in replayed.stderr
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"kind": "step"}\n')
-    one_line_error(dg("replay", bad), "is not a dg-trace/1 trace")
+    one_line_error(dg("replay", bad), "is not a dg-trace/2 trace")
     broken = tmp_path / "broken.jsonl"
     broken.write_text(trace.read_text().splitlines()[0] + '\n{"kind": "step", "canvas": 0}\n')
     one_line_error(dg("replay", broken), "broken.jsonl:2: malformed step line")
@@ -184,7 +184,7 @@ def test_every_json_output_names_its_schema_and_the_schemas_are_documented(tiny_
 def test_generate_json_holds_the_trace_line_for_line(tmp_path):
     trace = tmp_path / "t.jsonl"
     doc = ok_json("generate", "sort: BA", "--seed", "3", "--json", "--trace", trace)
-    assert doc["schema"] == "dg-generate/1" and doc["seed"] == 3
+    assert doc["schema"] == "dg-generate/2" and doc["seed"] == 3
     assert [json.loads(line) for line in trace.read_text().splitlines()] == doc["trace"]
 
 

@@ -479,17 +479,19 @@ def test_verbose_placement_lines_are_not_wrapped_when_piped():
     assert result.exit_code == 0, result.output
     buffers = [line for line in result.stderr.splitlines() if line.startswith("  buffers: ")]
     assert len(buffers) == 1 and len(buffers[0]) > 80, result.stderr
-    assert re.fullmatch(r"  buffers: (\S+ (model|KV|compute) \d+\.\d\d MiB(, |$))+", buffers[0].rstrip()), buffers[0]
+    assert re.fullmatch(r"  buffers: (\S+ (model|KV|compute) \d+\.\d\d MB(, |$))+", buffers[0].rstrip()), buffers[0]
 
 
-def test_verbose_buffer_sizes_are_llama_cpp_s_mib_not_more_precise_than_it_said():
+def test_verbose_buffer_sizes_are_decimal_and_not_more_precise_than_llama_cpp_said():
     from dgcli.cli.render import placement_lines
 
     report = LoadReport.from_log(["load_tensors:   CPU_Mapped model buffer size =     0.12 MiB",
                                   "llama_kv_cache:        CPU KV buffer size =     0.00 MiB",
                                   "llama_context:       CUDA0 compute buffer size =  1024.50 MiB"])
-    # they read "125.8 kB" (the file's 128.0 kB embedding, rounded by llama.cpp and blown up), "0 B", "1.1 GB"
-    assert placement_lines("m", report)[1] == "  buffers: CPU_Mapped model 0.12 MiB, CPU KV 0.00 MiB, CUDA0 compute 1024.50 MiB"
+    # decimal units, as every size dg prints (they were MiB), to llama.cpp's 0.01 MiB: not "125.8 kB" (the
+    # file's 128.0 kB embedding, rounded by llama.cpp and blown up), "0 B", "1.1 GB"
+    assert placement_lines("m", report)[1] == "  buffers: CPU_Mapped model 0.13 MB, CPU KV 0.00 MB, CUDA0 compute 1074.27 MB"
+    assert report.to_json()["buffers"][2] == {"buffer": "CUDA0", "kind": "compute", "bytes": round(1024.5 * 2**20)}
 
 
 @requires_native

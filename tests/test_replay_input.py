@@ -77,10 +77,10 @@ def test_a_malformed_field_is_one_error_line_naming_the_line(tmp_path, change, w
 
 
 def test_a_trace_of_a_newer_schema_says_so(tmp_path):
-    r = replay(write(tmp_path, header={**HEADER, "schema": "dg-trace/2"}))
+    r = replay(write(tmp_path, header={**HEADER, "schema": "dg-trace/3"}))
     assert r.exit_code == 1
-    assert r.stderr.strip() == ("error: " + str(tmp_path / "run.jsonl") + " is a dg-trace/2 trace, which this dg "
-                                "cannot read (it reads dg-trace/1; a newer dg wrote it?)")
+    assert r.stderr.strip() == ("error: " + str(tmp_path / "run.jsonl") + " is a dg-trace/3 trace, which this dg "
+                                "cannot read (it reads dg-trace/1 and dg-trace/2; a newer dg wrote it?)")
 
 
 def test_a_trace_from_stdin_or_a_pipe(tmp_path):

@@ -379,7 +379,7 @@ def test_a_context_the_machine_cannot_hold_is_refused_before_loading(monkeypatch
     runner = CliRunner()
     r = runner.invoke(cli.app, ["serve", "--port", "0", "--ctx-size", "10000000", "--parallel", "64"])
     assert r.exit_code == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert "64 sequences of 10000000 tokens needs about 164.2 GB of RAM" in r.stderr
+    assert "64 sequences of 10000000 tokens needs about 164.0 GB of RAM" in r.stderr
     assert "use a smaller --ctx-size or --parallel" in r.stderr
     r = runner.invoke(cli.app, ["serve", "--port", "0", "--ctx-size", "999999999999"])
     assert r.exit_code == 1 and "invalid --ctx-size 999999999999: must be an integer from 1 to 536870911" in r.stderr

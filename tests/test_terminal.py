@@ -218,7 +218,10 @@ def test_chat_ctrl_c_stops_an_answer_not_the_session(columns):
     assert term.wait() == 0
     assert_clean(term)
     text = term.all_text()
-    assert "stop=interrupted" in text.replace("\n", "") and "stop=end_token" in text.replace("\n", "")
+    # the first answer was stopped; the second ran to an end of the model's own (which end depends
+    # on the model's answer, not on this test)
+    stops = re.findall(r"stop=([a-z_]+)", text.replace("\n", ""))
+    assert stops[0] == "interrupted" and stops[1] in {"end_token", "pad_canvas"}, stops
     assert "from the cache" in text
 
 
@@ -430,7 +433,8 @@ def test_serve_start_up_lines_wrap_between_words_and_ctrl_c_stops_it(columns):
 @pytest.mark.parametrize("columns", [40, 30])
 def test_info_tables_wrap_on_a_narrow_terminal_and_never_cut_a_value(columns, tiny_gguf):
     """At 40 columns the sampler and tensor-type tables used to cut names and parameter counts to "…"
-    ("max_denoisi…", "6,258,6…"): a figure the reader cannot see whole. Now they fold."""
+    ("max_denoisi…", "6,258,6…"): a figure the reader cannot see whole. A table that fits folds at
+    spaces; one that cannot without cutting a word prints a line per row ("t_min: 0.4, gguf")."""
     rc, term = pty_screen.run("info", str(tiny_gguf), "--gpu-layers", "-1", "--gpu-memory", "8GB", columns=columns,
                               rows=200)
     assert rc == 0
@@ -442,11 +446,14 @@ def test_info_tables_wrap_on_a_narrow_terminal_and_never_cut_a_value(columns, ti
         if line.startswith("│"):
             for i, cell in enumerate(line.strip("│").split("│")):
                 columns_text[i] = columns_text.get(i, "") + cell.strip()
-    assert "max_denoising_steps" in columns_text[0] and "confidence_threshold" in columns_text[0]
+    rows = [line for line in text.splitlines() if not line.startswith(("│", "┃", "┏", "┡", "└"))]
+    for name in ("max_denoising_steps", "confidence_threshold"):
+        assert name in columns_text.get(0, "") or any(line.startswith(name + ": ") for line in rows), text
     from dgcli.modelfile import info
 
     for t in info.read_info(tiny_gguf).tensor_types:
-        assert f"{t.parameters:,}" in columns_text[2], t
+        assert f"{t.parameters:,}" in columns_text.get(2, "") or f"{t.parameters:,}" in {
+            word.strip(",") for word in text.split()}, t
 
 
 @pytest.mark.parametrize("columns", WIDTHS)

@@ -78,7 +78,8 @@ with _signals.quiet_startup():
     except ImportError:  # pragma: no cover - older typer on real click
         from click.exceptions import ClickException
 
-    from dgcli.cli.commands import bench, chat, compare, convert, generate, info, list_models, pull, replay, serve, worker
+    from dgcli.cli import _help
+    from dgcli.cli.commands import bench, chat, compare, convert, generate, info, list_models, pull, replay, rm, serve, worker
 
 
 def _flags_without_metavar(command: Any) -> None:
@@ -104,10 +105,14 @@ class _OneLineErrors(TyperGroup):
         super().__init__(*args, **kwargs)
         for command in [self, *self.commands.values()]:
             _flags_without_metavar(command)
+            _help.fit_help(command)
 
-    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+    def main(self, args: Any = None, *rest: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        from dgcli.cli import _errors, _options
+
+        _options.command_line[:] = [str(a) for a in (sys.argv[1:] if args is None else args)]
         try:
-            rv = super().main(*args, standalone_mode=False, **kwargs)
+            rv = super().main(args, *rest, standalone_mode=False, **kwargs)
         except ClickException as err:
             typer.echo(f"error: {err.format_message()}", err=True)
             code = err.exit_code
@@ -116,9 +121,32 @@ class _OneLineErrors(TyperGroup):
             code = 1
         else:
             code = rv if isinstance(rv, int) else 0
+        try:
+            with _errors.output_errors():
+                sys.stdout.flush()  # what is still buffered fails here, not as the interpreter exits
+        except typer.Exit as stop:
+            code = stop.exit_code
         if standalone_mode:
             sys.exit(code)
         return code
+
+    def format_commands(self, ctx: Any, formatter: Any) -> None:
+        if not _help.write_commands(self, ctx, formatter):
+            super().format_commands(ctx, formatter)
+
+    # A standard stream that fails (a closed pipe, /dev/full) while a command runs, or while help is
+    # printed (in make_context): before click turns a closed pipe into a silent exit 1
+    def make_context(self, *args: Any, **kwargs: Any) -> Any:
+        from dgcli.cli import _errors
+
+        with _errors.output_errors():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx: Any) -> Any:
+        from dgcli.cli import _errors
+
+        with _errors.output_errors():
+            return super().invoke(ctx)
 
 
 app = typer.Typer(
@@ -126,8 +154,9 @@ app = typer.Typer(
     name="dg",
     help="Run DiffusionGemma (text diffusion) and its autoregressive base from GGUF files; watch, compare, benchmark.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
@@ -150,6 +179,7 @@ def _root_options(show_version: bool = typer.Option(False, "--version", "-V", ca
 
 app.command("list")(list_models.list_cmd)
 app.command("pull")(pull.pull)
+app.command("rm")(rm.rm)
 app.command("info")(info.info_cmd)
 app.command("generate")(generate.generate)
 app.command("chat")(chat.chat)

@@ -14,7 +14,7 @@ import typer
 from dgcli import hub
 from dgcli.cli import _output, render
 from dgcli.cli._errors import EXIT_INTERRUPTED
-from dgcli.cli._options import typed_option
+from dgcli.cli._options import MODEL_VARIABLE, from_environment, typed_flag, typed_option
 from dgcli.cli._terminal import anchored, echo_off
 from dgcli.errors import DgError
 from dgcli.modelfile import info as ginfo
@@ -111,6 +111,17 @@ def ensure_local(resolved: ResolvedModel, *, yes: bool) -> Path:
 
 def resolve_model(spec: Optional[str], *, yes: bool, want: str,
                   option: str = "--model") -> tuple[ResolvedModel, Path]:
+    """A model by name or path (the default model without one); a name from DG_MODEL is named so in
+    its errors, since the user typed no --model."""
+    if option == "--model" and spec is not None and from_environment("model"):
+        try:
+            return _resolve_model(spec, yes=yes, want=want, option=MODEL_VARIABLE)
+        except DgError as err:
+            raise DgError(f"{MODEL_VARIABLE}={spec}: {err}") from None
+    return _resolve_model(spec, yes=yes, want=want, option=typed_flag("model") if option == "--model" else option)
+
+
+def _resolve_model(spec: Optional[str], *, yes: bool, want: str, option: str) -> tuple[ResolvedModel, Path]:
     resolved = registry().resolve(DEFAULT_MODEL if spec is None else spec, what=f"{option} value")
     if resolved.role is not None and resolved.role != want:
         raise DgError(f"{resolved.display_name} is {ROLE_NAMES[resolved.role]} model; this needs "

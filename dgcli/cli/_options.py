@@ -15,10 +15,26 @@ from dgcli.modelfile.header import read_header
 from dgcli.modelfile.hparams import sampler_defaults
 from dgcli.params import DiffusionParams
 
-ModelOpt = typer.Option(None, "--model", "-m", help="Registry name (`name` or `name:QUANT`, see `dg list`) or a .gguf path. Default: demo.")
+def complete_model(incomplete: str) -> list[str]:
+    """Shell completion of a model: the registry's names and NAME:QUANT (a path falls back to the
+    shell's own file completion)."""
+    from dgcli.registry import Registry
+
+    try:
+        entries = Registry.load().entries.values()
+    except DgError:
+        return []
+    names = [spec for e in entries for spec in [e.name, *(f"{e.name}:{q}" for q in e.files)]]
+    return [name for name in names if name.startswith(incomplete)]
+
+
+# the default model of every command that takes one, from the environment (as llama.cpp's LLAMA_ARG_MODEL)
+MODEL_VARIABLE = "DG_MODEL"
+ModelOpt = typer.Option(None, "--model", "-m", envvar=MODEL_VARIABLE, show_envvar=True, autocompletion=complete_model,
+                        help="Registry name (`name` or `name:QUANT`, see `dg list`) or a .gguf path. Default: demo.")
 YesOpt = typer.Option(False, "--yes", "-y", help="Download a missing registry model without asking.")
 ThreadsOpt = typer.Option(None, "--threads", "-t", help="CPU threads (default: 1 for tiny models under 64 MB, else every core).")
-GpuOpt = typer.Option(0, "--gpu-layers", "-ngl", help="Layers to offload to the GPU (-1 = all).")
+GpuOpt = typer.Option(0, "--gpu-layers", "--n-gpu-layers", "-ngl", help="Layers to offload to the GPU (-1 = all).")
 RpcOpt = typer.Option(
     None, "--rpc", metavar="HOST:PORT[,HOST:PORT]",
     help="Spread the model's layers over llama.cpp RPC workers (`dg worker` on each; all layers unless "
@@ -34,7 +50,17 @@ CtxOpt = typer.Option(None, "--ctx-size", "-c", help="Context size in tokens (0 
 PromptArg = typer.Argument(None, help="The prompt; '-' (or nothing, with piped stdin) reads stdin.", show_default=False)
 PromptOpt = typer.Option(None, "--prompt", "-p", help="The prompt (as llama-cli's -p), instead of the argument.", show_default=False)
 FileOpt = typer.Option(None, "--file", "-f", help="Read the prompt from this file ('-': stdin).", show_default=False)
-SystemOpt = typer.Option(None, "--system", help="A system prompt (through the chat template).", show_default=False)
+SystemOpt = typer.Option(None, "--system", "--system-prompt", "-sys", help="A system prompt (through the chat template).",
+                         show_default=False)
+StopOpt = typer.Option(None, "--reverse-prompt", "-r", "--stop", metavar="TEXT", show_default=False,
+                       help="End the answer where this text first appears, the text left out (llama-cli's -r, "
+                            "llama-server's stop); repeatable.")
+# -n -1: as many answer tokens as the context has room for (llama-cli's)
+UNLIMITED = -1
+
+
+def max_new_tokens_option(help_text: str):
+    return typer.Option(256, "--max-new-tokens", "--n-predict", "-n", help=help_text)
 RawOpt = typer.Option(False, "--raw", help="No chat template: the prompt as it is, after a bos (GGUFs without a template).")
 ParseSpecialOpt = typer.Option(
     False, "--parse-special",
@@ -81,6 +107,51 @@ def resolve_offload(gpu_layers: int, n_cpu_moe: Optional[int], cpu_moe: bool) ->
     return gpu_layers, experts
 
 
+# the command line as dg was given it (cli._OneLineErrors.main records it): which of an option's names
+# the user typed (`-n` or `--max-new-tokens`) is not kept by click
+command_line: list[str] = []
+
+
+def typed_flag(name: str) -> str:
+    """The running command's option `name` as the user typed it (`-n`, `--n-predict`, `--max-new-tokens=5`
+    all name max_new_tokens), for an error about its value; its first long name when it was not typed
+    (a default, an environment variable) or outside a command."""
+    ctx = _current_context()
+    param = next((p for p in ctx.command.params if p.name == name), None) if ctx is not None else None
+    if param is None:
+        return "--" + name.replace("_", "-")
+    names = [*param.opts, *param.secondary_opts]
+    # every name of the command's options: `-ngl` is an option of its own, not `-n` with the value "gl"
+    every = {o for p in ctx.command.params for o in (*getattr(p, "opts", ()), *getattr(p, "secondary_opts", ()))}
+    typed = None
+    for arg in command_line:
+        if arg == "--":
+            break
+        whole = arg.split("=", 1)[0]
+        for opt in names:
+            if whole == opt or (len(opt) == 2 and whole not in every and arg.startswith(opt) and arg[1] != "-"):
+                typed = opt  # the last one counts, as click takes the last value
+    return typed or next((o for o in names if o.startswith("--")), names[0])
+
+
+def _current_context():
+    try:  # typer >= 0.20 vendors click
+        from typer._click.globals import get_current_context
+    except ImportError:  # pragma: no cover - older typer on real click
+        from click.globals import get_current_context
+    return get_current_context(silent=True)
+
+
+def from_environment(name: str) -> bool:
+    """The running command's parameter `name` came from its environment variable (DG_MODEL)."""
+    try:  # typer >= 0.20 vendors click
+        from typer._click.core import ParameterSource
+    except ImportError:  # pragma: no cover - older typer on real click
+        from click.core import ParameterSource
+    ctx = _current_context()
+    return ctx is not None and ctx.get_parameter_source(name) is ParameterSource.ENVIRONMENT
+
+
 def typed_option(name: str) -> bool:
     """Whether the user gave the running command's parameter `name` (e.g. `--gpu-layers 0`), rather than
     it holding its default; False outside a command."""
@@ -123,8 +194,9 @@ def is_loopback(host: str) -> bool:
 
 def diffusion_params(path: Path, temp: Optional[float] = None, **flags: Any) -> DiffusionParams:
     """The GGUF's sampler defaults with the user's flags on top, validated (against the file's canvas)
-    before any loading. temp: a constant temperature (t_min = t_max), llama-cli's --temp."""
+    before any loading. temp: a constant temperature (t_min = t_max), llama-cli's --temp; 0 is greedy."""
     if temp is not None:
+        check_temp(temp)
         if flags.get("t_min") is not None or flags.get("t_max") is not None:
             raise DgError("--temp sets both ends of the temperature schedule; pass --temp or --t-min/--t-max, not both")
         flags.update(t_min=temp, t_max=temp)
@@ -133,19 +205,36 @@ def diffusion_params(path: Path, temp: Optional[float] = None, **flags: Any) -> 
     return sampler_defaults(header).replace(**flags).validate(canvas_length=canvas if isinstance(canvas, int) else None)
 
 
+def check_temp(temp: Optional[float]) -> None:
+    """--temp: 0 (greedy, as llama.cpp's) or a temperature the sampler can compute with."""
+    from dgcli.params import MAX_SAMPLER_FLOAT, MIN_T_MAX, is_real
+
+    if temp is not None and not (is_real(temp) and (temp == 0 or MIN_T_MAX <= temp <= MAX_SAMPLER_FLOAT)):
+        raise InvalidParameter("temp", temp, f"0 (greedy) or a number between {MIN_T_MAX:g} and {MAX_SAMPLER_FLOAT:g}")
+
+
 def check_generation_args(max_new_tokens: int, threads: Optional[int], gpu_layers: int,
-                          ctx_size: Optional[int] = None, pace: float = 0.0) -> None:
+                          ctx_size: Optional[int] = None, pace: float = 0.0, unlimited_ok: bool = False) -> None:
     from dgcli.runtime.cpu import check_threads
     from dgcli.runtime.model import check_gpu_layers
 
-    if max_new_tokens < 1:
-        raise InvalidParameter("max_new_tokens", max_new_tokens, "an integer >= 1")
+    if max_new_tokens < 1 and not (max_new_tokens == UNLIMITED and unlimited_ok):
+        raise InvalidParameter("max_new_tokens", max_new_tokens,
+                               "an integer >= 1, or -1 (up to the context)" if unlimited_ok else "an integer >= 1")
     check_threads(threads)
     check_gpu_layers(gpu_layers)
     if ctx_size is not None and ctx_size < 0:
         raise InvalidParameter("ctx_size", ctx_size, "0 (the model's training context) or a token count")
     if not 0 <= pace <= 60:
         raise InvalidParameter("pace", pace, "seconds per step between 0 and 60")
+
+
+def answer_limit(max_new_tokens: int, model, n_prompt: int) -> int:
+    """-n as the engines take it: -1 is what the context holds after the prompt (at least 1)."""
+    if max_new_tokens != UNLIMITED:
+        return max_new_tokens
+    n_ctx = getattr(model, "n_ctx", None)
+    return max(int(n_ctx) - n_prompt, 1) if isinstance(n_ctx, int) else 1 << 20
 
 
 def seed_of(seed: Optional[int]) -> int:

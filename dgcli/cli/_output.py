@@ -5,6 +5,7 @@ Other modules read `_output.stdout` / `_output.stderr` through this module, so a
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from pathlib import Path
@@ -40,10 +41,19 @@ def _dumb_terminal_size(stream: Any) -> tuple[Optional[int], Optional[int]]:
     return (int(columns) if columns.isdigit() else size.columns) or 80, (int(lines) if lines.isdigit() else size.lines) or 25
 
 
+class _Console(Console):
+    """Rich's Console, but a closed pipe is an error dg handles (cli._errors.output_errors: exit 141
+    quietly), not Rich's exit 1 after pointing stdout at /dev/null whichever stream it was."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+
+
 _PIPE_WIDTH = _pipe_width()
 _STDOUT_DUMB, _STDERR_DUMB = _dumb_terminal_size(sys.stdout), _dumb_terminal_size(sys.stderr)
-stdout = Console(highlight=False, width=_PIPE_WIDTH or _STDOUT_DUMB[0], height=_STDOUT_DUMB[1])
-stderr = Console(stderr=True, highlight=False, width=_STDERR_DUMB[0], height=_STDERR_DUMB[1])
+stdout = _Console(highlight=False, width=_PIPE_WIDTH or _STDOUT_DUMB[0], height=_STDOUT_DUMB[1])
+stderr = _Console(stderr=True, highlight=False, width=_STDERR_DUMB[0], height=_STDERR_DUMB[1])
 
 
 def notice(text: str, style: Optional[str] = None) -> None:
@@ -56,19 +66,25 @@ def notice(text: str, style: Optional[str] = None) -> None:
 def print_table(table: Any, console: Optional[Console] = None) -> None:
     """A Rich table on stdout (or `console`): on a terminal as Rich lays it out; piped, its title and
     caption each one line of their own, for logs and grep (Rich centres both on the table's width,
-    padding them with spaces, and wraps a caption at that width)."""
+    padding them with spaces, and wraps a caption at that width). A table that cannot fit without
+    cutting a word or a figure in two (bench's at 40 columns) is printed a line per row instead."""
     console = console or stdout
-    if console.is_terminal:
-        console.print(table)
+    if console.measure(table, options=console.options.update_width(10_000)).minimum > console.width:
+        for line in render.table_lines(table):
+            console.print(line, soft_wrap=not console.is_terminal)
         return
+    piped = not console.is_terminal
     title, caption = table.title, table.caption
-    table.title = table.caption = None
+    # piped, the title is a line of its own; on a terminal Rich centres it over the table
+    table.title, table.caption = (None if piped else title), None
     try:
-        if title:
+        if piped and title:
             console.print(title, soft_wrap=True)  # markup-escaped text, or a Text
         console.print(table)
+        # the caption at the terminal's width, from the left edge: wrapped at the table's width and
+        # centred, "speedup (diffusion tok/s ÷ AR tok/s):" and its figure were two ragged lines
         if caption:
-            console.print(caption, soft_wrap=True)
+            console.print(caption, soft_wrap=piped, style=None if piped else "dim")
     finally:
         table.title, table.caption = title, caption
 
@@ -97,8 +113,21 @@ def _end_text_line() -> None:
     `| cat`, `| tee`), or in the one file or pipe both streams go to (`> run.log 2>&1`, `2>&1 | cat`);
     stdout keeps its bytes. A status line must start at the left edge, not after the text."""
     if _mid_line["stderr"] or (_mid_line["stdout"] and (stderr.is_terminal or _one_stream())):
-        typer.echo("", err=True)
+        stderr.print()  # through the console: a status line on it stays below
     _mid_line.update(stdout=False, stderr=False)
+
+
+def stdout_is_a_file() -> bool:
+    """stdout goes to a regular file or /dev/null: nothing written there shows on a terminal."""
+    import stat
+
+    try:
+        mode = os.fstat(sys.stdout.fileno()).st_mode
+        null = os.stat(os.devnull)
+        mine = os.fstat(sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):  # no file descriptor (a test runner's buffer)
+        return False
+    return stat.S_ISREG(mode) or (mine.st_dev, mine.st_ino) == (null.st_dev, null.st_ino)
 
 
 def _one_stream() -> bool:

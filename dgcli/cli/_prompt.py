@@ -10,10 +10,13 @@ from pathlib import Path
 from typing import Optional
 
 from dgcli import textfile
+from dgcli.cli._options import typed_flag
+from dgcli.cli._output import notice
 from dgcli.errors import DgError, check_utf8
 
 # A prompt file or piped prompt larger than this is a mistake (a 262k-token context is ~1 MB of text).
 MAX_PROMPT_BYTES = 16 << 20
+END_OF_INPUT = "Ctrl-Z, Enter" if sys.platform == "win32" else "Ctrl-D"
 
 
 def read_prompt(argument: Optional[str], option: Optional[str] = None, file: Optional[Path] = None) -> str:
@@ -30,6 +33,9 @@ def read_prompt(argument: Optional[str], option: Optional[str] = None, file: Opt
     elif text is None or text == "-" or file is not None:
         if text is None and file is None and sys.stdin.isatty():
             raise DgError("no prompt: pass one as an argument, with -p/--prompt or -f/--file, or pipe it on stdin")
+        if sys.stdin.isatty():  # `dg generate -` at a terminal waits for typing: say so, and how to end it
+            notice(f"reading the prompt from the terminal: type it, then {END_OF_INPUT} on a line of its own",
+                   style="dim")
         text = decode_prompt(sys.stdin.buffer.read(MAX_PROMPT_BYTES + 1), "stdin").rstrip("\r\n")
     if not text.strip():
         raise DgError("empty prompt")
@@ -69,13 +75,21 @@ def prompt_messages(text: str, system: Optional[str]) -> list[dict]:
     return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
 
 
+def check_stop_strings(stop: Optional[list[str]]) -> list[str]:
+    """-r/--reverse-prompt/--stop texts: UTF-8 as typed (argument_text), none empty."""
+    texts = [argument_text(s, f"the {typed_flag('stop')} text") for s in stop or []]
+    if any(not s for s in texts):
+        raise DgError(f"empty {typed_flag('stop')} text: it would end every answer before its first token")
+    return texts
+
+
 def check_prompt_options(system: Optional[str], raw: bool) -> Optional[str]:
     """--system checked against --raw; returns its text (argument_text)."""
     if raw and system:
-        raise DgError("--system needs the chat template; with --raw, write the system text into the prompt")
+        raise DgError(f"{typed_flag('system')} needs the chat template; with --raw, write the system text into the prompt")
     if system is not None and not system.strip():
-        raise DgError("empty --system text")
-    return argument_text(system, "the --system text") if system is not None else None
+        raise DgError(f"empty {typed_flag('system')} text")
+    return argument_text(system, f"the {typed_flag('system')} text") if system is not None else None
 
 
 def prompt_ids(model, text: str, *, system: Optional[str], raw: bool, parse_special: bool) -> list[int]:
@@ -89,8 +103,9 @@ def prompt_ids(model, text: str, *, system: Optional[str], raw: bool, parse_spec
     return prompt_token_ids(model, prompt, chat=not raw, parse_special=parse_special)
 
 
-def check_prompt_fits(engine, n_prompt: int) -> None:
-    """Refuse a prompt that leaves no room for one canvas in the context."""
+def check_prompt_fits(engine, n_prompt: int, ctx_size: Optional[int] = None) -> None:
+    """Refuse a prompt that leaves no room for one canvas in the context; else say what -c gave
+    (`ctx_size`, when llama.cpp made it another size) and whether the prompt is past the training context."""
     model = getattr(engine, "model", None)
     n_ctx = getattr(model, "n_ctx", None)
     if model is None or not isinstance(n_ctx, int):
@@ -100,3 +115,23 @@ def check_prompt_fits(engine, n_prompt: int) -> None:
         what = f"one {room}-token canvas" if room > 1 else "one new token"
         raise DgError(f"prompt is {n_prompt} tokens; with {what} it exceeds the context of {n_ctx} tokens "
                       "(raise it with -c/--ctx-size)")
+    note_context_size(model, ctx_size)
+    warn_past_training_context(model, n_prompt)
+
+
+def note_context_size(model, ctx_size: Optional[int]) -> None:
+    """-c N that llama.cpp made another size (it rounds a context up to a multiple of 256 tokens:
+    -c 10 is 256): say what the context is, rather than let the flag look obeyed."""
+    n_ctx = getattr(model, "n_ctx", None)
+    if ctx_size and isinstance(n_ctx, int) and n_ctx != ctx_size:
+        why = " (llama.cpp rounds a context up to a multiple of 256 tokens)" if n_ctx > ctx_size and n_ctx % 256 == 0 else ""
+        notice(f"note: {typed_flag('ctx_size')} {ctx_size} gives a context of {n_ctx} tokens{why}")
+
+
+def warn_past_training_context(model, n_prompt: int) -> None:
+    """A prompt longer than the context the model was trained on fits a larger -c, but what the model
+    makes of the tokens past it degrades: say so rather than let a poor answer look like the model's best."""
+    trained = getattr(model, "n_ctx_train", None)
+    if isinstance(trained, int) and 0 < trained < n_prompt:
+        notice(f"warning: the prompt is {n_prompt} tokens, past the {trained} tokens the model was trained on; "
+               "its answers degrade past there", style="yellow")

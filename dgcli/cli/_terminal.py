@@ -209,13 +209,17 @@ def anchored(progress: Any) -> Any:
 
 
 @contextmanager
-def live_view(renderable: Any) -> Iterator[Live]:
-    """A transient Rich Live on stdout (auto-refresh off: the caller refreshes), keys not echoed, that
-    a resized terminal does not leave old frames of (_AnchoredRender). Ctrl-Z stops it with the
-    terminal given back to the shell; `fg` draws it again (_signals.suspend)."""
+def live_view(renderable: Any, console: Optional[Console] = None, refresh_per_second: Optional[float] = None) -> Iterator[Live]:
+    """A transient Rich Live on stdout (or `console`), keys not echoed, that a resized terminal does not
+    leave old frames of (_AnchoredRender), drawn at once. Auto-refresh off (the caller refreshes) unless
+    `refresh_per_second`. Ctrl-Z stops it with the terminal given back to the shell; `fg` draws it again
+    (_signals.suspend). On stderr, stdout stays where it goes (a pipe, a file: not into the view)."""
+    console = console or _output.stdout
     with echo_off() as quiet:
-        live = _AnchoredLive(renderable, console=_output.stdout, auto_refresh=False, transient=True)
-        live.start()
+        live = _AnchoredLive(renderable, console=console, auto_refresh=refresh_per_second is not None,
+                             refresh_per_second=refresh_per_second or 4, transient=True,
+                             redirect_stdout=console is _output.stdout)
+        live.start(refresh=True)
         try:
             with _signals.suspendable(_suspended_live(live, quiet)):
                 yield live

@@ -26,7 +26,7 @@ END_STYLE = "dim italic"
 THINKING_STYLE = "dim italic"
 MAX_PIECE_CHARS = 16
 # a forward this long with nothing on screen moving looks hung: the live view then counts the seconds
-SLOW_FORWARD_S = 2.0
+SLOW_FORWARD_S = 1.0
 
 
 # Control characters in model output (a random model emits them; any model can) would move the
@@ -161,6 +161,8 @@ class DiffusionLiveView:
         # of seconds on a CPU): a live view says so, or the screen looks hung. None: not computing.
         self.busy_since: float | None = None
         self.stopping = False  # a Ctrl-C came during that forward: the work stops when it returns
+        # what the work before the first step is ("loading demo", "prefill of 27 tokens, then step 1")
+        self.activity = "prefill, then step 1"
 
     def on_event(self, ev) -> None:
         if isinstance(ev, StepEvent):
@@ -179,27 +181,36 @@ class DiffusionLiveView:
             done = (f"{plural(len(self.committed_ids), 'token')}, "
                     f"{plural(len(self.steps_per_canvas), 'canvas', 'canvases')}")
             # no event comes between the prompt's forward and the first step's
-            status = done if self.steps_per_canvas else "prefilling prompt, then step 1…"
+            status = done if self.steps_per_canvas else f"{self.activity}…"
         else:
             status = step_status(self.last_step)
         return status + self.busy_note() + (f"  {self.note}" if self.note else "")
 
+    def start_activity(self, activity: str) -> None:
+        """The work before the first step, counted from now."""
+        self.activity, self.busy_since = activity, time.monotonic()
+
     def busy_note(self, now: float | None = None) -> str:
-        """"  working 12 s": how long the engine has been on the next forward, once that is long enough
-        to look like a hang (the first forward counts from the start: the prompt, then step 1)."""
-        if self.busy_since is None:
-            return ""
-        waited = (time.monotonic() if now is None else now) - self.busy_since
-        if waited < SLOW_FORWARD_S:
-            return ""
-        return f"  working {waited:.0f} s" + (", stopping after this forward (Ctrl-C again: now)"
-                                              if self.stopping else "")
+        """"  working 12 s": how long the engine has been on the next forward (the first counts from the
+        start of the activity: the load, the prompt, then step 1), from the first second."""
+        return busy_words(self.busy_since, self.stopping, now)
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         committed = answer_text(self.committed_text, self.thinking) if self.committed_text else None
         yield fitted_panel(console, options, committed=committed, canvas=self.canvas,
                            status=Text(self.status(), style="cyan"), title=self.title, border_style="magenta",
                            fit=self.fit)
+
+
+def busy_words(since: float | None, stopping: bool = False, now: float | None = None) -> str:
+    """"  working 12 s" since `since` (None: not working), from SLOW_FORWARD_S on; and that a Ctrl-C
+    has come that the work acts on when the forward returns."""
+    if since is None:
+        return ""
+    waited = (time.monotonic() if now is None else now) - since
+    if waited < SLOW_FORWARD_S:
+        return ""
+    return f"  working {waited:.0f} s" + (", stopping after this forward (Ctrl-C again: now)" if stopping else "")
 
 
 class AutoregressiveLiveView:
@@ -210,6 +221,15 @@ class AutoregressiveLiveView:
         self.timed = 0  # tokens whose forward forward_s holds (the first token's came from the prefill: 0 s)
         self.note = ""
         self.fit = True
+        self.activity = "waiting for the diffusion side"  # before its first token: "loading demo-ar", ...
+        self.busy_since: float | None = None  # computing since (None: waiting, or done)
+        self.stopping = False
+
+    def start_activity(self, activity: str) -> None:
+        self.activity, self.busy_since = activity, time.monotonic()
+
+    def busy_note(self, now: float | None = None) -> str:
+        return busy_words(self.busy_since, self.stopping, now)
 
     def on_event(self, ev) -> None:
         if isinstance(ev, TokenEvent):
@@ -219,12 +239,12 @@ class AutoregressiveLiveView:
 
     def status(self) -> str:
         if not self.pieces and not self.note:
-            return "waiting for the diffusion side…"
+            return f"{self.activity}…" + self.busy_note()
         if not self.fit:  # printed once the run is over: the table has the rates
             return plural(len(self.pieces), "token") + (f"  {self.note}" if self.note else "")
         rate = self.timed / self.forward_s if self.forward_s > 0 else None  # None: only the prefill's token yet
         status = f"{plural(len(self.pieces), 'token')}, one forward each  {_fmt(rate, 1)} tok/s (forwards only)"
-        return status + (f"  {self.note}" if self.note else "")
+        return status + self.busy_note() + (f"  {self.note}" if self.note else "")
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         text = "".join(self.pieces)
@@ -257,23 +277,84 @@ class SideBySide:
             grid.add_row(self.left, self.right)
             yield grid
             return
-        # stacked: a live panel fits half the height (fitted_panel reads max_height), so both stay in sight
-        upper = max(options.max_height // 2, 1)
-        for view, rows in ((self.left, upper), (self.right, max(options.max_height - upper, 1))):
+        # stacked: the panels share the height (fitted_panel reads max_height), so both stay in sight; a
+        # panel that needs little (the AR side waiting: one line) leaves the rest to the other, or at
+        # 40x12 the canvas being denoised had no row left under its status
+        for view, rows in zip((self.left, self.right), self.stacked_rows(console, options)):
             view_options = options.copy()
             view_options.max_height = rows
             yield from console.render(view, view_options)
+
+    def stacked_rows(self, console: Console, options: ConsoleOptions) -> tuple[int, int]:
+        """(rows of the upper panel, rows of the lower one) out of the height: each what it needs when
+        both fit, else the smaller need (at most half) and the rest to the other."""
+        total = options.max_height
+        if not self.left.fit:  # printed whole once the run is over: no height to share
+            return total, total
+        needs = []
+        for view in (self.left, self.right):
+            view_options = options.copy()
+            view_options.max_height = total
+            needs.append(len(console.render_lines(view, view_options, pad=False)) + LIVE_SPARE_ROWS)
+        if sum(needs) <= total:
+            return needs[0], total - needs[0]
+        small = 0 if needs[0] <= needs[1] else 1
+        rows = [0, 0]
+        rows[small] = max(min(needs[small], total // 2), 1)
+        rows[1 - small] = max(total - rows[small], 1)
+        return rows[0], rows[1]
+
+
+def forwards_words(res: GenerationResult) -> str:
+    """"8 forwards (7 steps + 1 commit)": every model pass after the prefill, and what they were (a
+    diffusion run's commit passes each cost a forward too); "2 forwards" when all were steps."""
+    total = plural(res.forwards, "forward")
+    if res.mode != "diffusion" or not res.commit_forwards:  # a single canvas: every forward was a step
+        return total
+    return f"{total} ({plural(res.decoder_forwards, 'step')} + {plural(res.commit_forwards, 'commit')})"
+
+
+def unfinished_words(res: GenerationResult) -> str:
+    """What an interruption left: "interrupted; the last 7 tokens are canvas 2's, unfinished"."""
+    if not res.unfinished_tokens:
+        return "interrupted"
+    canvas = len(res.steps_per_canvas) or 1
+    return (f"interrupted; the last {plural(res.unfinished_tokens, 'token')} are what unfinished canvas {canvas} "
+            "had accepted")
+
+
+def table_lines(table: Table) -> list[Text]:
+    """A table too wide for the terminal, a line per row: "tok/s: diffusion 255.10, AR 875.67" (a
+    two-column table: "canvas step: 8.972 ms"), under its title and over its caption, each wrapped
+    at spaces by the console: no figure is cut in two as a squeezed column folds it."""
+    def plain(cell) -> str:
+        return cell.plain if isinstance(cell, Text) else Text.from_markup(str(cell)).plain
+
+    columns = table.columns
+    lines = [Text(plain(table.title), style="italic")] if table.title else []
+    for row in range(table.row_count):
+        cells = [plain(list(column.cells)[row]) for column in columns]
+        if len(columns) == 2:
+            rest = cells[1]
+        else:
+            rest = ", ".join(f"{plain(column.header)} {cell}" for column, cell in zip(columns[1:], cells[1:]))
+        line = Text(cells[0] + ": ", style="bold")
+        line.append(rest)
+        lines.append(line)
+    if table.caption:
+        lines.append(Text(plain(table.caption), style="dim"))
+    return lines
 
 
 def result_summary(res: GenerationResult) -> str:
     """One line: answer tokens (answer_token_ids), time, tok/s, forwards, tokens per forward, stop, seed."""
     spc = res.steps_per_canvas
     steps = f"  steps/canvas {','.join(map(str, spc))}" if spc else ""
-    flag = "  (interrupted)" if res.interrupted else ""
+    flag = f"  ({unfinished_words(res)})" if res.interrupted else ""
     seed = f"  seed {res.seed}" if res.seed is not None else ""
     return (
         f"{plural(res.n_new_tokens, 'new token')} in {format_figure(res.total_s, 2, significant=1)}s  {_fmt(res.tokens_per_second, 1)} tok/s  "
-        f"{plural(res.decoder_forwards, 'forward')}  {format_figure(res.tokens_per_forward)} tokens/forward{steps}  "
+        f"{forwards_words(res)}  {format_figure(res.tokens_per_forward)} tokens/forward{steps}  "
         f"stop={res.stop_reason}{seed}{flag}"
     )
 
@@ -293,7 +374,8 @@ def compare_rows(diff: GenerationResult, ar: GenerationResult,
         ("new tokens", str(diff.n_new_tokens), str(ar.n_new_tokens)),
         ("wall time (s)", _fmt(diff.total_s, significant=1), _fmt(ar.total_s, significant=1)),
         ("tok/s", _fmt(diff.tokens_per_second), _fmt(ar.tokens_per_second)),
-        ("forwards", str(diff.decoder_forwards), str(ar.decoder_forwards)),
+        ("forwards", str(diff.forwards), str(ar.forwards)),
+        ("of them commits", str(diff.commit_forwards), str(ar.commit_forwards)),
         ("tokens/forward", _fmt(diff.tokens_per_forward), _fmt(ar.tokens_per_forward)),
         ("steps/canvas", spc(diff), spc(ar)),
         ("peak RSS", format_bytes(diff_rss), format_bytes(ar_rss)),
@@ -349,16 +431,17 @@ def placement_lines(what: str, report, target: str = "the GPU") -> list[str]:
     """A runtime.offload.LoadReport as a few lines: layers offloaded (to `target`: the GPU, or the RPC
     workers), buffers per device, and the tensors an override kept in system memory (layer runs merged:
     blk.{0-9}.ffn_down_exps.weight)."""
-    from dgcli.runtime.offload import layer_ranges
+    from dgcli.runtime.offload import layer_ranges, mib_bytes
 
     if report.offloaded_layers is None:
         lines = [f"{what}: every weight is in system memory: {report.why_cpu_only()}"]
     else:
         lines = [f"{what}: {report.offloaded_layers}/{report.total_layers} layers offloaded to {target}"]
     if report.buffers:
-        # as llama.cpp logs them, in MiB to 2 decimals: converted to kB or MB they would read as more
-        # precise than they are, and a buffer under 0.005 MiB as none
-        lines.append("  buffers: " + ", ".join(f"{name} {kind} {mib:.2f} MiB" for name, kind, mib in report.buffers))
+        # decimal MB as every size dg prints, to 2 decimals as llama.cpp logs its MiB: a kB figure would read
+        # as more precise than it is (0.12 MiB as "125.8 kB"), and a buffer under 0.005 MiB as "0 B"
+        lines.append("  buffers: " + ", ".join(f"{name} {kind} {mib_bytes(mib) / 1e6:.2f} MB"
+                                              for name, kind, mib in report.buffers))
     runs: dict[tuple[str, str], set[int]] = {}
     for tensor, buft in report.overridden:
         layer, _, rest = tensor.removeprefix("blk.").partition(".")

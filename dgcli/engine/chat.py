@@ -14,7 +14,7 @@ special care: the cache keeps only its prefix that still matches.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from dgcli.engine.diffusion import prompt_token_ids
 from dgcli.engine.rng import SEED_LIMIT, resolve_seed
@@ -43,12 +43,13 @@ class ChatSession:
     """The conversation (chat messages) and its generation settings over one DiffusionEngine."""
 
     def __init__(self, engine: Any, *, system: str | None = None, params: DiffusionParams | None = None,
-                 max_new_tokens: int = 256, seed: int | None = None, parse_special: bool = False,
-                 self_cond_top_k: int | None = None):
+                 max_new_tokens: int | None = 256, seed: int | None = None, parse_special: bool = False,
+                 self_cond_top_k: int | None = None, stop: Sequence[str] = ()):
         self.engine = engine
         self.system = system or None
         self.params = params
-        self.max_new_tokens = max_new_tokens
+        self.max_new_tokens = max_new_tokens  # None: as many as the context holds after each turn's prompt
+        self.stop = list(stop)
         self.seed = resolve_seed(seed)  # turn i uses seed + i: a whole session replays from one number
         self.parse_special = parse_special
         self.self_cond_top_k = self_cond_top_k
@@ -66,19 +67,43 @@ class ChatSession:
         return prompt_token_ids(self.engine.model, self.messages + [{"role": "user", "content": text}],
                                 parse_special=self.parse_special)
 
-    def ask(self, text: str, on_event: Callable[[Any], Any] | None = None) -> GenerationResult:
-        """One turn. The answer (even a partial one, after Ctrl-C) joins the conversation."""
+    def ask(self, text: str, on_event: Callable[[Any], Any] | None = None,
+            on_prompt: Callable[[list[int]], Any] | None = None) -> GenerationResult:
+        """One turn. The answer (even a partial one, after Ctrl-C) joins the conversation. on_prompt:
+        called with the turn's prompt ids (the whole conversation) before its prefill."""
         if not text.strip():
             raise DgError("empty message")
         check_utf8(text, "the message")
         ids = self.prompt_ids(text)
         self._check_room(len(ids))
-        options = {} if self.self_cond_top_k is None else {"self_cond_top_k": self.self_cond_top_k}
-        result = self.engine.generate(ids, params=self.params, max_new_tokens=self.max_new_tokens,
+        if on_prompt is not None:
+            on_prompt(ids)
+        options: dict[str, Any] = {} if self.self_cond_top_k is None else {"self_cond_top_k": self.self_cond_top_k}
+        if self.stop:
+            options["stop"] = self.stop
+        result = self.engine.generate(ids, params=self.params, max_new_tokens=self._answer_limit(len(ids)),
                                       seed=(self.seed + len(self.turns)) % SEED_LIMIT, on_event=on_event,
                                       reuse_cache=True, **options)
         self.turns.append((text, result.text))
         return result
+
+    def _answer_limit(self, n_prompt: int) -> int:
+        if self.max_new_tokens is not None:
+            return self.max_new_tokens
+        n_ctx = getattr(self.engine.model, "n_ctx", None)
+        return max(int(n_ctx) - n_prompt, 1) if isinstance(n_ctx, int) else 1 << 20
+
+    def uncached_tokens(self, ids: list[int]) -> int:
+        """How many of a turn's prompt ids the KV cache does not hold yet (what its prefill computes,
+        unless a sliding-window layer makes it start over); all of them for a model that cannot say."""
+        cached = getattr(self.engine.model, "cache_tokens", None)
+        kept = 0
+        if isinstance(cached, list):
+            for old, new in zip(cached, ids):
+                if old != new:
+                    break
+                kept += 1
+        return len(ids) - kept
 
     def _check_room(self, n_prompt: int) -> None:
         model = self.engine.model

@@ -44,6 +44,7 @@ from dgcli.engine.sampler import (
     renoise_canvas,
     schedule_temperature,
 )
+from dgcli.engine.stops import first_stop, tokens_before
 from dgcli.engine.types import CanvasEvent, GenerationResult, StepEvent, answer_token_ids
 from dgcli.errors import WORKER_LOST, ContextFull, DgError, InvalidParameter, WorkerLost
 from dgcli.params import DiffusionParams
@@ -70,8 +71,10 @@ class _LoopState:
     committed: list[np.ndarray] = field(default_factory=list)  # finalized canvases (padded after the end token)
     answer: list[int] = field(default_factory=list)  # answer tokens of the finalized canvases
     current_argmax: np.ndarray | None = None  # the in-progress canvas's argmax after its latest step
+    current_accepted: np.ndarray | None = None  # the positions its latest step accepted
     steps_per_canvas: list[int] = field(default_factory=list)
     decoder_forwards: int = 0
+    commit_forwards: int = 0  # encoder passes that appended a finished canvas to the KV cache
     forward_s: float = 0.0
     sampling_s: float = 0.0
     prefill_s: float = 0.0
@@ -191,8 +194,12 @@ class DiffusionSequence:
 
     def __init__(self, model: Any, prompt_ids: Sequence[int], params: DiffusionParams, max_new_tokens: int,
                  rng: RngStream, step_sampler: StepSampler | None, top_k: int = 0, pad_token_id: int | None = GEMMA_PAD_TOKEN_ID,
-                 on_event: EventCallback | None = None, ignore_eos: bool = False):
+                 on_event: EventCallback | None = None, ignore_eos: bool = False, stop: Sequence[str] = ()):
         self.model = model
+        # stop strings: the answer ends before the first of them (stop_reason "stop"); its text then
+        # ends exactly there, its tokens at the last one wholly before it
+        self.stop_strings = [s for s in stop if s]
+        self.stop_text: str | None = None
         # ignore_eos (llama.cpp's --ignore-eos): end tokens are answer tokens like any other and a
         # canvas of padding does not end it either, so a generation runs to max_new_tokens
         self.ignore_eos = ignore_eos
@@ -257,7 +264,7 @@ class DiffusionSequence:
         used_dropped = self.self_cond.dropped_mass if self.self_cond is not None else 0.0
         outcome = self._apply_rules(plan, stats, sampler_s)
         self.canvas, self.self_cond = outcome.canvas, outcome.self_cond
-        state.current_argmax = outcome.argmax
+        state.current_argmax, state.current_accepted = outcome.argmax, outcome.accepted_mask
         state.steps_per_canvas[-1] = plan.step
         state.decoder_forwards += 1
         state.forward_s += forward_s
@@ -296,11 +303,13 @@ class DiffusionSequence:
         argmax_canvas = state.current_argmax
         canvas, state.found_end = finalize_canvas(argmax_canvas, self.end_token_ids, self.pad_token_id)
         state.committed.append(canvas)
-        state.current_argmax = None
+        state.current_argmax = state.current_accepted = None
         whole = answer_token_ids(canvas, self.end_token_ids, self.pad_token_id)
         self._canvas_answer = whole[:state.limit - len(state.answer)]
         state.answer.extend(self._canvas_answer)
-        if len(self._canvas_answer) < len(whole):
+        if self._cut_at_stop_string():
+            self.stop_reason = "stop"
+        elif len(self._canvas_answer) < len(whole):
             self.stop_reason = "length"  # cut at max_new_tokens, whatever the canvas went on to say
         elif state.found_end:
             self.stop_reason = "end_token"
@@ -310,35 +319,58 @@ class DiffusionSequence:
             self.stop_reason = "length"
         return None if self.done else argmax_canvas
 
-    def canvas_done(self, commit_s: float) -> None:
-        """Emit the CanvasEvent (the canvas's answer tokens); the next canvas follows unless done."""
+    def _cut_at_stop_string(self) -> bool:
+        """A stop string in the answer so far: the answer (and this canvas's part of it) ends before it."""
+        if not self.stop_strings:
+            return False
+        state = self.state
+        text = self.model.detokenize(state.answer)
+        cut = first_stop(text, self.stop_strings)
+        if cut < 0:
+            return False
+        keep = tokens_before(state.answer, self.model.detokenize, cut)
+        dropped = len(state.answer) - keep
+        self._canvas_answer = self._canvas_answer[:max(len(self._canvas_answer) - dropped, 0)]
+        del state.answer[keep:]
+        self.stop_text = text[:cut]
+        return True
+
+    def canvas_done(self, commit_s: float | None) -> None:
+        """Emit the CanvasEvent (the canvas's answer tokens); the next canvas follows unless done.
+        commit_s: the commit pass's time, None when the canvas was not committed (the last one)."""
+        if commit_s is not None:
+            self.state.commit_forwards += 1
         _emit(self.events, CanvasEvent(canvas_index=self.canvas_index, token_ids=self._canvas_answer,
-                                       steps=self.state.steps_per_canvas[-1], commit_s=commit_s))
+                                       steps=self.state.steps_per_canvas[-1], commit_s=commit_s or 0.0))
         if not self.done:
             self.canvas_index += 1
 
     # ---- result ------------------------------------------------------------------------------------
 
     def result(self, stop_reason: str | None = None, seed: int | None = None) -> GenerationResult:
-        """What this generation produced so far; stop_reason "interrupted" (or WORKER_LOST) adds the
-        current canvas's answer."""
+        """What this generation produced so far; stop_reason "interrupted" (or WORKER_LOST) adds what the
+        unfinished canvas had accepted (`unfinished_canvas_tokens`)."""
         state = self.state
         stop_reason = stop_reason or self.stop_reason or "length"
         interrupted = stop_reason in ("interrupted", WORKER_LOST)
         answer = list(state.answer)
+        unfinished: list[int] = []
         if interrupted and state.current_argmax is not None and not state.found_end:
-            answer.extend(answer_token_ids(state.current_argmax, self.end_token_ids, self.pad_token_id,
-                                           limit=state.limit - len(state.answer)))
-        forwards = state.decoder_forwards
+            unfinished = unfinished_canvas_tokens(state.current_argmax, state.current_accepted, self.end_token_ids,
+                                                  self.pad_token_id, limit=state.limit - len(state.answer))
+            answer.extend(unfinished)
+        forwards = state.decoder_forwards + state.commit_forwards
         display_s = self.events.seconds
         return GenerationResult(
             mode="diffusion",
-            text=self.model.detokenize(answer),
+            text=self.stop_text if self.stop_text is not None else self.model.detokenize(answer),
             token_ids=answer,
             n_prompt_tokens=len(state.prompt_ids),
             steps_per_canvas=list(state.steps_per_canvas),
-            decoder_forwards=forwards,
+            decoder_forwards=state.decoder_forwards,
+            commit_forwards=state.commit_forwards,
             tokens_per_forward=len(answer) / forwards if forwards else 0.0,
+            unfinished_tokens=len(unfinished),
             prefill_s=state.prefill_s,
             total_s=time.perf_counter() - self.started - display_s,
             forward_s=state.forward_s,
@@ -351,6 +383,17 @@ class DiffusionSequence:
             self_conditioning=self_cond_form(self.top_k),
             canvas_token_ids=[int(t) for canvas in state.committed for t in canvas],
         )
+
+
+def unfinished_canvas_tokens(argmax: np.ndarray, accepted: np.ndarray | None, end_token_ids: Sequence[int],
+                             pad_token_id: int | None, limit: int) -> list[int]:
+    """The answer tokens of a canvas an interruption left unfinished: its argmax at the positions its
+    latest step accepted, from its start up to the first position not accepted (a position after
+    that one may read well but follows text the canvas has not settled), up to an end token."""
+    if accepted is None:
+        return []
+    settled = int(np.argmin(accepted)) if not bool(np.all(accepted)) else len(accepted)
+    return answer_token_ids(argmax[:settled], end_token_ids, pad_token_id, limit=limit)
 
 
 def denoising_step(model: Any, sequences: Sequence[DiffusionSequence]) -> list[bool]:
@@ -451,24 +494,28 @@ class DiffusionEngine:
 
     def new_sequence(self, prompt_ids: Sequence[int], params: DiffusionParams | None = None, max_new_tokens: int = 256,
                      seed: int | None = None, on_event: EventCallback | None = None, rng: RngStream | None = None,
-                     self_cond_top_k: int | str | None = None, ignore_eos: bool = False) -> DiffusionSequence:
+                     self_cond_top_k: int | str | None = None, ignore_eos: bool = False,
+                     stop: Sequence[str] = ()) -> DiffusionSequence:
         """A generation's state with every setting validated; nothing runs yet. seed None: a random
-        seed (rng.seed reports it). ignore_eos: end tokens do not end the answer."""
+        seed (rng.seed reports it). ignore_eos: end tokens do not end the answer. stop: strings that
+        end it (left out)."""
         setting = self.self_cond_top_k if self_cond_top_k is None else self_cond_top_k
         top_k = resolve_self_cond_top_k(setting, self.model.vocab_size, exact=getattr(self.model, "exact", False))
         return DiffusionSequence(
             self.model, prompt_ids, params or self.default_params, max_new_tokens,
             rng if rng is not None else RngStream(resolve_seed(seed)), self.step_sampler,
-            top_k=top_k, pad_token_id=self.pad_token_id, on_event=on_event, ignore_eos=ignore_eos)
+            top_k=top_k, pad_token_id=self.pad_token_id, on_event=on_event, ignore_eos=ignore_eos, stop=stop)
 
     def generate(self, prompt: str | Sequence[int], params: DiffusionParams | None = None, max_new_tokens: int = 256,
                  seed: int | None = None, chat: bool = True, on_event: EventCallback | None = None,
                  rng: RngStream | None = None, self_cond_top_k: int | str | None = None,
-                 reuse_cache: bool = False, parse_special: bool = False, ignore_eos: bool = False) -> GenerationResult:
+                 reuse_cache: bool = False, parse_special: bool = False, ignore_eos: bool = False,
+                 stop: Sequence[str] = ()) -> GenerationResult:
         """One generation. prompt: see `prompt_token_ids`. seed None: a random seed, reported in the
         result. reuse_cache: keep the KV cache's longest prefix shared with the prompt's tokens and
-        prefill only the rest (chat turns)."""
-        seq = self.new_sequence([], params, max_new_tokens, seed, on_event, rng, self_cond_top_k, ignore_eos)
+        prefill only the rest (chat turns). stop: the answer ends before the first of these strings
+        (stop_reason "stop"; llama-cli's -r, llama-server's stop)."""
+        seq = self.new_sequence([], params, max_new_tokens, seed, on_event, rng, self_cond_top_k, ignore_eos, stop)
         stop_reason = None
         try:
             seq.state.prompt_ids = prompt_token_ids(self.model, prompt, chat, parse_special)
@@ -482,7 +529,7 @@ class DiffusionEngine:
                     to_commit = seq.finish_canvas()
                     if to_commit is not None and not self._room_for_another_canvas():
                         seq.stop_reason, to_commit = "context_full", None
-                    seq.canvas_done(0.0 if to_commit is None else self._commit_canvas(to_commit))
+                    seq.canvas_done(None if to_commit is None else self._commit_canvas(to_commit))
                     if not seq.done:
                         seq.start_canvas()
         except (KeyboardInterrupt, _StopRequested):

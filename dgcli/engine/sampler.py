@@ -30,13 +30,16 @@ import numpy as np
 
 from dgcli.engine.rng import inverse_cdf_sample
 from dgcli.errors import DgError
+from dgcli.params import GREEDY_TEMPERATURE
 from dgcli.runtime.forward import StepStats
 
 
 def schedule_temperature(cur_step: int, max_steps: int, t_min: float, t_max: float) -> np.float32:
-    """The linear schedule, in float32 as the reference evaluates it (`cur_step` is an int32 tensor there)."""
+    """The linear schedule, in float32 as the reference evaluates it (`cur_step` is an int32 tensor there).
+    A schedule at 0 (t_max = 0) is greedy: GREEDY_TEMPERATURE (dgcli.params)."""
     fraction = np.float32(cur_step) / np.float32(max_steps)
-    return np.float32(np.float32(t_min) + np.float32(t_max - t_min) * fraction)
+    temperature = np.float32(np.float32(t_min) + np.float32(t_max - t_min) * fraction)
+    return temperature if temperature > 0 else np.float32(GREEDY_TEMPERATURE)
 
 
 class StepSampler(Protocol):

@@ -130,8 +130,11 @@ class GenerationResult:
     token_ids: list[int]  # the answer's tokens (answer_token_ids)
     n_prompt_tokens: int
     steps_per_canvas: list[int] = field(default_factory=list)  # diffusion only
-    decoder_forwards: int = 0  # forwards that produced new tokens (AR: one per token)
-    tokens_per_forward: float = 0.0  # answer tokens / decoder forwards
+    decoder_forwards: int = 0  # forwards that produced new tokens (diffusion: one per step; AR: one per token)
+    # diffusion: the encoder passes that appended a finished canvas to the KV cache (every canvas but the
+    # last); each costs about a forward, so `forwards` counts them. AR: 0 (its decode of a token appends it).
+    commit_forwards: int = 0
+    tokens_per_forward: float = 0.0  # answer tokens / forwards (decoder_forwards + commit_forwards)
     prefill_s: float = 0.0
     total_s: float = 0.0  # wall time of the generation, without the time spent in the caller's on_event
     forward_s: float = 0.0  # sum of forward time over steps/tokens
@@ -152,6 +155,9 @@ class GenerationResult:
     # answer tokens whose logits came from the prefill (AR: the first token, when it is an answer token): made
     # before the time tok/s divides by, so not counted in it
     prefill_answer_tokens: int = 0
+    # the last this many of token_ids come from a canvas an interruption left unfinished: what it had
+    # accepted from its start (diffusion; 0 otherwise)
+    unfinished_tokens: int = 0
     # diffusion: the self-conditioning form the steps fed back, "dense" (the reference's) or "top-K"
     self_conditioning: str | None = None
     # diffusion: every finalized canvas as the reference returns it (end token and padding kept)
@@ -160,6 +166,11 @@ class GenerationResult:
     @property
     def n_new_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def forwards(self) -> int:
+        """Every model pass after the prefill: the decoder forwards and the commit passes."""
+        return self.decoder_forwards + self.commit_forwards
 
     @property
     def generation_s(self) -> float:
@@ -186,5 +197,6 @@ class GenerationResult:
         out = asdict(self)
         del out["canvas_token_ids"]  # the trace holds the canvases
         out["n_new_tokens"] = self.n_new_tokens
+        out["forwards"] = self.forwards
         out["tokens_per_second"] = self.tokens_per_second
         return out

@@ -4,10 +4,11 @@ llama.cpp trusts its files: a block_count of 0, a rope dimension of 63, an epsil
 identical vocabulary entries or a head count that does not divide abort the process (GGML_ASSERT
 and a native backtrace) or, for rope.dimension_count = 0, loop forever. `check_model_header`
 refuses such a file with one line naming the key, its value and what it must be. It covers both
-architectures dg loads: `diffusion-gemma` (our loader, native/patch/src/models/diffusion-gemma.cpp,
-which repeats the checks for C++ callers) and the stock `gemma4` (the AR side, where Python is the
-only guard). Values are checked as llama.cpp will use them, defaults included (a missing
-rope.dimension_count_swa inherits rope.dimension_count, for instance).
+architectures dg loads: `diffusion-gemma` (our loader, whose checks in
+native/patch/src/diffusion-gemma-hparams-check.cpp repeat these for C++ callers) and the stock
+`gemma4` (the AR side, where Python is the only guard). Values are checked as llama.cpp will use
+them, defaults included (a missing rope.dimension_count_swa inherits rope.dimension_count, for
+instance).
 """
 
 from __future__ import annotations

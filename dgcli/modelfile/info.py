@@ -23,9 +23,14 @@ from dgcli.runtime.cpu import cpu_flags, is_x86_64
 from dgcli.runtime.offload import PlacementPlan, plan_placement
 from dgcli.units import format_bytes
 
-# llama.cpp mmaps the weights; KV cache, compute buffers and the process itself come on top.
-MEMORY_OVERHEAD_FACTOR = 1.10
-MEMORY_OVERHEAD_BYTES = 256 * 1024**2
+# llama.cpp mmaps the weights; KV cache, compute buffers and the process itself come on top: 5% over
+# the weights (activations, the mapping's slack), the logits of a micro-batch twice (llama.cpp's
+# compute buffer and its output buffer: 1.1 GB at the real vocabulary, 2 MB for the demo's), and the
+# process (Python, numpy, dg's modules, llama.cpp's library: 70 MB measured for the demo model, whose
+# weights are 2 MB). The fixed 256 MiB this replaced made the demo "need" 270.7 MB, and left the real
+# model's logits to the percentage.
+MEMORY_OVERHEAD_FACTOR = 1.05
+PROCESS_BYTES = 100 * 1000**2
 # Where a sampler default comes from: the file's own value, the file's value that dg filled with the
 # reference's default (the checkpoint had none), or no value in the file (the reference's default applies).
 FROM_GGUF, FROM_GGUF_REFERENCE_DEFAULT, FROM_DEFAULT = "gguf", "gguf: reference default", "default"
@@ -141,6 +146,9 @@ class GgufInfo:
     # diffusion: the transposed embeddings of dense self-conditioning (counted in the needs above), and where
     self_cond_bytes: int = 0
     self_cond_on_gpu: bool = False
+    # the context whose KV cache the needs count (dg info -c N), in tokens; None: none asked for (the
+    # default context's cache is then counted on the GPU only)
+    kv_context: int | None = None
 
     @property
     def is_diffusion(self) -> bool:
@@ -170,8 +178,14 @@ class GgufInfo:
         return out
 
 
-def memory_needed(file_size: int) -> int:
-    return int(file_size * MEMORY_OVERHEAD_FACTOR) + MEMORY_OVERHEAD_BYTES
+def logits_bytes(vocab: int, canvas: int) -> int:
+    """A micro-batch's logits (the larger of a prompt chunk and a canvas), float32, held twice."""
+    return 2 * max(N_UBATCH, canvas) * vocab * 4
+
+
+def memory_needed(weight_bytes: int, vocab: int = 0, canvas: int = 0) -> int:
+    """RAM for a process holding `weight_bytes` of weights and making logits over `vocab` tokens."""
+    return int(weight_bytes * MEMORY_OVERHEAD_FACTOR) + logits_bytes(vocab, canvas) + PROCESS_BYTES
 
 
 def _layer_values(value: Any, n_layer: int, default: int) -> list[int]:
@@ -213,15 +227,15 @@ def memory_plan(get, tensors: list[tuple[str, int]], vocab: int, file_size: int,
         kv = [n_seq * b for b in kv_cache_bytes(get, arch, n_layer, n_ctx)]
     else:
         kv = kv_cache_bytes(get, arch, n_layer)
-    if plan.gpu_weight_bytes == 0:
-        return plan, memory_needed(file_size) + (sum(kv) if context is not None else 0), 0
-    start = n_layer + 1 - plan.gpu_layer_count
-    kv_gpu = sum(kv[il] for il in range(max(start, 0), n_layer))
     canvas = get("diffusion.canvas_length")
     canvas = canvas if isinstance(canvas, int) and canvas > 0 else 0
-    logits = 2 * max(N_UBATCH, canvas) * vocab * 4
-    gpu_need = plan.gpu_weight_bytes + kv_gpu + logits + GPU_RUNTIME_BYTES
-    ram_need = memory_needed(plan.ram_weight_bytes) + (sum(kv) - kv_gpu)
+    if plan.gpu_weight_bytes == 0:
+        return plan, memory_needed(file_size, vocab, canvas) + (sum(kv) if context is not None else 0), 0
+    start = n_layer + 1 - plan.gpu_layer_count
+    kv_gpu = sum(kv[il] for il in range(max(start, 0), n_layer))
+    gpu_need = plan.gpu_weight_bytes + kv_gpu + logits_bytes(vocab, canvas) + GPU_RUNTIME_BYTES
+    # the host keeps its copy of the logits (llama.cpp's output buffer) beside the GPU's
+    ram_need = memory_needed(plan.ram_weight_bytes, vocab, canvas) + (sum(kv) - kv_gpu)
     if any(g.metal for g in gpus):
         if canvas:  # the one-graph step's sampler pass in ggml ops (dg_denoise_step on a GPU)
             gpu_need += metal_step_scratch_bytes(vocab, canvas)
@@ -374,14 +388,22 @@ def quant_pair(diffusion_path: Path | str, ar_path: Path | str) -> QuantPair:
 
 
 def read_info(path: Path | str, *, n_gpu_layers: int = 0, n_cpu_moe: int = 0,
-              gpus: list[GpuMemory] | None = None) -> GgufInfo:
-    """What the file holds, and where its weights would go with this offload (gpus: detected when None).
-    From the header alone: nothing is loaded, and arrays are not read."""
-    return info_from_header(read_header(path), n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe, gpus=gpus)
+              gpus: list[GpuMemory] | None = None, n_ctx: int | None = None) -> GgufInfo:
+    """What the file holds, and where its weights would go with this offload (gpus: detected when None),
+    with the KV cache of a context of n_ctx tokens (0: the training context) when given. From the
+    header alone: nothing is loaded, and arrays are not read."""
+    return info_from_header(read_header(path), n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe, gpus=gpus,
+                            n_ctx=n_ctx)
+
+
+def context_cells(header: GgufHeader, n_ctx: int) -> int:
+    """The KV cells a context of n_ctx tokens has; 0: the model's training context."""
+    trained = header.arch("context_length")
+    return n_ctx or (trained if isinstance(trained, int) and trained > 0 else KV_CONTEXT)
 
 
 def info_from_header(header: GgufHeader, *, n_gpu_layers: int = 0, n_cpu_moe: int = 0,
-                     gpus: list[GpuMemory] | None = None) -> GgufInfo:
+                     gpus: list[GpuMemory] | None = None, n_ctx: int | None = None) -> GgufInfo:
     """read_info from a parsed header (a local file's, or one read from the Hub: dgcli.remote_gguf)."""
     import psutil
 
@@ -418,7 +440,8 @@ def info_from_header(header: GgufHeader, *, n_gpu_layers: int = 0, n_cpu_moe: in
     vm = psutil.virtual_memory()
     if gpus is None:
         gpus = detect_gpus() if n_gpu_layers != 0 else []
-    plan, ram_need, gpu_need = header_plan(header, n_gpu_layers, n_cpu_moe, gpus)
+    cells = context_cells(header, n_ctx) if n_ctx is not None else None
+    plan, ram_need, gpu_need = header_plan(header, n_gpu_layers, n_cpu_moe, gpus, None if cells is None else (cells, 1))
     sc_ram, sc_gpu = self_cond_copy_bytes(header, plan)
     return GgufInfo(
         path=str(header.path),
@@ -455,6 +478,7 @@ def info_from_header(header: GgufHeader, *, n_gpu_layers: int = 0, n_cpu_moe: in
         placement=plan.groups(),
         self_cond_bytes=sc_ram + sc_gpu,
         self_cond_on_gpu=sc_gpu > 0,
+        kv_context=cells,
     )
 
 
@@ -540,9 +564,7 @@ def check_fits_memory(path: Path | str, *, n_gpu_layers: int = 0, n_cpu_moe: int
     header = read_header(path)
     context = None
     if n_ctx is not None:
-        trained = header.arch("context_length")
-        cells = n_ctx or (trained if isinstance(trained, int) and trained > 0 else KV_CONTEXT)
-        context = (cells, max(n_seq, 1))
+        context = (context_cells(header, n_ctx), max(n_seq, 1))
     _, ram_need, gpu_need = header_plan(header, n_gpu_layers, n_cpu_moe, gpus, context)
     name, total = Path(path).name, psutil.virtual_memory().total
     if context is not None and ram_need > total and header_plan(header, n_gpu_layers, n_cpu_moe, gpus)[1] <= total:

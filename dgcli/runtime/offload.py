@@ -192,6 +192,11 @@ _OFFLOADED = re.compile(r"offloaded (\d+)/(\d+) layers to GPU")
 _OVERRIDE = re.compile(r"tensor (\S+) \(.*\) buffer type overridden to (\S+)")
 
 
+def mib_bytes(mib: float) -> int:
+    """A size llama.cpp logged in MiB, in bytes."""
+    return round(mib * 2**20)
+
+
 @dataclass
 class LoadReport:
     """Placement as llama.cpp's load log states it (its INFO and DEBUG lines)."""
@@ -242,7 +247,9 @@ class LoadReport:
         return out
 
     def to_json(self) -> dict:
+        """Buffer sizes in bytes, as every size in dg's JSON (llama.cpp logs MiB to 2 decimals: each is
+        good to 0.005 MiB, 5,243 bytes)."""
         return dict(offloaded_layers=self.offloaded_layers, total_layers=self.total_layers,
-                    buffers=[dict(buffer=b, kind=k, mib=m) for b, k, m in self.buffers],
+                    buffers=[dict(buffer=b, kind=k, bytes=mib_bytes(m)) for b, k, m in self.buffers],
                     overridden=[dict(tensor=t, buffer_type=b) for t, b in self.overridden],
                     **({"no_gpu_reason": self.no_gpu_reason} if self.no_gpu_reason else {}))

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from dgcli.errors import DgError, WorkerLost
+from dgcli.units import format_bytes
 from dgcli.runtime import native
 from dgcli.runtime.cpu import MAX_THREADS
 
@@ -265,7 +266,7 @@ class _Ggml:
         self.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
         name = (self.ggml_backend_dev_name(dev) or b"?").decode()
         desc = (self.ggml_backend_dev_description(dev) or b"").decode()
-        return f"{name} ({desc}, {total.value / 2**30:.1f} GiB, {free.value / 2**30:.1f} GiB free)"
+        return f"{name} ({desc}, {format_bytes(total.value)}, {format_bytes(free.value)} free)"
 
 
 _ABORT_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_char_p)

@@ -90,7 +90,8 @@ def usage(outcomes: list[ChoiceOutcome], prompt_tokens: int) -> dict[str, Any]:
 def dg_stats(outcome: ChoiceOutcome) -> dict[str, Any]:
     r = outcome.result
     return {"decoder": outcome.decoder, "steps_per_canvas": r.steps_per_canvas,
-            "decoder_forwards": r.decoder_forwards, "tokens_per_forward": round(r.tokens_per_forward, 4),
+            "decoder_forwards": r.decoder_forwards, "commit_forwards": r.commit_forwards, "forwards": r.forwards,
+            "tokens_per_forward": round(r.tokens_per_forward, 4),
             "queued_s": round(outcome.queued_s, 4), "total_s": round(r.total_s, 4),
             "prefill_s": round(r.prefill_s, 4)}
 

@@ -423,7 +423,7 @@ class BatchScheduler:
         seq = request.sequence
         try:
             to_commit = seq.finish_canvas()
-            commit_s = 0.0
+            commit_s = None  # not committed: the last canvas, or a request cancelled meanwhile
             if to_commit is not None and not request.cancelled:
                 began = time.perf_counter()
                 self.model.commit(to_commit, seq=self._layout.index(request))

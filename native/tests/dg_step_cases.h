@@ -59,7 +59,7 @@ constexpr float DG_TEST_PROBS_SCALE = 32768.0f;
 
 // One row's record (emulated or from the GPU) against the CPU step's row routine on the same row;
 // with `probs`, the probabilities left over the row against the CPU op's (its weights times
-// (float) (scale / total), models/diffusion-gemma.cpp: dg_step_op).
+// (float) (scale / total), diffusion-gemma-step-op.cpp: dg_step_op).
 static void compare_record(const row_case & rc, const float * record, const std::string & tag,
                            const float * left_probs = nullptr) {
     const int32_t n = (int32_t) rc.logits.size();

@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from dgcli import outputs
-from dgcli.cli import _errors, _models, _options, _output, _terminal
+from dgcli.cli import _errors, _models, _options, _output, _prompt, _terminal, render_bench
 from dgcli.engine.rng import SEED_LIMIT
 from dgcli.errors import DgError, InvalidParameter
 
@@ -18,9 +18,12 @@ def bench(
     model: Optional[str] = _options.ModelOpt,
     ar_model: Optional[str] = typer.Option(None, "--ar-model", help="The autoregressive side (default: the registry pair)."),
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="Prompt file: one prompt per line, `name<TAB>prompt`, or `name<TAB>prompt<TAB>answer` (accuracy). Default: the model's own set (demo), else math/Korean/code/trivial."),
+    system: Optional[str] = _options.SystemOpt,
     repeat: int = typer.Option(3, "--repeat", "-r", help="Runs per prompt and model (median and spread reported)."),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n"),
-    seed: int = typer.Option(0, "--seed", help="Base seed; run i uses seed+i."),
+    max_new_tokens: int = _options.max_new_tokens_option("At most this many answer tokens per run."),
+    seed: int = typer.Option(0, "--seed", "-s", help="Base seed; run i uses seed+i."),
+    temp: Optional[float] = typer.Option(None, "--temp", show_default=False,
+                                         help="A constant temperature for both sides (0: greedy; the AR side is greedy without it)."),
     steps: Optional[int] = _options.StepsOpt, t_min: Optional[float] = _options.TMinOpt, t_max: Optional[float] = _options.TMaxOpt,
     entropy_bound: Optional[float] = _options.EBOpt, stability_threshold: Optional[int] = _options.StabOpt,
     confidence_threshold: Optional[float] = _options.ConfOpt,
@@ -30,6 +33,7 @@ def bench(
         None, "--self-cond-top-k", show_default=False,
         help="Tokens per position fed back to self-conditioning, in the runs and the speed model (default 0: all "
              "of them, the reference's dense form; K: the K most probable). Each run records its form."),
+    ctx_size: Optional[int] = _options.CtxOpt,
     threads: Optional[int] = _options.ThreadsOpt, gpu_layers: int = _options.GpuOpt,
     rpc: Optional[str] = _options.RpcOpt,
     n_cpu_moe: Optional[int] = _options.NCpuMoeOpt, cpu_moe: bool = _options.CpuMoeOpt, verbose: bool = _options.VerboseOpt,
@@ -42,7 +46,8 @@ def bench(
     from dgcli import bench as benchlib
 
     with _errors.user_errors():
-        _options.check_generation_args(max_new_tokens, threads, gpu_layers)
+        _options.check_generation_args(max_new_tokens, threads, gpu_layers, ctx_size)
+        system = _prompt.check_prompt_options(system, False)
         gpu_layers, n_cpu_moe = _options.resolve_offload(gpu_layers, n_cpu_moe, cpu_moe)
         rpc_servers, gpu_layers = _options.rpc_placement(rpc, gpu_layers)
         if repeat < 1:
@@ -51,7 +56,8 @@ def bench(
             raise InvalidParameter("self_cond_top_k", self_cond_top_k, "an integer >= 0 (0 = all tokens)")
         seed = _options.seed_of(seed)
         if seed + repeat > SEED_LIMIT:  # run i uses seed + i
-            raise DgError(f"invalid seed={seed}: with --repeat {repeat} the last run's seed would pass {SEED_LIMIT - 1}")
+            raise DgError(f"invalid {_options.typed_flag('seed')} {seed}: with {_options.typed_flag('repeat')} {repeat} "
+                          f"the last run's seed would pass {SEED_LIMIT - 1}")
         sizes = benchlib.parse_batch_sizes(batch_sizes)
         diff_res, diff_path = _models.resolve_model(model, yes=yes, want="diffusion")
         own_prompts = diff_res.entry.bench_prompts if diff_res.entry is not None else None
@@ -59,17 +65,20 @@ def bench(
         prompt_set = benchlib.load_prompts(prompt_file) if prompt_file \
             else benchlib.BUILTIN_PROMPTS
         ar_res, ar_path = _models.resolve_pair(diff_res, ar_model, yes=yes)
-        _models.preflight(diff_path, diffusion=True, command="bench", gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe)
-        _models.preflight(ar_path, diffusion=False, command="bench", gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe)
-        params = _options.diffusion_params(diff_path, **_options.sampler_flags(steps, t_min, t_max, entropy_bound, stability_threshold,
-                                                              confidence_threshold))
+        _models.preflight(diff_path, diffusion=True, command="bench", gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe,
+                          ctx_size=ctx_size)
+        _models.preflight(ar_path, diffusion=False, command="bench", gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe,
+                          ctx_size=ctx_size)
+        params = _options.diffusion_params(diff_path, temp, **_options.sampler_flags(
+            steps, t_min, t_max, entropy_bound, stability_threshold, confidence_threshold))
         from dgcli.modelfile.info import quant_pair
         config = benchlib.BenchConfig(
             diffusion_model=diff_res.display_name, diffusion_path=str(diff_path),
             ar_model=ar_res.display_name, ar_path=str(ar_path), repeat=repeat, max_new_tokens=max_new_tokens,
             seed=seed, params=params, batch_sizes=sizes, speed_model=not no_speed_model,
             n_threads=threads, n_gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe, rpc_servers=rpc_servers,
-            quantization=quant_pair(diff_path, ar_path).to_json(),
+            quantization=quant_pair(diff_path, ar_path).to_json(), system=system, n_ctx=ctx_size,
+            ar_temperature=temp or 0.0,
             self_cond_top_k=self_cond_top_k,
         )
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -87,10 +96,17 @@ def bench(
                 def on_progress(desc: str) -> None:
                     progress.update(task, advance=1, description=desc)
 
-                report = benchlib.run_bench(config, prompt_set, on_progress=on_progress,
-                                            open_diffusion=lambda p: _models.open_diffusion_engine(Path(p), **offload, verbose=verbose),
-                                            open_ar=lambda p: _models.open_ar_engine(Path(p), **offload, verbose=verbose),
-                                            open_speed_model=lambda p, n: _models.open_speed_model(p, n, **offload))
+                def opened(engine):
+                    _prompt.note_context_size(engine.model, ctx_size)
+                    return engine
+
+                report = benchlib.run_bench(
+                    config, prompt_set, on_progress=on_progress,
+                    on_status=lambda text: progress.update(task, description=text),
+                    open_diffusion=lambda p: opened(_models.open_diffusion_engine(Path(p), **offload, ctx_size=ctx_size,
+                                                                                  verbose=verbose)),
+                    open_ar=lambda p: opened(_models.open_ar_engine(Path(p), **offload, ctx_size=ctx_size, verbose=verbose)),
+                    open_speed_model=lambda p, n: _models.open_speed_model(p, n, **offload))
             doc = report.to_json()
             if out is not None:
                 out.write_all(doc)
@@ -102,7 +118,7 @@ def bench(
                 typer.echo(json.dumps(doc, indent=2))
         else:
             console = _output.stderr if report_on_stdout else _output.stdout
-            for table in benchlib.report_tables(report):
+            for table in render_bench.report_tables(report, show_prompts=prompts is not None):
                 _output.print_table(table, console)
             for note in report.notes:  # text, not markup (it may quote an error); one line when piped
                 console.print(f"note: {note}", style="yellow", markup=False, highlight=False,

@@ -6,9 +6,8 @@ import locale
 import sys
 from typing import Optional
 
-import typer
 
-from dgcli.cli import _display, _errors, _models, _options, _output, _prompt, _signals, _terminal, render
+from dgcli.cli import _display, _errors, _models, _options, _output, _prompt, _signals, _status, _terminal, render
 from dgcli.errors import DgError
 from dgcli.units import plural
 
@@ -18,7 +17,9 @@ BANNER = "Chat with {name}. /help lists the commands; /exit or Ctrl-D leaves; Ct
 def chat(
     model: Optional[str] = _options.ModelOpt,
     system: Optional[str] = _options.SystemOpt,
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="At most this many answer tokens per turn."),
+    max_new_tokens: int = _options.max_new_tokens_option(
+        "At most this many answer tokens per turn (-1: as many as the context holds)."),
+    stop: Optional[list[str]] = _options.StopOpt,
     seed: Optional[int] = _options.SeedOpt,
     temp: Optional[float] = _options.TempOpt,
     steps: Optional[int] = _options.StepsOpt, t_min: Optional[float] = _options.TMinOpt, t_max: Optional[float] = _options.TMaxOpt,
@@ -40,7 +41,8 @@ def chat(
 
     with _errors.user_errors():
         _options.check_thinking(thinking)
-        _options.check_generation_args(max_new_tokens, threads, gpu_layers, ctx_size, pace)
+        _options.check_generation_args(max_new_tokens, threads, gpu_layers, ctx_size, pace, unlimited_ok=True)
+        stop = _prompt.check_stop_strings(stop)
         gpu_layers, n_cpu_moe = _options.resolve_offload(gpu_layers, n_cpu_moe, cpu_moe)
         system = _prompt.check_prompt_options(system, False)
         resolved, path = _models.resolve_model(model, yes=yes, want="diffusion")
@@ -50,8 +52,11 @@ def chat(
             steps, t_min, t_max, entropy_bound, stability_threshold, confidence_threshold))
         interactive = sys.stdin.isatty()
         live = _terminal.use_live(no_live, False)
-        engine = _models.open_diffusion_engine(path, threads=threads, gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe,
-                                              ctx_size=ctx_size, verbose=verbose)
+        with _status.StatusLine() as status:
+            status.show(f"loading {resolved.display_name}")
+            engine = _models.open_diffusion_engine(path, threads=threads, gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe,
+                                                  ctx_size=ctx_size, verbose=verbose)
+        _prompt.note_context_size(engine.model, ctx_size)
         try:
             # a template that cannot render fails every message: say so once, before the session
             template = engine.model.chat_template
@@ -59,7 +64,8 @@ def chat(
                 raise DgError(f"{path.name} has no chat template (tokenizer.chat_template), which dg chat needs: "
                               "dg generate --raw sends a prompt as it is")
             template.check()
-            session = ChatSession(engine, system=system, params=params, max_new_tokens=max_new_tokens,
+            session = ChatSession(engine, system=system, params=params, stop=stop,
+                                  max_new_tokens=None if max_new_tokens == _options.UNLIMITED else max_new_tokens,
                                   seed=None if seed == -1 else seed, parse_special=parse_special)
             if interactive:
                 # text, not markup: the name of a model file is its path, which may hold "[/x]"
@@ -130,8 +136,12 @@ def _turn(session, text: str, *, live: bool, thinking: str, pace: float, title: 
     _signals.interrupt_handled()
     model = session.engine.model
     try:
-        with _display.DiffusionDisplay(model, live=live, thinking=thinking, title=title, pace=pace) as display:
-            result = session.ask(text, on_event=display.on_event)
+        with _status.StatusLine(enabled=None if not live else False) as status, \
+                _display.DiffusionDisplay(model, live=live, thinking=thinking, title=title, pace=pace,
+                                          status=status) as display:
+            result = session.ask(text, on_event=display.on_event,
+                                 on_prompt=lambda ids: display.set_activity(
+                                     f"prefill of {plural(session.uncached_tokens(ids), 'new token')}, then step 1"))
     except DgError as err:
         _output.notice(f"error: {' '.join(str(err).split())}", style="red")
         return False
@@ -145,3 +155,4 @@ def _turn(session, text: str, *, live: bool, thinking: str, pace: float, title: 
     cached = f"  prompt {result.n_prompt_tokens} tokens, {result.n_cached_prompt_tokens} from the cache"
     _output.notice(render.result_summary(result) + cached, style="dim cyan")
     return True
+

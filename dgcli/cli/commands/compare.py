@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import json
+import time
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from dgcli.cli import _display, _errors, _models, _options, _output, _prompt, _terminal, render
+from dgcli.cli import _display, _errors, _models, _options, _output, _prompt, _status, _terminal, render
 from dgcli.modelfile import info as ginfo
 from dgcli.errors import WORKER_LOST
+from dgcli.units import plural
 
 # 2: the AR side's tokens_per_second counts only the answer tokens made after the prefill (null when none were)
-COMPARE_SCHEMA = "dg-compare/2"
+# 3: tokens_per_forward counts the commit passes as forwards; placement buffers in bytes
+COMPARE_SCHEMA = "dg-compare/3"
 
 
 def compare(
@@ -25,7 +28,8 @@ def compare(
     raw: bool = _options.RawOpt,
     model: Optional[str] = _options.ModelOpt,
     ar_model: Optional[str] = typer.Option(None, "--ar-model", help="The autoregressive side (default: the registry pair).", show_default=False),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="At most this many answer tokens per side."),
+    max_new_tokens: int = _options.max_new_tokens_option(
+        "At most this many answer tokens per side (-1: as many as each side's context holds)."),
     seed: Optional[int] = _options.SeedOpt,
     temp: Optional[float] = typer.Option(None, "--temp", show_default=False,
                                          help="A constant temperature for both sides (the AR side is greedy without it)."),
@@ -37,7 +41,8 @@ def compare(
     rpc: Optional[str] = _options.RpcOpt,
     n_cpu_moe: Optional[int] = _options.NCpuMoeOpt, cpu_moe: bool = _options.CpuMoeOpt, verbose: bool = _options.VerboseOpt,
     thinking: str = _options.ThinkingOpt,
-    pace: float = _options.PaceOpt,
+    pace: float = typer.Option(0.0, "--pace", help="Seconds each forward stays on screen at least, on both sides: a "
+                                                    "denoising step, an AR token (0 = as fast as they run)."),
     no_live: bool = typer.Option(False, "--no-live", help="No live panels (automatic when stdout is not a terminal)."),
     json_out: bool = typer.Option(False, "--json", help=f"Print both results and the comparison as JSON ({COMPARE_SCHEMA})."),
     parse_special: bool = _options.ParseSpecialOpt,
@@ -51,7 +56,7 @@ def compare(
 
     with _errors.user_errors():
         _options.check_thinking(thinking)
-        _options.check_generation_args(max_new_tokens, threads, gpu_layers, ctx_size, pace)
+        _options.check_generation_args(max_new_tokens, threads, gpu_layers, ctx_size, pace, unlimited_ok=True)
         gpu_layers, n_cpu_moe = _options.resolve_offload(gpu_layers, n_cpu_moe, cpu_moe)
         rpc_servers, gpu_layers = _options.rpc_placement(rpc, gpu_layers)
         system = _prompt.check_prompt_options(system, raw)
@@ -71,7 +76,12 @@ def compare(
         ar_view = render.AutoregressiveLiveView(title=ar_title, thinking=thinking)
         side = render.SideBySide(render.DiffusionLiveView(lambda t: "", lambda ids: "", title=diff_title),
                                  ar_view) if live else None
-        with _terminal.live_view(side) if side is not None else nullcontext() as lv:
+        if side is not None:
+            side.left.start_activity(f"loading {diff_res.display_name}")  # drawn as the view starts
+        with _terminal.live_view(side) if side is not None else nullcontext() as lv, \
+                _display.BusyTicker(lv, lambda: [side.left, side.right]) if side is not None else nullcontext(), \
+                _status.StatusLine(enabled=False if side is not None else None) as status:
+            status.show(f"diffusion: loading {diff_res.display_name}")
             with PeakRss() as diff_rss:
                 engine = _models.open_diffusion_engine(diff_path, threads=threads, gpu_layers=gpu_layers,
                                                       **_options.rpc_option(rpc_servers),
@@ -79,22 +89,24 @@ def compare(
                 diff_placement = _models.placement_of(engine.model)
                 try:
                     ids = _prompt.prompt_ids(engine.model, text, system=system, raw=raw, parse_special=parse_special)
-                    _prompt.check_prompt_fits(engine, len(ids))
+                    _prompt.check_prompt_fits(engine, len(ids), ctx_size)
                     if not live:
-                        typer.echo(diff_title, err=True)
+                        _output.notice(diff_title)
                     view = _display.diffusion_view(engine.model, title=diff_title, thinking=thinking)
                     if side is not None:
                         side.left = view
-                    d = _display.run_diffusion(engine, ids, params=params, max_new_tokens=max_new_tokens, seed=run_seed,
-                                             live=live, thinking=thinking, live_obj=lv, view=view, pace=pace)
+                    d = _display.run_diffusion(engine, ids, params=params, seed=run_seed,
+                                             max_new_tokens=_options.answer_limit(max_new_tokens, engine.model, len(ids)),
+                                             live=live, thinking=thinking, live_obj=lv, view=view, pace=pace,
+                                             status=status, status_prefix="diffusion: ", tick=False)
                 finally:
                     engine.close()
             a = ar_rss = ar_placement = None
             if not d.interrupted:
                 try:
                     with PeakRss() as ar_rss:
-                        a, ar_placement = _run_ar_side(ar_path, text, ar_view, lv, system=system, raw=raw,
-                                         parse_special=parse_special,
+                        a, ar_placement = _run_ar_side(ar_path, ar_res.display_name, text, ar_view, lv, status,
+                                         system=system, raw=raw, parse_special=parse_special, pace=pace,
                                          engine_options=dict(threads=threads, gpu_layers=gpu_layers,
                                                              n_cpu_moe=n_cpu_moe, **_options.rpc_option(rpc_servers),
                                                              ctx_size=ctx_size, verbose=verbose),
@@ -155,23 +167,38 @@ def compare(
             raise typer.Exit(_errors.EXIT_INTERRUPTED)
 
 
-def _run_ar_side(path: Path, text: str, view: render.AutoregressiveLiveView, live_obj, *, system: Optional[str],
-                 raw: bool, parse_special: bool, engine_options: dict, max_new_tokens: int, seed: int,
-                 temperature: float):
-    """The autoregressive pair on the same prompt (its own tokenizer and template), drawn in `view`; with
-    where its weights went (_models.placement_of)."""
+def _run_ar_side(path: Path, name: str, text: str, view: render.AutoregressiveLiveView, live_obj,
+                 status: _status.StatusLine, *, system: Optional[str], raw: bool, parse_special: bool, pace: float,
+                 engine_options: dict, max_new_tokens: int, seed: int, temperature: float):
+    """The autoregressive pair on the same prompt (its own tokenizer and template), drawn in `view` (or
+    said by `status`), each token held `pace` seconds as the diffusion side's steps; with where its
+    weights went (_models.placement_of)."""
+    def doing(activity: str) -> None:
+        view.start_activity(activity)
+        status.show(f"autoregressive: {activity}")
+        if live_obj is not None:
+            _terminal.refresh(live_obj)
+
+    doing(f"loading {name}")
     engine = _models.open_ar_engine(path, **engine_options)
     try:
         ids = _prompt.prompt_ids(engine.model, text, system=system, raw=raw, parse_special=parse_special)
-        throttle = _terminal.Throttle()
+        doing(f"prefill of {plural(len(ids), 'token')}, then token 1")
+        throttle, pacer = _terminal.Throttle(), _terminal.Pacer(pace)
 
         def on_token(ev) -> None:
+            view.busy_since = None  # the engine waits for this callback
             view.on_event(ev)
-            if live_obj is not None and throttle.ready():
+            if live_obj is not None and throttle.ready(force=pace > 0):
                 _terminal.refresh(live_obj)
+            pacer.wait()
+            status.show(f"autoregressive: token {ev.index + 2}")
+            view.busy_since = time.monotonic()
 
-        result = engine.generate(ids, max_new_tokens=max_new_tokens, seed=seed, on_event=on_token,
+        result = engine.generate(ids, max_new_tokens=_options.answer_limit(max_new_tokens, engine.model, len(ids)),
+                                 seed=seed, on_event=on_token,
                                  temperature=temperature)
+        view.busy_since = None
         return result, _models.placement_of(engine.model)
     finally:
         engine.close()

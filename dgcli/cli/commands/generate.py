@@ -9,11 +9,13 @@ from typing import Optional
 import typer
 
 from dgcli import outputs
-from dgcli.cli import _display, _errors, _models, _options, _output, _prompt, _terminal, render
+from dgcli.cli import _display, _errors, _models, _options, _output, _prompt, _status, _terminal, render
 from dgcli.engine.thinking import split_thinking
 from dgcli.errors import WORKER_LOST, DgError, InvalidParameter
 
-GENERATE_SCHEMA = "dg-generate/1"
+# 2: tokens_per_forward counts the commit passes as forwards; an interrupted canvas adds only what it
+# had accepted (unfinished_tokens); placement buffers in bytes
+GENERATE_SCHEMA = "dg-generate/2"
 
 
 def generate(
@@ -23,7 +25,9 @@ def generate(
     system: Optional[str] = _options.SystemOpt,
     raw: bool = _options.RawOpt,
     model: Optional[str] = _options.ModelOpt,
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="At most this many answer tokens (whole canvases are still denoised)."),
+    max_new_tokens: int = _options.max_new_tokens_option(
+        "At most this many answer tokens (-1: as many as the context holds; whole canvases are still denoised)."),
+    stop: Optional[list[str]] = _options.StopOpt,
     seed: Optional[int] = _options.SeedOpt,
     temp: Optional[float] = _options.TempOpt,
     steps: Optional[int] = _options.StepsOpt, t_min: Optional[float] = _options.TMinOpt, t_max: Optional[float] = _options.TMaxOpt,
@@ -42,7 +46,7 @@ def generate(
     pace: float = _options.PaceOpt,
     no_live: bool = _options.NoLiveOpt,
     json_out: bool = typer.Option(False, "--json", help=f"Print the result and the per-step trace as JSON ({GENERATE_SCHEMA})."),
-    trace: Optional[Path] = typer.Option(None, "--trace", help="Write the per-step trace to this file (JSON lines, dg-trace/1; `dg replay` shows it again; '-': stdout).", show_default=False),
+    trace: Optional[Path] = typer.Option(None, "--trace", help="Write the per-step trace to this file (JSON lines, dg-trace/2; `dg replay` shows it again; '-': stdout).", show_default=False),
     force: bool = _options.ForceOpt,
     parse_special: bool = _options.ParseSpecialOpt,
     yes: bool = _options.YesOpt,
@@ -52,7 +56,8 @@ def generate(
         _options.check_thinking(thinking)
         if self_cond_top_k is not None and self_cond_top_k < 0:
             raise InvalidParameter("self_cond_top_k", self_cond_top_k, "an integer >= 0 (0 = all tokens)")
-        _options.check_generation_args(max_new_tokens, threads, gpu_layers, ctx_size, pace)
+        _options.check_generation_args(max_new_tokens, threads, gpu_layers, ctx_size, pace, unlimited_ok=True)
+        stop = _prompt.check_stop_strings(stop)
         gpu_layers, n_cpu_moe = _options.resolve_offload(gpu_layers, n_cpu_moe, cpu_moe)
         rpc_servers, gpu_layers = _options.rpc_placement(rpc, gpu_layers)
         system = _prompt.check_prompt_options(system, raw)
@@ -73,14 +78,15 @@ def generate(
             raise DgError("--json and --trace to stdout would mix two documents there; write the trace to a "
                           "file (--json holds it too, as \"trace\")")
         live = live and not trace_on_stdout
-        with outputs.writing(trace_file) as (trace_out,):
+        with outputs.writing(trace_file) as (trace_out,), _status.StatusLine() as status:
+            status.show(f"loading {resolved.display_name}")
             engine = _models.open_diffusion_engine(path, threads=threads, gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe,
                                                   **_options.rpc_option(rpc_servers),
                                                   ctx_size=ctx_size, verbose=verbose)
             placement = _models.placement_of(engine.model)
             try:
                 ids = _prompt.prompt_ids(engine.model, text, system=system, raw=raw, parse_special=parse_special)
-                _prompt.check_prompt_fits(engine, len(ids))
+                _prompt.check_prompt_fits(engine, len(ids), ctx_size)
                 events: Optional[list] = [] if json_out else None
                 sinks = ([trace_out.write_line] if trace_out else []) + ([events.append] if events is not None else [])
                 recorder = _display.trace_recorder(engine.model, sinks)
@@ -88,11 +94,13 @@ def generate(
                     recorder.header(**header, canvas_length=engine.model.canvas_length,
                                     end_token_ids=[] if ignore_eos else list(engine.model.end_token_ids),
                                     pad_token_id=getattr(engine.model, "pad_token_id", None))
-                result = _display.run_diffusion(engine, ids, params=params, max_new_tokens=max_new_tokens, seed=run_seed,
+                result = _display.run_diffusion(engine, ids, params=params, seed=run_seed, stop=stop,
+                                              max_new_tokens=_options.answer_limit(max_new_tokens, engine.model, len(ids)),
                                               live=live, thinking=thinking, recorder=recorder,
                                               title=f"diffusion: {resolved.display_name}",
                                               stream_plain=not live and not json_out, self_cond_top_k=self_cond_top_k,
-                                              pace=pace, text_to_stderr=trace_on_stdout, ignore_eos=ignore_eos)
+                                              pace=pace, text_to_stderr=trace_on_stdout, ignore_eos=ignore_eos,
+                                              status=status)
                 if recorder is not None:
                     recorder.result(result.to_json())
             finally:

@@ -12,16 +12,24 @@ from rich.text import Text
 
 from dgcli import hub, pull
 from dgcli.cli import _errors, _models, _options, _output, render
-from dgcli.errors import DgError
+from dgcli.errors import DgError, InvalidParameter
 from dgcli.modelfile import info as ginfo
 from dgcli.params import DIFFUSION_PARAM_KEYS
-from dgcli.registry import missing_shipped_message
+from dgcli.registry import DEFAULT_MODEL, missing_shipped_message
 
 INFO_SCHEMA = "dg-info/1"
 
 
-def info_cmd(model: str = typer.Argument(..., help="A .gguf path or a registry name."),
+def info_cmd(model_arg: Optional[str] = typer.Argument(None, metavar="[MODEL]", show_default=False,
+                                                     autocompletion=_options.complete_model,
+                                                     help="A .gguf path or a registry name (or -m; default: "
+                                                          f"${_options.MODEL_VARIABLE}, else demo)."),
+             model: Optional[str] = _options.ModelOpt,
              json_out: bool = typer.Option(False, "--json", help=f"Machine-readable output ({INFO_SCHEMA})."),
+             ctx_size: Optional[int] = typer.Option(
+                 None, "--ctx-size", "-c", show_default=False,
+                 help="Count the KV cache of a context of this many tokens in the memory needs (0: the "
+                      "model's training context)."),
              gpu_layers: int = _options.GpuOpt,
              n_cpu_moe: Optional[int] = _options.NCpuMoeOpt, cpu_moe: bool = _options.CpuMoeOpt,
              gpu_memory: Optional[str] = typer.Option(
@@ -34,11 +42,19 @@ def info_cmd(model: str = typer.Argument(..., help="A .gguf path or a registry n
     with _errors.user_errors():
         from dgcli.runtime.model import check_gpu_layers
 
+        if model_arg is not None and model is not None and not _options.from_environment("model"):
+            raise DgError("the model was given twice: pass it as the argument or with -m/--model")
+        spec = model_arg if model_arg is not None else model if model is not None else DEFAULT_MODEL
+        what = ("MODEL argument: `dg info` takes a .gguf path or a registry name" if model_arg is not None
+                else f"{_options.MODEL_VARIABLE} value" if _options.from_environment("model")
+                else f"{_options.typed_flag('model')} value")
         check_gpu_layers(gpu_layers)  # as every command that loads: info must not call "fits" what they refuse
+        if ctx_size is not None and ctx_size < 0:
+            raise InvalidParameter("ctx_size", ctx_size, "0 (the model's training context) or a token count")
         gpu_layers, n_cpu_moe = _options.resolve_offload(gpu_layers, n_cpu_moe, cpu_moe)
         if gpu_memory is not None and gpu_layers == 0:
             gpu_layers = -1  # a fit against a GPU means something offloaded
-        resolved = _models.registry().resolve(model, what="MODEL argument: `dg info` takes a .gguf path or a registry name")
+        resolved = _models.registry().resolve(spec, what=what)
         if resolved.path is None and resolved.entry is not None and resolved.entry.shipped is not None:
             raise DgError(missing_shipped_message(resolved))
         gpus = None
@@ -47,7 +63,7 @@ def info_cmd(model: str = typer.Argument(..., help="A .gguf path or a registry n
             # on a Mac the GPU is Apple's, through ggml-metal
             gpus = [ginfo.GpuMemory(f"a {hub.format_bytes(size)} GPU (--gpu-memory)", size, size,
                                     metal=sys.platform == "darwin")]
-        offload = dict(n_gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe, gpus=gpus)
+        offload = dict(n_gpu_layers=gpu_layers, n_cpu_moe=n_cpu_moe, gpus=gpus, n_ctx=ctx_size)
         on_hub = None  # a registry model not downloaded: described from the Hub (its listing, its header's bytes)
         if resolved.path is None:
             resolved = pull.resolve_on_hub(resolved)
@@ -87,14 +103,16 @@ def info_cmd(model: str = typer.Argument(..., help="A .gguf path or a registry n
             ("canvas length", str(meta.canvas_length or "-")),
             ("logit softcap", _softcap(meta)),
             ("chat template", "yes" if meta.has_chat_template else "no"),
-            ("memory", f"needs ~{fmt(meta.memory_needed)}; RAM {fmt(meta.ram_total)} total, {fmt(meta.ram_available)} available: "
+            ("memory", f"needs ~{fmt(meta.memory_needed)}{_context_words(meta)}; RAM {fmt(meta.ram_total)} total, "
+                       f"{fmt(meta.ram_available)} available: "
                        + unloadable_words(meta, "fits" if meta.fits_available_ram else "fits RAM but not what is free now"
                                           if meta.fits_ram else "DOES NOT FIT")),
         ]
         if meta.self_cond_bytes:
-            rows.append(("self-conditioning", f"dense (the reference's): {fmt(meta.self_cond_bytes)} of transposed "
-                                              f"embeddings in {'GPU memory' if meta.self_cond_on_gpu else 'RAM'}, "
-                                              "made on first use, counted in the needs"))
+            # "self-cond" as in --self-cond-top-k: every label fits the narrowest terminal's label column
+            rows.append(("self-cond", f"dense (the reference's): {fmt(meta.self_cond_bytes)} of transposed "
+                                      f"embeddings in {'GPU memory' if meta.self_cond_on_gpu else 'RAM'}, "
+                                      "made on first use, counted in the needs"))
         if meta.reference_default_keys:
             rows.append(("added by dg", f"{_key_list(meta.reference_default_keys)}: the reference's defaults, where "
                                         "the model's config gave none (the published converter leaves these keys out)"))
@@ -155,6 +173,10 @@ def _hub_rows(resolved, on_hub: pull.HubModelInfo) -> list:
     else:
         rows.append(("header", "read from the first bytes of the file on the Hub (nothing downloaded)"))
     return rows
+
+
+def _context_words(meta: ginfo.GgufInfo) -> str:
+    return f" with a context of {meta.kv_context:,} tokens" if meta.kv_context is not None else ""
 
 
 def _softcap(meta: ginfo.GgufInfo) -> str:

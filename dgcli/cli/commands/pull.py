@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import typer
 
-from dgcli.cli import _errors, _models
+from dgcli.cli import _errors, _models, _options
 from dgcli.errors import DgError
 from dgcli.registry import missing_shipped_message
 
 
-def pull(model: str = typer.Argument(..., help="NAME or NAME:QUANT (see `dg list`).")) -> None:
+def pull(model: str = typer.Argument(..., help="NAME or NAME:QUANT (see `dg list`).",
+                                     autocompletion=_options.complete_model)) -> None:
     """Download a registry model into the huggingface-hub cache (resumes an interrupted download)."""
     with _errors.user_errors():
         resolved = _models.registry().resolve(model, what="MODEL argument: `dg pull` takes NAME or NAME:QUANT (see `dg list`)")

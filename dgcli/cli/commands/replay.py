@@ -12,7 +12,7 @@ from dgcli.engine.types import CanvasEvent, GenerationResult
 
 
 def replay(
-    trace_file: Path = typer.Argument(..., metavar="TRACE", help="A trace written by `dg generate --trace FILE` (dg-trace/1); '-' reads stdin."),
+    trace_file: Path = typer.Argument(..., metavar="TRACE", help="A trace written by `dg generate --trace FILE` (dg-trace/2 or /1); '-' reads stdin."),
     pace: float = typer.Option(0.3, "--pace", help="Seconds each denoising step stays on screen."),
     thinking: str = _options.ThinkingOpt,
     no_live: bool = _options.NoLiveOpt,

@@ -150,7 +150,8 @@ def _run(listener: socket.socket, name: str, path, *, parallel: int, queue_size:
     scheduler = None
     try:
         if model.n_ctx_seq < model.canvas_length + 1:
-            raise DgError(f"--ctx-size {ctx_size} cannot hold a prompt and one {model.canvas_length}-token canvas")
+            raise DgError(f"{_options.typed_flag('ctx_size')} {ctx_size} cannot hold a prompt and one "
+                          f"{model.canvas_length}-token canvas")
         if model.chat_template is not None:  # one that does not parse would fail every chat request
             model.chat_template.check()
         engine = DiffusionEngine(model, n_threads=threads, self_cond_top_k=self_cond_top_k)

@@ -1,7 +1,7 @@
 #pragma once
 // Internal: the per-row pass of the denoising step, shared by the host sampler
 // (dg_sampler_step_topk, diffusion-gemma-sampler.cpp) and the step op at the end of the decoder
-// graph (models/diffusion-gemma.cpp), so both compute the same numbers.
+// graph (diffusion-gemma-step-op.cpp), so both compute the same numbers.
 
 #include <cstdint>
 #include <utility>
