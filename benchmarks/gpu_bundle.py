@@ -1,13 +1,16 @@
 """Prepare what the GPU check takes to a GPU machine that has no internet: `.whl/` in the repo root.
 
-    python benchmarks/gpu_bundle.py [--wheel PATH] [--limit-mib 60]
+    python benchmarks/gpu_bundle.py [--wheel PATH] [--limit-mib 64]
 
 - the sm_90 CUDA build of our llama.cpp (`native/build.py --cuda --cuda-arch 90 --no-install`: built, or found in the
   cache), its shared libraries stripped of symbols and the wheel re-zipped at the highest
   compression, so that it travels within the limit;
 - dg's Python dependencies that machine lacks, as wheels for CPython 3.12 on x86-64 Linux: gguf,
   diskcache (llama_cpp imports it), Transformers 5.23.0 (the reference; the machine has an
-  older one without DiffusionGemma) and the regex it checks for at import.
+  older one without DiffusionGemma) and the regex it checks for at import;
+- `.whl/bin/`: dg's CUDA kernels' own test (native/tests/dg_cuda_kernel_test.cu, nvcc) and
+  llama.cpp's test-backend-ops from the same patched tree, linked against that wheel's libraries
+  (benchmarks/gpu_check.py runs both; gzip-compressed, unpacked by gpu_check.py).
 
 `.whl/` is git-ignored; carry it. On the GPU machine, from the repo root:
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import base64
 import csv
+import gzip
 import hashlib
 import io
 import shutil
@@ -103,13 +107,72 @@ def slim_wheel(wheel: Path, dest: Path) -> Path:
     return target
 
 
+def build_kernel_test(dest: Path, cuda_arch: str) -> Path:
+    """native/tests/dg_cuda_kernel_test.cu with nvcc (the CUDA runtime linked statically), built with
+    ggml-cuda's -use_fast_math, for `cuda_arch` (e.g. "90")."""
+    sys.path.insert(0, str(ROOT / "native"))
+    import build
+
+    nvcc = build.find_cuda_toolkit().nvcc
+    patch = ROOT / "native" / "patch"
+    exe = dest / "dg_cuda_kernel_test"
+    arch = cuda_arch.split(";")[0].split("-")[0]
+    subprocess.run([str(nvcc), "-O3", "-std=c++17", "-use_fast_math", f"-gencode=arch=compute_{arch},code=sm_{arch}",
+                    "-I", str(patch / "ggml" / "src" / "ggml-cuda"), "-I", str(patch / "src"), "-I", str(patch / "include"),
+                    "-Xcompiler", "-Wno-psabi", str(ROOT / "native" / "tests" / "dg_cuda_kernel_test.cu"),
+                    str(patch / "src" / "diffusion-gemma-sampler.cpp"), "-o", str(exe)], check=True)
+    return exe
+
+
+def build_test_backend_ops(dest: Path, wheel: Path) -> Path:
+    """llama.cpp's tests/test-backend-ops.cpp with our patch (DG_TBO_CASES), linked against the
+    wheel's libggml and libggml-base (the backends come with libggml's registry)."""
+    sys.path.insert(0, str(ROOT / "native"))
+    import build
+
+    log = dest / "test-backend-ops-build.log"
+    pristine = build.extract_pristine(build.fetch_sdist(log)) / "vendor" / "llama.cpp"
+    source = build.patched_contents(pristine, log)["tests/test-backend-ops.cpp"]
+    exe = dest / "test-backend-ops"
+    with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(wheel) as whl:
+        libs = Path(tmp) / "lib"
+        libs.mkdir()
+        for name in whl.namelist():
+            base = Path(name).name
+            if name.startswith("llama_cpp/lib/") and base.split(".so")[0] in ("libggml", "libggml-base") and ".so" in base:
+                (libs / base).write_bytes(whl.read(name))
+        src = Path(tmp) / "test-backend-ops.cpp"
+        src.write_bytes(source)
+        subprocess.run(["g++", "-O2", "-std=c++17", "-I", str(pristine / "ggml" / "include"), str(src),
+                        "-L", str(libs), "-l:libggml.so", "-l:libggml-base.so", "-pthread",
+                        # libggml's own needs (its backends, CUDA's runtime) resolve where it runs
+                        "-Wl,--allow-shlib-undefined", "-o", str(exe)], check=True)
+    log.unlink(missing_ok=True)
+    return exe
+
+
+def pack_binaries(folder: Path, exes: list[Path]) -> None:
+    """Strip and gzip each (gpu_check.py unpacks them next to the .gz)."""
+    for exe in exes:
+        subprocess.run(["strip", "--strip-unneeded", str(exe)], check=True)
+        with open(exe, "rb") as src, gzip.open(folder / (exe.name + ".gz"), "wb", compresslevel=9) as out:
+            shutil.copyfileobj(src, out)
+        exe.unlink()
+
+
+def tracked_bytes() -> int:
+    names = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, stdout=subprocess.PIPE).stdout.split(b"\0")
+    return sum((ROOT / n.decode()).stat().st_size for n in names if n and (ROOT / n.decode()).is_file())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--wheel", type=Path, default=None, help="the llama_cpp wheel to carry (default: the CUDA build)")
     parser.add_argument("--cuda-arch", default=GPU_CHECK_CUDA_ARCH,
                         help=f"CUDA architectures of the build to carry (default {GPU_CHECK_CUDA_ARCH!r}: the H200)")
-    parser.add_argument("--limit-mib", type=float, default=60.0,
-                        help="fail above this many MiB for .whl/ (the device carries 64 MiB with the repo)")
+    parser.add_argument("--limit-mib", type=float, default=64.0,
+                        help="fail above this many MiB for .whl/ and the tracked files together (what the device carries)")
+    parser.add_argument("--no-tools", action="store_true", help="no .whl/bin/ (the kernel test, test-backend-ops)")
     args = parser.parse_args(argv)
 
     wheel = args.wheel or built_cuda_wheel(args.cuda_arch)
@@ -120,12 +183,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{wheel.name}: {wheel.stat().st_size / 2**20:.1f} MiB -> {slim.stat().st_size / 2**20:.1f} MiB (stripped, deflate 9)")
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *PLATFORM_ARGS, "-d", str(BUNDLE),
                     *PY_DEPS], check=True)
-    total = sum(p.stat().st_size for p in BUNDLE.iterdir())
-    tree = int(subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, stdout=subprocess.PIPE).stdout.count(b"\0"))
-    for p in sorted(BUNDLE.iterdir()):
-        print(f"  {p.name}  {p.stat().st_size / 2**20:.1f} MiB")
-    print(f".whl/ holds {total / 2**20:.1f} MiB (limit {args.limit_mib} MiB; the {tree} tracked files travel too)")
-    if total > args.limit_mib * 2**20:
+    if not args.no_tools:
+        tools = BUNDLE / "bin"
+        tools.mkdir()
+        pack_binaries(tools, [build_kernel_test(tools, args.cuda_arch), build_test_backend_ops(tools, wheel)])
+    files = sorted(p for p in BUNDLE.rglob("*") if p.is_file())
+    total = sum(p.stat().st_size for p in files)
+    tree = tracked_bytes()
+    for p in files:
+        print(f"  {p.relative_to(BUNDLE)}  {p.stat().st_size / 2**20:.1f} MiB")
+    print(f".whl/ holds {total / 2**20:.1f} MiB; with the tracked files ({tree / 2**20:.1f} MiB) "
+          f"{(total + tree) / 2**20:.1f} MiB travel (limit {args.limit_mib} MiB)")
+    if total + tree > args.limit_mib * 2**20:
         print("error: too big to carry; build fewer CUDA architectures (native/build.py --cuda-arch 90)", file=sys.stderr)
         return 1
     return 0

@@ -1,29 +1,36 @@
-"""The GPU check: parity with every layer offloaded, then the speed numbers on a real-size model.
+"""The GPU check: parity with every layer offloaded, dg's CUDA kernel changes against the base, and
+the speed numbers on real-size models.
 
 One command on a machine with an NVIDIA GPU and the CUDA build of our llama.cpp (see
-docs/gpu.md, "The GPU check", for how the wheel and dg's dependencies travel there):
+docs/gpu.md, "The GPU check", for how the wheel, the test binaries and dg's dependencies travel
+there):
 
-    python3 benchmarks/gpu_check.py --out DIR [--budget 420] [--n-layer 30] [--skip-tests]
+    python3 benchmarks/gpu_check.py --out DIR [--budget 450] [--n-layer 30] [--skip-tests]
 
-Steps, each timed; a failed step is a row in the table and the rest still run:
+Steps, each timed; a failed step is a row in the table and the rest still run; a step that no
+longer fits the --budget is skipped and says so:
 1. gpu       llama.cpp sees a GPU (without one the check stops here, exit 2)
-2. write     the real-size synthetic GGUFs, written here (dgcli.testing.tiny.write_synthetic_gguf: 30 layers,
-             hidden 2816, vocab 262144, 128 experts top-8, Q4_K_M-like types, ~16 GB) and their
-             gemma4 AR twin, in background processes while step 3 runs
-3. parity    pytest tests/test_gpu_parity.py (GPU vs CPU exact mode vs the Transformers reference)
-             and tests/test_replay_gguf.py with DG_TEST_GPU_LAYERS=-1 (every layer offloaded)
-4. diffusion every layer offloaded: decoder step (256-token canvas forward, with the sampler's top-64
-             self-conditioning), one-token decode on the same weights, their ratio (the report: 3.2x on
-             an H100 in FP8), then one canvas on the default sampler: steps, tok/s and the share of the
-             step spent outside the GPU, per step backend ("native": logits to the host sampler;
-             "graph": the one-graph step, when this build has it)
-5. profile   every node of the canvas forward and of the one-graph step timed on the device, grouped
-             (the costliest --profile groups), and the scheduler's splits (DIR/splits.txt)
-6. offload   --n-cpu-moe N and --cpu-moe: where llama.cpp put the weights, and the step time
-7. ar        the AR twin (stock gemma4 graph), every layer offloaded: decode ms per token, tok/s
-8. cli       with --cli: `dg bench` and `dg compare` on the pair as a user runs them
+   (then the real-size synthetic GGUFs are written in background processes: dgcli.testing.tiny's
+   write_synthetic_gguf, 30 layers, hidden 2816, vocab 262144, 128 experts top-8, in Q4_K_M-like
+   types (~16 GB) and Q8_0 (--quants), and with --ar / --cli the gemma4 AR twin)
+2. kernels   the fused step's kernels and the MoE layout kernel alone (.whl/bin/dg_cuda_kernel_test)
+             against their host twins, and the fused pass's time on a 256 x 262144 canvas
+3. parity    pytest tests/test_gpu_parity.py and tests/test_replay_gguf.py with every layer offloaded
+             (DG_TEST_GPU_LAYERS=-1) and every kernel switch on (benchmarks/gpu_kernels.py: "all")
+4. write     waits for the GGUFs
+5. ops-test  test-backend-ops built from the same tree (.whl/bin/test-backend-ops), test mode: each
+             changed kernel on the models' own shapes under its switches, against the CPU
+6. ops-perf  the same in perf mode, base against each setting; the dense shapes where the BF16 GEMM
+             wins make the "dense_auto" setting
+7. variants  per quant: the one-graph step (256-token canvas, top-64 self-conditioning) and the
+             one-token decode under every setting, interleaved rounds, min / median
+8. bench     dg bench's speed model and batch sweep (1..16 canvases) with every switch on
+Optional (flags): diffusion (--legacy: decoder step with logits out, one canvas per step backend),
+profile (--profile N), offload (--n-cpu-moe), ar (--ar), cli (--cli: `dg bench` and `dg compare`).
 
-Prints one table and writes DIR/gpu-check.md, DIR/gpu-check.json, DIR/pytest.log and DIR/splits.txt.
+Prints one table and writes DIR/gpu-check.md, DIR/gpu-check.json, DIR/pytest.log, the test logs, and
+the results file DIR/gpu-<date>.json (device, quant, step_ms, decode_ms, variants; commit it as
+benchmarks/results/gpu-<date>.json).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -48,7 +56,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))  # step_profile's node groups
+sys.path.insert(0, str(ROOT / "benchmarks"))  # step_profile's node groups, gpu_kernels
+
+import gpu_kernels  # noqa: E402
 
 REPORTED_RATIO = 3.2  # DiffusionGemma report: a canvas forward costs 3.2x a one-token decode (H100, FP8)
 CANVAS = 256
@@ -157,13 +167,18 @@ SMALL_MODEL = dict(vocab_size=4096, hidden=256, num_experts=8, top_k_experts=2, 
                    global_head_dim=128, num_global_key_value_heads=1)
 
 
-def start_writers(workdir: Path, n_layer: int, overrides: dict) -> dict[str, tuple[Path, subprocess.Popen]]:
-    """Both real-size GGUFs, written by two processes at once (they are CPU-bound on the random draws)."""
+def start_writers(workdir: Path, n_layer: int, overrides: dict, quants: list[str],
+                  with_ar: bool) -> dict[str, tuple[Path, subprocess.Popen]]:
+    """The real-size GGUFs, one process each, all at once (they are CPU-bound on the random draws):
+    the diffusion model in each of `quants` ("diffusion" is the first), and the AR twin in the first."""
     out = {}
-    for arch, name in (("diffusion-gemma", "diffusion"), ("gemma4", "ar")):
-        path = workdir / f"synthetic-{name}-{n_layer}L-q4_k_m.gguf"
+    todo = [("diffusion-gemma", "diffusion" if i == 0 else f"diffusion-{q}", q) for i, q in enumerate(quants)]
+    if with_ar:
+        todo.append(("gemma4", "ar", quants[0]))
+    for arch, name, quant in todo:
+        path = workdir / f"synthetic-{name}-{n_layer}L-{quant}.gguf"
         code = ("import sys; from dgcli.testing.tiny import write_synthetic_gguf; "
-                f"write_synthetic_gguf({str(path)!r}, n_layer={n_layer}, outtype='q4_k_m', arch={arch!r}, **{overrides!r})")
+                f"write_synthetic_gguf({str(path)!r}, n_layer={n_layer}, outtype={quant!r}, arch={arch!r}, **{overrides!r})")
         out[name] = (path, subprocess.Popen([sys.executable, "-c", code], cwd=ROOT))
     return out
 
@@ -174,13 +189,13 @@ def wait_writer(check: Check, name: str, writer: tuple[Path, subprocess.Popen], 
     if code != 0:
         raise RuntimeError(f"writing {path.name} exited {code}")
     size = path.stat().st_size
-    check.add("write", f"{name} GGUF", f"{size / 2**30:.1f} GiB", f"written in {time.monotonic() - t0:.0f} s (two at once)")
+    check.add("write", f"{name} GGUF", f"{size / 2**30:.1f} GiB", f"written in {time.monotonic() - t0:.0f} s (all at once)")
     return path
 
 
-def run_parity(check: Check) -> None:
+def run_parity(check: Check, switches: dict[str, str]) -> None:
     env = dict(os.environ, DG_TEST_GPU_LAYERS="-1", PYTHONPATH=os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]), **switches)
     log = check.out / "pytest.log"
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-s",
            "tests/test_gpu_parity.py", "tests/test_replay_gguf.py"]
@@ -195,7 +210,8 @@ def run_parity(check: Check) -> None:
             name, _, numbers = line.strip().partition(": ")
             check.add("parity", name, numbers)
     check.add("parity", "pytest (GPU parity + replay, every layer offloaded)", summary.strip("= "),
-              "tolerance: (1.5 max, 5e-2 mean) |logit diff|, TF32 matmuls (tests/test_gpu_parity.py)")
+              "tolerance: (1.5 max, 5e-2 mean) |logit diff|, TF32 matmuls (tests/test_gpu_parity.py); switches: "
+              + (" ".join(f"{k}={v}" for k, v in switches.items()) or "none"))
     if code != 0:
         raise RuntimeError(f"parity tests failed (exit {code}); see pytest.log")
 
@@ -507,16 +523,24 @@ def write_outputs(check: Check) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-check-out")))
-    parser.add_argument("--budget", type=float, default=420, help="seconds for the whole check (steps past it are skipped)")
+    parser.add_argument("--budget", type=float, default=450, help="seconds for the whole check (steps past it are skipped)")
     parser.add_argument("--n-layer", type=int, default=30, help="layers of the synthetic model (30: the real 26B-A4B)")
+    parser.add_argument("--quants", default="q4_k_m,q8_0", help="the diffusion model's types to write and measure")
     parser.add_argument("--workdir", type=Path, default=None, help="where the GGUFs are written (default: a temp dir)")
+    parser.add_argument("--tools", type=Path, default=ROOT / ".whl" / "bin",
+                        help="folder of the kernel test and test-backend-ops binaries (gpu_bundle.py builds them)")
     parser.add_argument("--skip-tests", action="store_true", help="no parity tests (speed numbers only)")
+    parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds of the kernel settings")
+    parser.add_argument("--reps", type=int, default=2, help="timed runs per setting and round")
+    parser.add_argument("--speed-batches", default="1,2,4,8,16", help="dg bench's batch sweep (empty: skip)")
+    parser.add_argument("--legacy", action="store_true",
+                        help="also the earlier steps: decoder step with logits out, one canvas per step backend")
     parser.add_argument("--step-backends", default="auto",
-                        help="step backends to time: native (host sampler), graph (one-graph step); auto: both when present")
-    parser.add_argument("--n-cpu-moe", default="15,-1", help="partial-offload settings to time (-1: --cpu-moe)")
-    parser.add_argument("--reps", type=int, default=8)
-    parser.add_argument("--profile", type=int, default=12, metavar="N",
+                        help="with --legacy: step backends to time (native, graph); auto: both when present")
+    parser.add_argument("--n-cpu-moe", default="", help="partial-offload settings to time, e.g. 15,-1 (-1: --cpu-moe)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="time every node of the forward on the device and list the N costliest groups (0: off)")
+    parser.add_argument("--ar", action="store_true", help="also write the AR twin and time its decode")
     parser.add_argument("--cli", action="store_true",
                         help="then `dg bench` and `dg compare` on the pair (DIR/bench.txt, bench.json, compare.txt)")
     parser.add_argument("--cpu-dry-run", action="store_true",
@@ -524,6 +548,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.n_layer < 2:
         parser.error("--n-layer must be at least 2 (the layout needs a sliding and a full-attention layer)")
+    quants = [q.strip() for q in args.quants.split(",") if q.strip()]
+    if not quants or any(q not in ("q4_k_m", "q8_0") for q in quants):
+        parser.error("--quants: q4_k_m and/or q8_0")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "splits.txt").unlink(missing_ok=True)  # appended to by the steps
     check = Check(out=args.out, budget_s=args.budget)
@@ -539,31 +566,13 @@ def main(argv: list[str] | None = None) -> int:
             write_outputs(check)
             return 2
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="dg-gpu-check-", dir="/tmp"))
+    if not args.cpu_dry_run:
+        quants = quants_that_fit(check, workdir, quants, args.n_layer, with_ar=args.ar or args.cli)
     t_write = time.monotonic()
-    writers = start_writers(workdir, args.n_layer, SMALL_MODEL if args.cpu_dry_run else {})
+    writers = start_writers(workdir, args.n_layer, SMALL_MODEL if args.cpu_dry_run else {}, quants,
+                            with_ar=args.ar or args.cli)
     try:
-        if not args.skip_tests:
-            check.step("parity", lambda: run_parity(check), need_s=60)
-        paths: dict[str, Path] = {}
-        for name in ("diffusion", "ar"):
-            check.step("write", lambda name=name: paths.__setitem__(name, wait_writer(check, name, writers[name], t_write)))
-        if "diffusion" in paths:
-            backends = step_backends(args.step_backends)
-            missing = sorted(set(["native", "graph"] if args.step_backends == "auto" else args.step_backends.split(","))
-                             - set(backends))
-            if missing:
-                check.add("diffusion", "step backends not in this build", ", ".join(missing),
-                          "the one-graph step (issue 10) adds 'graph'")
-            check.step("diffusion", lambda: measure_diffusion(check, paths["diffusion"], backends, args.reps), need_s=40)
-            if args.profile:
-                check.step("profile", lambda: profile_forward(check, paths["diffusion"], args.profile), need_s=30)
-            for n in partial_settings(args.n_cpu_moe, args.n_layer):
-                check.step("offload", lambda n=n: measure_partial(check, paths["diffusion"], n, max(2, args.reps // 2)),
-                           need_s=40)
-        if "ar" in paths:
-            check.step("ar", lambda: measure_ar(check, paths["ar"], args.reps), need_s=20)
-        if args.cli and {"diffusion", "ar"} <= paths.keys():
-            check.step("cli", lambda: run_cli(check, paths, check.left()), need_s=60)
+        run_steps(check, args, quants, writers, t_write)
     except Stopped as stop:
         check.failed.append("stopped")
         check.add("stopped", f"by signal {signal.Signals(stop.signum).name}", "-", "the steps after it did not run")
@@ -583,7 +592,100 @@ def main(argv: list[str] | None = None) -> int:
             workdir.rmdir()
         check.add("total", "wall time", f"{time.monotonic() - check.started:.0f} s", f"budget {args.budget:.0f} s")
         write_outputs(check)
+        save_results(check, quants)
     return stopped_code or (1 if check.failed else 0)
+
+
+# GiB a real-size (30-layer) synthetic file takes, by type
+FILE_GIB = {"q4_k_m": 15.7, "q8_0": 26.5}
+
+
+def quants_that_fit(check: Check, workdir: Path, quants: list[str], n_layer: int, with_ar: bool) -> list[str]:
+    """The quants whose files fit the disk together (in the order asked; the first always tried)."""
+    free = shutil.disk_usage(workdir).free / 2**30 - 2.0
+    need = FILE_GIB[quants[0]] * n_layer / 30 * (2 if with_ar else 1)
+    kept = [quants[0]]
+    for q in quants[1:]:
+        size = FILE_GIB[q] * n_layer / 30
+        if need + size <= free:
+            kept.append(q)
+            need += size
+        else:
+            check.add("write", f"{q} not written", "-", f"{free:.0f} GiB free for {need + size:.0f} GiB of files")
+    return kept
+
+
+def run_steps(check: Check, args: argparse.Namespace, quants: list[str], writers: dict, t_write: float) -> None:
+    tools = gpu_kernels.unpack_tools(args.tools, Path(tempfile.gettempdir()) / "dg-gpu-tools")
+    all_on = gpu_kernels.variants([])["all"] | {"DG_CUDA_DENSE": "bf16"}
+    check.step("kernels", lambda: gpu_kernels.step_kernel_test(check, tools[gpu_kernels.KERNEL_TEST], args.cpu_dry_run))
+    if not args.skip_tests:
+        check.step("parity", lambda: run_parity(check, all_on), need_s=60)
+    paths: dict[str, Path] = {}
+    for name in writers:
+        check.step("write", lambda name=name: paths.__setitem__(name, wait_writer(check, name, writers[name], t_write)))
+    models = {q: paths[n] for q, n in zip(quants, ["diffusion", *[f"diffusion-{q}" for q in quants[1:]]]) if n in paths}
+    cases: dict[str, list[str]] = {}
+    for path in models.values():
+        for group, items in gpu_kernels.model_cases(path).items():
+            cases[group] = sorted(set(cases.get(group, [])) | set(items))
+    check.data["ops_cases"] = cases
+    lib_dirs = ops_lib_dirs(check)
+    backend = "CPU" if args.cpu_dry_run else "CUDA0"
+    perf: dict = {}
+    if models and tools[gpu_kernels.TEST_BACKEND_OPS] is not None:
+        if args.cpu_dry_run:
+            check.add("ops-test", "test mode", "skipped", "dry run: test mode compares a GPU backend with the CPU")
+        else:
+            check.step("ops-test", lambda: gpu_kernels.step_ops(check, tools[gpu_kernels.TEST_BACKEND_OPS], "test",
+                                                                  cases, lib_dirs, backend), need_s=30)
+        check.step("ops-perf", lambda: perf.update(gpu_kernels.step_ops(
+            check, tools[gpu_kernels.TEST_BACKEND_OPS], "perf", cases, lib_dirs, backend)), need_s=30)
+    else:
+        check.add("ops", "test-backend-ops", "not run", "no model written" if not models else "not built (gpu_bundle.py)")
+    dense_auto = {}
+    for quant, path in models.items():
+        own = [c for c in gpu_kernels.model_cases(path)["dense"]]
+        dense_auto[quant] = gpu_kernels.dense_auto_shapes(perf, own)
+        check.step(f"variants {quant}", lambda q=quant, p=path: gpu_kernels.step_variants(
+            check, p, q, dense_auto[q], args.rounds, args.reps), need_s=45)
+        save_results(check, quants)
+    batches = [int(b) for b in args.speed_batches.split(",") if b.strip()]
+    if batches and quants[0] in models:
+        final = gpu_kernels.variants(dense_auto.get(quants[0], []))["all"]
+        check.step("bench", lambda: gpu_kernels.step_speed_model(check, models[quants[0]], final, batches, 2), need_s=40)
+    if "diffusion" in paths:
+        if args.legacy:
+            check.step("diffusion", lambda: measure_diffusion(check, paths["diffusion"], step_backends(args.step_backends),
+                                                              max(2, args.reps * 2)), need_s=40)
+        if args.profile:
+            check.step("profile", lambda: profile_forward(check, paths["diffusion"], args.profile), need_s=30)
+        for n in partial_settings(args.n_cpu_moe, args.n_layer):
+            check.step("offload", lambda n=n: measure_partial(check, paths["diffusion"], n, max(2, args.reps)), need_s=40)
+    if "ar" in paths:
+        check.step("ar", lambda: measure_ar(check, paths["ar"], max(2, args.reps * 2)), need_s=20)
+    if args.cli and {"diffusion", "ar"} <= paths.keys():
+        check.step("cli", lambda: run_cli(check, paths, check.left()), need_s=60)
+
+
+def ops_lib_dirs(check: Check) -> list[str]:
+    """Where test-backend-ops finds the installed wheel's libraries and the CUDA runtime."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return []
+    return gpu_kernels.ggml_lib_dirs(Path(llama_cpp.__file__).parent / "lib", Path(tempfile.gettempdir()) / "dg-ops-libs")
+
+
+def save_results(check: Check, quants: list[str]) -> None:
+    """DIR/gpu-<date>.json from what was measured so far."""
+    gpus = check.data.get("gpus") or []
+    device = gpus[0]["description"] if gpus else "no GPU (CPU dry run)"
+    extra = {k: check.data[k] for k in ("kernel_test", "test_backend_ops", "speed_model", "ops_cases") if k in check.data}
+    extra["failed"] = check.failed
+    extra["seconds"] = round(time.monotonic() - check.started, 1)
+    doc = gpu_kernels.results_document(device, check.data.get("quants", {}), quants[0], extra)
+    gpu_kernels.write_results(check.out, doc)
 
 
 if __name__ == "__main__":

@@ -95,9 +95,10 @@ def patch_files() -> list[Path]:
 
 
 def new_source_files() -> dict[str, Path]:
-    """New files of ours, keyed by their path inside vendor/llama.cpp."""
+    """New files of ours, keyed by their path inside vendor/llama.cpp (patch/ggml/... holds ggml's:
+    dg's CUDA kernels and the header libllama shares with them)."""
     out = {}
-    for sub in ("src", "include"):
+    for sub in ("src", "include", "ggml"):
         root = PATCH_DIR / sub
         for path in sorted(root.rglob("*")) if root.exists() else []:
             if path.is_file():

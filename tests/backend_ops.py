@@ -68,16 +68,23 @@ def _load_build_module():
 
 
 def vendored_llama_cpp() -> Path:
-    """The vendored llama.cpp of the pinned sdist, as native/build.py extracts it (from its cache)."""
+    """The vendored llama.cpp of the pinned sdist, as native/build.py extracts it (from its cache); where
+    our patch changes ggml (dg's CUDA kernels touch ggml-cuda's supports_op), a copy of its ggml/ with
+    the patched files over it, in a temporary folder, so that the checks read what is built."""
     build = _load_build_module()
     with tempfile.TemporaryDirectory() as tmp:
         sdist = build.fetch_sdist(Path(tmp) / "fetch.log")
-    top = build.extract_pristine(sdist)
-    touched = [f for f in build.files_in_diff(build.PATCH_DIFF.read_text())
-               if f.startswith(("ggml/src/ggml-metal/", "ggml/src/ggml-cuda/"))]
-    if touched:  # the check reads the pristine files: a patch of them would go unseen
-        raise RuntimeError(f"native/patch/llama.cpp.diff changes {touched}: read the patched copies here")
-    return top / VENDOR
+        vendor = build.extract_pristine(sdist) / VENDOR
+        patched = {rel: data for rel, data in build.patched_contents(vendor, Path(tmp) / "patch.log").items()
+                   if rel.startswith("ggml/")}
+    if not patched:
+        return vendor
+    copy = Path(tempfile.mkdtemp(prefix="dg-opcheck-src-"))
+    shutil.copytree(vendor / "ggml", copy / "ggml", symlinks=True)
+    for rel, data in patched.items():
+        (copy / rel).parent.mkdir(parents=True, exist_ok=True)
+        (copy / rel).write_bytes(data)
+    return copy
 
 
 # -- cutting functions out of C sources ------------------------------------------------------------------
@@ -394,6 +401,10 @@ CUDA_CONDITIONS = {
     "UNARY:EXP": lambda n: "c" in n.src[0].layout,
     "GLU:GEGLU": lambda n: "1" in n.src[0].layout,
     "FLASH_ATTN_EXT": _flash_attn,
+    # dg's patch: its step op and the view after it, only where libllama registered them with
+    # ggml-cuda (DG_CUDA_FUSED_STEP; docs/gpu.md, "dg's CUDA kernels"); the GPU form captured here
+    # has no custom op, and no other custom op is taken
+    "CUSTOM": lambda n: False,
 }
 
 

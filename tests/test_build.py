@@ -236,3 +236,20 @@ def test_piped_messages_stay_one_line(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     [line] = [ln for ln in err.splitlines() if ln.startswith("error:")]
     assert line == f"error: native build failed at step 'compile': [/x] in {cache} (full log: {tmp_path / 'build.log'})"
+
+
+def test_the_patchs_ggml_files_land_in_ggml(tmp_path):
+    """patch/ggml/... (dg's CUDA kernels, the header libllama shares with them) is laid over
+    vendor/llama.cpp/ggml/, next to patch/src and patch/include; and the whole diff applies to the
+    pinned sdist (when it is cached here), its ggml-cuda and test-backend-ops parts included."""
+    files = build.new_source_files()
+    assert {"ggml/src/ggml-cuda/dg-step.cu", "ggml/src/ggml-cuda/dg-moe-layout.cu", "ggml/src/ggml-cuda/dg-switches.cu",
+            "ggml/include/ggml-cuda-dg.h", "src/diffusion-gemma-step-op.cpp"} <= set(files)
+    sdist = build.cache_root().parent / "sdist" / build.SDIST_FILE
+    if not sdist.exists():
+        pytest.skip(f"the sdist is not cached ({sdist}): the diff's application is not checked")
+    pristine = build.extract_pristine(sdist) / "vendor" / "llama.cpp"
+    contents = build.patched_contents(pristine, tmp_path / "log")
+    assert b"dg_cuda_switches_get().moe_compact" in contents["ggml/src/ggml-cuda/mmq.cu"]
+    assert b"DG_TBO_CASES" in contents["tests/test-backend-ops.cpp"]
+    assert b"GGML_CUDA_DG_STEP_REGISTER" in contents["ggml/src/ggml-cuda/ggml-cuda.cu"]

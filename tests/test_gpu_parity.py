@@ -125,3 +125,71 @@ def test_self_conditioning_rows_are_gathered_on_the_gpu(reference_gguf, monkeypa
     inputs = [(name, int(n) * (1024 if unit == "M" else 1))
               for line in splits for name, n, unit in re.findall(r"\[(\S*) ?[^\[]*?\(\s*(\d+)([MK])\)\]", line)]
     assert all(kib < rows_kib for _, kib in inputs), (rows_kib, inputs)
+
+
+def test_fused_step_on_the_gpu_agrees_with_the_ggml_ops_step_and_the_cpu(reference_gguf, monkeypatch):
+    """DG_CUDA_FUSED_STEP=1: the step's pass over the logits in dg's two kernels (ggml-cuda's dg-step.cu)
+    instead of the ggml ops. On the same GPU forward it must give the ggml-ops step's record (the same
+    logits: only the sampler's arithmetic differs, Cephes tanh/exp against CUDA's, F32 against double
+    sums); against the CPU step, the GPU budget (TF32 logits). The step must run on the GPU: the last
+    split of its graph (the step op is the graph's last node) is CUDA's."""
+    import re
+
+    from dgcli.runtime import native
+    from dgcli.runtime.model import DiffusionModel
+    from test_native_step import _sample_margin
+
+    with DiffusionModel(reference_gguf, n_threads=2, n_ctx=256, n_gpu_layers=-1) as gpu:
+        _offloaded_everything(gpu)
+        C, V = gpu.canvas_length, gpu.vocab_size
+        k = min(8, V)
+        rng = np.random.default_rng(5)
+        gpu.prefill(PROMPT[:8])
+        canvas = rng.integers(0, V, (1, C))
+        ids = np.stack([rng.choice(V, k, replace=False) for _ in range(C)]).astype(np.int32)
+        probs = rng.dirichlet(np.ones(k), C).astype(np.float32)
+        u = rng.random((1, C))
+        args = dict(sc_topk=(ids[None], probs[None]), top_k=k, return_values=True)
+        monkeypatch.setenv("GGML_SCHED_DEBUG", "1")
+        monkeypatch.setenv("DG_CUDA_FUSED_STEP", "1")
+        with native.collect_log() as log:
+            [fused] = gpu.denoise_step(canvas, np.float32(0.7), u, **args)
+        monkeypatch.delenv("DG_CUDA_FUSED_STEP")
+        [ops] = gpu.denoise_step(canvas, np.float32(0.7), u, **args)
+        # the engine's default form: the previous soft embedding in, the next one out (the fused step
+        # leaves its probabilities over the logits for the product, as the CPU op does)
+        dense = dict(sc_soft=rng.standard_normal((1, C, gpu.n_embd)).astype(np.float32), next_soft=True)
+        monkeypatch.setenv("DG_CUDA_FUSED_STEP", "1")
+        [fused_dense] = gpu.denoise_step(canvas, np.float32(0.7), u, **dense)
+        monkeypatch.delenv("DG_CUDA_FUSED_STEP")
+        [ops_dense] = gpu.denoise_step(canvas, np.float32(0.7), u, **dense)
+    with DiffusionModel(reference_gguf, n_threads=2, n_ctx=256) as cpu:
+        cpu.prefill(PROMPT[:8])
+        [host] = cpu.denoise_step(canvas, np.float32(0.7), u, **args)
+
+    splits = [line for line in log if line.startswith("## SPLIT")]
+    assert splits and re.match(r"## SPLIT #\d+: CUDA", splits[-1]), splits[-3:]
+
+    np.testing.assert_allclose(fused.processed, ops.processed, rtol=1e-5, atol=1e-5)
+    assert fused.argmax.tolist() == ops.argmax.tolist()
+    np.testing.assert_allclose(fused.entropy, ops.entropy, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(fused.topk_probs, ops.topk_probs, rtol=1e-4, atol=1e-7)
+    for r in range(C):  # the ggml-ops top-k orders ties as the backend does
+        assert set(fused.topk_ids[r].tolist()) == set(ops.topk_ids[r].tolist()), r
+    np.testing.assert_allclose(fused.dropped_mass, ops.dropped_mass, atol=1e-5)
+    for r, (a, b) in enumerate(zip(fused.sampled, ops.sampled)):
+        if a != b:
+            assert _sample_margin(fused.processed[r], u[0, r], int(a)) < 1e-5, r
+
+    assert fused_dense.argmax.tolist() == ops_dense.argmax.tolist()
+    np.testing.assert_allclose(fused_dense.entropy, ops_dense.entropy, rtol=1e-4, atol=1e-5)
+    # the product quantizes the probabilities per block (as a matmul's activations): a last-bit
+    # difference of one can move its block's scale
+    soft_diff = np.max(np.abs(fused_dense.soft - ops_dense.soft)) / np.max(np.abs(ops_dense.soft))
+    assert soft_diff < 1e-2, soft_diff
+
+    agree = float(np.mean(fused.argmax == host.argmax))
+    print(f"fused GPU step vs CPU step: argmax agreement {agree:.3f}, "
+          f"max |entropy diff| {np.max(np.abs(fused.entropy - host.entropy)):.3e}")
+    assert agree >= ARGMAX_AGREEMENT
+    np.testing.assert_allclose(fused.entropy, host.entropy, rtol=5e-2, atol=5e-2)

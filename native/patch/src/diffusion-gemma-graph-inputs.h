@@ -21,6 +21,7 @@ struct dg_graph_key {
     bool       step_soft = false;
     bool       keep      = false;
     bool       portable  = false;
+    bool       fused     = false; // DG_CUDA_FUSED_STEP: the step op on a GPU that has its kernels
 
     explicit dg_graph_key(const dg_request * req) {
         if (!req) {
@@ -34,11 +35,13 @@ struct dg_graph_key {
         step_soft = step && req->step.soft;
         keep      = step && req->step.keep_values;
         portable  = step && req->step.portable;
+        fused     = step && dg_cuda_fused_step_wanted();
     }
 
     bool operator==(const dg_graph_key & o) const {
         return exact == o.exact && sc_form == o.sc_form && sc_width == o.sc_width && step == o.step &&
-               step_k == o.step_k && step_soft == o.step_soft && keep == o.keep && portable == o.portable;
+               step_k == o.step_k && step_soft == o.step_soft && keep == o.keep && portable == o.portable &&
+               fused == o.fused;
     }
 };
 
@@ -79,7 +82,7 @@ public:
 
     bool can_reuse(const llm_graph_params & params) override;
 
-    dg_step_op_params op;
+    ggml_dg_step_params op = {};
     ggml_tensor * temperatures = nullptr; // F32 [1, n_rows]
     ggml_tensor * uniforms     = nullptr; // F64 [n_rows] (the step op) or F32 [1, n_rows] (ggml ops)
     ggml_tensor * record       = nullptr; // F32 [dg_step_record_width(top_k), n_rows]

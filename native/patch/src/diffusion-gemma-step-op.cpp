@@ -1,6 +1,7 @@
 // The denoising step at the end of the decoder graph (dg_denoise_step): what follows the LM head when
 // the caller asks for the sampler's results instead of the logits. Where the logits are on the CPU the
-// step is one op of ours (dg_step_op); on any other backend the same record from ggml ops.
+// step is one op of ours (dg_step_op); on a GPU whose backend has its kernels the same op when
+// DG_CUDA_FUSED_STEP asks for it; on any other backend the same record from ggml ops.
 
 #include "models/models.h"
 #include "diffusion-gemma-api.h"
@@ -9,8 +10,18 @@
 #include "diffusion-gemma-step-op.h"
 #include "diffusion-gemma-step.h"
 
+#include "ggml-backend.h"
+#include "ggml-cuda-dg.h"
+
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <vector>
+
+bool dg_cuda_fused_step_wanted() {
+    const char * v = getenv("DG_CUDA_FUSED_STEP");
+    return v != nullptr && *v != '\0' && strcmp(v, "0") != 0;
+}
 
 // The denoising step over the LM head's output, one row per canvas position (rows split over
 // the op's threads): softcap, / temperature, max, exp, entropy, argmax, top-k, inverse-CDF sample
@@ -19,7 +30,7 @@
 // caller wants the values, in which case the weights go to a per-thread row kept across steps. With
 // probs_scale the weights are then normalised in place: the row holds the next step's probabilities.
 void dg_step_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
-    const auto & p       = *(const dg_step_op_params *) userdata;
+    const auto & p       = *(const ggml_dg_step_params *) userdata;
     ggml_tensor * logits = dst->src[0];                        // F32 [n_vocab, n_rows]
     const auto *  temps  = (const float *)  dst->src[1]->data; // [n_rows]
     const auto *  unif   = (const double *) dst->src[2]->data; // [n_rows]
@@ -43,7 +54,7 @@ void dg_step_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
         in.weights     = p.keep_values ? weights_row.data() : row;
         in.n_vocab     = n_vocab;
         in.softcap     = p.softcap;
-        in.exact_tanh  = p.exact_tanh;
+        in.exact_tanh  = p.exact_tanh != 0;
         in.temperature = temps[r];
         in.uniform     = unif + r;
         in.top_k       = p.top_k;
@@ -74,11 +85,21 @@ void dg_step_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
 // them has the step's record as a source, so the graph runs whatever reads it after the step op.
 void dg_after_step_op(ggml_tensor *, int, int, void *) {}
 
+// Whether the backend of `dev` runs dg_step_op (and the view after it) itself: ggml-cuda with dg's
+// kernels is told which functions they are, and answers for these sizes.
+static bool dg_gpu_takes_step_op(ggml_backend_dev_t dev, int64_t n_vocab, int32_t top_k) {
+    ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(dev);
+    auto take = reg ? (ggml_cuda_dg_step_register_t) ggml_backend_reg_get_proc_address(reg, GGML_CUDA_DG_STEP_REGISTER)
+                    : nullptr;
+    return take != nullptr && take(dg_step_op, dg_after_step_op, n_vocab, top_k);
+}
+
 // logits (LM head output, before the softcap) -> the step's record, and with step.soft the next
 // step's soft embedding (the dense self-conditioning input: this step's probabilities times E, in
-// the same graph). Where the logits are on the CPU the record is one op of ours (dg_step_op); on any
-// other backend (or when asked, to test that path) ggml ops that every backend has, so the logits
-// never leave the device.
+// the same graph). Where the logits are on the CPU the record is one op of ours (dg_step_op); on a
+// GPU whose backend has its kernels, the same op when DG_CUDA_FUSED_STEP asks for it; on any other
+// backend (or when asked, to test that path) ggml ops that every backend has, so the logits never
+// leave the device.
 void llama_model_diffusion_gemma::graph::build_step(const llama_model_diffusion_gemma & model, ggml_tensor * logits) {
     const dg_request &      req   = *dg_active_request();
     const dg_step_request & step  = req.step;
@@ -94,11 +115,13 @@ void llama_model_diffusion_gemma::graph::build_step(const llama_model_diffusion_
 
     ggml_backend_dev_t dev_out = model.dev_output();
     const bool on_cpu = !dev_out || ggml_backend_dev_type(dev_out) == GGML_BACKEND_DEVICE_TYPE_CPU;
+    const bool fused  = !on_cpu && !step.portable && dg_cuda_fused_step_wanted() &&
+                        dg_gpu_takes_step_op(dev_out, logits->ne[0], k);
 
     ggml_tensor * record;
     ggml_tensor * values = nullptr;
     ggml_tensor * probs  = nullptr; // softmax(values) * DG_SC_PROBS_SCALE, [n_vocab, n_rows], with step.soft
-    if (on_cpu && !step.portable) {
+    if ((on_cpu && !step.portable) || fused) {
         inp->op.top_k       = k;
         inp->op.softcap     = cap;
         inp->op.exact_tanh  = req.exact;
