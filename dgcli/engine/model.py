@@ -38,7 +38,13 @@ from dgcli.engine import native
 from dgcli.engine.cpu import cpu_flags
 from dgcli.engine.header import END_TOKEN_TEXTS, VISIBLE_CONTROL_TEXTS, read_header
 from dgcli.engine.hparams import AR_ARCH, DIFFUSION_ARCH, check_model_header, sampler_defaults
-from dgcli.engine.offload import LoadReport, check_offload, expert_override_pattern, tiled_weight_pattern
+from dgcli.engine.offload import (
+    LoadReport,
+    check_offload,
+    expert_override_pattern,
+    expert_repack_pattern,
+    tiled_weight_pattern,
+)
 from dgcli.engine.sampler import StepStats
 from dgcli.engine.template_sandbox import start_renderer
 from dgcli.engine.types import (
@@ -154,10 +160,18 @@ class _LlamaModel:
         override = expert_override_pattern(n_cpu_moe, n_layer if isinstance(n_layer, int) else 0)
         self._lib = native.lib()
         L = self._lib
+        gpu_in_use = bool(rpc_servers) or bool(native.gpu_devices())
         # DG_Q4_K_TILE=0 leaves the Q4_K weights to llama.cpp's repack buffers, so to ggml (A/B runs)
         tiled = None if os.environ.get("DG_Q4_K_TILE") == "0" else tiled_weight_pattern(
-            self.header, L._lib.dg_expert_kernel(), L._lib.dg_dense_kernel(),
-            gpu_in_use=bool(rpc_servers) or bool(native.gpu_devices()))
+            self.header, L._lib.dg_expert_kernel(), L._lib.dg_dense_kernel(), gpu_in_use=gpu_in_use)
+        # the experts repacked while loading for dg's int8 GEMM (its own buffer type) where no GPU is in use
+        own = []
+        repack_kernel = 0 if gpu_in_use else L._lib.dg_expert_repack_kernel()
+        if repack_kernel:
+            pattern = expert_repack_pattern(
+                self.header, lambda type_id, n_in: L._lib.dg_expert_repack_takes(repack_kernel, type_id, n_in))
+            if pattern:
+                own.append((pattern, L._lib.dg_expert_buffer_type(repack_kernel)))
         native.clear_log()
 
         mparams = L.llama_model_default_params()
@@ -166,7 +180,7 @@ class _LlamaModel:
         # segfaults here (stock gemma4 included, tiny and real shapes). DG_CPU_REPACK=1/0 overrides.
         if os.environ.get("DG_CPU_REPACK", "0" if _cpu_has_amx() else "1") == "0":
             mparams.use_extra_bufts = False
-        overrides = native.buft_overrides([override] if override else [], plain=[tiled] if tiled else [])
+        overrides = native.buft_overrides([override] if override else [], plain=[tiled] if tiled else [], own=own)
         mparams.tensor_buft_overrides = ctypes.cast(overrides, ctypes.c_void_p)
         # RPC workers' devices instead of this machine's accelerators: n_gpu_layers layers go to them
         self.rpc_devices = None
@@ -181,7 +195,7 @@ class _LlamaModel:
             model = self._model = L.llama_model_load_from_file(str(self.path).encode(), mparams)
         # where llama.cpp put the weights, in its own words (offloaded layers, buffers, overrides)
         self.load_report = LoadReport.from_log(load_log)
-        if tiled:  # only what --n-cpu-moe asked for is news: without a GPU every weight is in system memory
+        if tiled or own:  # only what --n-cpu-moe asked for is news: without a GPU every weight is in system memory
             asked = re.compile(override) if override else None
             self.load_report.overridden = [(t, b) for t, b in self.load_report.overridden if asked and asked.search(t)]
         if self.load_report.offloaded_layers is None:

@@ -99,7 +99,14 @@ int32_t dg_dense_repacked_count(const llama_model * model) {
 }
 
 int32_t dg_expert_gemm_count(const llama_model * model) {
-    return dg_count_taken(model, &llama_model_diffusion_gemma::experts, &llama_model_diffusion_gemma::experts_gemm);
+    int32_t count = dg_count_taken(model, &llama_model_diffusion_gemma::experts, &llama_model_diffusion_gemma::experts_gemm);
+    if (const auto * dg = dg_model_of(model)) { // and those repacked while loading (dg_expert_buffer_type)
+        for (const auto & layer : dg->layers) {
+            count += (int32_t) dg_expert_tensor_repacked(layer.ffn_gate_up_exps) +
+                     (int32_t) dg_expert_tensor_repacked(layer.ffn_down_exps);
+        }
+    }
+    return count;
 }
 
 int32_t dg_dense_tiled_count(const llama_model * model) {

@@ -177,15 +177,22 @@ void pack_group_q6_K(const uint8_t * rows, size_t row_bytes, int64_t n_super, in
     }
 }
 
+// Activations against the VNNI Q6_K tile, per super-block: the Q8_K quants and d, then per 16-wide
+// sub-block -32 * (sum of its quants) as int32, the tile's starting value for the sub-block's dot
+// product of the unsigned quants 0..63 (which takes their -32 back).
+constexpr int64_t Q8_K_BYTES_SUMS16 = QK_K + 4 + 16 * 4;
+
 // Columns [c0, c1) of x (n_super * 256 values each) as ggml's quantize_row_q8_K_ref writes them
 // (per 256: the value of largest magnitude, first of equals, maps to -127; round-to-even), into
-// the layout above; `flip` 0x80 stores each quant + 128 as an unsigned byte (the Q6_K tile's operand).
+// the layout above; `flip` 0x80 stores each quant + 128 as an unsigned byte (the AVX2 Q6_K tile's
+// operand); `sums16` writes the VNNI Q6_K tile's layout instead (Q8_K_BYTES_SUMS16).
 void quantize_columns_q8_K(int64_t n_super, const float * x, int64_t ld_x, int64_t c0, int64_t c1, uint8_t * act,
-                          uint8_t flip = 0) {
+                          uint8_t flip = 0, bool sums16 = false) {
+    const int64_t bytes = sums16 ? Q8_K_BYTES_SUMS16 : Q8_K_BYTES;
     for (int64_t c = c0; c < c1; ++c) {
         for (int64_t s = 0; s < n_super; ++s) {
             const float * v = x + c * ld_x + s * QK_K;
-            uint8_t *     o = act + (c * n_super + s) * Q8_K_BYTES;
+            uint8_t *     o = act + (c * n_super + s) * bytes;
             float max = 0.0f, amax = 0.0f;
             for (int64_t k = 0; k < QK_K; ++k) {
                 if (std::fabs(v[k]) > amax) {
@@ -193,19 +200,28 @@ void quantize_columns_q8_K(int64_t n_super, const float * x, int64_t ld_x, int64
                     max  = v[k];
                 }
             }
-            float d = 0.0f, sums[8] = {};
+            float   d = 0.0f, sums[8] = {};
+            int32_t sums_16[16] = {};
             if (amax != 0.0f) {
                 const float iscale = -127.0f / max;
                 for (int64_t k = 0; k < QK_K; ++k) {
                     const int8_t q = (int8_t) std::min(127, (int) std::nearbyint(iscale * v[k]));
                     o[k] = (uint8_t) q ^ flip;
                     sums[k / QK] += q;
+                    sums_16[k / 16] += q;
                 }
                 d = 1.0f / iscale;
             } else {
                 std::memset(o, flip, QK_K);
             }
             std::memcpy(o + QK_K, &d, sizeof(d));
+            if (sums16) {
+                for (int j = 0; j < 16; ++j) {
+                    const int32_t start = -32 * sums_16[j];
+                    std::memcpy(o + QK_K + 4 + 4 * j, &start, sizeof(start));
+                }
+                continue;
+            }
             for (int j = 0; j < 8; ++j) {
                 const float b = d * sums[j];
                 std::memcpy(o + QK_K + 4 + 4 * j, &b, sizeof(b));
@@ -599,6 +615,354 @@ __attribute__((target("avx2,fma"))) void tile_q6_K_avx2(const uint8_t * group, c
 }
 #endif
 
+// ---- the repacked experts' layouts (dg_experts::repack, diffusion-gemma-experts.cpp) -------------
+//
+// Per row group of G rows (16 for VNNI, 8 for AVX2), blocks in order; "[n][G][4]" is n vectors of
+// the group's rows, 4 consecutive quants of each, as the tiles load them:
+//   Q8_0  per block of 32: d fp16 [G], quant sums int16 [G], quants int8 [8][G][4]: the tiles' layout itself
+//   Q5_0  per block: d fp16 [G], sums of (q - 16) int16 [G], nibbles [4][G][4] (the file's bytes 4 at a
+//         time: low nibble step q, high step q + 4), then the fifth bits: VNNI [8] uint64 masks, bit 4r + k
+//         of mask q set where row r's quant 4q + k lacks it; AVX2 [G][4] bytes, bit q of byte 4r + k
+//         that of row r's quant 4q + k
+//   Q4_K  per super-block of 256: d fp16 [G], dmin fp16 [G], sc uint8 [8][G], m uint8 [8][G], nibbles
+//         [4 pairs][8 steps][G][4] (the file's bytes 4 at a time: low nibble sub-block 2p, high 2p + 1)
+//   Q6_K  per super-block: d fp16 [G], (AVX2) correction int32 [G], scales int8 [16][G], low nibbles
+//         [32][G][4] (the file's ql bytes 4 at a time), high bit pairs [16][G][4] (its qh bytes)
+// Staging (what the tiles read; stage() writes it from the above, a few vector ops per 4 quants):
+//   Q8_0, Q5_0: as Q8_0 above. Q4_K: per super-block the sub-blocks' scales d * sc and offsets dmin * m
+//   as float [8][G], the quants uint8 [8 sub-blocks][8 steps][G][4]. Q6_K: AVX2 as pack_group_q6_K; VNNI
+//   per super-block d * sc as float [16][G] and the quants 0..63 uint8 [64][G][4].
+
+constexpr int64_t Q5_0_STORED    = 24;  // bytes per row and block of 32 (the file's 22, with a quant sum)
+constexpr int64_t Q4_K_STORED    = 148; // per row and super-block (the file's 144, scales unpacked)
+constexpr int64_t Q6_K_STORED    = 210; // the file's
+constexpr int64_t Q6_K_STORED_AVX2 = 214; // with the correction
+
+// step s (quants 4s..4s+3) of a Q6_K super-block: its nibble vector (of ql) and high half, its vector of
+// bit pairs (of qh) and the pair's position
+inline int64_t q6_K_nibble_vector(int64_t s) { return 16 * (s / 32) + (s % 32) % 16; }
+inline bool    q6_K_high_nibble(int64_t s) { return s % 32 >= 16; }
+inline int64_t q6_K_pair_vector(int64_t s) { return 8 * (s / 32) + s % 8; }
+inline int     q6_K_pair(int64_t s) { return (int) ((s % 32) / 8); }
+
+#ifdef DG_LMH_X86
+#    define DG_LMH_VNNI_K __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
+
+constexpr int64_t Q4_K_SB_BYTES_VNNI = 2 * 8 * 16 * 4 + 8 * 8 * 16 * 4;
+constexpr int64_t Q6_K_SB_BYTES_VNNI = 16 * 16 * 4 + 64 * 16 * 4;
+
+// 16 Q4_K rows x NC columns on AVX-512 VNNI: per 4 quants of the group one vpdpbusd of the unsigned quants
+// against the activation's (signed Q8_K quants); per sub-block the product in float times the sub-block's
+// scale, less its offset times the activation's d * (sum of the sub-block's quants); d once per super-block.
+template <int NC>
+DG_LMH_VNNI_K void tile_q4_K_vnni(const uint8_t * group, const uint8_t * act, int64_t act_bytes, int64_t n_blocks,
+                                  float * out, int64_t ld_out) {
+    constexpr int64_t G       = 16;
+    const int64_t     n_super = n_blocks / 8;
+    __m512            total[NC];
+    _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+        total[c] = _mm512_setzero_ps();
+    }
+    for (int64_t s = 0; s < n_super; ++s) {
+        const uint8_t * w       = group + s * Q4_K_SB_BYTES_VNNI;
+        const float *   scales  = (const float *) w;
+        const float *   offsets = scales + 8 * G;
+        const uint8_t * quants  = w + 2 * 8 * G * 4;
+        const uint8_t * a       = act + s * Q8_K_BYTES;
+        __m512          part[NC];
+        _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+            part[c] = _mm512_setzero_ps();
+        }
+        for (int j = 0; j < 8; ++j) {
+            __m512i dot[NC];
+            _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+                dot[c] = _mm512_setzero_si512();
+            }
+            _Pragma("GCC unroll 8") for (int q = 0; q < 8; ++q) {
+                const __m512i wq = _mm512_loadu_si512((const void *) (quants + (j * 8 + q) * 4 * G));
+                _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+                    int32_t four;
+                    std::memcpy(&four, a + c * act_bytes + j * QK + 4 * q, sizeof(four));
+                    dot[c] = _mm512_dpbusd_epi32(dot[c], wq, _mm512_set1_epi32(four));
+                }
+            }
+            const __m512 scale  = _mm512_loadu_ps(scales + j * G);
+            const __m512 offset = _mm512_loadu_ps(offsets + j * G);
+            _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+                float b;
+                std::memcpy(&b, a + c * act_bytes + QK_K + 4 + 4 * j, sizeof(b));
+                part[c]  = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[c]), scale, part[c]);
+                total[c] = _mm512_fnmadd_ps(offset, _mm512_set1_ps(b), total[c]);
+            }
+        }
+        _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+            float d;
+            std::memcpy(&d, a + c * act_bytes + QK_K, sizeof(d));
+            total[c] = _mm512_fmadd_ps(part[c], _mm512_set1_ps(d), total[c]);
+        }
+    }
+    _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+        _mm512_storeu_ps(out + c * ld_out, total[c]);
+    }
+}
+
+// 16 Q6_K rows x NC columns on AVX-512 VNNI: the unsigned quants 0..63 against the signed Q8_K ones, each
+// 16-wide sub-block's int32 product started at -32 x (the sum of its activation quants), which takes the
+// quants' -32 back; then in float times d * sc of the row, and the activation's d once per super-block.
+template <int NC>
+DG_LMH_VNNI_K void tile_q6_K_vnni(const uint8_t * group, const uint8_t * act, int64_t act_bytes, int64_t n_blocks,
+                                  float * out, int64_t ld_out) {
+    constexpr int64_t G       = 16;
+    const int64_t     n_super = n_blocks / 8;
+    __m512            total[NC];
+    _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+        total[c] = _mm512_setzero_ps();
+    }
+    for (int64_t s = 0; s < n_super; ++s) {
+        const uint8_t * w      = group + s * Q6_K_SB_BYTES_VNNI;
+        const float *   scales = (const float *) w;
+        const uint8_t * quants = w + 16 * G * 4;
+        const uint8_t * a      = act + s * Q8_K_BYTES_SUMS16;
+        __m512          part[NC];
+        _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+            part[c] = _mm512_setzero_ps();
+        }
+        for (int j = 0; j < 16; ++j) {
+            __m512i dot[NC];
+            _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+                int32_t start;
+                std::memcpy(&start, a + c * act_bytes + QK_K + 4 + 4 * j, sizeof(start));
+                dot[c] = _mm512_set1_epi32(start);
+            }
+            _Pragma("GCC unroll 4") for (int q = 0; q < 4; ++q) {
+                const __m512i wq = _mm512_loadu_si512((const void *) (quants + (4 * j + q) * 4 * G));
+                _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+                    int32_t four;
+                    std::memcpy(&four, a + c * act_bytes + 16 * j + 4 * q, sizeof(four));
+                    dot[c] = _mm512_dpbusd_epi32(dot[c], wq, _mm512_set1_epi32(four));
+                }
+            }
+            const __m512 scale = _mm512_loadu_ps(scales + j * G);
+            _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+                part[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[c]), scale, part[c]);
+            }
+        }
+        _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+            float d;
+            std::memcpy(&d, a + c * act_bytes + QK_K, sizeof(d));
+            total[c] = _mm512_fmadd_ps(part[c], _mm512_set1_ps(d), total[c]);
+        }
+    }
+    _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+        _mm512_storeu_ps(out + c * ld_out, total[c]);
+    }
+}
+
+// (vector << 4 - 2k) & mask style: bits [shift, shift + width) of every byte moved to bit `to` (16-bit lane
+// shifts; the bits moved never cross a byte for these positions)
+template <int FROM, int TO> DG_LMH_VNNI_K inline __m512i move_bits_512(__m512i v) {
+    if constexpr (FROM < TO) {
+        return _mm512_slli_epi16(v, TO - FROM);
+    } else if constexpr (FROM > TO) {
+        return _mm512_srli_epi16(v, FROM - TO);
+    } else {
+        return v;
+    }
+}
+
+template <int FROM, int TO> __attribute__((target("avx2"))) inline __m256i move_bits_256(__m256i v) {
+    if constexpr (FROM < TO) {
+        return _mm256_slli_epi16(v, TO - FROM);
+    } else if constexpr (FROM > TO) {
+        return _mm256_srli_epi16(v, FROM - TO);
+    } else {
+        return v;
+    }
+}
+
+// a repacked Q5_0 group (VNNI) into the tiles' layout: the nibbles spread, 16 subtracted where the fifth
+// bit is clear (its mask)
+DG_LMH_VNNI_K void unpack_q5_0_vnni(const uint8_t * src, int64_t n_blocks, uint8_t * dst) {
+    constexpr int64_t G = 16;
+    const __m512i     low = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
+    for (int64_t b = 0; b < n_blocks; ++b) {
+        const uint8_t * in = src + b * Q5_0_STORED * G;
+        uint8_t *       o  = dst + b * 36 * G;
+        _mm512_storeu_si512((void *) o, _mm512_loadu_si512((const void *) in)); // scales and sums
+        const uint8_t * masks = in + 4 * G + 16 * G;
+        _Pragma("GCC unroll 4") for (int q = 0; q < 4; ++q) {
+            const __m512i v  = _mm512_loadu_si512((const void *) (in + 4 * G + q * 4 * G));
+            const __m512i lo = _mm512_and_si512(v, low);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            uint64_t      clear_lo, clear_hi;
+            std::memcpy(&clear_lo, masks + 8 * q, 8);
+            std::memcpy(&clear_hi, masks + 8 * (q + 4), 8);
+            _mm512_storeu_si512((void *) (o + 4 * G + q * 4 * G), _mm512_mask_sub_epi8(lo, clear_lo, lo, sixteen));
+            _mm512_storeu_si512((void *) (o + 4 * G + (q + 4) * 4 * G), _mm512_mask_sub_epi8(hi, clear_hi, hi, sixteen));
+        }
+    }
+}
+
+DG_LMH_VNNI_K void unpack_q4_K_vnni(const uint8_t * src, int64_t n_super, uint8_t * dst) {
+    constexpr int64_t G   = 16;
+    const __m512i     low = _mm512_set1_epi8(0x0F);
+    for (int64_t s = 0; s < n_super; ++s) {
+        const uint8_t * in      = src + s * Q4_K_STORED * G;
+        uint8_t *       o       = dst + s * Q4_K_SB_BYTES_VNNI;
+        float *         scales  = (float *) o;
+        float *         offsets = scales + 8 * G;
+        const __m512    d       = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) in));
+        const __m512    dmin    = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (in + 2 * G)));
+        _Pragma("GCC unroll 8") for (int j = 0; j < 8; ++j) {
+            const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *) (in + 4 * G + j * G))));
+            const __m512 m  = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *) (in + 12 * G + j * G))));
+            _mm512_storeu_ps(scales + j * G, _mm512_mul_ps(d, sc));
+            _mm512_storeu_ps(offsets + j * G, _mm512_mul_ps(dmin, m));
+        }
+        const uint8_t * nibbles = in + 20 * G;
+        uint8_t *       quants  = o + 2 * 8 * G * 4;
+        for (int p = 0; p < 4; ++p) {
+            _Pragma("GCC unroll 8") for (int q = 0; q < 8; ++q) {
+                const __m512i v = _mm512_loadu_si512((const void *) (nibbles + (8 * p + q) * 4 * G));
+                _mm512_storeu_si512((void *) (quants + (16 * p + q) * 4 * G), _mm512_and_si512(v, low));
+                _mm512_storeu_si512((void *) (quants + (16 * p + 8 + q) * 4 * G),
+                                    _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+            }
+        }
+    }
+}
+
+// step s's 6-bit quants of a repacked Q6_K super-block: nibble | pair << 4 (vpternlogd: (pair & 0x30) | nibble)
+template <int K> DG_LMH_VNNI_K inline __m512i q6_K_quants_512(__m512i nibble, __m512i pairs) {
+    return _mm512_ternarylogic_epi32(move_bits_512<2 * K, 4>(pairs), _mm512_set1_epi8(0x30), nibble, 0xEA);
+}
+
+DG_LMH_VNNI_K void unpack_q6_K_vnni(const uint8_t * src, int64_t n_super, uint8_t * dst) {
+    constexpr int64_t G   = 16;
+    const __m512i     low = _mm512_set1_epi8(0x0F);
+    for (int64_t s = 0; s < n_super; ++s) {
+        const uint8_t * in     = src + s * Q6_K_STORED * G;
+        uint8_t *       o      = dst + s * Q6_K_SB_BYTES_VNNI;
+        float *         scales = (float *) o;
+        const __m512    d      = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) in));
+        _Pragma("GCC unroll 16") for (int j = 0; j < 16; ++j) {
+            const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) (in + 2 * G + j * G))));
+            _mm512_storeu_ps(scales + j * G, _mm512_mul_ps(d, sc));
+        }
+        const uint8_t * nibbles = in + 18 * G;
+        const uint8_t * pairs   = nibbles + 128 * G;
+        uint8_t *       quants  = o + 16 * G * 4;
+        // steps 32h + 8k + i: nibble vector 16h + 8(k % 2) + i (low for k < 2), pair vector 8h + i, pair k
+        for (int h = 0; h < 2; ++h) {
+            for (int i = 0; i < 8; ++i) {
+                const __m512i pv = _mm512_loadu_si512((const void *) (pairs + (8 * h + i) * 4 * G));
+                const __m512i v0 = _mm512_loadu_si512((const void *) (nibbles + (16 * h + i) * 4 * G));
+                const __m512i v1 = _mm512_loadu_si512((const void *) (nibbles + (16 * h + 8 + i) * 4 * G));
+                const __m512i n[4] = { _mm512_and_si512(v0, low), _mm512_and_si512(v1, low),
+                                       _mm512_and_si512(_mm512_srli_epi16(v0, 4), low),
+                                       _mm512_and_si512(_mm512_srli_epi16(v1, 4), low) };
+                uint8_t * step = quants + (32 * h + i) * 4 * G;
+                _mm512_storeu_si512((void *) (step + 0 * 8 * 4 * G), q6_K_quants_512<0>(n[0], pv));
+                _mm512_storeu_si512((void *) (step + 1 * 8 * 4 * G), q6_K_quants_512<1>(n[1], pv));
+                _mm512_storeu_si512((void *) (step + 2 * 8 * 4 * G), q6_K_quants_512<2>(n[2], pv));
+                _mm512_storeu_si512((void *) (step + 3 * 8 * 4 * G), q6_K_quants_512<3>(n[3], pv));
+            }
+        }
+    }
+}
+
+// the same three for the AVX2 groups of 8 rows, into the AVX2 tiles' layouts
+__attribute__((target("avx2"))) void unpack_q5_0_avx2(const uint8_t * src, int64_t n_blocks, uint8_t * dst) {
+    constexpr int64_t G   = 8;
+    const __m256i     low = _mm256_set1_epi8(0x0F), fifth = _mm256_set1_epi8(0x10), sixteen = _mm256_set1_epi8(16);
+    for (int64_t b = 0; b < n_blocks; ++b) {
+        const uint8_t * in = src + b * Q5_0_STORED * G;
+        uint8_t *       o  = dst + b * 36 * G;
+        _mm256_storeu_si256((__m256i *) o, _mm256_loadu_si256((const __m256i *) in)); // scales and sums
+        const __m256i bits = _mm256_loadu_si256((const __m256i *) (in + 20 * G));
+        const __m256i high[8] = { move_bits_256<0, 4>(bits), move_bits_256<1, 4>(bits), move_bits_256<2, 4>(bits),
+                                  move_bits_256<3, 4>(bits), move_bits_256<4, 4>(bits), move_bits_256<5, 4>(bits),
+                                  move_bits_256<6, 4>(bits), move_bits_256<7, 4>(bits) };
+        _Pragma("GCC unroll 4") for (int q = 0; q < 4; ++q) {
+            const __m256i v  = _mm256_loadu_si256((const __m256i *) (in + 4 * G + q * 4 * G));
+            const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(high[q], fifth));
+            const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+                                               _mm256_and_si256(high[q + 4], fifth));
+            _mm256_storeu_si256((__m256i *) (o + 4 * G + q * 4 * G), _mm256_sub_epi8(lo, sixteen));
+            _mm256_storeu_si256((__m256i *) (o + 4 * G + (q + 4) * 4 * G), _mm256_sub_epi8(hi, sixteen));
+        }
+    }
+}
+
+__attribute__((target("avx2,f16c"))) void unpack_q4_K_avx2(const uint8_t * src, int64_t n_super, uint8_t * dst) {
+    constexpr int64_t G   = 8;
+    const __m256i     low = _mm256_set1_epi8(0x0F);
+    for (int64_t s = 0; s < n_super; ++s) {
+        const uint8_t * in      = src + s * Q4_K_STORED * G;
+        uint8_t *       o       = dst + s * Q4_K_SB_BYTES;
+        float *         scales  = (float *) o;
+        float *         offsets = scales + 8 * G;
+        const __m256    d       = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) in));
+        const __m256    dmin    = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (in + 2 * G)));
+        _Pragma("GCC unroll 8") for (int j = 0; j < 8; ++j) {
+            const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (in + 4 * G + j * G))));
+            const __m256 m  = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (in + 12 * G + j * G))));
+            _mm256_storeu_ps(scales + j * G, _mm256_mul_ps(d, sc));
+            _mm256_storeu_ps(offsets + j * G, _mm256_mul_ps(dmin, m));
+        }
+        const uint8_t * nibbles = in + 20 * G;
+        uint8_t *       quants  = o + 2 * 8 * G * 4;
+        for (int p = 0; p < 4; ++p) {
+            _Pragma("GCC unroll 8") for (int q = 0; q < 8; ++q) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *) (nibbles + (8 * p + q) * 4 * G));
+                _mm256_storeu_si256((__m256i *) (quants + (16 * p + q) * 4 * G), _mm256_and_si256(v, low));
+                _mm256_storeu_si256((__m256i *) (quants + (16 * p + 8 + q) * 4 * G),
+                                    _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+            }
+        }
+    }
+}
+
+template <int K> __attribute__((target("avx2"))) inline __m256i q6_K_quants_256(__m256i nibble, __m256i pairs) {
+    const __m256i q = _mm256_or_si256(_mm256_and_si256(move_bits_256<2 * K, 4>(pairs), _mm256_set1_epi8(0x30)), nibble);
+    return _mm256_sub_epi8(q, _mm256_set1_epi8(32));
+}
+
+__attribute__((target("avx2,f16c"))) void unpack_q6_K_avx2(const uint8_t * src, int64_t n_super, uint8_t * dst) {
+    constexpr int64_t G   = 8;
+    const __m256i     low = _mm256_set1_epi8(0x0F);
+    for (int64_t s = 0; s < n_super; ++s) {
+        const uint8_t * in = src + s * Q6_K_STORED_AVX2 * G;
+        uint8_t *       o  = dst + s * Q6_K_SB_BYTES;
+        _mm256_storeu_ps((float *) o, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) in)));
+        std::memcpy(o + 32, in + 2 * G, 4 * G); // the corrections
+        _Pragma("GCC unroll 16") for (int j = 0; j < 16; ++j) {
+            const __m256i sc32 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) (in + 6 * G + j * G)));
+            const __m256i pair = _mm256_or_si256(_mm256_and_si256(sc32, _mm256_set1_epi32(0xFFFF)),
+                                                 _mm256_slli_epi32(sc32, 16));
+            _mm256_storeu_si256((__m256i *) (o + 64 + j * 32), pair);
+        }
+        const uint8_t * nibbles = in + 22 * G;
+        const uint8_t * pairs   = nibbles + 128 * G;
+        uint8_t *       quants  = o + 64 + 16 * 32;
+        for (int h = 0; h < 2; ++h) {
+            for (int i = 0; i < 8; ++i) {
+                const __m256i pv = _mm256_loadu_si256((const __m256i *) (pairs + (8 * h + i) * 4 * G));
+                const __m256i v0 = _mm256_loadu_si256((const __m256i *) (nibbles + (16 * h + i) * 4 * G));
+                const __m256i v1 = _mm256_loadu_si256((const __m256i *) (nibbles + (16 * h + 8 + i) * 4 * G));
+                uint8_t * step = quants + (32 * h + i) * 4 * G;
+                _mm256_storeu_si256((__m256i *) (step + 0 * 8 * 4 * G), q6_K_quants_256<0>(_mm256_and_si256(v0, low), pv));
+                _mm256_storeu_si256((__m256i *) (step + 1 * 8 * 4 * G), q6_K_quants_256<1>(_mm256_and_si256(v1, low), pv));
+                _mm256_storeu_si256((__m256i *) (step + 2 * 8 * 4 * G),
+                                    q6_K_quants_256<2>(_mm256_and_si256(_mm256_srli_epi16(v0, 4), low), pv));
+                _mm256_storeu_si256((__m256i *) (step + 3 * 8 * 4 * G),
+                                    q6_K_quants_256<3>(_mm256_and_si256(_mm256_srli_epi16(v1, 4), low), pv));
+            }
+        }
+    }
+}
+#endif
+
 typedef void (*tile_fn)(const uint8_t *, const uint8_t *, int64_t, int64_t, float *, int64_t);
 
 // tile functions for 1..8 columns
@@ -614,6 +978,8 @@ const tile_fn tile_q4_K_avx2_by_columns[5] = { nullptr, tile_q4_K_avx2<1>, tile_
                                               tile_q4_K_avx2<4> };
 const tile_fn tile_q6_K_avx2_by_columns[5] = { nullptr, tile_q6_K_avx2<1>, tile_q6_K_avx2<2>, tile_q6_K_avx2<3>,
                                               tile_q6_K_avx2<4> };
+DG_LMH_TILES(tile_q4_K_vnni)
+DG_LMH_TILES(tile_q6_K_vnni)
 #endif
 
 bool cpu_has(const char * feature) {
@@ -669,11 +1035,14 @@ void quantize_columns(dg_lm_head_kernel kernel, int64_t n_blocks, const float * 
 }
 
 
-// this kernel's tiles for weights of `type` by column count, and the widest (Q4_K, Q6_K: AVX2's only,
-// which dg_experts::make ensures)
+// this kernel's tiles for weights of `type` by column count, and the widest (Q4_K, Q6_K: AVX2's, and
+// VNNI's for the repacked experts; dg_experts::make and over_repacked ensure it)
 const tile_fn * tiles_for(dg_lm_head_kernel kernel, int64_t * n_wide, ggml_type type = GGML_TYPE_Q8_0) {
     *n_wide = kernel == dg_lm_head_kernel::avx2 ? 4 : 8;
 #ifdef DG_LMH_X86
+    if ((type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K) && kernel == dg_lm_head_kernel::avx512_vnni) {
+        return type == GGML_TYPE_Q4_K ? tile_q4_K_vnni_by_columns : tile_q6_K_vnni_by_columns;
+    }
     if (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K) {
         GGML_ASSERT(kernel == dg_lm_head_kernel::avx2);
         return type == GGML_TYPE_Q4_K ? tile_q4_K_avx2_by_columns : tile_q6_K_avx2_by_columns;
@@ -692,9 +1061,15 @@ const tile_fn * tiles_for(dg_lm_head_kernel kernel, int64_t * n_wide, ggml_type 
 
 dg_lm_head_kernel dg_lm_head::kernel_for_cpu(const char * env_name) {
     const char * env = env_name ? std::getenv(env_name) : nullptr;
+    if (!env || !*env || !std::strcmp(env, "auto")) {
+        env = std::getenv("DG_CPU_KERNELS"); // the family for every component not named on its own
+    }
     if (env && *env && std::strcmp(env, "auto") != 0) {
         if (!std::strcmp(env, "avx2") && kernel_runs_here(dg_lm_head_kernel::avx2)) {
             return dg_lm_head_kernel::avx2;
+        }
+        if (!std::strcmp(env, "avx512-vnni") && kernel_runs_here(dg_lm_head_kernel::avx512_vnni)) {
+            return dg_lm_head_kernel::avx512_vnni;
         }
         if (!std::strcmp(env, "emulated")) {
             return dg_lm_head_kernel::emulated;
@@ -833,11 +1208,179 @@ bool expert_type_fits(ggml_type type, int64_t n_in, dg_lm_head_kernel kernel) {
     return (type == GGML_TYPE_Q8_0 || type == GGML_TYPE_Q5_0) && n_in % QK == 0;
 }
 
+// The repacked layouts (described above the kernels), written from the file's rows: rows [0, n_rows) of
+// a group of G at `rows` (row r at rows + r * row_bytes) into `out`; rows past n_rows are zeros (their
+// scales 0, so they compute zeros).
+void repack_group_q5_0(const uint8_t * rows, size_t row_bytes, int64_t n_blocks, int64_t n_rows, int64_t G, bool vnni,
+                       uint8_t * out) {
+    for (int64_t b = 0; b < n_blocks; ++b) {
+        uint8_t * o = out + b * Q5_0_STORED * G;
+        std::memset(o, 0, (size_t) (Q5_0_STORED * G));
+        uint8_t * nibbles = o + 4 * G;
+        uint8_t * fifth   = o + 20 * G;
+        for (int64_t r = 0; r < n_rows; ++r) {
+            const q5_0_block & blk = ((const q5_0_block *) (rows + r * row_bytes))[b];
+            const q8_0_block   q8  = q8_0_of(blk);
+            int16_t            sum = 0;
+            for (int64_t k = 0; k < QK; ++k) {
+                sum = (int16_t) (sum + q8.qs[k]);
+            }
+            std::memcpy(o + 2 * r, &blk.d, 2);
+            std::memcpy(o + 2 * G + 2 * r, &sum, 2);
+            for (int64_t q = 0; q < 4; ++q) {
+                std::memcpy(nibbles + q * 4 * G + 4 * r, blk.qs + 4 * q, 4);
+            }
+            uint32_t high;
+            std::memcpy(&high, blk.qh, sizeof(high));
+            for (int64_t q = 0; q < 8; ++q) {
+                for (int64_t k = 0; k < 4; ++k) {
+                    const uint32_t bit = (high >> (4 * q + k)) & 1;
+                    if (vnni && !bit) { // mask q: the bytes 16 is taken from
+                        fifth[8 * q + (4 * r + k) / 8] |= (uint8_t) (1u << ((4 * r + k) % 8));
+                    } else if (!vnni) {
+                        fifth[4 * r + k] |= (uint8_t) (bit << q);
+                    }
+                }
+            }
+        }
+    }
+}
+
+void repack_group_q4_K(const uint8_t * rows, size_t row_bytes, int64_t n_super, int64_t n_rows, int64_t G,
+                       uint8_t * out) {
+    for (int64_t s = 0; s < n_super; ++s) {
+        uint8_t * o = out + s * Q4_K_STORED * G;
+        std::memset(o, 0, (size_t) (Q4_K_STORED * G));
+        for (int64_t r = 0; r < n_rows; ++r) {
+            const q4_K_block & blk = ((const q4_K_block *) (rows + r * row_bytes))[s];
+            std::memcpy(o + 2 * r, &blk.d, 2);
+            std::memcpy(o + 2 * G + 2 * r, &blk.dmin, 2);
+            for (int j = 0; j < 8; ++j) {
+                int sc, m;
+                q4_K_scale_min(blk.scales, j, sc, m);
+                o[4 * G + j * G + r]  = (uint8_t) sc;
+                o[12 * G + j * G + r] = (uint8_t) m;
+            }
+            for (int64_t v = 0; v < 32; ++v) { // pair v / 8, step v % 8: the file's bytes 32 (v / 8) + 4 (v % 8)
+                std::memcpy(o + 20 * G + v * 4 * G + 4 * r, blk.qs + 32 * (v / 8) + 4 * (v % 8), 4);
+            }
+        }
+    }
+}
+
+void repack_group_q6_K(const uint8_t * rows, size_t row_bytes, int64_t n_super, int64_t n_rows, int64_t G,
+                       bool correction, uint8_t * out) {
+    const int64_t stored = correction ? Q6_K_STORED_AVX2 : Q6_K_STORED;
+    const int64_t at_sc  = correction ? 6 * G : 2 * G;
+    for (int64_t s = 0; s < n_super; ++s) {
+        uint8_t * o = out + s * stored * G;
+        std::memset(o, 0, (size_t) (stored * G));
+        for (int64_t r = 0; r < n_rows; ++r) {
+            const q6_K_block & blk = ((const q6_K_block *) (rows + r * row_bytes))[s];
+            std::memcpy(o + 2 * r, &blk.d, 2);
+            if (correction) { // 128 x the row's scaled quant sums: the AVX2 tile's +128 on the activations
+                int32_t sum = 0;
+                for (int64_t i = 0; i < QK_K; ++i) {
+                    sum += blk.scales[i / 16] * q6_K_quant(blk, i);
+                }
+                const int32_t corr = 128 * sum;
+                std::memcpy(o + 2 * G + 4 * r, &corr, 4);
+            }
+            for (int64_t j = 0; j < 16; ++j) {
+                o[at_sc + j * G + r] = (uint8_t) blk.scales[j];
+            }
+            for (int64_t v = 0; v < 32; ++v) {
+                std::memcpy(o + at_sc + 16 * G + v * 4 * G + 4 * r, blk.ql + 4 * v, 4);
+            }
+            for (int64_t u = 0; u < 16; ++u) {
+                std::memcpy(o + at_sc + 144 * G + u * 4 * G + 4 * r, blk.qh + 4 * u, 4);
+            }
+        }
+    }
+}
+
 }  // namespace
 
 dg_lm_head_kernel dg_experts::kernel_for_cpu() {
     const dg_lm_head_kernel kernel = dg_lm_head::kernel_for_cpu("DG_EXPERT_GEMM");
     return kernel == dg_lm_head_kernel::avx512_vnni ? dg_lm_head_kernel::none : kernel;
+}
+
+dg_lm_head_kernel dg_experts::repack_kernel_for_cpu() {
+    const dg_lm_head_kernel kernel = dg_lm_head::kernel_for_cpu("DG_EXPERT_GEMM");
+    return kernel == dg_lm_head_kernel::avx2 || kernel == dg_lm_head_kernel::avx512_vnni ? kernel
+                                                                                         : dg_lm_head_kernel::none;
+}
+
+bool dg_experts::repack_takes(ggml_type type, int64_t n_in, dg_lm_head_kernel kernel) {
+    if ((kernel != dg_lm_head_kernel::avx2 && kernel != dg_lm_head_kernel::avx512_vnni) || !kernel_runs_here(kernel) ||
+        n_in <= 0) {
+        return false;
+    }
+    if (type == GGML_TYPE_Q6_K) { // DG_Q6_K_TILE=0 leaves Q6_K weights to ggml (A/B runs)
+        const char * env = std::getenv("DG_Q6_K_TILE");
+        if (env && !std::strcmp(env, "0")) {
+            return false;
+        }
+    }
+    if (is_k_quant(type)) {
+        return n_in % QK_K == 0;
+    }
+    return (type == GGML_TYPE_Q8_0 || type == GGML_TYPE_Q5_0) && n_in % QK == 0;
+}
+
+int64_t dg_experts::stored_group_bytes(ggml_type type, int64_t n_in, dg_lm_head_kernel kernel) {
+    const int64_t G = kernel == dg_lm_head_kernel::avx2 ? 8 : 16;
+    switch (type) {
+        case GGML_TYPE_Q8_0: return n_in / QK * dg_lm_head_group_block_bytes(G);
+        case GGML_TYPE_Q5_0: return n_in / QK * Q5_0_STORED * G;
+        case GGML_TYPE_Q4_K: return n_in / QK_K * Q4_K_STORED * G;
+        case GGML_TYPE_Q6_K:
+            return n_in / QK_K * (kernel == dg_lm_head_kernel::avx2 ? Q6_K_STORED_AVX2 : Q6_K_STORED) * G;
+        default: return 0;
+    }
+}
+
+size_t dg_experts::repacked_bytes(ggml_type type, int64_t n_in, int64_t n_out, int64_t n_expert,
+                                  dg_lm_head_kernel kernel) {
+    const int64_t G = kernel == dg_lm_head_kernel::avx2 ? 8 : 16;
+    return (size_t) (n_expert * ((n_out + G - 1) / G) * stored_group_bytes(type, n_in, kernel));
+}
+
+void dg_experts::repack(ggml_type type, int64_t n_in, int64_t n_out, int64_t e0, int64_t e1, dg_lm_head_kernel kernel,
+                        const void * src, void * dst) {
+    const int64_t G         = kernel == dg_lm_head_kernel::avx2 ? 8 : 16;
+    const int64_t n_groups  = (n_out + G - 1) / G;
+    const int64_t stored    = stored_group_bytes(type, n_in, kernel);
+    const size_t  row_bytes = ggml_row_size(type, n_in);
+    for (int64_t e = e0; e < e1; ++e) {
+        for (int64_t g = 0; g < n_groups; ++g) {
+            const uint8_t * rows   = (const uint8_t *) src + (e * n_out + g * G) * row_bytes;
+            const int64_t   n_rows = std::min(G, n_out - g * G);
+            uint8_t *       out    = (uint8_t *) dst + (e * n_groups + g) * stored;
+            switch (type) {
+                case GGML_TYPE_Q8_0: pack_group(rows, row_bytes, type, n_in / QK, n_rows, G, out); break;
+                case GGML_TYPE_Q5_0:
+                    repack_group_q5_0(rows, row_bytes, n_in / QK, n_rows, G, kernel != dg_lm_head_kernel::avx2, out);
+                    break;
+                case GGML_TYPE_Q4_K: repack_group_q4_K(rows, row_bytes, n_in / QK_K, n_rows, G, out); break;
+                case GGML_TYPE_Q6_K:
+                    repack_group_q6_K(rows, row_bytes, n_in / QK_K, n_rows, G, kernel == dg_lm_head_kernel::avx2, out);
+                    break;
+                default: GGML_ABORT("dg_experts::repack: type %s has no repacked layout", ggml_type_name(type));
+            }
+        }
+    }
+}
+
+std::unique_ptr<dg_experts> dg_experts::over_repacked(const void * data, ggml_type type, int64_t n_in, int64_t n_out,
+                                                      int64_t n_expert, dg_lm_head_kernel kernel) {
+    if (!data || !repack_takes(type, n_in, kernel) || n_out <= 0 || n_expert <= 0) {
+        return nullptr;
+    }
+    std::unique_ptr<dg_experts> experts(new dg_experts(kernel, data, type, n_in, n_out, n_expert));
+    experts->repacked_ = true;
+    return experts;
 }
 
 bool dg_experts::qualifies(const ggml_tensor * w) {
@@ -865,10 +1408,18 @@ dg_experts::dg_experts(dg_lm_head_kernel kernel, const void * data, ggml_type ty
     n_blocks_(n_in / QK), group_(kernel == dg_lm_head_kernel::avx2 ? 8 : 16), row_bytes_(ggml_row_size(type, n_in)) {}
 
 int64_t dg_experts::act_bytes() const {
+    if (type_ == GGML_TYPE_Q6_K && kernel_ == dg_lm_head_kernel::avx512_vnni) {
+        return n_in_ / QK_K * Q8_K_BYTES_SUMS16;
+    }
     return is_k_quant(type_) ? n_in_ / QK_K * Q8_K_BYTES : n_blocks_ * (QK + 4);
 }
 
 int64_t dg_experts::group_bytes() const {
+    if (is_k_quant(type_) && group_ == 16) { // the VNNI K-quant tiles' layout
+#ifdef DG_LMH_X86
+        return n_in_ / QK_K * (type_ == GGML_TYPE_Q4_K ? Q4_K_SB_BYTES_VNNI : Q6_K_SB_BYTES_VNNI);
+#endif
+    }
     if (is_k_quant(type_)) {
         return n_in_ / QK_K * (type_ == GGML_TYPE_Q4_K ? Q4_K_SB_BYTES : Q6_K_SB_BYTES);
     }
@@ -876,7 +1427,9 @@ int64_t dg_experts::group_bytes() const {
 }
 
 void dg_experts::quantize(const float * x, int64_t ld_x, int64_t r0, int64_t r1, uint8_t * act) const {
-    if (is_k_quant(type_)) {
+    if (type_ == GGML_TYPE_Q6_K && kernel_ == dg_lm_head_kernel::avx512_vnni) {
+        quantize_columns_q8_K(n_in_ / QK_K, x, ld_x, r0, r1, act, 0, /*sums16 =*/ true);
+    } else if (is_k_quant(type_)) {
         quantize_columns_q8_K(n_in_ / QK_K, x, ld_x, r0, r1, act, type_ == GGML_TYPE_Q6_K ? 0x80 : 0);
     } else {
         quantize_columns(kernel_, n_blocks_, x, ld_x, r0, r1, act);
@@ -913,6 +1466,33 @@ void dg_experts::pack(const uint8_t * first_row, int64_t rows, uint8_t * group) 
     pack_group(first_row, row_bytes_, type_, n_blocks_, rows, group_, group);
 }
 
+const uint8_t * dg_experts::stage(int64_t e, int64_t g, uint8_t * buffer) const {
+    const int64_t G = group_;
+    if (!repacked_) {
+        pack(data_ + (e * n_out_ + g * G) * row_bytes_, std::min(G, n_out_ - g * G), buffer);
+        return buffer;
+    }
+    const int64_t   n_groups = (n_out_ + G - 1) / G;
+    const uint8_t * stored   = data_ + (e * n_groups + g) * stored_group_bytes(type_, n_in_, kernel_);
+#ifdef DG_LMH_X86
+    const bool vnni = kernel_ == dg_lm_head_kernel::avx512_vnni;
+    switch (type_) {
+        case GGML_TYPE_Q8_0: return stored;
+        case GGML_TYPE_Q5_0:
+            vnni ? unpack_q5_0_vnni(stored, n_blocks_, buffer) : unpack_q5_0_avx2(stored, n_blocks_, buffer);
+            return buffer;
+        case GGML_TYPE_Q4_K:
+            vnni ? unpack_q4_K_vnni(stored, n_in_ / QK_K, buffer) : unpack_q4_K_avx2(stored, n_in_ / QK_K, buffer);
+            return buffer;
+        case GGML_TYPE_Q6_K:
+            vnni ? unpack_q6_K_vnni(stored, n_in_ / QK_K, buffer) : unpack_q6_K_avx2(stored, n_in_ / QK_K, buffer);
+            return buffer;
+        default: break;
+    }
+#endif
+    GGML_ABORT("dg_experts::stage: no repacked layout for %s", ggml_type_name(type_));
+}
+
 void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * ids, int64_t ld_ids, int64_t n_used,
                       int64_t n_tokens, char * out, size_t nb_slot, size_t nb_token, int ith, int nth) const {
     const int64_t G        = group_;
@@ -945,9 +1525,10 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
         }
     }
 
-    // This thread's share of the (expert, group) pairs, by cost: a group's packing costs about as
-    // much as running it against three columns.
-    constexpr int64_t PACK_COST = 3;
+    // This thread's share of the (expert, group) pairs, by cost: a group's packing from the file's
+    // layout costs about as much as running it against three columns, its unpacking from the repacked
+    // one about one (nothing for Q8_0, stored as the tiles read it).
+    const int64_t PACK_COST = !repacked_ ? 3 : type_ == GGML_TYPE_Q8_0 ? 0 : 1;
     int64_t           total     = 0;
     for (int64_t e = 0; e < n_expert_; ++e) {
         const int64_t n = first[(size_t) e + 1] - first[(size_t) e];
@@ -955,6 +1536,7 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
     }
     const int64_t lo = total * ith / nth, hi = total * (ith + 1) / nth;
 
+    const int64_t stored = repacked_ ? stored_group_bytes(type_, n_in_, kernel_) : 0;
     thread_local std::vector<uint8_t> packed, gathered;
     packed.resize((size_t) (group_bytes() + 64));
     uint8_t * group = (uint8_t *) (((uintptr_t) packed.data() + 63) & ~(uintptr_t) 63);
@@ -980,18 +1562,31 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
             const int64_t u = pairs[j] % n_used, t = pairs[j] / n_used;
             std::memcpy(gathered.data() + j * ab, act + ((u % n_act_slots) + t * n_act_slots) * ab, (size_t) ab);
         }
-        const uint8_t * expert = data_ + e * n_out_ * row_bytes_;
+        // the columns in tiles of near-equal widths (19: 7 + 6 + 6, not 8 + 8 + 3: a narrow tile reloads
+        // the weights for few columns)
+        const int64_t n_tiles = (n + n_wide - 1) / n_wide;
         for (int64_t g = g0; g < g1; ++g) {
-            const int64_t rows = std::min(G, n_out_ - g * G);
-            pack(expert + g * G * row_bytes_, rows, group);
-            for (int64_t c = 0; c < n; c += n_wide) {
-                const int64_t nc = std::min(n_wide, n - c);
-                tiles[nc](group, gathered.data() + c * ab, ab, n_blocks_, tile_out, G);
+            const int64_t   rows   = std::min(G, n_out_ - g * G);
+            const uint8_t * staged = stage(e, g, group);
+            // the repacked experts are one stream in (expert, group) order, which this thread walks: the next
+            // group's bytes are asked for while this one computes, a part before each tile (with few tokens
+            // per expert these reads bound the GEMM)
+            const bool      ahead = repacked_ && e * n_groups + g + 1 < n_expert_ * n_groups;
+            const uint8_t * next  = ahead ? data_ + (e * n_groups + g + 1) * stored : nullptr;
+            for (int64_t c = 0, tile = 0; c < n; ++tile) {
+                const int64_t nc = n / n_tiles + (tile < n % n_tiles ? 1 : 0);
+                if (next) {
+                    for (int64_t off = stored * tile / n_tiles; off < stored * (tile + 1) / n_tiles; off += 64) {
+                        __builtin_prefetch(next + off, 0, 2);
+                    }
+                }
+                tiles[nc](staged, gathered.data() + c * ab, ab, n_blocks_, tile_out, G);
                 for (int64_t j = 0; j < nc; ++j) {
                     const int64_t u = pairs[c + j] % n_used, t = pairs[c + j] / n_used;
                     std::memcpy(out + u * nb_slot + t * nb_token + g * G * sizeof(float), tile_out + j * G,
                                 (size_t) rows * sizeof(float));
                 }
+                c += nc;
             }
         }
     }
@@ -1059,11 +1654,11 @@ std::vector<uint8_t> random_blocks(ggml_type type, int64_t n_blocks, std::mt1993
 // relative to the sum of its blocks' magnitudes (infinite if got is not finite); `column` in the Q8_K
 // layout of quantize_columns_q8_K when q8_K, else dg_lm_head's
 double relative_error(const float * row, const uint8_t * column, int64_t n_blocks, int8_t offset, float got,
-                      bool q8_K = false) {
+                      bool q8_K = false, int64_t q8_K_bytes = Q8_K_BYTES) {
     if (q8_K) {
         double sum = 0.0, magnitude = 0.0;
         for (int64_t s = 0; s < n_blocks / 8; ++s) {
-            const uint8_t * block = column + s * Q8_K_BYTES;
+            const uint8_t * block = column + s * q8_K_bytes;
             float d;
             std::memcpy(&d, block + QK_K, sizeof(d));
             for (int64_t j = 0; j < 8; ++j) {
@@ -1145,9 +1740,32 @@ int32_t dg_lm_head_selftest(int32_t kernel, int32_t weight_type, int64_t n_embd,
 // as `nth` threads split it (each share run in turn), against a double-precision sum of the same
 // quantized operands with ggml's dequantizer: *max_rel_error relative to each output's magnitude
 // (infinite if any output was left unwritten). 0: done, 1: the CPU lacks the kernel, -1: bad arguments.
+static int32_t experts_selftest(int32_t kernel, int32_t weight_type, int64_t n_in, int64_t n_out, int64_t n_expert,
+                                int64_t n_used, int64_t n_tokens, bool input_per_slot, int32_t nth, uint32_t seed,
+                                bool repacked, double * max_rel_error);
+
 int32_t dg_experts_selftest(int32_t kernel, int32_t weight_type, int64_t n_in, int64_t n_out, int64_t n_expert,
                             int64_t n_used, int64_t n_tokens, bool input_per_slot, int32_t nth, uint32_t seed,
                             double * max_rel_error) {
+    return experts_selftest(kernel, weight_type, n_in, n_out, n_expert, n_used, n_tokens, input_per_slot, nth, seed,
+                            false, max_rel_error);
+}
+
+// The same over the experts in the repacked layout (dg_experts::repack, then over_repacked): avx2 (1) or
+// avx512-vnni (2) only, every type the layout takes.
+int32_t dg_experts_repacked_selftest(int32_t kernel, int32_t weight_type, int64_t n_in, int64_t n_out,
+                                     int64_t n_expert, int64_t n_used, int64_t n_tokens, bool input_per_slot,
+                                     int32_t nth, uint32_t seed, double * max_rel_error) {
+    if (kernel != (int32_t) dg_lm_head_kernel::avx2 && kernel != (int32_t) dg_lm_head_kernel::avx512_vnni) {
+        return -1;
+    }
+    return experts_selftest(kernel, weight_type, n_in, n_out, n_expert, n_used, n_tokens, input_per_slot, nth, seed,
+                            true, max_rel_error);
+}
+
+static int32_t experts_selftest(int32_t kernel, int32_t weight_type, int64_t n_in, int64_t n_out, int64_t n_expert,
+                                int64_t n_used, int64_t n_tokens, bool input_per_slot, int32_t nth, uint32_t seed,
+                                bool repacked, double * max_rel_error) {
     const auto type = (ggml_type) weight_type;
     if (n_in <= 0 || n_in % QK || n_out <= 0 || n_expert <= 0 || n_used <= 0 || n_used > n_expert || n_tokens <= 0 ||
         nth <= 0 || !max_rel_error || kernel < 1 || kernel > 3 ||
@@ -1183,9 +1801,20 @@ int32_t dg_experts_selftest(int32_t kernel, int32_t weight_type, int64_t n_in, i
     for (auto & v : x) {
         v = unit(rng) * 3.0f;
     }
-    auto experts = dg_experts::make(w.data(), type, n_in, n_out, n_expert, k);
-    if (!experts) {
-        return is_k_quant(type) ? 1 : -1; // Q4_K, Q6_K: AVX2's tiles only
+    std::vector<uint8_t>        stored;
+    std::unique_ptr<dg_experts> experts;
+    if (repacked) {
+        stored.resize(dg_experts::repacked_bytes(type, n_in, n_out, n_expert, k));
+        dg_experts::repack(type, n_in, n_out, 0, n_expert, k, w.data(), stored.data());
+        experts = dg_experts::over_repacked(stored.data(), type, n_in, n_out, n_expert, k);
+        if (!experts) {
+            return -1;
+        }
+    } else {
+        experts = dg_experts::make(w.data(), type, n_in, n_out, n_expert, k);
+        if (!experts) {
+            return is_k_quant(type) ? 1 : -1; // Q4_K, Q6_K: AVX2's tiles only
+        }
     }
     const int64_t n_rows = n_act_slots * n_tokens;
     std::vector<uint8_t> act((size_t) (experts->act_bytes() * n_rows));
@@ -1196,8 +1825,10 @@ int32_t dg_experts_selftest(int32_t kernel, int32_t weight_type, int64_t n_in, i
                       n_out * sizeof(float), n_out * n_used * sizeof(float), ith, nth);
     }
 
-    // the activations' stored bias: the VNNI layout's and the Q6_K tile's operand is unsigned
-    const int8_t offset = (k == dg_lm_head_kernel::avx2 && type != GGML_TYPE_Q6_K) ? 0 : -128;
+    // the activations' stored bias: the VNNI Q8_0 / Q5_0 tile's and the AVX2 Q6_K tile's operand is unsigned
+    const bool    avx2   = k == dg_lm_head_kernel::avx2;
+    const int8_t  offset = avx2 ? (type == GGML_TYPE_Q6_K ? -128 : 0) : (is_k_quant(type) ? 0 : -128);
+    const int64_t q8_K_bytes = !avx2 && type == GGML_TYPE_Q6_K ? Q8_K_BYTES_SUMS16 : Q8_K_BYTES;
     double worst = 0.0;
     for (int64_t t = 0; t < n_tokens; ++t) {
         for (int64_t u = 0; u < n_used; ++u) {
@@ -1206,7 +1837,7 @@ int32_t dg_experts_selftest(int32_t kernel, int32_t weight_type, int64_t n_in, i
             for (int64_t r = 0; r < n_out; ++r) {
                 worst = std::max(worst, relative_error(decoded.data() + (e * n_out + r) * n_in, column, nb, offset,
                                                        out[(size_t) ((t * n_used + u) * n_out + r)],
-                                                       is_k_quant(type)));
+                                                       is_k_quant(type), q8_K_bytes));
             }
         }
     }
