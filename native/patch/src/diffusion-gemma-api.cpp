@@ -75,9 +75,8 @@ const char * dg_lm_head_path(const llama_model * model) {
     if (!dg) {
         return "ggml";
     }
-    const dg_lm_head_kernel kernel = dg_lm_head::kernel_for_cpu();
-    if (!dg->uses_gpu() && dg_lm_head::qualifies(dg->output)) {
-        return dg_lm_head::kernel_name(kernel);
+    if (const dg_lm_head * head = dg->lm_head()) { // the kernel the model took when it repacked its head
+        return dg_lm_head::kernel_name(head->kernel());
     }
     return dg->dense_tiled(dg->output) ? "avx2 K-quant tile" : "ggml";
 }

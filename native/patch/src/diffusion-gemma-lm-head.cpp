@@ -648,118 +648,8 @@ inline int     q6_K_pair(int64_t s) { return (int) ((s % 32) / 8); }
 #ifdef DG_LMH_X86
 #    define DG_LMH_VNNI_K __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 
-constexpr int64_t Q4_K_SB_BYTES_VNNI = 2 * 8 * 16 * 4 + 8 * 8 * 16 * 4;
-constexpr int64_t Q6_K_SB_BYTES_VNNI = 16 * 16 * 4 + 64 * 16 * 4;
-
-// 16 Q4_K rows x NC columns on AVX-512 VNNI: per 4 quants of the group one vpdpbusd of the unsigned quants
-// against the activation's (signed Q8_K quants); per sub-block the product in float times the sub-block's
-// scale, less its offset times the activation's d * (sum of the sub-block's quants); d once per super-block.
-template <int NC>
-DG_LMH_VNNI_K void tile_q4_K_vnni(const uint8_t * group, const uint8_t * act, int64_t act_bytes, int64_t n_blocks,
-                                  float * out, int64_t ld_out) {
-    constexpr int64_t G       = 16;
-    const int64_t     n_super = n_blocks / 8;
-    __m512            total[NC];
-    _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
-        total[c] = _mm512_setzero_ps();
-    }
-    for (int64_t s = 0; s < n_super; ++s) {
-        const uint8_t * w       = group + s * Q4_K_SB_BYTES_VNNI;
-        const float *   scales  = (const float *) w;
-        const float *   offsets = scales + 8 * G;
-        const uint8_t * quants  = w + 2 * 8 * G * 4;
-        const uint8_t * a       = act + s * Q8_K_BYTES;
-        __m512          part[NC];
-        _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
-            part[c] = _mm512_setzero_ps();
-        }
-        for (int j = 0; j < 8; ++j) {
-            __m512i dot[NC];
-            _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
-                dot[c] = _mm512_setzero_si512();
-            }
-            _Pragma("GCC unroll 8") for (int q = 0; q < 8; ++q) {
-                const __m512i wq = _mm512_loadu_si512((const void *) (quants + (j * 8 + q) * 4 * G));
-                _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
-                    int32_t four;
-                    std::memcpy(&four, a + c * act_bytes + j * QK + 4 * q, sizeof(four));
-                    dot[c] = _mm512_dpbusd_epi32(dot[c], wq, _mm512_set1_epi32(four));
-                }
-            }
-            const __m512 scale  = _mm512_loadu_ps(scales + j * G);
-            const __m512 offset = _mm512_loadu_ps(offsets + j * G);
-            _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
-                float b;
-                std::memcpy(&b, a + c * act_bytes + QK_K + 4 + 4 * j, sizeof(b));
-                part[c]  = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[c]), scale, part[c]);
-                total[c] = _mm512_fnmadd_ps(offset, _mm512_set1_ps(b), total[c]);
-            }
-        }
-        _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
-            float d;
-            std::memcpy(&d, a + c * act_bytes + QK_K, sizeof(d));
-            total[c] = _mm512_fmadd_ps(part[c], _mm512_set1_ps(d), total[c]);
-        }
-    }
-    _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
-        _mm512_storeu_ps(out + c * ld_out, total[c]);
-    }
-}
-
-// 16 Q6_K rows x NC columns on AVX-512 VNNI: the unsigned quants 0..63 against the signed Q8_K ones, each
-// 16-wide sub-block's int32 product started at -32 x (the sum of its activation quants), which takes the
-// quants' -32 back; then in float times d * sc of the row, and the activation's d once per super-block.
-template <int NC>
-DG_LMH_VNNI_K void tile_q6_K_vnni(const uint8_t * group, const uint8_t * act, int64_t act_bytes, int64_t n_blocks,
-                                  float * out, int64_t ld_out) {
-    constexpr int64_t G       = 16;
-    const int64_t     n_super = n_blocks / 8;
-    __m512            total[NC];
-    _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
-        total[c] = _mm512_setzero_ps();
-    }
-    for (int64_t s = 0; s < n_super; ++s) {
-        const uint8_t * w      = group + s * Q6_K_SB_BYTES_VNNI;
-        const float *   scales = (const float *) w;
-        const uint8_t * quants = w + 16 * G * 4;
-        const uint8_t * a      = act + s * Q8_K_BYTES_SUMS16;
-        __m512          part[NC];
-        _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
-            part[c] = _mm512_setzero_ps();
-        }
-        for (int j = 0; j < 16; ++j) {
-            __m512i dot[NC];
-            _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
-                int32_t start;
-                std::memcpy(&start, a + c * act_bytes + QK_K + 4 + 4 * j, sizeof(start));
-                dot[c] = _mm512_set1_epi32(start);
-            }
-            _Pragma("GCC unroll 4") for (int q = 0; q < 4; ++q) {
-                const __m512i wq = _mm512_loadu_si512((const void *) (quants + (4 * j + q) * 4 * G));
-                _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
-                    int32_t four;
-                    std::memcpy(&four, a + c * act_bytes + 16 * j + 4 * q, sizeof(four));
-                    dot[c] = _mm512_dpbusd_epi32(dot[c], wq, _mm512_set1_epi32(four));
-                }
-            }
-            const __m512 scale = _mm512_loadu_ps(scales + j * G);
-            _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
-                part[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[c]), scale, part[c]);
-            }
-        }
-        _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
-            float d;
-            std::memcpy(&d, a + c * act_bytes + QK_K, sizeof(d));
-            total[c] = _mm512_fmadd_ps(part[c], _mm512_set1_ps(d), total[c]);
-        }
-    }
-    _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
-        _mm512_storeu_ps(out + c * ld_out, total[c]);
-    }
-}
-
-// (vector << 4 - 2k) & mask style: bits [shift, shift + width) of every byte moved to bit `to` (16-bit lane
-// shifts; the bits moved never cross a byte for these positions)
+// bits [FROM, FROM + 2) of every byte moved to [TO, TO + 2) (16-bit lane shifts: for these positions
+// the bits moved never cross a byte)
 template <int FROM, int TO> DG_LMH_VNNI_K inline __m512i move_bits_512(__m512i v) {
     if constexpr (FROM < TO) {
         return _mm512_slli_epi16(v, TO - FROM);
@@ -780,55 +670,143 @@ template <int FROM, int TO> __attribute__((target("avx2"))) inline __m256i move_
     }
 }
 
-// a repacked Q5_0 group (VNNI) into the tiles' layout: the nibbles spread, 16 subtracted where the fifth
-// bit is clear (its mask)
-DG_LMH_VNNI_K void unpack_q5_0_vnni(const uint8_t * src, int64_t n_blocks, uint8_t * dst) {
-    constexpr int64_t G = 16;
-    const __m512i     low = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
-    for (int64_t b = 0; b < n_blocks; ++b) {
-        const uint8_t * in = src + b * Q5_0_STORED * G;
-        uint8_t *       o  = dst + b * 36 * G;
-        _mm512_storeu_si512((void *) o, _mm512_loadu_si512((const void *) in)); // scales and sums
-        const uint8_t * masks = in + 4 * G + 16 * G;
-        _Pragma("GCC unroll 4") for (int q = 0; q < 4; ++q) {
-            const __m512i v  = _mm512_loadu_si512((const void *) (in + 4 * G + q * 4 * G));
-            const __m512i lo = _mm512_and_si512(v, low);
-            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-            uint64_t      clear_lo, clear_hi;
-            std::memcpy(&clear_lo, masks + 8 * q, 8);
-            std::memcpy(&clear_hi, masks + 8 * (q + 4), 8);
-            _mm512_storeu_si512((void *) (o + 4 * G + q * 4 * G), _mm512_mask_sub_epi8(lo, clear_lo, lo, sixteen));
-            _mm512_storeu_si512((void *) (o + 4 * G + (q + 4) * 4 * G), _mm512_mask_sub_epi8(hi, clear_hi, hi, sixteen));
+// The VNNI tiles of the repacked experts read the repacked layout itself, each 4 quants of the group
+// made ready in registers (a nibble mask, a shift, a masked subtract or a vpternlogd): with ~16 tokens
+// per expert the GEMM streams the weights from memory once, and the arithmetic hides behind that
+// stream. The products equal ggml's up to float summation order (its activation quantization, the
+// file's quants and scales).
+
+// The tiles below add to out[c * ld_out + r] the products of blocks [b0, b1) of 32 (K-quants: whole
+// super-blocks) of the group's 16 rows r and NC columns c: the GEMM walks a group's blocks a span at a
+// time, every column tile over a span before the next span, so that the span's weights come from
+// memory once and the stream of them never pauses.
+
+// one block of 16 Q8_0 or Q5_0 rows (its 8 steps of quants minus the offset, `quants(q)`) against the
+// activations + 128 (unsigned), less 128 x the rows' quant sums
+template <int NC, typename Quants>
+DG_LMH_VNNI_K inline void q8_0_block_vnni(const uint8_t * w, const uint8_t * act, int64_t act_bytes, int64_t n_blocks,
+                                          int64_t b, Quants quants, __m512 * acc) {
+    constexpr int64_t G    = 16;
+    const __m512      dw   = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) w));
+    const __m512i     corr = _mm512_slli_epi32(_mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *) (w + 2 * G))), 7);
+    __m512i           dot[NC];
+    _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+        dot[c] = _mm512_setzero_si512();
+    }
+    _Pragma("GCC unroll 8") for (int q = 0; q < 8; ++q) {
+        const __m512i wq = quants(q);
+        _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+            int32_t four;
+            std::memcpy(&four, act + c * act_bytes + b * QK + 4 * q, sizeof(four));
+            dot[c] = _mm512_dpbusd_epi32(dot[c], _mm512_set1_epi32(four), wq);
         }
+    }
+    _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+        float scale;
+        std::memcpy(&scale, act + c * act_bytes + n_blocks * QK + b * 4, sizeof(scale));
+        acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[c], corr)), _mm512_mul_ps(dw, _mm512_set1_ps(scale)),
+                                 acc[c]);
     }
 }
 
-DG_LMH_VNNI_K void unpack_q4_K_vnni(const uint8_t * src, int64_t n_super, uint8_t * dst) {
-    constexpr int64_t G   = 16;
-    const __m512i     low = _mm512_set1_epi8(0x0F);
-    for (int64_t s = 0; s < n_super; ++s) {
-        const uint8_t * in      = src + s * Q4_K_STORED * G;
-        uint8_t *       o       = dst + s * Q4_K_SB_BYTES_VNNI;
-        float *         scales  = (float *) o;
-        float *         offsets = scales + 8 * G;
-        const __m512    d       = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) in));
-        const __m512    dmin    = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (in + 2 * G)));
-        _Pragma("GCC unroll 8") for (int j = 0; j < 8; ++j) {
-            const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *) (in + 4 * G + j * G))));
-            const __m512 m  = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *) (in + 12 * G + j * G))));
-            _mm512_storeu_ps(scales + j * G, _mm512_mul_ps(d, sc));
-            _mm512_storeu_ps(offsets + j * G, _mm512_mul_ps(dmin, m));
+template <int NC>
+DG_LMH_VNNI_K void tile_q8_0_vnni(const uint8_t * group, const uint8_t * act, int64_t act_bytes, int64_t n_blocks,
+                                  int64_t b0, int64_t b1, float * out, int64_t ld_out) {
+    constexpr int64_t G = 16;
+    __m512            acc[NC];
+    _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+        acc[c] = _mm512_loadu_ps(out + c * ld_out);
+    }
+    for (int64_t b = b0; b < b1; ++b) {
+        const uint8_t * w = group + b * 36 * G;
+        q8_0_block_vnni<NC>(w, act, act_bytes, n_blocks, b, [w](int q) DG_LMH_VNNI_K {
+            return _mm512_loadu_si512((const void *) (w + 4 * G + q * 4 * G));
+        }, acc);
+    }
+    _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+        _mm512_storeu_ps(out + c * ld_out, acc[c]);
+    }
+}
+
+// Q5_0: the nibbles, 16 subtracted where the fifth bit's mask says so
+template <int NC>
+DG_LMH_VNNI_K void tile_q5_0_vnni(const uint8_t * group, const uint8_t * act, int64_t act_bytes, int64_t n_blocks,
+                                  int64_t b0, int64_t b1, float * out, int64_t ld_out) {
+    constexpr int64_t G = 16;
+    __m512            acc[NC];
+    _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+        acc[c] = _mm512_loadu_ps(out + c * ld_out);
+    }
+    for (int64_t b = b0; b < b1; ++b) {
+        const uint8_t * w = group + b * Q5_0_STORED * G;
+        q8_0_block_vnni<NC>(w, act, act_bytes, n_blocks, b, [w](int q) DG_LMH_VNNI_K {
+            const __m512i v   = _mm512_loadu_si512((const void *) (w + 4 * G + (q % 4) * 4 * G));
+            const __m512i nib = _mm512_and_si512(q < 4 ? v : _mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
+            uint64_t      clear;
+            std::memcpy(&clear, w + 20 * G + 8 * q, 8);
+            return _mm512_mask_sub_epi8(nib, clear, nib, _mm512_set1_epi8(16));
+        }, acc);
+    }
+    _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+        _mm512_storeu_ps(out + c * ld_out, acc[c]);
+    }
+}
+
+// 16 Q4_K rows x NC columns: per 4 quants of the group one vpdpbusd of the unsigned quants against the
+// activation's (signed Q8_K quants); per sub-block the product in float times d * sc of the row, less dmin
+// * m times the activation's d * (sum of the sub-block's quants); the activation's d once per super-block.
+template <int NC>
+DG_LMH_VNNI_K void tile_q4_K_vnni(const uint8_t * group, const uint8_t * act, int64_t act_bytes, int64_t /* n_blocks */,
+                                  int64_t b0, int64_t b1, float * out, int64_t ld_out) {
+    constexpr int64_t G       = 16;
+    const __m512i     low     = _mm512_set1_epi8(0x0F);
+    __m512            total[NC];
+    _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+        total[c] = _mm512_loadu_ps(out + c * ld_out);
+    }
+    for (int64_t s = b0 / 8; s < b1 / 8; ++s) {
+        const uint8_t * w       = group + s * Q4_K_STORED * G;
+        const uint8_t * nibbles = w + 20 * G;
+        const uint8_t * a       = act + s * Q8_K_BYTES;
+        const __m512    d       = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) w));
+        const __m512    dmin    = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (w + 2 * G)));
+        __m512          part[NC];
+        _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+            part[c] = _mm512_setzero_ps();
         }
-        const uint8_t * nibbles = in + 20 * G;
-        uint8_t *       quants  = o + 2 * 8 * G * 4;
-        for (int p = 0; p < 4; ++p) {
+        for (int j = 0; j < 8; ++j) {
+            __m512i dot[NC];
+            _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+                dot[c] = _mm512_setzero_si512();
+            }
             _Pragma("GCC unroll 8") for (int q = 0; q < 8; ++q) {
-                const __m512i v = _mm512_loadu_si512((const void *) (nibbles + (8 * p + q) * 4 * G));
-                _mm512_storeu_si512((void *) (quants + (16 * p + q) * 4 * G), _mm512_and_si512(v, low));
-                _mm512_storeu_si512((void *) (quants + (16 * p + 8 + q) * 4 * G),
-                                    _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+                const __m512i v  = _mm512_loadu_si512((const void *) (nibbles + ((j / 2) * 8 + q) * 4 * G));
+                const __m512i wq = _mm512_and_si512(j % 2 ? _mm512_srli_epi16(v, 4) : v, low);
+                _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+                    int32_t four;
+                    std::memcpy(&four, a + c * act_bytes + j * QK + 4 * q, sizeof(four));
+                    dot[c] = _mm512_dpbusd_epi32(dot[c], wq, _mm512_set1_epi32(four));
+                }
+            }
+            const __m512 scale  = _mm512_mul_ps(
+                d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *) (w + 4 * G + j * G)))));
+            const __m512 offset = _mm512_mul_ps(
+                dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *) (w + 12 * G + j * G)))));
+            _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+                float b;
+                std::memcpy(&b, a + c * act_bytes + QK_K + 4 + 4 * j, sizeof(b));
+                part[c]  = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[c]), scale, part[c]);
+                total[c] = _mm512_fnmadd_ps(offset, _mm512_set1_ps(b), total[c]);
             }
         }
+        _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+            float dx;
+            std::memcpy(&dx, a + c * act_bytes + QK_K, sizeof(dx));
+            total[c] = _mm512_fmadd_ps(part[c], _mm512_set1_ps(dx), total[c]);
+        }
+    }
+    _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+        _mm512_storeu_ps(out + c * ld_out, total[c]);
     }
 }
 
@@ -837,41 +815,77 @@ template <int K> DG_LMH_VNNI_K inline __m512i q6_K_quants_512(__m512i nibble, __
     return _mm512_ternarylogic_epi32(move_bits_512<2 * K, 4>(pairs), _mm512_set1_epi8(0x30), nibble, 0xEA);
 }
 
-DG_LMH_VNNI_K void unpack_q6_K_vnni(const uint8_t * src, int64_t n_super, uint8_t * dst) {
-    constexpr int64_t G   = 16;
-    const __m512i     low = _mm512_set1_epi8(0x0F);
-    for (int64_t s = 0; s < n_super; ++s) {
-        const uint8_t * in     = src + s * Q6_K_STORED * G;
-        uint8_t *       o      = dst + s * Q6_K_SB_BYTES_VNNI;
-        float *         scales = (float *) o;
-        const __m512    d      = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) in));
-        _Pragma("GCC unroll 16") for (int j = 0; j < 16; ++j) {
-            const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) (in + 2 * G + j * G))));
-            _mm512_storeu_ps(scales + j * G, _mm512_mul_ps(d, sc));
-        }
-        const uint8_t * nibbles = in + 18 * G;
-        const uint8_t * pairs   = nibbles + 128 * G;
-        uint8_t *       quants  = o + 16 * G * 4;
-        // steps 32h + 8k + i: nibble vector 16h + 8(k % 2) + i (low for k < 2), pair vector 8h + i, pair k
-        for (int h = 0; h < 2; ++h) {
-            for (int i = 0; i < 8; ++i) {
-                const __m512i pv = _mm512_loadu_si512((const void *) (pairs + (8 * h + i) * 4 * G));
-                const __m512i v0 = _mm512_loadu_si512((const void *) (nibbles + (16 * h + i) * 4 * G));
-                const __m512i v1 = _mm512_loadu_si512((const void *) (nibbles + (16 * h + 8 + i) * 4 * G));
-                const __m512i n[4] = { _mm512_and_si512(v0, low), _mm512_and_si512(v1, low),
-                                       _mm512_and_si512(_mm512_srli_epi16(v0, 4), low),
-                                       _mm512_and_si512(_mm512_srli_epi16(v1, 4), low) };
-                uint8_t * step = quants + (32 * h + i) * 4 * G;
-                _mm512_storeu_si512((void *) (step + 0 * 8 * 4 * G), q6_K_quants_512<0>(n[0], pv));
-                _mm512_storeu_si512((void *) (step + 1 * 8 * 4 * G), q6_K_quants_512<1>(n[1], pv));
-                _mm512_storeu_si512((void *) (step + 2 * 8 * 4 * G), q6_K_quants_512<2>(n[2], pv));
-                _mm512_storeu_si512((void *) (step + 3 * 8 * 4 * G), q6_K_quants_512<3>(n[3], pv));
-            }
+// one 16-wide sub-block j of a Q6_K tile: its 4 steps' quants (pair K of their bit-pair vectors)
+template <int NC, int K>
+DG_LMH_VNNI_K inline void q6_K_sub_block_vnni(const uint8_t * w, const uint8_t * a, int64_t act_bytes, int j,
+                                               __m512i * dot) {
+    constexpr int64_t G       = 16;
+    const uint8_t *   nibbles = w + 18 * G;
+    const uint8_t *   pairs   = nibbles + 128 * G;
+    const __m512i     low     = _mm512_set1_epi8(0x0F);
+    _Pragma("GCC unroll 4") for (int q = 0; q < 4; ++q) {
+        const int64_t s   = 4 * j + q;
+        const __m512i v   = _mm512_loadu_si512((const void *) (nibbles + q6_K_nibble_vector(s) * 4 * G));
+        const __m512i nib = _mm512_and_si512(q6_K_high_nibble(s) ? _mm512_srli_epi16(v, 4) : v, low);
+        const __m512i wq  = q6_K_quants_512<K>(nib, _mm512_loadu_si512((const void *) (pairs + q6_K_pair_vector(s) * 4 * G)));
+        _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+            int32_t four;
+            std::memcpy(&four, a + c * act_bytes + 4 * s, sizeof(four));
+            dot[c] = _mm512_dpbusd_epi32(dot[c], wq, _mm512_set1_epi32(four));
         }
     }
 }
 
-// the same three for the AVX2 groups of 8 rows, into the AVX2 tiles' layouts
+// 16 Q6_K rows x NC columns: the unsigned quants 0..63 against the signed Q8_K ones, each 16-wide
+// sub-block's int32 product started at -32 x (the sum of its activation quants), which takes the quants'
+// -32 back; then in float times d * sc of the row, and the activation's d once per super-block.
+template <int NC>
+DG_LMH_VNNI_K void tile_q6_K_vnni(const uint8_t * group, const uint8_t * act, int64_t act_bytes, int64_t /* n_blocks */,
+                                  int64_t b0, int64_t b1, float * out, int64_t ld_out) {
+    constexpr int64_t G       = 16;
+    __m512            total[NC];
+    _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+        total[c] = _mm512_loadu_ps(out + c * ld_out);
+    }
+    for (int64_t s = b0 / 8; s < b1 / 8; ++s) {
+        const uint8_t * w = group + s * Q6_K_STORED * G;
+        const uint8_t * a = act + s * Q8_K_BYTES_SUMS16;
+        const __m512    d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) w));
+        __m512          part[NC];
+        _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+            part[c] = _mm512_setzero_ps();
+        }
+        for (int j = 0; j < 16; ++j) {
+            __m512i dot[NC];
+            _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+                int32_t start;
+                std::memcpy(&start, a + c * act_bytes + QK_K + 4 + 4 * j, sizeof(start));
+                dot[c] = _mm512_set1_epi32(start);
+            }
+            switch ((j % 8) / 2) { // the bit pair of this sub-block's steps
+                case 0:  q6_K_sub_block_vnni<NC, 0>(w, a, act_bytes, j, dot); break;
+                case 1:  q6_K_sub_block_vnni<NC, 1>(w, a, act_bytes, j, dot); break;
+                case 2:  q6_K_sub_block_vnni<NC, 2>(w, a, act_bytes, j, dot); break;
+                default: q6_K_sub_block_vnni<NC, 3>(w, a, act_bytes, j, dot); break;
+            }
+            const __m512 scale = _mm512_mul_ps(
+                d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) (w + 2 * G + j * G)))));
+            _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+                part[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[c]), scale, part[c]);
+            }
+        }
+        _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+            float dx;
+            std::memcpy(&dx, a + c * act_bytes + QK_K, sizeof(dx));
+            total[c] = _mm512_fmadd_ps(part[c], _mm512_set1_ps(dx), total[c]);
+        }
+    }
+    _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
+        _mm512_storeu_ps(out + c * ld_out, total[c]);
+    }
+}
+
+// the repacked Q5_0, Q4_K and Q6_K groups of 8 rows (AVX2) unpacked into the AVX2 tiles' layouts
 __attribute__((target("avx2"))) void unpack_q5_0_avx2(const uint8_t * src, int64_t n_blocks, uint8_t * dst) {
     constexpr int64_t G   = 8;
     const __m256i     low = _mm256_set1_epi8(0x0F), fifth = _mm256_set1_epi8(0x10), sixteen = _mm256_set1_epi8(16);
@@ -964,6 +978,8 @@ __attribute__((target("avx2,f16c"))) void unpack_q6_K_avx2(const uint8_t * src, 
 #endif
 
 typedef void (*tile_fn)(const uint8_t *, const uint8_t *, int64_t, int64_t, float *, int64_t);
+// (group, act, act bytes, n_blocks, b0, b1, out, ld_out): adds blocks [b0, b1)'s products to out
+typedef void (*span_tile_fn)(const uint8_t *, const uint8_t *, int64_t, int64_t, int64_t, int64_t, float *, int64_t);
 
 // tile functions for 1..8 columns
 #define DG_LMH_TILES(name)                                                                                   \
@@ -978,8 +994,14 @@ const tile_fn tile_q4_K_avx2_by_columns[5] = { nullptr, tile_q4_K_avx2<1>, tile_
                                               tile_q4_K_avx2<4> };
 const tile_fn tile_q6_K_avx2_by_columns[5] = { nullptr, tile_q6_K_avx2<1>, tile_q6_K_avx2<2>, tile_q6_K_avx2<3>,
                                               tile_q6_K_avx2<4> };
-DG_LMH_TILES(tile_q4_K_vnni)
-DG_LMH_TILES(tile_q6_K_vnni)
+// the repacked experts' VNNI tiles (spans of blocks, accumulating), by column count
+#    define DG_LMH_SPAN_TILES(name)                                                                         \
+        const span_tile_fn name##_by_columns[9] = { nullptr, name<1>, name<2>, name<3>, name<4>, name<5>, \
+                                                    name<6>, name<7>, name<8> };
+DG_LMH_SPAN_TILES(tile_q8_0_vnni)
+DG_LMH_SPAN_TILES(tile_q5_0_vnni)
+DG_LMH_SPAN_TILES(tile_q4_K_vnni)
+DG_LMH_SPAN_TILES(tile_q6_K_vnni)
 #endif
 
 bool cpu_has(const char * feature) {
@@ -1035,14 +1057,11 @@ void quantize_columns(dg_lm_head_kernel kernel, int64_t n_blocks, const float * 
 }
 
 
-// this kernel's tiles for weights of `type` by column count, and the widest (Q4_K, Q6_K: AVX2's, and
-// VNNI's for the repacked experts; dg_experts::make and over_repacked ensure it)
+// this kernel's tiles for weights of `type` by column count, and the widest (Q4_K, Q6_K: AVX2's only,
+// which dg_experts::make ensures)
 const tile_fn * tiles_for(dg_lm_head_kernel kernel, int64_t * n_wide, ggml_type type = GGML_TYPE_Q8_0) {
     *n_wide = kernel == dg_lm_head_kernel::avx2 ? 4 : 8;
 #ifdef DG_LMH_X86
-    if ((type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K) && kernel == dg_lm_head_kernel::avx512_vnni) {
-        return type == GGML_TYPE_Q4_K ? tile_q4_K_vnni_by_columns : tile_q6_K_vnni_by_columns;
-    }
     if (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K) {
         GGML_ASSERT(kernel == dg_lm_head_kernel::avx2);
         return type == GGML_TYPE_Q4_K ? tile_q4_K_avx2_by_columns : tile_q6_K_avx2_by_columns;
@@ -1055,6 +1074,24 @@ const tile_fn * tiles_for(dg_lm_head_kernel kernel, int64_t * n_wide, ggml_type 
     }
 #endif
     return tile_emulated_by_columns;
+}
+
+// the repacked experts' span tiles of `type` by column count (VNNI; null: the staged AVX2 route)
+const span_tile_fn * span_tiles_for(dg_lm_head_kernel kernel, ggml_type type) {
+#ifdef DG_LMH_X86
+    if (kernel == dg_lm_head_kernel::avx512_vnni) {
+        switch (type) {
+            case GGML_TYPE_Q8_0: return tile_q8_0_vnni_by_columns;
+            case GGML_TYPE_Q5_0: return tile_q5_0_vnni_by_columns;
+            case GGML_TYPE_Q4_K: return tile_q4_K_vnni_by_columns;
+            case GGML_TYPE_Q6_K: return tile_q6_K_vnni_by_columns;
+            default:             break;
+        }
+    }
+#endif
+    (void) kernel;
+    (void) type;
+    return nullptr;
 }
 
 }  // namespace
@@ -1415,10 +1452,8 @@ int64_t dg_experts::act_bytes() const {
 }
 
 int64_t dg_experts::group_bytes() const {
-    if (is_k_quant(type_) && group_ == 16) { // the VNNI K-quant tiles' layout
-#ifdef DG_LMH_X86
-        return n_in_ / QK_K * (type_ == GGML_TYPE_Q4_K ? Q4_K_SB_BYTES_VNNI : Q6_K_SB_BYTES_VNNI);
-#endif
+    if (repacked_ && kernel_ == dg_lm_head_kernel::avx512_vnni) {
+        return 0; // its tiles read the repacked layout
     }
     if (is_k_quant(type_)) {
         return n_in_ / QK_K * (type_ == GGML_TYPE_Q4_K ? Q4_K_SB_BYTES : Q6_K_SB_BYTES);
@@ -1474,20 +1509,15 @@ const uint8_t * dg_experts::stage(int64_t e, int64_t g, uint8_t * buffer) const 
     }
     const int64_t   n_groups = (n_out_ + G - 1) / G;
     const uint8_t * stored   = data_ + (e * n_groups + g) * stored_group_bytes(type_, n_in_, kernel_);
+    if (type_ == GGML_TYPE_Q8_0 || kernel_ == dg_lm_head_kernel::avx512_vnni) {
+        return stored; // the tiles read it as it is
+    }
 #ifdef DG_LMH_X86
-    const bool vnni = kernel_ == dg_lm_head_kernel::avx512_vnni;
     switch (type_) {
-        case GGML_TYPE_Q8_0: return stored;
-        case GGML_TYPE_Q5_0:
-            vnni ? unpack_q5_0_vnni(stored, n_blocks_, buffer) : unpack_q5_0_avx2(stored, n_blocks_, buffer);
-            return buffer;
-        case GGML_TYPE_Q4_K:
-            vnni ? unpack_q4_K_vnni(stored, n_in_ / QK_K, buffer) : unpack_q4_K_avx2(stored, n_in_ / QK_K, buffer);
-            return buffer;
-        case GGML_TYPE_Q6_K:
-            vnni ? unpack_q6_K_vnni(stored, n_in_ / QK_K, buffer) : unpack_q6_K_avx2(stored, n_in_ / QK_K, buffer);
-            return buffer;
-        default: break;
+        case GGML_TYPE_Q5_0: unpack_q5_0_avx2(stored, n_blocks_, buffer); return buffer;
+        case GGML_TYPE_Q4_K: unpack_q4_K_avx2(stored, n_in_ / QK_K, buffer); return buffer;
+        case GGML_TYPE_Q6_K: unpack_q6_K_avx2(stored, n_in_ / QK_K, buffer); return buffer;
+        default:             break;
     }
 #endif
     GGML_ABORT("dg_experts::stage: no repacked layout for %s", ggml_type_name(type_));
@@ -1498,8 +1528,10 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
     const int64_t G        = group_;
     const int64_t n_groups = (n_out_ + G - 1) / G;
     const int64_t ab       = act_bytes();
-    int64_t         n_wide;
-    const tile_fn * tiles  = tiles_for(kernel_, &n_wide, type_);
+    int64_t         n_wide     = 8;
+    // the repacked experts on VNNI: tiles over spans of blocks of the repacked layout itself
+    const span_tile_fn * spans = repacked_ ? span_tiles_for(kernel_, type_) : nullptr;
+    const tile_fn *      tiles = spans ? nullptr : tiles_for(kernel_, &n_wide, type_);
 
     // the (slot, token) pairs routed to each expert, in token order; every thread builds the same lists
     thread_local std::vector<int64_t> first, routed;
@@ -1527,8 +1559,8 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
 
     // This thread's share of the (expert, group) pairs, by cost: a group's packing from the file's
     // layout costs about as much as running it against three columns, its unpacking from the repacked
-    // one about one (nothing for Q8_0, stored as the tiles read it).
-    const int64_t PACK_COST = !repacked_ ? 3 : type_ == GGML_TYPE_Q8_0 ? 0 : 1;
+    // one about one (nothing where the tiles read it as stored: Q8_0, and every type on VNNI).
+    const int64_t PACK_COST = !repacked_ ? 3 : type_ == GGML_TYPE_Q8_0 || kernel_ == dg_lm_head_kernel::avx512_vnni ? 0 : 1;
     int64_t           total     = 0;
     for (int64_t e = 0; e < n_expert_; ++e) {
         const int64_t n = first[(size_t) e + 1] - first[(size_t) e];
@@ -1536,8 +1568,8 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
     }
     const int64_t lo = total * ith / nth, hi = total * (ith + 1) / nth;
 
-    const int64_t stored = repacked_ ? stored_group_bytes(type_, n_in_, kernel_) : 0;
     thread_local std::vector<uint8_t> packed, gathered;
+    thread_local std::vector<float>   sums;
     packed.resize((size_t) (group_bytes() + 64));
     uint8_t * group = (uint8_t *) (((uintptr_t) packed.data() + 63) & ~(uintptr_t) 63);
     float     tile_out[16 * 8];
@@ -1568,18 +1600,27 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
         for (int64_t g = g0; g < g1; ++g) {
             const int64_t   rows   = std::min(G, n_out_ - g * G);
             const uint8_t * staged = stage(e, g, group);
-            // the repacked experts are one stream in (expert, group) order, which this thread walks: the next
-            // group's bytes are asked for while this one computes, a part before each tile (with few tokens
-            // per expert these reads bound the GEMM)
-            const bool      ahead = repacked_ && e * n_groups + g + 1 < n_expert_ * n_groups;
-            const uint8_t * next  = ahead ? data_ + (e * n_groups + g + 1) * stored : nullptr;
-            for (int64_t c = 0, tile = 0; c < n; ++tile) {
-                const int64_t nc = n / n_tiles + (tile < n % n_tiles ? 1 : 0);
-                if (next) {
-                    for (int64_t off = stored * tile / n_tiles; off < stored * (tile + 1) / n_tiles; off += 64) {
-                        __builtin_prefetch(next + off, 0, 2);
+            if (spans) {
+                // every column tile over a span of blocks (8: ~2.3-4.6 KB of weights, kept in L1) before the
+                // next span, so that the group's weights stream from memory once, without pauses
+                sums.assign((size_t) (n * G), 0.0f);
+                for (int64_t b0 = 0; b0 < n_blocks_; b0 += 8) {
+                    for (int64_t c = 0, tile = 0; c < n; ++tile) {
+                        const int64_t nc = n / n_tiles + (tile < n % n_tiles ? 1 : 0);
+                        spans[nc](staged, gathered.data() + c * ab, ab, n_blocks_, b0, std::min(b0 + 8, n_blocks_),
+                                  sums.data() + c * G, G);
+                        c += nc;
                     }
                 }
+                for (int64_t j = 0; j < n; ++j) {
+                    const int64_t u = pairs[j] % n_used, t = pairs[j] / n_used;
+                    std::memcpy(out + u * nb_slot + t * nb_token + g * G * sizeof(float), sums.data() + j * G,
+                                (size_t) rows * sizeof(float));
+                }
+                continue;
+            }
+            for (int64_t c = 0, tile = 0; c < n; ++tile) {
+                const int64_t nc = n / n_tiles + (tile < n % n_tiles ? 1 : 0);
                 tiles[nc](staged, gathered.data() + c * ab, ab, n_blocks_, tile_out, G);
                 for (int64_t j = 0; j < nc; ++j) {
                     const int64_t u = pairs[c + j] % n_used, t = pairs[c + j] / n_used;
