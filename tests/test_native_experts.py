@@ -104,6 +104,30 @@ def test_repacked_layouts_are_about_the_files_size():
         pytest.skip("this CPU runs no dg kernel family (no AVX2)")
 
 
+def test_memory_plan_counts_the_repacked_layouts_growth():
+    """`dg info` and the pre-load check (dgcli.info, no native library there) count the repacked experts'
+    growth over the file with the AVX2 layouts' sizes, the larger of the two families: the same bytes the
+    native layout takes on AVX2, and no fewer than on AVX-512 VNNI."""
+    from dgcli.info import REPACKED_EXPERT_GROWTH
+
+    lib = _lib()
+    n_in, n_out, n_expert = 2816, 1408, 128
+    checked = 0
+    for name, type_id in TYPES.items():
+        stored, file = REPACKED_EXPERT_GROWTH[name.upper()]
+        file_bytes = {"q8_0": 34 * n_in // 32, "q5_0": 22 * n_in // 32, "q4_K": 144 * n_in // 256,
+                      "q6_K": 210 * n_in // 256}[name] * n_out * n_expert
+        for family, kernel in FAMILIES.items():
+            if not _runs_here(family):
+                continue
+            native_bytes = lib.dg_expert_repacked_bytes(kernel, type_id, n_in, n_out, n_expert)
+            planned = file_bytes + file_bytes * (stored - file) // file
+            assert planned == native_bytes if family == "avx2" else planned >= native_bytes, (name, family)
+            checked += 1
+    if not checked:
+        pytest.skip("this CPU runs no dg kernel family (no AVX2)")
+
+
 # ---- the kernel family switch ---------------------------------------------------------------------
 
 _KERNELS_SCRIPT = """

@@ -12,6 +12,10 @@
 #include <cstring>
 #include <random>
 
+#if defined(__unix__) || defined(__APPLE__)
+#    include <unistd.h>
+#endif
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #    include <immintrin.h>
 #    define DG_LMH_X86 1
@@ -25,7 +29,24 @@
 namespace {
 
 constexpr int64_t QK      = 32; // quants per Q8_0 block
-constexpr int64_t PANEL   = 64; // activation columns kept hot in L2 while the row groups stream past
+
+// Activation columns kept hot in L2 while the row groups stream past (dg_lm_head::gemm): as many as
+// fill half this core's L2, in steps of 8 from 16 to 256 (a 256-token canvas; 64 where the size is
+// unknown). The weights stream from memory once per panel, so the fewer panels the better while the
+// columns stay in L2: on a 2 MiB L2 the whole canvas is one panel.
+int64_t panel_columns(int64_t act_bytes) {
+    static const long l2 = [] {
+#if defined(_SC_LEVEL2_CACHE_SIZE)
+        return sysconf(_SC_LEVEL2_CACHE_SIZE);
+#else
+        return 0L;
+#endif
+    }();
+    if (l2 <= 0 || act_bytes <= 0) {
+        return 64;
+    }
+    return std::clamp<int64_t>(l2 / 2 / act_bytes / 8 * 8, 16, 256);
+}
 
 struct q8_0_block {
     uint16_t d;
@@ -1188,8 +1209,9 @@ void dg_lm_head::gemm(const uint8_t * act, int64_t n_cols, float * out, int64_t 
     int64_t         n_wide; // columns per tile
     const tile_fn * tiles = tiles_for(kernel_, &n_wide);
     float partial[16 * 8]; // the last group's tile, when the vocabulary does not fill it
-    for (int64_t p0 = 0; p0 < n_cols; p0 += PANEL) {
-        const int64_t p1 = std::min(p0 + PANEL, n_cols);
+    const int64_t panel = panel_columns(ab);
+    for (int64_t p0 = 0; p0 < n_cols; p0 += panel) {
+        const int64_t p1 = std::min(p0 + panel, n_cols);
         for (int64_t g = g0; g < g1; ++g) {
             const uint8_t * group = base_ + g * n_blocks_ * GBB;
             const int64_t   rows  = std::min(G, n_vocab_ - g * G);
