@@ -15,7 +15,7 @@
       && PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py --out $OUT
 
 (dg's other needs, numpy, typer, rich, psutil, jinja2, huggingface-hub, torch and pytest, are there;
-libggml-cuda finds the CUDA runtime and cuBLAS in NVIDIA's pip wheels through dgcli.engine.native.)
+libggml-cuda finds the CUDA runtime and cuBLAS in NVIDIA's pip wheels through dgcli.runtime.native.)
 """
 
 from __future__ import annotations

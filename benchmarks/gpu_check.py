@@ -7,7 +7,7 @@ native/README.md, "The GPU check", for how the wheel and dg's dependencies trave
 
 Steps, each timed; a failed step is a row in the table and the rest still run:
 1. gpu       llama.cpp sees a GPU (without one the check stops here, exit 2)
-2. write     the real-size synthetic GGUFs, written here (dgcli.tiny.write_synthetic_gguf: 30 layers,
+2. write     the real-size synthetic GGUFs, written here (dgcli.testing.tiny.write_synthetic_gguf: 30 layers,
              hidden 2816, vocab 262144, 128 experts top-8, Q4_K_M-like types, ~16 GB) and their
              gemma4 AR twin, in background processes while step 3 runs
 3. parity    pytest tests/test_gpu_parity.py (GPU vs CPU exact mode vs the Transformers reference)
@@ -139,7 +139,7 @@ def timed(fn: Callable[[], Any], reps: int, warmup: int = 1) -> list[float]:
 
 
 def check_gpu(check: Check) -> None:
-    from dgcli.engine import native
+    from dgcli.runtime import native
 
     native.lib()
     gpus = native.gpu_devices()
@@ -162,7 +162,7 @@ def start_writers(workdir: Path, n_layer: int, overrides: dict) -> dict[str, tup
     out = {}
     for arch, name in (("diffusion-gemma", "diffusion"), ("gemma4", "ar")):
         path = workdir / f"synthetic-{name}-{n_layer}L-q4_k_m.gguf"
-        code = ("import sys; from dgcli.tiny import write_synthetic_gguf; "
+        code = ("import sys; from dgcli.testing.tiny import write_synthetic_gguf; "
                 f"write_synthetic_gguf({str(path)!r}, n_layer={n_layer}, outtype='q4_k_m', arch={arch!r}, **{overrides!r})")
         out[name] = (path, subprocess.Popen([sys.executable, "-c", code], cwd=ROOT))
     return out
@@ -209,7 +209,7 @@ def step_backends(requested: str) -> list[str]:
 
 
 def measure_diffusion(check: Check, path: Path, backends: list[str], reps: int) -> None:
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     t0 = time.monotonic()
     model = DiffusionModel(path, n_gpu_layers=-1)
@@ -239,6 +239,13 @@ def measure_diffusion(check: Check, path: Path, backends: list[str], reps: int) 
             check.add("diffusion", "one-graph step, same canvas + top-64 SC (median)", ms(statistics.median(graph)),
                       f"min {ms(min(graph))}; the sampler's pass in the graph, only per-position results to the host")
             check.data["diffusion_graph_step_s"] = graph
+            soft = rng.standard_normal((1, CANVAS, model.n_embd)).astype(np.float32)
+            dense = timed(lambda: model.denoise_step(np.asarray([canvas]), np.float32(0.6), rng.random((1, CANVAS)),
+                                                     sc_soft=soft, next_soft=True), reps, warmup=2)
+            check.add("diffusion", "one-graph step, same canvas + dense SC (median)", ms(statistics.median(dense)),
+                      f"min {ms(min(dense))}; the reference's form: the soft embedding in, this step's "
+                      f"[{model.vocab_size} x {model.n_embd}] x [{model.vocab_size} x {CANVAS}] product out")
+            check.data["diffusion_graph_step_dense_s"] = dense
             check.add("diffusion", "one-graph step / one-token decode",
                       f"{statistics.median(graph) / statistics.median(decode):.2f}x",
                       "a denoising step as dg runs it on a GPU, against an AR-style decode")
@@ -297,7 +304,7 @@ def sched_debug():
 def first_run_splits(fn: Callable[[], Any]) -> list[str]:
     """fn()'s graph as the scheduler split it ("## SPLIT #i: BACKEND # n inputs: [name (size)] ..."),
     from its first run (later runs reuse the graph and log nothing)."""
-    from dgcli.engine import native
+    from dgcli.runtime import native
 
     with native.collect_log() as log:
         fn()
@@ -319,9 +326,9 @@ def profile_forward(check: Check, path: Path, top: int) -> None:
     eval callback: the scheduler syncs after each node, so the totals run a little above the
     uninterrupted step), grouped as benchmarks/step_profile.py groups them; and the scheduler's
     splits (GGML_SCHED_DEBUG=1), which name any part of the graph that runs off the GPU."""
-    from dgcli.engine import native
-    from dgcli.engine.model import DiffusionModel
-    from dgcli.engine.profile import NodeProfiler
+    from dgcli.runtime import native
+    from dgcli.runtime.model import DiffusionModel
+    from dgcli.runtime.profile import NodeProfiler
     from step_profile import group_of
 
     profiler = NodeProfiler()
@@ -338,6 +345,9 @@ def profile_forward(check: Check, path: Path, top: int) -> None:
             "canvas forward (logits out)": lambda: model.decode_canvas(canvas[0]),
             "one-graph step + top-64 SC": lambda: model.denoise_step(
                 canvas, np.float32(0.6), rng.random((1, CANVAS)), sc_topk=(ids[None], probs[None]), top_k=64),
+            "one-graph step + dense SC": lambda: model.denoise_step(
+                canvas, np.float32(0.6), rng.random((1, CANVAS)), next_soft=True,
+                sc_soft=np.zeros((1, CANVAS, model.n_embd), np.float32)),
         }
         splits: list[str] = [f"# at load: {line}" for line in reserved]
         if reserved:
@@ -417,7 +427,7 @@ def partial_settings(spec: str, n_layer: int) -> list[int]:
 
 
 def measure_partial(check: Check, path: Path, n_cpu_moe: int, reps: int) -> None:
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     t0 = time.monotonic()
     with sched_debug():
@@ -446,7 +456,7 @@ def measure_partial(check: Check, path: Path, n_cpu_moe: int, reps: int) -> None
 
 
 def measure_ar(check: Check, path: Path, reps: int) -> None:
-    from dgcli.engine.model import ArModel
+    from dgcli.runtime.model import ArModel
 
     t0 = time.monotonic()
     with ArModel(path, n_gpu_layers=-1) as ar:

@@ -41,7 +41,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dgcli.engine.types import DgError  # noqa: E402
+from dgcli.errors import DgError  # noqa: E402
 
 
 def cache_dir() -> Path:
@@ -51,7 +51,7 @@ def cache_dir() -> Path:
 
 def synthetic_model(layers: int, quant: str, experts: int, arch: str = "diffusion-gemma") -> Path:
     """The cached synthetic GGUF of `arch` (written once; the gemma4 twin holds the same weights)."""
-    from dgcli.tiny import write_synthetic_gguf
+    from dgcli.testing.tiny import write_synthetic_gguf
 
     d = cache_dir()
     d.mkdir(parents=True, exist_ok=True)
@@ -95,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
-    from dgcli.engine.model import ArModel, DiffusionModel
     from dgcli.engine.sampler import make_step_sampler
+    from dgcli.runtime.model import ArModel, DiffusionModel
 
     try:
         batches = [int(b) for b in args.batch.split(",") if b.strip()]

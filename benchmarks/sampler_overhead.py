@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dgcli.engine.diffusion import DiffusionEngine  # noqa: E402
 from dgcli.engine.sampler import native_library  # noqa: E402
-from dgcli.engine.types import DiffusionParams  # noqa: E402
+from dgcli.params import DiffusionParams  # noqa: E402
 
 REAL_VOCAB, REAL_HIDDEN, REAL_CANVAS = 262144, 2816, 256
 
@@ -67,11 +67,11 @@ class LmHeadStandIn:
 def open_model(args, workdir: Path):
     if args.forward == "lmhead":
         return LmHeadStandIn(REAL_VOCAB, REAL_HIDDEN, REAL_CANVAS), "numpy LM-head stand-in"
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     path = args.gguf
     if path is None:
-        from dgcli.tiny import write_synthetic_gguf
+        from dgcli.testing.tiny import write_synthetic_gguf
 
         path = workdir / "synthetic.gguf"
         print(f"writing synthetic GGUF (vocab {REAL_VOCAB}, hidden {REAL_HIDDEN}) to {path} ...", file=sys.stderr)

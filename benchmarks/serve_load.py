@@ -37,7 +37,7 @@ DEMO_PROMPTS = ["reverse: HELLO", "sort: QWERTY", "add: 12+34", "sort: DBCA", "r
 
 
 def synthetic_model(directory: Path) -> Path:
-    from dgcli.tiny import write_synthetic_gguf
+    from dgcli.testing.tiny import write_synthetic_gguf
 
     return write_synthetic_gguf(directory / "synthetic-vocab262k.gguf", n_layer=2, vocab_size=262144, hidden=256,
                                 outtype="q8_0", canvas_length=32, intermediate_size=512, num_attention_heads=4,
@@ -115,7 +115,8 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         model = str(synthetic_model(Path(tmp))) if args.synthetic else (args.model or "demo")
-        serve_args = ["-m", model, "--parallel", str(max(clients)), "--queue", str(args.requests)]
+        # the id the requests name (a server answers 404 for another model)
+        serve_args = ["-m", model, "--alias", "bench", "--parallel", str(max(clients)), "--queue", str(args.requests)]
         if args.threads:
             serve_args += ["--threads", str(args.threads)]
         with ServeProcess(*serve_args, start_timeout=args.timeout) as served:

@@ -37,7 +37,10 @@ _UNTIL_LOAD = """
 import os, runpy, sys, time
 import dgcli
 print(f"DGCLI {os.path.dirname(dgcli.__file__)}", flush=True)
-from dgcli.engine import native
+try:
+    from dgcli.runtime import native
+except ImportError:  # a --baseline checkout from before dgcli/runtime/
+    from dgcli.runtime import native
 _lib = native.lib
 def lib():
     mod = _lib()
@@ -53,7 +56,7 @@ runpy.run_module("dgcli.cli", run_name="__main__")
 
 
 def synthetic_model() -> Path:
-    from dgcli.tiny import write_synthetic_gguf
+    from dgcli.testing.tiny import write_synthetic_gguf
 
     cache = Path(os.environ.get("DG_CACHE_DIR") or Path.home() / ".cache" / "dg") / "bench"
     cache.mkdir(parents=True, exist_ok=True)

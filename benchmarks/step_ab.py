@@ -33,12 +33,12 @@ ROOT = Path(__file__).resolve().parent.parent
 _CHILD = r"""
 import json, sys, time
 import numpy as np
-from dgcli.engine.model import DiffusionModel
+from dgcli.runtime.model import DiffusionModel
 
 path, threads, steps, decodes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 sys.path.insert(0, "benchmarks")
 from step_profile import group_of, multiply_adds
-from dgcli.engine.profile import NodeProfiler
+from dgcli.runtime.profile import NodeProfiler
 
 def rss_gb():
     with open("/proc/self/status") as f:

@@ -1,34 +1,41 @@
 #!/usr/bin/env python3
-"""One denoising step, op by op, against this CPU's measured peaks, for each CPU kernel family.
+"""One denoising step, op by op, against this CPU's measured peaks, for each CPU kernel family, and the
+Transformers reference.
 
     .venv/bin/python benchmarks/step_profile.py [--gguf PATH | --layers 2 --experts 128 --quant q8_0]
                                                 [--families auto] [--threads 1,2] [--reps 3]
-                                                [--sc-top-k 64] [--real-layers 30]
+                                                [--sc-forms 0,64] [--real-layers 30]
                                                 [--no-reference] [--json]
 
 For any diffusion-gemma GGUF (default: the real-width synthetic model of benchmarks/native_costs.py,
 vocab 262144, hidden 2816, --layers layers of --experts experts (128, top-8: the real model's ~16 tokens
 per expert, where the experts' weight reads dominate), written once and cached), per thread count:
 
-1. the step end to end, self-conditioned on the previous step's top-k (what `dg generate` runs on
-   this vocabulary): the one-graph step (`DiffusionModel.denoise_step`) on each of dg's CPU kernel
-   families (--families; `auto`: every one this CPU runs, so an AVX-512 VNNI CPU measures the AVX2
-   kernels too: DG_CPU_KERNELS=avx512-vnni | avx2, read when a model loads) and on ggml's kernels alone
-   (DG_CPU_KERNELS=ggml), interleaved, minimum and median of --reps;
-2. per family, where the graph step's time goes: every node timed through llama.cpp's per-node eval
-   callback (dgcli.engine.profile), grouped by op and node name: seconds, share of the step,
-   multiply-adds, achieved G MAC/s per thread against the family's single-thread int8 peak (measured
-   here with register-resident instruction chains, `dg_peak_gmacs`: vpdpbusd zmm for avx512-vnni, the
-   vpmaddubsw + vpmaddwd chain for avx2) and the bf16 peak, and the op's floor (its multiply-adds at
-   the peak: int8 for quantized weights, bf16 otherwise); this CPU's single-thread read bandwidth is
-   printed beside it, since with ~16 tokens per expert the experts' weights are read at about 16
-   multiply-adds a byte;
+1. the step end to end, self-conditioned on the previous step, in each --sc-forms form: dense (0:
+   the reference's computation and dg's default; the previous step's soft embedding in, this step's
+   product E^T x p out, both inside the graph) and top-k (k > 0): the one-graph step
+   (`DiffusionModel.denoise_step`) on each of dg's CPU kernel families (--families; `auto`: every one
+   this CPU runs, so an AVX-512 VNNI CPU measures the AVX2 kernels too: DG_CPU_KERNELS=avx512-vnni |
+   avx2, read when a model loads); for the first form also on ggml's kernels alone
+   (DG_CPU_KERNELS=ggml), and the forward with the logits copied out and sampled on the host
+   (`decode_canvas` + the native sampler, dg's previous path); with torch installed, the
+   Transformers reference's steps in the same loop (part 4); interleaved, minimum and median of --reps;
+2. per family and form, where the graph step's time goes: every node timed through llama.cpp's
+   per-node eval callback (dgcli.runtime.profile), grouped by op and node name: seconds, share of the
+   step, multiply-adds, achieved G MAC/s per thread against the family's single-thread int8 peak
+   (measured here with register-resident instruction chains, `dg_peak_gmacs`: vpdpbusd zmm for
+   avx512-vnni, the vpmaddubsw + vpmaddwd chain for avx2) and the bf16 peak, and the op's floor (its
+   multiply-adds at the peak: int8 for quantized weights, bf16 otherwise); the dense product is a row
+   of its own; this CPU's single-thread read bandwidth is printed beside it, since with ~16 tokens per
+   expert the experts' weights are read at about 16 multiply-adds a byte;
 3. the real model's step predicted from that profile: nodes of a layer (names ending in -<layer>)
-   scaled to --real-layers (30), the rest (LM head, sampler pass, self-conditioning MLP) as measured;
+   scaled to --real-layers (30), the rest (LM head, sampler pass, self-conditioning) as measured;
    the floor the same way;
-4. with torch installed, the Transformers reference (DiffusionGemmaForBlockDiffusion in bf16 or fp32 with
-   the GGUF's shapes and random weights) timed through its own `_denoising_step`: with the dense
-   self-conditioning it always uses after a canvas's first step, and without (the first step).
+4. with torch installed, the Transformers reference (DiffusionGemmaForBlockDiffusion in bf16 or fp32
+   with the GGUF's shapes and random weights) timed through its own `_denoising_step`, one
+   two-step generation per repetition: the first step without self-conditioning, the second with
+   the dense self-conditioning it always uses after a canvas's first step. Its dense step is
+   compared with dg's dense step, dg's top-k steps are rows of their own.
 
 The per-node timing runs the graph one node at a time, so its total is a little above the
 uninterrupted step of part 1; the shares are what to read from it.
@@ -51,7 +58,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dgcli.engine.types import DgError  # noqa: E402
+from dgcli.errors import DgError  # noqa: E402
 
 PROMPT_TOKENS = 64
 
@@ -78,6 +85,11 @@ NAMED_GROUPS = {
     ("CUSTOM", "lm_head"): "LM head (repacked int8 GEMM)",
     ("CUSTOM", "repacked_act"): "activations quantized for the repacked GEMMs",
     ("CUSTOM", "dg_step"): "step: softcap, softmax, entropy, sample, top-k",
+    ("CUSTOM", "sc_dense_product"): "dense self-conditioning product E^T x p (repacked int8 GEMM)",
+    ("MUL_MAT", "sc_dense_product"): "dense self-conditioning product E^T x p (MUL_MAT)",
+    ("MUL_MAT", "sc_topk_product"): "top-k self-conditioning: k rows x p (MUL_MAT)",
+    ("GET_ROWS", "sc_rows"): "top-k self-conditioning: gather k rows of E",
+    ("CONT", "sc_rows_t"): "top-k self-conditioning: transpose the rows",
 }
 # the dense projections, by node name: through our repacked GEMM (CUSTOM) or ggml's (MUL_MAT)
 DENSE_GROUPS = {"Qcur": "attention projections", "Kcur": "attention projections", "Vcur": "attention projections",
@@ -87,7 +99,7 @@ DENSE_GROUPS = {"Qcur": "attention projections", "Kcur": "attention projections"
 # the experts on our tiles: the GEMM's own name, or the gate+up product's (which it is)
 EXPERT_GEMMS = {"experts_gemm", "ffn_moe_gate_up"}
 NAMED_GROUPS[("CUSTOM", "experts_act")] = "activations quantized for the experts' GEMMs"
-REPACKED_GEMMS = {"lm_head", *DENSE_GROUPS, *EXPERT_GEMMS}
+REPACKED_GEMMS = {"lm_head", "sc_dense_product", *DENSE_GROUPS, *EXPERT_GEMMS}
 
 
 def group_of(node, n_vocab: int, n_embd: int) -> str:
@@ -144,7 +156,7 @@ def in_layer(node) -> bool:
     return re.search(r"-\d+$", node.name) is not None
 
 
-# what each family's int8 work is measured against (dg_peak_gmacs kinds, dgcli.engine.native)
+# what each family's int8 work is measured against (dg_peak_gmacs kinds, dgcli.runtime.native)
 FAMILY_PEAK = {"avx512-vnni": "PEAK_INT8", "avx2": "PEAK_INT8_AVX2", "ggml": "PEAK_INT8"}
 KERNEL_IDS = {1: "avx2", 2: "avx512-vnni"}
 COMPONENT_VARIABLES = ("DG_LM_HEAD", "DG_DENSE_GEMM", "DG_EXPERT_GEMM")
@@ -152,7 +164,7 @@ COMPONENT_VARIABLES = ("DG_LM_HEAD", "DG_DENSE_GEMM", "DG_EXPERT_GEMM")
 
 def cpu_families() -> list[str]:
     """dg's kernel families this CPU runs, widest first (a VNNI CPU runs the AVX2 kernels too)."""
-    from dgcli.engine import native
+    from dgcli.runtime import native
 
     lib = native.lib()._lib
     return [name for kernel, name in sorted(KERNEL_IDS.items(), reverse=True) if lib.dg_expert_buffer_type(kernel)]
@@ -176,7 +188,7 @@ def family_env(family: str):
 
 def open_model(path: Path, threads: int, family: str, eval_callback=None):
     """A DiffusionModel on one CPU kernel family."""
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     with family_env(family):
         m = DiffusionModel(path, n_threads=threads, n_ctx=2048, eval_callback=eval_callback)
@@ -193,6 +205,20 @@ def read_bandwidth_gbs(seconds: float = 1.0) -> float:
         data.sum()
         best = max(best, data.nbytes / (time.perf_counter() - t0) / 1e9)
     return best
+
+
+def sc_form_name(k: int) -> str:
+    return f"top-{k}" if k else "dense"
+
+
+def first_self_cond(m, canvas, temperature, rng, k: int) -> dict:
+    """The self-conditioning input a canvas's second step gets in form k (top-k ids and
+    probabilities, or the dense form's soft embedding), from a first step."""
+    if k:
+        [first] = m.denoise_step(canvas, temperature, rng.random(canvas.shape), top_k=k)
+        return {"sc_topk": (first.topk_ids[None], first.topk_probs[None]), "top_k": k}
+    [first] = m.denoise_step(canvas, temperature, rng.random(canvas.shape), next_soft=True)
+    return {"sc_soft": first.soft[None], "next_soft": True}
 
 
 def profile_groups(profiled: list, peaks: dict, n_vocab: int, n_embd: int, layer_scale: float) -> dict:
@@ -230,11 +256,14 @@ def profile_groups(profiled: list, peaks: dict, n_vocab: int, n_embd: int, layer
                 real_cpu_s=sum(r["real_cpu_s"] for r in rows), real_floor_cpu_s=sum(r["real_floor_cpu_s"] for r in rows))
 
 
-def measure_dg(path: Path, threads: int, reps: int, sc_top_k: int, peaks: dict, families: list[str],
-               real_layers: int) -> dict:
-    """The step on each family and on ggml's kernels, interleaved; then each family's step node by node."""
-    from dgcli.engine import native
-    from dgcli.engine.profile import NodeProfiler
+def measure_dg(path: Path, threads: int, reps: int, sc_forms: list[int], peaks: dict, families: list[str],
+               real_layers: int, references: dict | None = None) -> dict:
+    """The step on each family in each self-conditioning form, and on ggml's kernels and the host sampler
+    in the first form, interleaved; then each family's step node by node. `references`: {name: callable}
+    timing one reference generation each, run inside the loop; each returns {row name: (wall, cpu)}."""
+    from dgcli.engine.sampler import make_step_sampler
+    from dgcli.runtime import native
+    from dgcli.runtime.profile import NodeProfiler
 
     profiler = NodeProfiler()
     models = {}
@@ -242,7 +271,7 @@ def measure_dg(path: Path, threads: int, reps: int, sc_top_k: int, peaks: dict, 
         for family in [*families, "ggml"]:
             models[family] = open_model(path, threads, family, eval_callback=profiler.eval_callback)
         rng = np.random.default_rng(0)
-        first_model = next(iter(models.values()))
+        first_model, old = models[families[0]], models["ggml"]
         C, V, n_embd = first_model.canvas_length, first_model.vocab_size, first_model.n_embd
         n_layer = int(first_model.header.get("diffusion-gemma.block_count"))
         prompt = [int(t) for t in rng.integers(200, 400, PROMPT_TOKENS)]
@@ -250,42 +279,62 @@ def measure_dg(path: Path, threads: int, reps: int, sc_top_k: int, peaks: dict, 
             m.prefill(prompt)
         canvas = rng.integers(0, V, (1, C))
         temperature = np.float32(0.6)
-        # a first step (no self-conditioning) gives the top-k the next ones are conditioned on
-        [first] = first_model.denoise_step(canvas, temperature, rng.random((1, C)), top_k=sc_top_k)
-        sc = (first.topk_ids[None], first.topk_probs[None])
+        # a first step gives what the next ones are conditioned on, in each form
+        with family_env(families[0]):
+            inputs = {k: first_self_cond(first_model, canvas, temperature, rng, k) for k in sc_forms}
+            [values] = first_model.denoise_step(canvas, temperature, rng.random((1, C)), return_values=True)
+        lead = sc_forms[0]
+        host = make_step_sampler("native", n_threads=threads)
 
-        families_of = {id(m): family for family, m in models.items()}
-
-        def graph_step(m):
+        def graph_step(family, k):
             def step():
-                with family_env(families_of[id(m)]):
-                    m.denoise_step(canvas, temperature, rng.random((1, C)), sc_topk=sc, top_k=sc_top_k)
+                with family_env(family):  # the sampler's pass reads the family at every row
+                    models[family].denoise_step(canvas, temperature, rng.random((1, C)), **inputs[k])
             return step
 
-        times: dict[str, list] = {f"graph step, {family}": [] for family in models}
+        def host_step():
+            sc = inputs[lead]
+            if lead:
+                logits = old.decode_canvas(canvas[0], sc_topk=(sc["sc_topk"][0][0], sc["sc_topk"][1][0]))
+                host.process_logits(logits, temperature, rng.random(C), top_k=lead)
+            else:  # the host sampler's dense input: the processed logits, softmax on the host
+                logits = old.decode_canvas(canvas[0], sc_logits=values.processed)
+                host.process_logits(logits, temperature, rng.random(C))
+
+        lead_name = sc_form_name(lead)
+        variants = {f"graph step, {family}, {sc_form_name(k)} self-conditioning": graph_step(family, k)
+                    for family in families for k in sc_forms}
+        variants |= {f"graph step, ggml, {lead_name} self-conditioning": graph_step("ggml", lead),
+                     f"previous: forward + host sampler, {lead_name}, ggml matmuls": host_step}
+        times: dict[str, list] = {name: [] for name in variants}
         for _ in range(reps):  # interleaved: the box's load hits every variant alike
-            for family, m in models.items():
-                times[f"graph step, {family}"].append(timed(graph_step(m)))
+            for name, fn in variants.items():
+                times[name].append(timed(fn))
+            for reference in (references or {}).values():
+                for row, sample in reference().items():
+                    times.setdefault(row, []).append(sample)
 
         lib = native.lib()._lib
         runs = {}
         for family in families:
             m = models[family]
-            profiled = []
+            profiled: dict[int, list] = {k: [] for k in sc_forms}
             for _ in range(reps):
-                profiler.enabled = True
-                graph_step(m)()
-                profiler.enabled = False
-                profiled.append(profiler.take())
+                for k in sc_forms:
+                    profiler.enabled = True
+                    graph_step(family, k)()
+                    profiler.enabled = False
+                    profiled[k].append(profiler.take())
             family_peaks = dict(peaks, int8=peaks[FAMILY_PEAK[family]])
-            runs[family] = dict(lm_head=lib.dg_lm_head_path(m._model).decode(),
+            runs[family] = dict(lm_head=lib.dg_lm_head_path(m._model).decode(), self_cond_product=m.self_cond_path(),
                                 experts_on_dg=lib.dg_expert_gemm_count(m._model), peak_int8=family_peaks["int8"],
-                                **profile_groups(profiled, family_peaks, V, n_embd, real_layers / n_layer))
+                                forms={sc_form_name(k): profile_groups(profiled[k], family_peaks, V, n_embd,
+                                                                       real_layers / n_layer) for k in sc_forms})
     finally:
         for m in models.values():
             m.close()
         profiler.close()
-    return dict(threads=threads, steps=times, families=runs, layers=n_layer, real_layers=real_layers)
+    return dict(threads=threads, canvas=C, steps=times, families=runs, layers=n_layer, real_layers=real_layers)
 
 
 # ---- the Transformers reference ------------------------------------------------------------------
@@ -332,48 +381,91 @@ def reference_config(path: Path):
         final_logit_softcapping=float(value(f"{arch}.final_logit_softcapping", 30.0)),
         max_position_embeddings=int(value(f"{arch}.context_length", 262144)),
     )
-    from dgcli.reference import TINY_VISION
+    from dgcli.testing.reference import TINY_VISION
 
     return DiffusionGemmaConfig(text_config=text, vision_config=dict(TINY_VISION),
                                 canvas_length=int(value("diffusion.canvas_length")))
 
 
-def measure_reference(path: Path, threads_list: list[int], reps: int, dtype: str = "bf16") -> dict:
-    """Seconds per `_denoising_step` of the reference in `dtype` (bf16 or fp32): the first step of
-    a canvas (no self-conditioning), and the later ones (dense self-conditioning)."""
-    import torch
-    from transformers import DiffusionGemmaForBlockDiffusion
-    from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
+class ReferenceSteps:
+    """The Transformers reference in `dtype` (bf16 or fp32) with the GGUF's shapes and random weights,
+    loaded once; each call runs one two-step generation on `threads` threads and returns the wall and
+    CPU seconds of its `_denoising_step`s: the first step (no self-conditioning) and the second (dense
+    self-conditioning, as every later step of a canvas)."""
 
-    config = reference_config(path)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-    model = DiffusionGemmaForBlockDiffusion._from_config(config, dtype=torch_dtype).eval()
-    step_times: list[tuple[float, float]] = []
-    real_step = model._denoising_step
+    def __init__(self, path: Path, dtype: str):
+        import torch
+        from transformers import DiffusionGemmaForBlockDiffusion
 
-    def timed_step(*args, **kwargs):
-        out = []
-        step_times.append(timed(lambda: out.append(real_step(*args, **kwargs))))
-        return out[0]
+        config = reference_config(path)
+        config._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+        self.dtype = dtype
+        self.model = DiffusionGemmaForBlockDiffusion._from_config(config, dtype=torch_dtype).eval()
+        self.config = config
+        self.step_times: list[tuple[float, float]] = []
+        real_step = self.model._denoising_step
 
-    model._denoising_step = timed_step
-    prompt = torch.randint(200, 400, (1, PROMPT_TOKENS))
-    results = {}
-    for threads in threads_list:
+        def timed_step(*args, **kwargs):
+            out = []
+            self.step_times.append(timed(lambda: out.append(real_step(*args, **kwargs))))
+            return out[0]
+
+        self.model._denoising_step = timed_step
+        self.prompt = torch.randint(200, 400, (1, PROMPT_TOKENS))
+
+    def __call__(self, threads: int) -> dict[str, tuple[float, float]]:
+        import torch
+        from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
+
         torch.set_num_threads(threads)
-        step_times.clear()
+        self.step_times.clear()
         with torch.no_grad():
-            # confidence 1e-30: the adaptive stop never fires, every step runs
-            model.generate(prompt, max_new_tokens=config.canvas_length, max_denoising_steps=1 + reps,
-                           t_min=0.4, t_max=0.8, sampler_config=EntropyBoundSamplerConfig(entropy_bound=0.1),
-                           stability_threshold=1, confidence_threshold=1e-30)
-        results[threads] = {"no_sc_s": step_times[0], "dense_sc_s": list(step_times[1:])}  # (wall, CPU) each
-    return results
+            # confidence 1e-30: the adaptive stop never fires, both steps run
+            self.model.generate(self.prompt, max_new_tokens=self.config.canvas_length, max_denoising_steps=2,
+                                t_min=0.4, t_max=0.8, sampler_config=EntropyBoundSamplerConfig(entropy_bound=0.1),
+                                stability_threshold=1, confidence_threshold=1e-30)
+        first, dense = self.step_times[:2]
+        return {f"Transformers {self.dtype}, dense self-conditioning": dense,
+                f"Transformers {self.dtype}, no self-conditioning": first}
 
 
 # ---- report ------------------------------------------------------------------------------------
+
+
+def print_profile(console, run: dict, family: str, fam: dict, form: str, prof: dict) -> None:
+    """One family's step in one self-conditioning form, op by op, and the real depth predicted from it."""
+    from rich.table import Table
+
+    t = run["threads"]
+    table = Table(title=f"{t} thread(s), {family} kernels (int8 peak {fam['peak_int8'][0]:.1f} G MAC/s; LM head "
+                        f"{fam['lm_head']}; dense product {fam['self_cond_product']}; {fam['experts_on_dg']} expert "
+                        f"tensors on dg's GEMM): one step self-conditioned {form}, {prof['step_gmac']:.0f} G "
+                        f"multiply-adds, {prof['floor_cpu_s']:.2f} CPU s at the peaks")
+    for col in ("op", "CPU s", "wall s", "share", "G MAC", "G MAC/s/thread", "of int8 peak", "of bf16 peak",
+                "floor CPU s"):
+        table.add_column(col, justify="left" if col == "op" else "right")
+    shown, rest = prof["ops"][:12], prof["ops"][12:]
+    for r in shown:
+        has = r["gmac"] > 0
+        table.add_row(r["op"], f"{r['cpu_s']:.3f}", f"{r['wall_s']:.3f}", f"{r['share']:.1%}",
+                      f"{r['gmac']:.1f}" if has else "", f"{r['gmacs_per_thread']:.1f}" if has else "",
+                      f"{r['of_int8_peak']:.0%}" if has else "", f"{r['of_bf16_peak']:.0%}" if has else "",
+                      f"{r['floor_cpu_s']:.3f}" if has else "")
+    if rest:
+        table.add_row(f"({len(rest)} more groups)", f"{sum(r['cpu_s'] for r in rest):.3f}",
+                      f"{sum(r['wall_s'] for r in rest):.3f}", f"{sum(r['share'] for r in rest):.1%}",
+                      "", "", "", "", "")
+    table.add_row("profiled total", f"{prof['profiled_cpu_s']:.3f}", "", "100%", "", "", "", "",
+                  f"{prof['floor_cpu_s']:.3f}")
+    console.print(table)
+
+    console.print(f"  profiled step {prof['profiled_cpu_s']:.2f} CPU s = "
+                  f"{prof['profiled_cpu_s'] / prof['floor_cpu_s']:.2f}x its floor; the {run['real_layers']}-layer "
+                  f"step predicted from it (layer nodes x {run['real_layers']}/{run['layers']}): "
+                  f"{prof['real_cpu_s']:.2f} CPU s, floor {prof['real_floor_cpu_s']:.2f} s, "
+                  f"{prof['real_cpu_s'] / prof['real_floor_cpu_s']:.2f}x")
 
 
 def print_report(report: dict) -> None:
@@ -382,8 +474,9 @@ def print_report(report: dict) -> None:
 
     console = Console(width=None if sys.stdout.isatty() else 150)
     peaks = report["peaks"]
+    forms = ", ".join(sc_form_name(k) for k in report["sc_forms"])
     console.print(f"[bold]{report['model']}[/bold]: canvas {report['canvas']}, prompt {PROMPT_TOKENS}, "
-                  f"self-conditioning top-{report['sc_top_k']}, {report['reps']} reps; times in CPU seconds "
+                  f"self-conditioning {forms}, {report['reps']} reps; times in CPU seconds "
                   f"of the process (the wait for a core on a shared machine left out), wall seconds beside")
     console.print(f"single-thread peaks: int8 {peaks['PEAK_INT8'][0]:.1f} G MAC/s ({peaks['PEAK_INT8'][1]}), "
                   f"int8 of the AVX2 kernels {peaks['PEAK_INT8_AVX2'][0]:.1f} G MAC/s, "
@@ -392,48 +485,45 @@ def print_report(report: dict) -> None:
     for run in report["runs"]:
         t = run["threads"]
         for family, fam in run["families"].items():
-            table = Table(title=f"{t} thread(s), {family} kernels (int8 peak {fam['peak_int8'][0]:.1f} G MAC/s; LM head "
-                                f"{fam['lm_head']}; {fam['experts_on_dg']} expert tensors on dg's GEMM): one "
-                                f"self-conditioned step, {fam['step_gmac']:.0f} G multiply-adds, "
-                                f"{fam['floor_cpu_s']:.2f} CPU s at the peaks")
-            for col in ("op", "CPU s", "wall s", "share", "G MAC", "G MAC/s/thread", "of int8 peak", "of bf16 peak",
-                        "floor CPU s"):
-                table.add_column(col, justify="left" if col == "op" else "right")
-            shown, rest = fam["ops"][:12], fam["ops"][12:]
-            for r in shown:
-                has = r["gmac"] > 0
-                table.add_row(r["op"], f"{r['cpu_s']:.3f}", f"{r['wall_s']:.3f}", f"{r['share']:.1%}",
-                              f"{r['gmac']:.1f}" if has else "", f"{r['gmacs_per_thread']:.1f}" if has else "",
-                              f"{r['of_int8_peak']:.0%}" if has else "", f"{r['of_bf16_peak']:.0%}" if has else "",
-                              f"{r['floor_cpu_s']:.3f}" if has else "")
-            if rest:
-                table.add_row(f"({len(rest)} more groups)", f"{sum(r['cpu_s'] for r in rest):.3f}",
-                              f"{sum(r['wall_s'] for r in rest):.3f}", f"{sum(r['share'] for r in rest):.1%}",
-                              "", "", "", "", "")
-            table.add_row("profiled total", f"{fam['profiled_cpu_s']:.3f}", "", "100%", "", "", "", "",
-                          f"{fam['floor_cpu_s']:.3f}")
-            console.print(table)
-            console.print(f"  profiled step {fam['profiled_cpu_s']:.2f} CPU s = {fam['profiled_cpu_s'] / fam['floor_cpu_s']:.2f}x "
-                          f"its floor; the {run['real_layers']}-layer step predicted from it (layer nodes x "
-                          f"{run['real_layers']}/{run['layers']}): {fam['real_cpu_s']:.2f} CPU s, floor "
-                          f"{fam['real_floor_cpu_s']:.2f} s, {fam['real_cpu_s'] / fam['real_floor_cpu_s']:.2f}x")
-
+            for form, prof in fam["forms"].items():
+                print_profile(console, run, family, fam, form, prof)
+        # like against like: each row against dg's graph step of the same self-conditioning form
         steps = Table(title=f"{t} thread(s): the step end to end, interleaved (min / median)")
-        for col in ("variant", "CPU s", "wall s", "CPU vs the first"):
+        for col in ("variant", "CPU s", "wall s", f"vs dg's {lead_family} step of its form (min, median)"):
             steps.add_column(col, justify="left" if col == "variant" else "right")
-        rows = dict(run["steps"])
-        base = min(c for _, c in next(iter(rows.values())))
-        for dtype, by_threads in (report.get("reference") or {}).items():
-            ref = by_threads.get(t)
-            if ref:
-                rows[f"Transformers {dtype}, dense self-conditioning"] = ref["dense_sc_s"]
-                rows[f"Transformers {dtype}, no self-conditioning"] = [ref["no_sc_s"]]
+        rows = run["steps"]
+        lead_family = next(iter(run["families"]))
+        bases = {sc_form_name(k): rows.get(f"graph step, {lead_family}, {sc_form_name(k)} self-conditioning")
+                 for k in report["sc_forms"]}
+
+        def base_of(name: str):
+            """dg's step of the self-conditioning form a row ran (rows name it: "top-64", "dense")."""
+            for form in bases:
+                if form != "dense" and form in name:
+                    return bases[form]
+            if "dense self-conditioning" in name or ", dense," in name:
+                return bases.get("dense")
+            return None
+
         for name, samples in rows.items():
             cpu = [c for _, c in samples]
             wall = [w for w, _ in samples]
+            base = base_of(name)
+            ratio = ""
+            if base:
+                base_cpu = [c for _, c in base]
+                ratio = (f"{min(cpu) / min(base_cpu):.2f}x, "
+                         f"{statistics.median(cpu) / statistics.median(base_cpu):.2f}x")
             steps.add_row(name, f"{min(cpu):.2f} / {statistics.median(cpu):.2f}",
-                          f"{min(wall):.2f} / {statistics.median(wall):.2f}", f"{min(cpu) / base:.2f}x")
+                          f"{min(wall):.2f} / {statistics.median(wall):.2f}", ratio)
         console.print(steps)
+        dense = bases.get("dense")
+        for form, samples in bases.items():
+            if form != "dense" and dense and samples:
+                d = [c for _, c in dense]
+                k = [c for _, c in samples]
+                console.print(f"dg {lead_family} dense / top-k {form}: {min(d) / min(k):.2f}x (min), "
+                              f"{statistics.median(d) / statistics.median(k):.2f}x (median), CPU s")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -447,7 +537,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quant", default="q8_0", choices=["q8_0", "q4_k_m", "f16"])
     parser.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--sc-top-k", type=int, default=64)
+    parser.add_argument("--sc-forms", default="0,64",
+                        help="comma-separated self-conditioning forms: 0 dense (the reference's), k top-k")
     parser.add_argument("--peak-seconds", type=float, default=1.0)
     parser.add_argument("--no-reference", action="store_true", help="skip the Transformers reference")
     parser.add_argument("--reference-dtype", default="bf16",
@@ -462,21 +553,22 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError) as err:
             print(f"error: cannot read {args.from_json}: {err}", file=sys.stderr)
             return 1
-        # JSON object keys are strings: the thread counts back to ints
-        report["reference"] = {dtype: {int(t): v for t, v in by_threads.items()}
-                               for dtype, by_threads in (report.get("reference") or {}).items()}
         print_report(report)
         return 0
 
-    from dgcli.engine import native
+    from dgcli.runtime import native
 
     try:
         try:
             threads_list = [int(t) for t in args.threads.split(",") if t.strip()]
+            sc_forms = [int(k) for k in args.sc_forms.split(",") if k.strip()]
         except ValueError:
-            raise DgError(f"--threads takes comma-separated counts, got {args.threads!r}") from None
+            raise DgError(f"--threads and --sc-forms take comma-separated integers, got {args.threads!r}, "
+                          f"{args.sc_forms!r}") from None
         if not threads_list or min(threads_list) < 1 or args.reps < 1:
             raise DgError("--threads needs counts >= 1 and --reps >= 1")
+        if not sc_forms or min(sc_forms) < 0 or len(set(sc_forms)) != len(sc_forms):
+            raise DgError("--sc-forms needs distinct widths >= 0 (0: dense)")
         dtypes = [d.strip() for d in args.reference_dtype.split(",") if d.strip()]
         if any(d not in ("bf16", "fp32") for d in dtypes):
             raise DgError(f"--reference-dtype takes bf16 and/or fp32, got {args.reference_dtype!r}")
@@ -492,18 +584,19 @@ def main(argv: list[str] | None = None) -> int:
                  "PEAK_INT8_AVX2": native.peak_gmacs(native.PEAK_INT8_AVX2, args.peak_seconds),
                  "bf16": native.peak_gmacs(native.PEAK_BF16, args.peak_seconds)}
         read_gbs = read_bandwidth_gbs()
-        runs = [measure_dg(path, t, args.reps, args.sc_top_k, peaks, families, args.real_layers) for t in threads_list]
-        report = dict(model=Path(path).name, canvas=256, sc_top_k=args.sc_top_k, reps=args.reps,
-                      cpu_threads=os.cpu_count(), peaks=peaks, read_gbs=read_gbs, runs=runs)
+        references = {}
         if not args.no_reference:
             try:
                 import torch  # noqa: F401
                 import transformers  # noqa: F401
             except ImportError:
-                print("(torch/transformers not installed: no reference column)", file=sys.stderr)
+                print("(torch/transformers not installed: no reference rows)", file=sys.stderr)
             else:
-                report["reference"] = {dtype: measure_reference(Path(path), threads_list, args.reps, dtype)
-                                       for dtype in dtypes}
+                references = {dtype: ReferenceSteps(Path(path), dtype) for dtype in dtypes}
+        runs = [measure_dg(path, t, args.reps, sc_forms, peaks, families, args.real_layers,
+                           {d: (lambda r=r, t=t: r(t)) for d, r in references.items()}) for t in threads_list]
+        report = dict(model=Path(path).name, canvas=runs[0]["canvas"], sc_forms=sc_forms, reps=args.reps,
+                      cpu_threads=os.cpu_count(), peaks=peaks, read_gbs=read_gbs, runs=runs)
     except DgError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

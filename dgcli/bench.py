@@ -18,7 +18,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from dgcli.engine.types import DgError, DiffusionParams, GenerationResult
+from dgcli.engine.types import GenerationResult
+from dgcli.errors import WORKER_LOST, DgError, WorkerLost
+from dgcli.params import DiffusionParams
 from dgcli.textfile import read_text_file
 from dgcli.units import format_bytes, format_figure
 
@@ -44,7 +46,8 @@ BENCH_SCHEMA = "dg-bench/4"
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16)
 SPEEDUP_STEPS = (1, 2, 4, 8, 12, 16, 24, 32, 48)
 # the speed model loads one context with a sequence per canvas of the largest batch: llama.cpp refuses
-# more than LLAMA_MAX_SEQ (256) sequences, which it said only after every generation run had finished
+# more than LLAMA_MAX_SEQ (256) sequences, and only when that context is made, after every generation
+# run: checked before the first
 MAX_BATCH_SIZE = 256
 
 
@@ -133,6 +136,11 @@ class BenchConfig:
     n_gpu_layers: int = 0
     n_cpu_moe: int = 0  # expert tensors of the first N layers kept in system memory (-1: all)
     rpc_servers: Optional[Sequence[str]] = None  # llama.cpp RPC workers holding the offloaded layers
+    # the two files' quantization types (dgcli.modelfile.info.QuantPair.to_json()): {diffusion, autoregressive, match}
+    quantization: Optional[dict[str, Any]] = None
+    # the self-conditioning width of the diffusion runs and the speed model (None: the engine's default;
+    # 0: dense; k: top-k); every run records the form it ran (RunRecord.self_conditioning)
+    self_cond_top_k: Optional[int] = None
 
 
 @dataclass
@@ -151,6 +159,7 @@ class RunRecord:
     correct: Optional[bool] = None  # the answer equals the prompt's expected answer (None: no answer given)
     prefill_s: float = 0.0  # tokens_per_second = (n_new_tokens - prefill_answer_tokens) / (total_s - prefill_s)
     prefill_answer_tokens: int = 0  # AR: 1 when its first answer token came from the prefill's logits
+    self_conditioning: Optional[str] = None  # diffusion: "dense" or "top-K", the form its steps fed back
 
     @property
     def mean_steps_per_canvas(self) -> Optional[float]:
@@ -224,7 +233,7 @@ class BenchReport:
     speed_model: Optional[SpeedModel]
     notes: list[str] = field(default_factory=list)
     interrupted: bool = False  # Ctrl-C ended it early: the runs finished before it
-    # where llama.cpp put each loaded model's weights (engine.offload.LoadReport.to_json()), by role:
+    # where llama.cpp put each loaded model's weights (runtime.offload.LoadReport.to_json()), by role:
     # the figures are the devices' these say, not the ones --gpu-layers asked for
     placement: dict[str, Any] = field(default_factory=dict)
 
@@ -258,7 +267,8 @@ def _record(mode: str, prompt: BenchPrompt, run: int, res: GenerationResult) -> 
                      tokens_per_second=res.tokens_per_second, tokens_per_forward=res.tokens_per_forward,
                      decoder_forwards=res.decoder_forwards, steps_per_canvas=list(res.steps_per_canvas),
                      mean_forward_s=res.mean_forward_s, stop_reason=res.stop_reason, correct=correct,
-                     prefill_s=res.prefill_s, prefill_answer_tokens=res.prefill_answer_tokens)
+                     prefill_s=res.prefill_s, prefill_answer_tokens=res.prefill_answer_tokens,
+                     self_conditioning=res.self_conditioning)
 
 
 def summarize(runs: Sequence[RunRecord]) -> list[PromptSummary]:
@@ -314,16 +324,18 @@ def _logits_bytes(n_tokens: int, vocab: int) -> int:
     return n_tokens * vocab * 4
 
 
-def measure_speed_model(model, *, batch_sizes: Sequence[int], repeat: int = 5, seed: int = 0) -> tuple[SpeedModel, list[str]]:
+def measure_speed_model(model, *, batch_sizes: Sequence[int], repeat: int = 5, seed: int = 0,
+                        self_cond_top_k: Optional[int] = None) -> tuple[SpeedModel, list[str]]:
     """Canvas step vs one-token decode on one DiffusionModel (the same weights for both).
 
     The canvas side is a denoising step as `dg generate` runs it: where the model has the one-graph
     step (`denoise_step`, what the engine's "auto" backend picks), the decoder forward with the
-    sampler's per-position pass and the self-conditioning input of a canvas's later steps, only
+    sampler's per-position pass and the self-conditioning input of a canvas's later steps (the
+    engine's form, or `self_cond_top_k`'s: dense or top-k, each also forming the next step's), only
     per-position results leaving the graph; else the decoder forward with its logits copied out.
     Each sample is timed on its second run of that shape, as in a generation, where steps and
-    decodes run back to back: on an H200 a one-token decoder row timed as the first run after a
-    prefill read 17.4 ms, and 13.0 ms timed warm.
+    decodes run back to back: the first run of a shape after a prefill is slower than the warm ones a
+    generation makes (docs/json.md has the figures).
 
     With the native multi-sequence forward (`decode_canvases`, up to the model's n_seq_max rows),
     batch b is b canvases in one decoder forward vs b one-token rows in one forward (a batched AR
@@ -372,25 +384,27 @@ def measure_speed_model(model, *, batch_sizes: Sequence[int], repeat: int = 5, s
 
     def one_decode() -> None:
         # the encoder's causal one-token step with its logits: an AR decode on these weights. (The
-        # decoder over a one-token row cost the same on a CPU, but 13.0 ms against 4.9 on an H200.)
+        # decoder over a one-token row costs the same on a CPU, but more on a GPU: docs/json.md.)
         model.prefill([int(tokens(1)[0])], return_logits=True)
 
-    from dgcli.engine.diffusion import resolve_self_cond_top_k
+    from dgcli.runtime.self_cond import resolve_self_cond_top_k, self_cond_form
 
     graph_step = callable(getattr(model, "denoise_step", None))
-    sc_k = resolve_self_cond_top_k(None, V)  # the engine's default self-conditioning width
+    # the width the engine would run (an explicit setting, else its default)
+    sc_k = resolve_self_cond_top_k(self_cond_top_k, V, exact=bool(getattr(model, "exact", False)))
 
     def canvas_step(b: int) -> Callable[[], Any]:
         """One denoising step of b canvases in one forward, as the engine runs it (see above), with
-        the engine's self-conditioning form: top-k, or dense over a small vocabulary (a batch whose
-        dense input the graph cannot hold is skipped, as the engine would refuse it)."""
+        its self-conditioning form: top-k, or dense (the previous step's soft embedding in, this
+        step's product out)."""
         if not graph_step:
             return (lambda: model.decode_canvas(tokens(C))) if b == 1 else (lambda: multi(tokens(b, C)))
         if sc_k:
             self_cond = {"sc_topk": (rng.integers(0, V, (b, C, sc_k)).astype(np.int32),
                                      np.full((b, C, sc_k), 1.0 / sc_k, np.float32)), "top_k": sc_k}
         else:
-            self_cond = {"sc_logits": np.zeros((b, C, V), np.float32)}
+            n_embd = int(model.n_embd)
+            self_cond = {"sc_soft": rng.standard_normal((b, C, n_embd)).astype(np.float32), "next_soft": True}
         return lambda: model.denoise_step(tokens(b, C), np.float32(0.6), rng.random((b, C)), **self_cond)
 
     base = paired(canvas_step(1), one_decode, repeat)
@@ -431,12 +445,21 @@ def measure_speed_model(model, *, batch_sizes: Sequence[int], repeat: int = 5, s
     curve = [{"steps": s, "speedup": speedup_model(C, canvas_s, decode_s, commit_s, s)} for s in SPEEDUP_STEPS]
     ratio = base.ratio()
     step = ("one-graph step: decoder forward + the sampler's per-position pass, "
-            + (f"top-{sc_k}" if sc_k else "dense") + " self-conditioning" if graph_step
+            + self_cond_form(sc_k) + " self-conditioning" if graph_step
             else "decoder forward, logits copied to the host")
     return SpeedModel(canvas_length=C, canvas_forward_s=canvas_s, decode_s=decode_s, commit_s=commit_s,
                       ratio=ratio.median if ratio else float("nan"), speedup_vs_steps=curve, batch_sweep=points,
                       batch_method=method, ratio_min=ratio.min if ratio else None,
                       ratio_max=ratio.max if ratio else None, canvas_step=step), notes
+
+
+def quantization_words(quantization: Optional[dict[str, Any]]) -> Optional[str]:
+    """The sentence saying the two files' quantization types differ (None when they match or are unknown)."""
+    from dgcli.modelfile.info import QuantPair
+
+    if not quantization:
+        return None
+    return QuantPair(quantization.get("diffusion"), quantization.get("autoregressive")).mismatch_words()
 
 
 def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], *,
@@ -451,7 +474,7 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], *,
     Ctrl-C ends the bench early: the report holds the runs finished so far, `interrupted=True`.
     """
     runs: list[RunRecord] = []
-    notes: list[str] = []
+    notes: list[str] = [words] if (words := quantization_words(config.quantization)) else []
     speed: Optional[SpeedModel] = None
     interrupted = False
     placement: dict[str, Any] = {}
@@ -471,9 +494,11 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], *,
                 on_progress(f"{mode} {p.name} #{i + 1}")
                 if mode == "diffusion":
                     res = engine.generate(p.text, params=config.params, max_new_tokens=config.max_new_tokens,
-                                          seed=config.seed + i)
+                                          seed=config.seed + i, self_cond_top_k=config.self_cond_top_k)
                 else:
                     res = engine.generate(p.text, max_new_tokens=config.max_new_tokens, seed=config.seed + i)
+                if res.stop_reason == WORKER_LOST:  # the worker's own error: see rpc.check_workers
+                    raise WorkerLost("an RPC worker was lost")
                 if res.interrupted:  # the engine returned what it had: not a complete run
                     raise KeyboardInterrupt
                 runs.append(_record(mode, p, i, res))
@@ -486,7 +511,8 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], *,
             if config.speed_model and open_speed_model is None:
                 on_progress("speed model: canvas forward vs one-token decode")
                 speed, speed_notes = measure_speed_model(engine.model, batch_sizes=config.batch_sizes,
-                                                         repeat=config.speed_model_repeat, seed=config.seed)
+                                                         repeat=config.speed_model_repeat, seed=config.seed,
+                                                         self_cond_top_k=config.self_cond_top_k)
                 notes.extend(speed_notes)
         finally:
             engine.close()
@@ -496,7 +522,8 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], *,
             record_placement("speed", model)
             try:
                 speed, speed_notes = measure_speed_model(model, batch_sizes=config.batch_sizes,
-                                                         repeat=config.speed_model_repeat, seed=config.seed)
+                                                         repeat=config.speed_model_repeat, seed=config.seed,
+                                                         self_cond_top_k=config.self_cond_top_k)
                 notes.extend(speed_notes)
             finally:
                 if hasattr(model, "close"):
@@ -511,6 +538,9 @@ def run_bench(config: BenchConfig, prompts: Sequence[BenchPrompt], *,
     except KeyboardInterrupt:
         interrupted = True
         notes.append("interrupted (Ctrl-C): the report holds the runs finished before it")
+    except WorkerLost:
+        interrupted = True
+        notes.append("an RPC worker was lost: the report holds the runs finished before it")
 
     if speed is not None:
         ar_decodes = [r.mean_forward_s for r in runs if r.mode == "autoregressive" and r.mean_forward_s is not None]
@@ -561,12 +591,18 @@ def report_tables(report: BenchReport):
     pair = f"diffusion: {cfg['diffusion_model']}, AR: {cfg['ar_model']}"
     tables = []
 
-    speed_caption = pair + "; speedup = diffusion tok/s ÷ AR tok/s"
+    quant = cfg.get("quantization") or {}
+    if quant.get("diffusion") or quant.get("autoregressive"):
+        pair += f" ({quant.get('diffusion') or '?'} vs {quant.get('autoregressive') or '?'})"
+    mismatch = quantization_words(quant)
+    speed_caption = pair + "; speedup = diffusion tok/s ÷ AR tok/s" + (f"; {mismatch}" if mismatch else "")
     speed = table(f"tok/s (answer tokens), median [min–max] of {runs}", "prompt", "diffusion", "AR", "speedup",
                   caption=speed_caption)
     partial = False  # a rate or speedup over only some of its row's runs (*)
+    forms = sorted({r.self_conditioning for r in report.runs if r.mode == "diffusion" and r.self_conditioning})
     sampler = table("diffusion sampler per prompt", "prompt", "steps/canvas", "tokens/forward", "answer tokens",
-                    caption="tokens/forward: answer tokens per decoder forward (AR: 1.00); answer tokens: diffusion/AR")
+                    caption="tokens/forward: answer tokens per decoder forward (AR: 1.00); answer tokens: diffusion/AR"
+                            + (f"; self-conditioning: {', '.join(forms)}" if forms else ""))
     graded = any(s.accuracy is not None for s in report.summaries)
     accuracy = table("accuracy (graded prompts)", "prompt", "diffusion", "AR")
     for prompt, modes in by_prompt.items():

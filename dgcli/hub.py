@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from dgcli.engine.types import DgError
+from dgcli.errors import DgError
 from dgcli.units import format_bytes  # noqa: F401 (callers use hub.format_bytes)
 
 ProgressCallback = Callable[[int, "int | None"], None]  # (bytes done, total bytes or None)
@@ -90,8 +90,9 @@ def _unverified_marker(blob: Path) -> Path:
     return blob.with_name(blob.name + UNVERIFIED_SUFFIX)
 
 
-def cached_path(repo: str, filename: str) -> Path | None:
-    """The complete cached file, or None. Never touches the network; never hashes.
+def cached_path(repo: str, filename: str, revision: str | None = None) -> Path | None:
+    """The complete cached file (of the commit `revision`, or of the one refs/main names), or None.
+    Never touches the network; never hashes.
 
     A blob a pull did not finish with (still marked unverified) is not complete: `download`
     checks it first."""
@@ -99,7 +100,9 @@ def cached_path(repo: str, filename: str) -> Path | None:
 
     try:
         check_repo_file(repo, filename)
-        found = try_to_load_from_cache(repo, filename, cache_dir=str(cache_dir()))
+        if revision is not None and not COMMIT.fullmatch(revision):
+            return None
+        found = try_to_load_from_cache(repo, filename, cache_dir=str(cache_dir()), revision=revision)
         if not isinstance(found, str) or not Path(found).is_file():
             return None
         blob = _inside_cache(Path(found))
@@ -149,10 +152,13 @@ class RemoteFile:
         return len(self.digest) == 64
 
 
-def _translate(err: BaseException, repo: str, filename: str) -> HubError:
-    """Map huggingface-hub / network exceptions to one actionable line."""
+def _translate(err: BaseException, repo: str, filename: str, target: str | None = None) -> HubError:
+    """Map huggingface-hub / network exceptions to one actionable line (`target`: what was being
+    fetched, when it is not the file `filename`)."""
     from huggingface_hub import errors
 
+    action = f"fetching {target}" if target else f"download of {repo}/{filename}"
+    target = target or f"{repo}/{filename}"
     if isinstance(err, errors.GatedRepoError):
         return HubError(f"{repo} is gated: accept its license on the Hub, then log in (`hf auth login`)")
     if isinstance(err, errors.RepositoryNotFoundError):
@@ -161,35 +167,40 @@ def _translate(err: BaseException, repo: str, filename: str) -> HubError:
         return HubError(f"revision not found in {repo}")
     if isinstance(err, (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled)):
         return HubError(
-            f"cannot reach the Hugging Face Hub ({hub_endpoint() or 'huggingface.co'}) to fetch {repo}/{filename}; "
+            f"cannot reach the Hugging Face Hub ({hub_endpoint() or 'huggingface.co'}) to fetch {target}; "
             "check your connection (or HF_ENDPOINT / HF_HUB_OFFLINE)"
         )
     if isinstance(err, (errors.EntryNotFoundError, getattr(errors, "RemoteEntryNotFoundError", ()))):
         return HubError(f"file {filename} not found in {repo}")
     if isinstance(err, errors.HfHubHTTPError):
         status = getattr(getattr(err, "response", None), "status_code", None)
-        return HubError(f"the Hub answered HTTP {status} for {repo}/{filename}")
+        return HubError(f"the Hub answered HTTP {status} for {target}")
     if isinstance(err, OSError) and getattr(err, "errno", None) == 28:
         return HubError(f"disk full while downloading {filename} into {cache_dir()}; free space and re-run to resume")
-    return HubError(f"download of {repo}/{filename} failed: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}".rstrip(": "))
+    return HubError(f"{action} failed: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}".rstrip(": "))
 
 
-def remote_file(repo: str, filename: str) -> RemoteFile:
-    """The file's commit, size, digest and URL: a HEAD request, then the Hub's metadata API at that
-    commit for the content digest. Every value is checked; raises HubError when one is missing,
-    malformed or inconsistent."""
+def remote_file(repo: str, filename: str, revision: str | None = None) -> RemoteFile:
+    """The file's commit, size, digest and URL (at the pinned commit `revision`, or on main): a HEAD
+    request, then the Hub's metadata API at that commit for the content digest. Every value is
+    checked; raises HubError when one is missing, malformed or inconsistent."""
     from huggingface_hub import HfApi, get_hf_file_metadata, hf_hub_url
 
     check_repo_file(repo, filename)
+    if revision is not None and not COMMIT.fullmatch(revision):
+        raise HubError(f"not a commit id: {revision!r}")
     endpoint = hub_endpoint()
     try:
-        meta = get_hf_file_metadata(hf_hub_url(repo, filename, endpoint=endpoint), endpoint=endpoint)
+        meta = get_hf_file_metadata(hf_hub_url(repo, filename, revision=revision, endpoint=endpoint),
+                                    endpoint=endpoint)
     except Exception as err:  # noqa: BLE001 - every failure becomes one line
         raise _network_or(err, repo, filename) from None
     where = f"{repo}/{filename}"
     commit = meta.commit_hash
     if not isinstance(commit, str) or not COMMIT.fullmatch(commit):
         raise HubError(f"the Hub sent no valid commit id for {where} ({commit!r}); cannot download it safely")
+    if revision is not None and commit != revision:
+        raise HubError(f"the Hub sent {where} of commit {commit[:12]}, not of the pinned revision {revision[:12]}")
     if not meta.location:
         raise HubError(f"the Hub sent no download location for {where}")
     try:
@@ -216,14 +227,14 @@ def remote_file(repo: str, filename: str) -> RemoteFile:
     return RemoteFile(repo, filename, size, commit, digest, meta.location)
 
 
-def _network_or(err: BaseException, repo: str, filename: str) -> HubError:
+def _network_or(err: BaseException, repo: str, filename: str, target: str | None = None) -> HubError:
     from huggingface_hub import errors
 
     if isinstance(err, errors.HfHubHTTPError):
-        return _translate(err, repo, filename)
+        return _translate(err, repo, filename, target)
     if isinstance(err, (ConnectionError, TimeoutError)) or type(err).__module__.startswith(("httpx", "httpcore")):
-        return _translate(errors.LocalEntryNotFoundError("offline"), repo, filename)
-    return _translate(err, repo, filename)
+        return _translate(errors.LocalEntryNotFoundError("offline"), repo, filename, target)
+    return _translate(err, repo, filename, target)
 
 
 def free_bytes(directory: Path) -> int:
@@ -267,6 +278,9 @@ def download(
     repo: str,
     filename: str,
     *,
+    revision: str | None = None,
+    main: bool | None = None,
+    expected: tuple[int, str | None] | None = None,
     approx_size: int | None = None,
     on_progress: ProgressCallback | None = None,
     on_verify: ProgressCallback | None = None,
@@ -274,24 +288,33 @@ def download(
 ) -> Path:
     """Download one file into the huggingface-hub cache, continuing a partial one, and return its path.
 
-    Checks free disk space first, against the Hub's size for the file, minus what a partial
-    download already holds. `on_progress` sees the transfer, `on_verify` the hash pass after it,
-    `on_wait` a line when another pull of the same file holds its lock.
+    `revision`: the commit to download (None: main's); `main`: whether refs/main is to name it (by
+    default when `revision` is None). `expected`: the (size, sha256) a listing gave for the file, which
+    the Hub's metadata must repeat. Checks free disk space first, against the Hub's size for the
+    file, minus what a partial download already holds.
+    `on_progress` sees the transfer, `on_verify` the hash pass after it, `on_wait` a line when
+    another pull of the same file holds its lock.
     """
-    existing = cached_path(repo, filename)
+    existing = cached_path(repo, filename, revision)
     if existing is not None:
         if on_progress:
             size = existing.stat().st_size
             on_progress(size, size)
         return existing
-    remote = remote_file(repo, filename)
+    remote = remote_file(repo, filename, revision)
+    if expected is not None:
+        size, sha256 = expected
+        if remote.size != size or (sha256 is not None and remote.digest != sha256):
+            raise HubError(f"the Hub's metadata for {repo}/{filename} ({remote.size} bytes, {remote.digest[:12]}...) "
+                           f"is not what its file list gave ({size} bytes, {(sha256 or '-')[:12]}...)")
     folder = _repo_cache_folder(repo)
     blob = folder / "blobs" / remote.digest
     for path in (blob, folder / "snapshots" / remote.commit / remote.filename, folder / "refs" / "main"):
         _inside_cache(path.parent)
     try:
         with _pull_lock(remote, on_wait):
-            return _pull_locked(remote, blob, approx_size, on_progress, on_verify)
+            return _pull_locked(remote, blob, approx_size, on_progress, on_verify,
+                                main=revision is None if main is None else main)
     except OSError as err:  # the cache itself: HF_HUB_CACHE a file, a folder dg may not write, a full disk
         if err.errno == errno.ENOSPC:
             raise _translate(err, repo, filename) from None
@@ -352,7 +375,7 @@ def _remove_stale_partials(repo: str, keep: Path) -> None:
 
 
 def _pull_locked(remote: RemoteFile, blob: Path, approx_size: int | None,
-                 on_progress: ProgressCallback | None, on_verify: ProgressCallback | None) -> Path:
+                 on_progress: ProgressCallback | None, on_verify: ProgressCallback | None, main: bool = True) -> Path:
     folder = blob.parent.parent
     pointer = folder / "snapshots" / remote.commit / remote.filename
     marker = _unverified_marker(blob)
@@ -363,7 +386,7 @@ def _pull_locked(remote: RemoteFile, blob: Path, approx_size: int | None,
         marker.unlink()
     marker.touch()
     try:
-        return _fill_blob(remote, blob, approx_size, on_progress, on_verify)
+        return _fill_blob(remote, blob, approx_size, on_progress, on_verify, main)
     except BaseException:
         if not blob.exists():  # a mark without its blob (refused for disk space, Ctrl-C) would outlive the pull
             marker.unlink(missing_ok=True)
@@ -371,13 +394,13 @@ def _pull_locked(remote: RemoteFile, blob: Path, approx_size: int | None,
 
 
 def _fill_blob(remote: RemoteFile, blob: Path, approx_size: int | None,
-               on_progress: ProgressCallback | None, on_verify: ProgressCallback | None) -> Path:
+               on_progress: ProgressCallback | None, on_verify: ProgressCallback | None, main: bool) -> Path:
     """The blob verified and linked, from what is there (a blob, a partial download) or the Hub."""
     folder = blob.parent.parent
     partial = blob.with_name(blob.name + PARTIAL_SUFFIX)
     if blob.is_file():  # left by a pull that stopped before linking it, or by another tool
         if _mismatch(blob, remote, on_verify) is None:
-            return _link_into_cache(folder, blob, remote)
+            return _link_into_cache(folder, blob, remote, main)
         blob.unlink()
     _remove_stale_partials(remote.repo, keep=partial)
     if partial.is_symlink():  # replaced, never appended through: it may lead anywhere, outside the cache too
@@ -396,7 +419,7 @@ def _fill_blob(remote: RemoteFile, blob: Path, approx_size: int | None,
         partial.unlink()
         raise HubError(f"{remote.filename}: {problem}; the partial download was removed, run `dg pull` again")
     partial.replace(blob)
-    return _link_into_cache(folder, blob, remote)
+    return _link_into_cache(folder, blob, remote, main)
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -488,9 +511,9 @@ def _digest(path: Path, remote: RemoteFile, on_progress: ProgressCallback | None
     return digest.hexdigest()
 
 
-def _link_into_cache(folder: Path, blob: Path, remote: RemoteFile) -> Path:
-    """Link a verified blob from the snapshot, point refs/main at its commit, and drop its
-    unverified mark; returns the snapshot path."""
+def _link_into_cache(folder: Path, blob: Path, remote: RemoteFile, main: bool = True) -> Path:
+    """Link a verified blob from the snapshot, point refs/main at its commit (when it is main's: a
+    pinned older commit is not), and drop its unverified mark; returns the snapshot path."""
     pointer = folder / "snapshots" / remote.commit / remote.filename
     _inside_cache(pointer.parent)
     pointer.parent.mkdir(parents=True, exist_ok=True)
@@ -499,9 +522,10 @@ def _link_into_cache(folder: Path, blob: Path, remote: RemoteFile) -> Path:
         pointer.symlink_to(os.path.relpath(blob, pointer.parent))
     except OSError:  # no symlinks (some Windows set-ups): huggingface-hub stores a copy then
         shutil.copyfile(blob, pointer)
-    refs = folder / "refs" / "main"
-    refs.parent.mkdir(parents=True, exist_ok=True)
-    refs.unlink(missing_ok=True)  # a symlink there is replaced, never written through
-    refs.write_text(remote.commit)
+    if main:
+        refs = folder / "refs" / "main"
+        refs.parent.mkdir(parents=True, exist_ok=True)
+        refs.unlink(missing_ok=True)  # a symlink there is replaced, never written through
+        refs.write_text(remote.commit)
     _unverified_marker(blob).unlink(missing_ok=True)
     return pointer

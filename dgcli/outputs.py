@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, Iterable, Iterator, Optional, Sequence
 
-from dgcli.engine.types import DgError
+from dgcli.errors import DgError
 
 STREAM = "-"
 PARTIAL_SUFFIX = ".partial"

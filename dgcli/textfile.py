@@ -11,7 +11,7 @@ import os
 import stat
 from pathlib import Path
 
-from dgcli.engine.types import DgError
+from dgcli.errors import DgError
 
 DEFAULT_MAX_BYTES = 16 << 20
 

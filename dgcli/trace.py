@@ -20,7 +20,9 @@ from typing import Any, BinaryIO, Callable, Iterator
 
 import numpy as np
 
-from dgcli.engine.types import CanvasEvent, DgError, StepEvent, is_int, is_real
+from dgcli.engine.types import CanvasEvent, StepEvent
+from dgcli.errors import DgError
+from dgcli.params import is_int, is_real
 
 TRACE_SCHEMA = "dg-trace/1"
 # A trace line is one canvas of ids and flags: 256 tokens of the real model is ~10 kB.
@@ -171,7 +173,7 @@ def _check_result(doc: dict) -> None:
     for name, (ok, what) in _RESULT_FIELDS.items():
         if name in doc and not ok(doc[name]):
             raise ValueError(f"{name} must be {what}")
-    # tok/s subtracts them from the answer's tokens: more than the answer has made the rate negative
+    # tok/s subtracts them from the answer's tokens: more than the answer has would make the rate negative
     if doc.get("prefill_answer_tokens", 0) > len(doc.get("token_ids", [])):
         raise ValueError(f"prefill_answer_tokens {doc['prefill_answer_tokens']} is more than the answer's "
                          f"{len(doc.get('token_ids', []))} tokens")

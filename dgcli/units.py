@@ -1,5 +1,6 @@
 """How dg prints sizes: decimal units (1 GB = 10**9 bytes), as the Hub shows file sizes, for every
-size it prints (files, downloads, memory, buffers); and how it prints a figure (a rate, a ratio)."""
+size it prints (files, downloads, memory, buffers); how it prints a figure (a rate, a ratio), and a
+count with its noun."""
 
 from __future__ import annotations
 
@@ -25,3 +26,7 @@ def format_figure(value: float, digits: int = 2, significant: int = 2) -> str:
         if digits > 12:
             return f"{value:.2g}"
     return f"{value:.{digits}f}"
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    return f"{n} {word if n == 1 else (many or word + 's')}"

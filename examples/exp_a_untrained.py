@@ -23,7 +23,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     model = args.model
     if not model:
-        from dgcli.tiny import write_tiny_random_gguf
+        from dgcli.testing.tiny import write_tiny_random_gguf
 
         model = str(write_tiny_random_gguf(args.out / "untrained-tiny.gguf", seed=0, init="untrained"))
     info = json.loads(run_dg("info", model, "--json"))

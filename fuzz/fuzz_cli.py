@@ -239,7 +239,7 @@ def write_cases(work: Path, model: Path, ar: Path) -> list[Case]:
 
 def convert_cases(work: Path) -> list[Case]:
     try:
-        from dgcli.reference import random_model, save_checkpoint, tiny_config
+        from dgcli.testing.reference import random_model, save_checkpoint, tiny_config
     except ImportError:
         return []
     ckpt = save_checkpoint(random_model(tiny_config(), seed=0), work / "ckpt", config_form="google")
@@ -405,7 +405,7 @@ hub_srv.files[("org/model-GGUF", "m.gguf")] = payload
 for k, v in json.loads({knobs!r}).items():
     setattr(hub_srv, k, bytes(reversed(payload)) if k == "served" else v)  # served: the same size, other bytes
 from dgcli import hub
-from dgcli.engine.types import DgError
+from dgcli.errors import DgError
 try:
     path = hub.download({repo!r}, {name!r})
     print("downloaded", Path(path).read_bytes() == payload)
@@ -495,7 +495,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=5, help="trials per signal combination and of concurrent pulls")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()
-    from dgcli.tiny import write_tiny_random_gguf
+    from dgcli.testing.tiny import write_tiny_random_gguf
 
     with tempfile.TemporaryDirectory(prefix="dg-fuzz-cli-") as tmp:
         work = Path(tmp)

@@ -168,8 +168,8 @@ def classify(status: int | None, timed_out: bool, rss_mb: float, output: str, rs
 
 # What dg imports on the way to a model load; imported once in the parent so that each forked run
 # pays only for its own work. llama_cpp is only loaded (dlopen), never run, before a fork.
-PRELOAD = ("dgcli.cli", "dgcli.info", "dgcli.engine.model", "dgcli.engine.diffusion", "dgcli.engine.autoregressive",
-           "dgcli.engine.header", "dgcli.render", "dgcli.bench", "gguf", "numpy", "psutil", "jinja2",
+PRELOAD = ("dgcli.cli", "dgcli.modelfile.info", "dgcli.runtime.model", "dgcli.engine.diffusion", "dgcli.engine.autoregressive",
+           "dgcli.modelfile.header", "dgcli.cli.render", "dgcli.bench", "gguf", "numpy", "psutil", "jinja2",
            "jinja2.sandbox", "rich.table", "rich.live", "llama_cpp.llama_cpp")
 
 

@@ -4,7 +4,7 @@
     python native/build.py              # CPU (default)
     python native/build.py --cuda       # -DGGML_CUDA=on for sm_86, sm_89, sm_90 (+ PTX); see CUDA_ARCHITECTURES
     python native/build.py --cuda --no-install   # build (or find) the cached wheel, print its path
-    python native/build.py --metal      # -DGGML_METAL=on
+    python native/build.py --metal      # macOS: the same as no option (every Mac build has Metal)
     python native/build.py --cmake-arg -DGGML_AVX512=off   # any other llama.cpp CMake option
 
 Steps: fetch the pinned sdist from the package registry (once; sha256 checked every time), lay our
@@ -105,8 +105,22 @@ def new_source_files() -> dict[str, Path]:
     return out
 
 
+def command_output(cmd: list[str]) -> str:
+    """What `cmd` prints, stripped; "" when it cannot run."""
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
 def cpu_signature() -> str:
     # GGML_NATIVE compiles for this CPU, so a wheel must not be reused on a different one.
+    if sys.platform == "darwin":
+        # platform.processor() is "arm" on every Apple Silicon chip: the chip's name and its
+        # hw.optional features (the FEAT_* flags GGML_NATIVE's -mcpu=native follows) tell them apart
+        chip = command_output(["sysctl", "-n", "machdep.cpu.brand_string"]) + "\n" + command_output(["sysctl", "hw.optional"])
+        if chip.strip():
+            return hashlib.sha256(chip.encode()).hexdigest()[:16]
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags") or line.startswith("Features"):
@@ -120,11 +134,21 @@ def portable_cpu(cmake_args: list[str]) -> bool:
     return any(a.upper().replace("=0", "=OFF") == "-DGGML_NATIVE=OFF" for a in cmake_args)
 
 
+def apple_toolchain() -> str:
+    """On macOS, the SDK and the compiler the build uses: ggml-metal's shaders are compiled with them
+    and embedded in the library, so a new Xcode or SDK is a new wheel. "" elsewhere."""
+    if sys.platform != "darwin":
+        return ""
+    cc = command_output(["cc", "--version"]).splitlines()
+    return " ".join(filter(None, (command_output(["xcrun", "--show-sdk-version"]),
+                                  command_output(["xcrun", "--show-sdk-build-version"]), cc[0] if cc else "")))
+
+
 def build_key(cmake_args: list[str]) -> str:
     digest = hashlib.sha256()
     # A portable build (GGML_NATIVE=OFF) runs on any x86-64-v3 CPU: the CPU it was built on is no part of it.
     cpu = "portable" if portable_cpu(cmake_args) else cpu_signature()
-    compilers = compiler_versions(cmake_args)
+    compilers = " ".join(filter(None, (compiler_versions(cmake_args), apple_toolchain())))
     for part in (SDIST_SHA256, " ".join(cmake_args), sys.implementation.cache_tag, platform.machine(),
                  platform.system(), cpu, *([compilers] if compilers else [])):
         digest.update(part.encode() + b"\0")
@@ -248,7 +272,8 @@ def extract_pristine(sdist: Path) -> Path:
         shutil.rmtree(pristine, ignore_errors=True)
         pristine.mkdir(parents=True)
         with tarfile.open(sdist) as tar:
-            tar.extractall(pristine, filter="data")
+            # the archive's sha256 is pinned; the "data" filter where this Python has it (3.10.12+)
+            tar.extractall(pristine, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
         (pristine / ".complete").touch()
     return top
 
@@ -285,8 +310,9 @@ def patched_contents(pristine_llama: Path, log: Path) -> dict[str, bytes]:
                 if src.exists():
                     (scratch / rel).parent.mkdir(parents=True, exist_ok=True)
                     shutil.copy2(src, scratch / rel)
-            run_logged(["patch", "-p1", "--batch", "--forward", "--no-backup-if-mismatch", "-i", str(PATCH_DIFF)],
-                       log, "apply patch", cwd=scratch)
+            # options GNU patch and the BSD patch of macOS both take (-t batch, -N forward); a
+            # backup either may leave lies in this scratch folder, which only the patched files leave
+            run_logged(["patch", "-p1", "-t", "-N", "-i", str(PATCH_DIFF)], log, "apply patch", cwd=scratch)
             for rel in files_in_diff(diff_text):
                 contents[rel] = (scratch / rel).read_bytes()
     return contents
@@ -507,7 +533,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     backend.add_argument("--cuda", action="store_true", help="build the CUDA backend (-DGGML_CUDA=on)")
     parser.add_argument("--cuda-arch", default=CUDA_ARCHITECTURES, metavar="ARCHS",
                         help=f"CMAKE_CUDA_ARCHITECTURES for --cuda (default {CUDA_ARCHITECTURES!r})")
-    backend.add_argument("--metal", action="store_true", help="build the Metal backend (-DGGML_METAL=on)")
+    backend.add_argument("--metal", action="store_true",
+                         help="the Metal backend (macOS only; every macOS build has it: the sdist turns it on)")
     parser.add_argument("--cmake-arg", action="append", default=[], metavar="ARG",
                         help="extra llama.cpp CMake option, e.g. -DGGML_NATIVE=off (repeatable)")
     parser.add_argument("--jobs", type=int, default=min(os.cpu_count() or 2, 8), help="parallel compile jobs")
@@ -525,8 +552,10 @@ def cmake_args_for(args: argparse.Namespace) -> list[str]:
     cmake_args = list(BASE_CMAKE_ARGS)
     if args.cuda:
         cmake_args.extend(cuda_cmake_args(args.cuda_arch))
-    if args.metal:
-        cmake_args.append("-DGGML_METAL=on")
+    if args.metal and sys.platform != "darwin":
+        raise BuildError("options", "--metal builds ggml-metal, which needs macOS (Apple's Metal framework and SDK)")
+    # On macOS nothing to add: llama-cpp-python's CMakeLists forces GGML_METAL=ON on Apple whatever
+    # the options say, so an option here would only key a second cache entry for the same build.
     cmake_args.extend(args.cmake_arg)
     return cmake_args
 

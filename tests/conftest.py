@@ -18,7 +18,7 @@ import signal
 
 import pytest
 
-from dgcli.tiny import tiny_vocab, write_tiny_random_gguf
+from dgcli.testing.tiny import tiny_vocab, write_tiny_random_gguf
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("transformers") is not None
 NO_TORCH_REASON = "torch/transformers not installed (the Transformers reference needs them)"
@@ -30,6 +30,28 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
+# A test that takes one of these fixtures needs torch and transformers: it is a `reference` test.
+REFERENCE_FIXTURES = frozenset({"reference_model", "reference_checkpoint", "reference_gguf", "reference_ar_gguf"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by marker
+def pytest_collection_modifyitems(config, items) -> None:
+    """The markers (pyproject.toml) that follow from a test's fixtures, and the skips of `reference`
+    tests without torch and transformers and of `native` tests where the patched llama.cpp is not built."""
+    for item in items:
+        if REFERENCE_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.reference)
+        if not HAVE_TORCH and item.get_closest_marker("reference") is not None:
+            item.add_marker(pytest.mark.skip(reason=NO_TORCH_REASON))
+    native_items = [item for item in items if item.get_closest_marker("native") is not None]
+    if native_items:
+        from native_helpers import NATIVE_OK, NATIVE_REASON  # loads the library: only when a test needs it
+
+        if not NATIVE_OK:
+            for item in native_items:
+                item.add_marker(pytest.mark.skip(reason=f"native library unavailable: {NATIVE_REASON}"))
 
 
 def _require_reference() -> None:
@@ -57,7 +79,7 @@ def reference_model():
     _require_reference()
     import torch
 
-    from dgcli.reference import random_model, tiny_config
+    from dgcli.testing.reference import random_model, tiny_config
 
     torch.set_num_threads(1)
     return random_model(tiny_config(), seed=0)
@@ -65,7 +87,7 @@ def reference_model():
 
 @pytest.fixture(scope="session")
 def reference_checkpoint(reference_model, tmp_path_factory):
-    from dgcli.reference import save_checkpoint
+    from dgcli.testing.reference import save_checkpoint
 
     return save_checkpoint(reference_model, tmp_path_factory.mktemp("ckpt") / "google", config_form="google")
 

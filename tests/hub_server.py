@@ -26,6 +26,11 @@ class FakeHub:
 
     `interrupt_first_get_at`: the first full GET sends that many bytes, gives the client a second
     to read them, then sends SIGINT to the main thread (a Ctrl-C mid-download) and stops.
+
+    The model API's `GET /api/models/{repo}/revision/{rev}` lists a repo's files (`siblings` with
+    size and LFS sha256) and its commit; `listing` replaces that answer with any JSON value (a broken
+    or hostile hub). Revisions: `main` and the commit (`COMMIT`, or `commit` when set) exist, any
+    other is RevisionNotFound. `ignore_range` answers Range requests with the whole file (200).
     """
 
     def __init__(self):
@@ -41,6 +46,8 @@ class FakeHub:
         self.served: bytes | None = None
         self.lfs = True
         self.seconds_per_chunk = 0.0
+        self.listing = None
+        self.ignore_range = False
         hub_ref = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -50,13 +57,15 @@ class FakeHub:
                 pass
 
             def _lookup(self):
-                parts = self.path.split("?")[0].lstrip("/").split("/")
+                parts = urllib.parse.unquote(self.path.split("?")[0]).lstrip("/").split("/")
                 # org/name/resolve/rev/filename
                 if len(parts) < 5 or parts[2] != "resolve":
                     return None, None
                 repo, filename = "/".join(parts[:2]), "/".join(parts[4:])
                 if not any(r == repo for r, _ in hub_ref.files):
                     return "RepoNotFound", None
+                if parts[3] not in ("main", hub_ref.commit_id()):
+                    return "RevisionNotFound", None
                 data = hub_ref.files.get((repo, filename))
                 return ("EntryNotFound", None) if data is None else (None, data)
 
@@ -122,20 +131,48 @@ class FakeHub:
                     self.wfile.flush()
                     time.sleep(hub_ref.seconds_per_chunk)
 
+            def _model_info(self, parts: list[str]):
+                # api/models/org/name[/revision/rev]
+                repo = "/".join(parts[2:4])
+                if not any(r == repo for r, _ in hub_ref.files):
+                    return self._error("RepoNotFound")
+                if len(parts) == 6 and parts[5] not in ("main", hub_ref.commit_id()):
+                    return self._error("RevisionNotFound")
+                siblings = []
+                for (r, path), data in sorted(hub_ref.files.items()):
+                    if r != repo:
+                        continue
+                    entry = {"rfilename": path, "size": len(data),
+                             "blobId": hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()}
+                    if hub_ref.lfs:
+                        entry["lfs"] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
+                    siblings.append(entry)
+                doc = {"id": repo, "sha": hub_ref.commit_id(), "siblings": siblings}
+                payload = json.dumps(doc if hub_ref.listing is None else hub_ref.listing).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
             def do_GET(self):
                 rng = self.headers.get("Range")
                 hub_ref.requests.append(("GET", self.path, rng))
+                parts = urllib.parse.unquote(self.path.split("?")[0]).lstrip("/").split("/")
+                if parts[:2] == ["api", "models"] and (len(parts) == 4 or (len(parts) == 6 and parts[4] == "revision")):
+                    return self._model_info(parts)
                 err, data = self._lookup()
                 if err or data is None:
                     return self._error(err or "RepoNotFound")
                 headers_for = data
                 if hub_ref.served is not None:
                     data = hub_ref.served
-                if rng:
-                    start = int(rng.split("=")[1].split("-")[0])
-                    body = data[start:]
+                if rng and not hub_ref.ignore_range:
+                    first, _, last = rng.split("=")[1].partition("-")
+                    start, end = int(first), min(int(last) + 1 if last else len(data), len(data))
+                    body = data[start:end]
                     self._headers(headers_for, 206, len(body),
-                                  [("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")])
+                                  [("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")])
                     self._send(body)
                     return
                 if hub_ref.interrupt_first_get_at is not None and not hub_ref._cut_done:
@@ -161,6 +198,9 @@ class FakeHub:
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def commit_id(self) -> str:
+        return COMMIT if self.commit is None else self.commit
 
     def gets(self):
         """GET requests for files (huggingface-hub also GETs an API page or two of its own)."""

@@ -1,4 +1,4 @@
-"""Helpers shared by tests/test_native_*.py: the skip when the native build is missing, a GGUF
+"""Helpers shared by tests/test_native_*.py: the `native` marker (skipped when the build is missing), a GGUF
 rewriter that makes malformed copies of a good file, and a small file with a Q4_K_M file's types."""
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 
-from dgcli.engine import native
+from dgcli.runtime import native
 
 NATIVE_OK, NATIVE_REASON = native.available()
-requires_native = pytest.mark.skipif(not NATIVE_OK, reason=f"native library unavailable: {NATIVE_REASON}")
+# A test that loads the patched llama.cpp is marked `native`; conftest.py skips it where it is not built.
+requires_native = pytest.mark.native
 
 # Layers the parity and replay tests offload: 0 here; benchmarks/gpu_check.py sets -1 (all) on a GPU machine.
 GPU_LAYERS = int(os.environ.get("DG_TEST_GPU_LAYERS") or 0)
@@ -73,11 +74,45 @@ def rewrite_gguf(src: Path, dst: Path, *, drop_keys: tuple[str, ...] = (), set_k
     return dst
 
 
+def split_gguf(src: Path, out_dir: Path, prefix: str, n_parts: int) -> list[Path]:
+    """`src` split as llama-gguf-split splits a model: PREFIX-0000i-of-0000N.gguf, the first part with
+    every key, each part with `split.no`, `split.count`, `split.tensors.count` and its share of the tensors."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    arch = str(reader.fields["general.architecture"].contents())
+    tensors = list(reader.tensors)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(n_parts):
+        path = out_dir / f"{prefix}-{i + 1:05d}-of-{n_parts:05d}.gguf"
+        writer = gguf.GGUFWriter(str(path), arch)
+        if i == 0:
+            for name, fld in reader.fields.items():
+                if name.startswith("GGUF.") or name == "general.architecture":
+                    continue
+                vtype = gguf.GGUFValueType(fld.types[0])
+                sub = gguf.GGUFValueType(fld.types[1]) if vtype == gguf.GGUFValueType.ARRAY else None
+                writer.add_key_value(name, fld.contents(), vtype, sub_type=sub)
+        writer.add_key_value("split.no", i, gguf.GGUFValueType.UINT16)
+        writer.add_key_value("split.count", n_parts, gguf.GGUFValueType.UINT16)
+        writer.add_key_value("split.tensors.count", len(tensors), gguf.GGUFValueType.INT32)
+        for t in tensors[i::n_parts]:
+            data = np.array(t.data)
+            writer.add_tensor(t.name, data, raw_shape=list(data.shape), raw_dtype=gguf.GGMLQuantizationType(t.tensor_type))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        paths.append(path)
+    return paths
+
+
 def small_q4_k_m_gguf(path: Path, seed: int = 0) -> Path:
-    """A small random diffusion-gemma file with a Q4_K_M file's types (`dgcli.tiny.q4_k_m_type`): hidden
+    """A small random diffusion-gemma file with a Q4_K_M file's types (`dgcli.testing.tiny.q4_k_m_type`): hidden
     and expert widths of one 256-wide super-block, so its experts' gate+up are Q4_K and their down
     projections Q4_K (layer 0) or Q6_K (layer 1); 8 experts, top-2, a 16-token canvas."""
-    from dgcli.tiny import write_synthetic_gguf
+    from dgcli.testing.tiny import write_synthetic_gguf
 
     return write_synthetic_gguf(path, n_layer=2, vocab_size=512, hidden=256, outtype="q4_k_m", seed=seed,
                                 intermediate_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=64,

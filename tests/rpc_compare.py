@@ -13,8 +13,8 @@ import sys
 import numpy as np
 
 from dgcli.engine.diffusion import DiffusionEngine
-from dgcli.engine.model import DiffusionModel
-from dgcli.engine.types import DiffusionParams
+from dgcli.params import DiffusionParams
+from dgcli.runtime.model import DiffusionModel
 
 
 def forwards(model: DiffusionModel) -> list[np.ndarray]:

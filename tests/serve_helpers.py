@@ -15,18 +15,25 @@ from dgcli.server.process import START_TIMEOUT_S, STOP_TIMEOUT_S, ServeProcess  
 
 
 class InProcessServer:
-    """The Starlette app of dgcli.server.app on uvicorn, on a thread, for a given DgService."""
+    """The Starlette app of dgcli.server.app on uvicorn, on a thread, for a given DgService, with
+    dg serve's connection limits (dgcli.server.net; `limits` to shorten them)."""
 
-    def __init__(self, service: Any):
+    def __init__(self, service: Any, limits: Any = None):
         import uvicorn
 
         from dgcli.server.app import create_app
+        from dgcli.server.net import ConnectionGuard, ConnectionLimits, DgServer, guarded_protocol
 
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
-        self.root = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.port = self.sock.getsockname()[1]
+        self.root = f"http://127.0.0.1:{self.port}"
         self.url = self.root + "/v1"
-        self.server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning", lifespan="off"))
+        self.limits = limits or ConnectionLimits()
+        self.guard = ConnectionGuard(self.limits, service.log)
+        config = uvicorn.Config(create_app(service), log_level="warning", lifespan="off",
+                                timeout_keep_alive=self.limits.keep_alive_s, http=guarded_protocol(self.guard))
+        self.server = DgServer(config, service.log)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + START_TIMEOUT_S

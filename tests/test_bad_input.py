@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dgcli import cli
-from dgcli.commands import _shared as shared
+from dgcli.cli import _models
 
 runner = CliRunner()
 
@@ -29,7 +29,7 @@ def no_engine(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded for input that should have been refused")
     for seam in ("open_diffusion_engine", "open_ar_engine", "open_speed_model"):
-        monkeypatch.setattr(shared, seam, refuse)
+        monkeypatch.setattr(_models, seam, refuse)
 
 
 def test_prompt_that_is_not_utf8(tiny_gguf, no_engine):
@@ -58,9 +58,9 @@ def test_threads_and_gpu_layers_that_would_wrap_in_a_c_int(flag, value, tiny_ggu
 
 
 def test_library_refuses_them_too(tiny_gguf):
-    from dgcli.engine.model import DiffusionModel
     from dgcli.engine.rng import RngStream
-    from dgcli.engine.types import InvalidParameter
+    from dgcli.errors import InvalidParameter
+    from dgcli.runtime.model import DiffusionModel
 
     with pytest.raises(InvalidParameter, match="invalid threads"):
         DiffusionModel(tiny_gguf, n_threads=2**31)
@@ -134,6 +134,7 @@ def test_registry_that_is_a_folder(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["fifo", "/dev/zero"])
+@pytest.mark.subprocess
 def test_registry_that_is_not_a_regular_file_is_refused_at_once(kind, tmp_path):
     # DG_REGISTRY=a FIFO blocked every command (even `dg list`) for ever; /dev/zero was read until memory ran out
     import resource
@@ -161,6 +162,7 @@ def test_registry_that_is_not_a_regular_file_is_refused_at_once(kind, tmp_path):
     (0, ["generate"], 1, "error: empty prompt\n"),  # `dg generate <&-`: stdin was None, a traceback
     (1, ["list"], 0, ""),  # `dg list >&-`: stdout was None, a traceback while importing
 ])
+@pytest.mark.subprocess
 def test_a_closed_standard_stream_reads_as_dev_null(closed, args, code, stderr):
     import subprocess
     import sys
@@ -208,6 +210,7 @@ def _under_the_c_locale(*args, input: bytes = b""):
                           timeout=120)
 
 
+@pytest.mark.subprocess
 def test_utf8_arguments_are_taken_under_the_c_locale():
     # "the prompt from the command line is not UTF-8 text (byte 1)" for "héllo", a valid UTF-8 argument
     r = _under_the_c_locale("generate", "reverse: HÉLLO".encode(), "--system", "Sé brief".encode(), "-n", "8",
@@ -219,6 +222,7 @@ def test_utf8_arguments_are_taken_under_the_c_locale():
     assert (r.returncode, r.stderr) == (1, b"error: the --system text is not UTF-8 text (byte 2)\n")
 
 
+@pytest.mark.subprocess
 def test_non_ascii_output_under_the_c_locale_is_utf8():
     # compare's table caption says "÷": UnicodeEncodeError ('ascii' codec) and a traceback, piped
     r = _under_the_c_locale("compare", "reverse: HELLO", "--seed", "1", "--no-live")
@@ -229,6 +233,7 @@ def test_non_ascii_output_under_the_c_locale_is_utf8():
 @pytest.mark.parametrize("value", ["²", "0", "1000000000"])
 @pytest.mark.parametrize("args", [["list"], ["generate", "reverse: HELLO", "--seed", "1"],
                                   ["compare", "reverse: HELLO", "--seed", "1"], ["generate", "--help"]])
+@pytest.mark.subprocess
 def test_columns_and_lines_that_are_no_terminal_size_are_ignored(args, value):
     # COLUMNS=² ended every command in a traceback (ValueError from Rich's int()), before anything ran
     import resource

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from dgcli import bench
-from dgcli.engine.types import DgError, GenerationResult
+from dgcli.engine.types import GenerationResult
+from dgcli.errors import DgError
 from dgcli.registry import Registry
 
 
@@ -210,7 +211,7 @@ class _ClockedModel:
     """A diffusion model on a fake clock: a call costs its warm time, plus 100 when its shape differs
     from the previous call's (a graph rebuilt, as llama.cpp does between shapes)."""
 
-    canvas_length, vocab_size, n_seq_max = 4, 50, 2  # 50 tokens: dense self-conditioning
+    canvas_length, vocab_size, n_seq_max, n_embd = 4, 50, 2, 8  # the default: dense self-conditioning
     WARM = {"denoise_step": 3.0, "decode_canvas": 7.0, "decode_canvases": 1.0, "prefill": 0.5, "commit": 2.0}
 
     def __init__(self, graph_step: bool):
@@ -240,8 +241,9 @@ class _ClockedModel:
     def decode_canvases(self, canvases, sc_logits=None, sc_topk=None):
         self._call("decode_canvases", canvases.shape)
 
-    def denoise_step(self, canvases, temperatures, uniforms, sc_logits=None, sc_topk=None, top_k=0):
-        assert (sc_logits is None) != (sc_topk is None)  # a later step's self-conditioning input
+    def denoise_step(self, canvases, temperatures, uniforms, sc_topk=None, sc_soft=None, top_k=0, next_soft=False):
+        # a later step's self-conditioning input, and the next step's made in the same graph
+        assert (sc_topk is None) != (sc_soft is None) and bool(top_k) == (sc_topk is not None) != next_soft
         self._call("denoise_step", canvases.shape)
 
 

@@ -164,6 +164,7 @@ def test_compile_step_runs_in_its_own_group_in_this_session(tmp_path):
 
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+@pytest.mark.subprocess
 def test_terminated_build_stops_its_compilers_and_exits_128_plus_signal(tmp_path, signum, code):
     script = tmp_path / "run.py"
     script.write_text(f"""

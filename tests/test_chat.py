@@ -9,12 +9,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dgcli.engine import native
 from dgcli.engine.chat import ChatSession
-from dgcli.engine.types import DgError, DiffusionParams
-
-NATIVE, WHY_NOT = native.available()
-needs_native = pytest.mark.skipif(not NATIVE, reason=f"native layer unavailable: {WHY_NOT}")
+from dgcli.errors import DgError
+from dgcli.params import DiffusionParams
+needs_native = pytest.mark.native  # skipped where the patched llama.cpp is not built (conftest.py)
 PARAMS = DiffusionParams(max_denoising_steps=4)
 
 
@@ -211,7 +209,7 @@ def test_a_template_that_cannot_render_is_one_error_before_the_session(tmp_path,
     from typer.testing import CliRunner
 
     from dgcli import cli
-    from dgcli.tiny import write_tiny_random_gguf
+    from dgcli.testing.tiny import write_tiny_random_gguf
 
     path = write_tiny_random_gguf(tmp_path / "t.gguf", chat_template=template)
     r = CliRunner().invoke(cli.app, ["chat", "-m", str(path), "-n", "8"], input="hi\nhello\n")

@@ -12,10 +12,9 @@ import pytest
 
 pytest.importorskip("llama_cpp", reason="Jinja2ChatFormatter comes with llama-cpp-python (python native/build.py)")
 
-from dgcli.engine import native  # noqa: E402
-from dgcli.engine.chat_template import STRUCTURE, ChatTemplate, tokenize_chat  # noqa: E402
-from dgcli.engine.types import DgError  # noqa: E402
-from dgcli.tiny import CHAT_TEMPLATE, tiny_vocab, write_tiny_random_gguf  # noqa: E402
+from dgcli.errors import DgError  # noqa: E402
+from dgcli.templates.chat_template import STRUCTURE, ChatTemplate, tokenize_chat  # noqa: E402
+from dgcli.testing.tiny import CHAT_TEMPLATE, tiny_vocab, write_tiny_random_gguf  # noqa: E402
 
 VOCAB = tiny_vocab()
 TURN_OPEN, TURN_CLOSE = VOCAB.tokens.index("<|turn>"), VOCAB.tokens.index("<turn|>")
@@ -111,9 +110,9 @@ def test_template_errors_are_one_line_dg_errors():
         template("{% for %}").render(user("a"))
 
 
-@pytest.mark.skipif(not native.available()[0], reason="native layer unavailable: build it with python native/build.py")
+@pytest.mark.native
 def test_the_models_chat_prompt_keeps_user_control_text_literal(tmp_path):
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     path = write_tiny_random_gguf(tmp_path / "gemma4-like.gguf", chat_template=GEMMA4_LIKE)
     with DiffusionModel(path, n_threads=1) as model:

@@ -1,4 +1,5 @@
-"""The `dg` command line, driven for real (CliRunner and the installed console script).
+"""The `dg` command line, driven for real (CliRunner and the installed console script): generate,
+compare, bench, bad input (`dg list`, `info` and `pull`: test_cli_models.py).
 
 Generation tests run the real DiffusionEngine loop over a small numpy model with the step-level API
 (`ScriptedModel`), so they exercise the CLI's live view, plain streaming, JSON, trace and Ctrl-C
@@ -18,14 +19,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from typer.testing import CliRunner
 
-from dgcli import cli
-from dgcli.commands import _shared as shared
+from dgcli.cli import _errors, _models, _output
 from dgcli.engine.diffusion import DiffusionEngine
-from dgcli.engine.types import DiffusionParams, GenerationResult, TokenEvent
+from dgcli.engine.types import GenerationResult, TokenEvent
+from dgcli.params import DiffusionParams
 
-runner = CliRunner()
+from cli_helpers import assert_one_line_error, run
 
 ANSWER = "the answer is 8".split()
 
@@ -120,100 +120,12 @@ def scripted(monkeypatch):
             engine = DiffusionEngine(model)
             engine.close = model.close  # the CLI must close what it opened
             return engine
-        monkeypatch.setattr(shared, "open_diffusion_engine", open_engine)
-        monkeypatch.setattr(shared, "open_ar_engine", lambda path, threads=None, gpu_layers=0, **_: ScriptedAr())
-        monkeypatch.setattr(shared, "open_speed_model", lambda path, n, threads=None, gpu_layers=0, **_: ScriptedModel())
+        monkeypatch.setattr(_models, "open_diffusion_engine", open_engine)
+        monkeypatch.setattr(_models, "open_ar_engine", lambda path, threads=None, gpu_layers=0, **_: ScriptedAr())
+        monkeypatch.setattr(_models, "open_speed_model", lambda path, n, threads=None, gpu_layers=0, **_: ScriptedModel())
         return opened
 
     return factory
-
-
-def run(*args, input=None):
-    return runner.invoke(cli.app, [str(a) for a in args], input=input)
-
-
-def assert_one_line_error(result, *fragments):
-    assert result.exit_code != 0, result.stdout
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert "Traceback" not in result.stderr + result.stdout
-    for f in fragments:
-        assert f in lines[0], lines[0]
-
-
-# ------------------------------------------------------------------------------------------ list / info
-
-
-def test_list_shows_every_registry_entry_size_and_presence():
-    r = run("list")
-    assert r.exit_code == 0, r.stderr
-    rows = [[c.strip() for c in line.split("│")[1:-1]] for line in r.stdout.splitlines() if line.startswith("│")]
-    assert ["diffusiongemma-26b", "Q4_K_M *", "diffusion", "gemma4-26b", "~16.0 GB", "no"] in rows
-    assert ["diffusiongemma-26b", "Q8_0", "diffusion", "gemma4-26b", "~25.0 GB", "no"] in rows
-    assert ["gemma4-26b", "Q4_0 *", "ar", "diffusiongemma-26b", "~15.0 GB", "no"] in rows
-    assert {row[0] for row in rows} == {"demo", "demo-ar", "diffusiongemma-26b", "gemma4-26b"}
-    assert "unsloth/diffusiongemma-26B-A4B-it-GGUF" in r.stdout
-    rows = json.loads(run("list", "--json").stdout)["models"]
-    by_name = {(x["name"], x["quant"]): x for x in rows}
-    assert by_name[("diffusiongemma-26b", "Q4_K_M")]["default"] is True
-    assert by_name[("gemma4-26b", "Q4_0")]["pair"] == "diffusiongemma-26b"
-    assert by_name[("demo", None)]["on_disk"] is True and Path(by_name[("demo", None)]["path"]).exists()
-
-
-def test_list_piped_prints_its_footer_as_one_unwrapped_line():
-    # as the table's caption it was wrapped at the table's width, mid-sentence, and padded with spaces
-    r = run("list")
-    assert r.exit_code == 0, r.stderr
-    footer = r.stdout.splitlines()[-1]
-    assert footer.startswith("* default quant.  demo: shipped with dg;"), r.stdout
-    assert footer.endswith("`dg pull NAME[:QUANT]` downloads; --model takes NAME, NAME:QUANT or a .gguf path."), r.stdout
-
-
-def test_list_marks_downloaded_models(tmp_path, monkeypatch):
-    cache = tmp_path / "hub"
-    snap = cache / "models--unsloth--diffusiongemma-26B-A4B-it-GGUF" / "snapshots" / ("a" * 40)
-    snap.mkdir(parents=True)
-    (snap / "diffusiongemma-26B-A4B-it-Q8_0.gguf").write_bytes(b"GGUF" + b"\0" * 60)
-    (cache / "models--unsloth--diffusiongemma-26B-A4B-it-GGUF" / "refs").mkdir()
-    (cache / "models--unsloth--diffusiongemma-26B-A4B-it-GGUF" / "refs" / "main").write_text("a" * 40)
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    rows = {(x["name"], x["quant"]): x for x in json.loads(run("list", "--json").stdout)["models"]}
-    assert rows[("diffusiongemma-26b", "Q8_0")]["on_disk"] is True
-    assert rows[("diffusiongemma-26b", "Q8_0")]["size"] == 64
-    assert rows[("diffusiongemma-26b", "Q4_K_M")]["on_disk"] is False
-
-
-def test_info_table_and_json(tiny_gguf):
-    r = run("info", tiny_gguf)
-    assert r.exit_code == 0, r.stderr
-    for text in ("diffusion-gemma", "canvas length", "16", "sampler defaults", "max_denoising_steps",
-                 "entropy_bound", "tensor types", "F32", "context length", "4096", "memory"):
-        assert text in r.stdout
-    # the keys beyond the published converter's, which dg filled with the reference's defaults
-    assert "logit softcap" in r.stdout and "30  (reference default, added by dg)" in r.stdout
-    assert "added by dg" in r.stdout and "the six diffusion.eb_* keys" in r.stdout
-    assert "published converter leaves these keys out" in " ".join(r.stdout.split())
-    assert r.stdout.count("gguf: reference default") == 6
-    doc = json.loads(run("info", tiny_gguf, "--json").stdout)
-    assert doc["architecture"] == "diffusion-gemma" and doc["canvas_length"] == 16
-    assert doc["final_logit_softcapping"] == 30.0 and len(doc["reference_default_keys"]) == 7
-    assert doc["parameter_count"] == sum(t["parameters"] for t in doc["tensor_types"])
-    assert isinstance(doc["fits_ram"], bool) and doc["file_size"] == Path(tiny_gguf).stat().st_size
-
-
-def test_info_piped_rows_are_one_line_each_without_padding(tiny_gguf):
-    # the summary grid padded every row with spaces out to the width and wrapped the long ones
-    lines = run("info", tiny_gguf).stdout.splitlines()
-    summary = lines[:lines.index(next(line for line in lines if "sampler defaults" in line))]
-    assert [line.split("  ")[0] for line in summary[:2]] == ["file", "architecture"], summary
-    assert all(line == line.rstrip() for line in summary), summary
-    added = next(line for line in summary if line.startswith("added by dg  "))
-    assert added.endswith("(the published converter leaves these keys out)"), summary
-
-
-def test_info_of_a_registry_name_not_yet_downloaded(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
-    assert_one_line_error(run("info", "diffusiongemma-26b"), "not downloaded", "dg pull diffusiongemma-26b:Q4_K_M")
 
 
 # ------------------------------------------------------------------------------------------ bad input
@@ -247,7 +159,7 @@ def test_generate_refuses_a_non_diffusion_gguf(tiny_ar_gguf, scripted):
 def test_unknown_registry_name_and_quant():
     assert_one_line_error(run("generate", "hi", "-m", "llama"), "unknown model 'llama'", "diffusiongemma-26b")
     assert_one_line_error(run("generate", "hi", "-m", "diffusiongemma-26b:Q3_K"), "unknown quant 'Q3_K'", "Q8_0")
-    assert_one_line_error(run("pull", "gemma4-26b:Q9"), "unknown quant 'Q9'", "Q4_0")
+    assert_one_line_error(run("pull", "gemma4-26b:Q9"), "unknown quant 'Q9'", "Q4_K_M, Q5_K_M, Q6_K, Q8_0")
     assert_one_line_error(run("generate", "hi", "-m", "gemma4-26b"), "is an autoregressive model; this needs a diffusion model")
 
 
@@ -275,7 +187,7 @@ def test_invalid_sampler_values(flags, fragment, tiny_gguf, scripted):
 def test_prompt_longer_than_the_context(tiny_gguf, monkeypatch):
     def open_engine(path, threads=None, gpu_layers=0, **_):
         return DiffusionEngine(ScriptedModel(n_ctx=16))
-    monkeypatch.setattr(shared, "open_diffusion_engine", open_engine)
+    monkeypatch.setattr(_models, "open_diffusion_engine", open_engine)
     r = run("generate", "word " * 20, "-m", tiny_gguf, "--no-live")
     assert_one_line_error(r, "prompt is 21 tokens", "exceeds the context of 16 tokens")
 
@@ -364,7 +276,7 @@ def test_trace_file_holds_one_json_line_per_event(tiny_gguf, scripted, tmp_path)
 
 
 def test_failure_mid_run_leaves_no_trace_file(tiny_gguf, tmp_path, monkeypatch):
-    from dgcli.engine.types import DgError
+    from dgcli.errors import DgError
 
     class Failing(ScriptedModel):
         def decode_canvas(self, canvas, sc_logits=None):
@@ -372,7 +284,7 @@ def test_failure_mid_run_leaves_no_trace_file(tiny_gguf, tmp_path, monkeypatch):
                 raise DgError("decoder failed")
             return super().decode_canvas(canvas, sc_logits)
 
-    monkeypatch.setattr(shared, "open_diffusion_engine", lambda p, threads=None, gpu_layers=0, **_: DiffusionEngine(Failing(confident=False)))
+    monkeypatch.setattr(_models, "open_diffusion_engine", lambda p, threads=None, gpu_layers=0, **_: DiffusionEngine(Failing(confident=False)))
     trace = tmp_path / "t.jsonl"
     r = run("generate", "hi", "-m", tiny_gguf, "--trace", trace, "--no-live")
     assert r.exit_code == 1
@@ -394,7 +306,7 @@ def test_ctrl_c_prints_what_was_produced(tiny_gguf, scripted, tmp_path):
     scripted(confident=False, interrupt_at_step=4)
     trace = tmp_path / "t.jsonl"
     r = run("generate", "hi", "-m", tiny_gguf, "--no-live", "--steps", "3", "--trace", trace)
-    assert r.exit_code == shared.EXIT_INTERRUPTED
+    assert r.exit_code == _errors.EXIT_INTERRUPTED
     assert "interrupted" in r.stderr and "stop=interrupted" in r.stderr
     # The first canvas's text: the argmax words of its 8 positions (token ids 3..10).
     assert r.stdout.split() == ScriptedModel().words[3:3 + ScriptedModel.canvas_length]
@@ -422,6 +334,46 @@ def test_compare_table_and_speedup(tiny_gguf, tiny_ar_gguf, scripted):
     assert a["tokens_per_forward"] == 1.0 and d["tokens_per_forward"] > 1.0
     assert doc["speedup"] == pytest.approx(d["tokens_per_second"] / a["tokens_per_second"])
     assert doc["diffusion"]["peak_rss"] > 0 and doc["autoregressive"]["peak_rss"] > 0
+
+
+@pytest.fixture(scope="module")
+def q4_0_ar_gguf(tiny_ar_gguf, tmp_path_factory):
+    """The AR twin, declaring itself a Q4_0 file (general.file_type 2), as Google's QAT GGUF does."""
+    import gguf
+
+    from native_helpers import rewrite_gguf
+
+    return rewrite_gguf(tiny_ar_gguf, tmp_path_factory.mktemp("q4_0") / "ar-q4_0.gguf",
+                        set_keys={"general.file_type": (2, gguf.GGUFValueType.UINT32)})
+
+
+def test_compare_says_when_the_two_files_quantization_differs(tiny_gguf, tiny_ar_gguf, q4_0_ar_gguf, scripted):
+    scripted()
+    same = json.loads(run("compare", "hi", "-m", tiny_gguf, "--ar-model", tiny_ar_gguf, "--json").stdout)
+    assert same["quantization"] == {"diffusion": "F32", "autoregressive": "F32", "match": True}
+    r = run("compare", "hi", "-m", tiny_gguf, "--ar-model", tiny_ar_gguf, "--no-live")
+    assert "quantization" in r.stdout and "differs" not in r.stdout
+    doc = json.loads(run("compare", "hi", "-m", tiny_gguf, "--ar-model", q4_0_ar_gguf, "--json").stdout)
+    assert doc["quantization"] == {"diffusion": "F32", "autoregressive": "Q4_0", "match": False}
+    r = run("compare", "hi", "-m", tiny_gguf, "--ar-model", q4_0_ar_gguf, "--no-live")
+    assert r.exit_code == 0, r.stderr
+    row = next(line for line in r.stdout.splitlines() if line.startswith("│ quantization"))
+    assert [c.strip() for c in row.split("│")[1:-1]] == ["quantization", "F32", "Q4_0"]
+    assert "quantization differs: diffusion F32, AR Q4_0" in " ".join(r.stdout.split())
+
+
+def test_bench_says_when_the_two_files_quantization_differs(tiny_gguf, tiny_ar_gguf, q4_0_ar_gguf, scripted):
+    scripted()
+    args = ("bench", "-m", tiny_gguf, "--repeat", "1", "--no-speed-model", "-n", "4")
+    doc = json.loads(run(*args, "--ar-model", q4_0_ar_gguf, "--json").stdout)
+    assert doc["config"]["quantization"] == {"diffusion": "F32", "autoregressive": "Q4_0", "match": False}
+    assert doc["notes"][0].startswith("quantization differs: diffusion F32, AR Q4_0")
+    r = run(*args, "--ar-model", q4_0_ar_gguf)
+    assert r.exit_code == 0, r.stderr
+    assert "diffusion:" in r.stdout and "(F32 vs Q4_0)" in r.stdout
+    assert "quantization differs: diffusion F32, AR Q4_0" in " ".join(r.stdout.split())
+    doc = json.loads(run(*args, "--ar-model", tiny_ar_gguf, "--json").stdout)
+    assert doc["config"]["quantization"]["match"] is True and not any("quantization" in n for n in doc["notes"])
 
 
 def test_compare_needs_an_ar_side_for_a_path_model(tiny_gguf, scripted):
@@ -454,7 +406,7 @@ def test_bench_json_and_tables(tiny_gguf, tiny_ar_gguf, scripted, tmp_path, monk
     assert doc["speed_model"] is None
     from rich.console import Console
 
-    monkeypatch.setattr(shared, "stdout", Console(highlight=False, width=80))
+    monkeypatch.setattr(_output, "stdout", Console(highlight=False, width=80))
     table = run("bench", "-m", tiny_gguf, "--ar-model", tiny_ar_gguf, "--prompts", prompts, "--repeat", "2")
     assert table.exit_code == 0, table.stderr
     for col in ("prompt", "diffusion", "AR", "speedup", "steps/canvas", "tokens/forward", "answer tokens"):
@@ -500,7 +452,9 @@ def test_tables_piped_have_their_title_and_caption_on_lines_of_their_own(tiny_gg
     lines = r.stdout.splitlines()
     for title in ("diffusion sampler per prompt", "speed model: one canvas step vs one decode step", "batch sweep"):
         assert title in lines, r.stdout
-    assert "tokens/forward: answer tokens per decoder forward (AR: 1.00); answer tokens: diffusion/AR" in lines
+    # the caption names the self-conditioning form the runs fed back
+    assert ("tokens/forward: answer tokens per decoder forward (AR: 1.00); answer tokens: diffusion/AR; "
+            "self-conditioning: dense") in lines
     sweep = next(line for line in lines if "canvas, decode: one step of `batch` canvases" in line)
     assert sweep.endswith("@16 steps: the implied speedup without the commit pass"), r.stdout
     info = run("info", tiny_gguf).stdout.splitlines()
@@ -566,7 +520,7 @@ def test_bench_batch_sweep_uses_multi_sequence_forward(tiny_gguf, tiny_ar_gguf, 
         loaded.append(MultiSeqModel(n))
         return loaded[-1]
 
-    monkeypatch.setattr(shared, "open_speed_model", open_speed)
+    monkeypatch.setattr(_models, "open_speed_model", open_speed)
     r = run("bench", "-m", tiny_gguf, "--ar-model", tiny_ar_gguf, "--repeat", "1", "--batch-sizes", "1,4",
             "--max-new-tokens", "8", "--json")
     assert r.exit_code == 0, r.stderr
@@ -603,104 +557,6 @@ def test_serve_without_its_extra_names_the_install_that_works(monkeypatch):
     assert_one_line_error(r, "dg serve needs its optional dependencies", "pip install -e '.[serve]'")
     assert "dgcli[serve]" not in r.stderr
 
-# ------------------------------------------------------------------------------------------ pull
-
-
-def test_pull_through_fake_hub_then_list_shows_it(tmp_path, monkeypatch, fake_hub):
-    fake_hub.files[("org/tiny-GGUF", "tiny-Q8_0.gguf")] = b"GGUF" + bytes(2000)
-    reg = tmp_path / "models.toml"
-    reg.write_text('[models.tiny]\nrole = "diffusion"\nrepo = "org/tiny-GGUF"\n'
-                   '[models.tiny.files]\nQ8_0 = { file = "tiny-Q8_0.gguf", size_gb = 0.001 }\n')
-    monkeypatch.setenv("DG_REGISTRY", str(reg))
-    r = run("pull", "tiny")
-    assert r.exit_code == 0, r.stderr
-    path = Path(r.stdout.strip().split(": ", 1)[1])
-    assert path.read_bytes() == fake_hub.files[("org/tiny-GGUF", "tiny-Q8_0.gguf")]
-    assert "already downloaded" in run("pull", "tiny:Q8_0").stdout
-    rows = json.loads(run("list", "--json").stdout)["models"]
-    assert rows[0]["on_disk"] is True and rows[0]["size"] == 2004
-    assert_one_line_error(run("pull", str(path)), "is a path")
-
-
-def test_pull_missing_file_and_offline(tmp_path, monkeypatch, fake_hub):
-    reg = tmp_path / "models.toml"
-    reg.write_text('[models.tiny]\nrole = "ar"\nrepo = "org/tiny-GGUF"\n[models.tiny.files]\nQ8_0 = { file = "x.gguf" }\n')
-    monkeypatch.setenv("DG_REGISTRY", str(reg))
-    fake_hub.files[("org/tiny-GGUF", "other.gguf")] = b"GGUF"
-    assert_one_line_error(run("pull", "tiny"), "file x.gguf not found in org/tiny-GGUF")
-    from hub_server import closed_port
-
-    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed_port()}")
-    assert_one_line_error(run("pull", "tiny"), "cannot reach the Hugging Face Hub")
-
-
-LONG_FILE = "diffusiongemma-26B-A4B-it-Q4_K_M.gguf"  # the registry's longest file name
-
-
-def _pull_with_fake_download(tmp_path, monkeypatch, download, file: str = LONG_FILE):
-    from dgcli import hub
-
-    reg = tmp_path / "models.toml"
-    reg.write_text(f'[models.big]\nrole = "diffusion"\nrepo = "org/big-GGUF"\n'
-                   f'[models.big.files]\nQ4_K_M = {{ file = "{file}", size_gb = 16 }}\n')
-    monkeypatch.setenv("DG_REGISTRY", str(reg))
-    monkeypatch.setattr(hub, "download", download)
-    return run("pull", "big")
-
-
-def test_pull_waiting_for_another_pull_is_one_line_when_piped(tmp_path, monkeypatch):
-    # the wait line went through Rich at 80 columns: "... waiting \nfor it to finish" in a log
-    done = tmp_path / "done.gguf"
-    done.write_bytes(b"GGUF")
-
-    def download(repo, filename, *, on_wait=None, **_):
-        on_wait(f"another download of {filename} is running; waiting for it to finish")
-        return done
-
-    r = _pull_with_fake_download(tmp_path, monkeypatch, download)
-    assert r.exit_code == 0, r.stderr
-    assert f"another download of {LONG_FILE} is running; waiting for it to finish\n" in r.stderr, r.stderr
-
-
-@pytest.mark.parametrize("columns", [80, 40])
-def test_pull_progress_bars_fit_the_width(tmp_path, monkeypatch, columns):
-    # at 80 columns a 16 GB file's bar wrapped its unit onto a line of its own ("16.0/16.0" / "GB")
-    done = tmp_path / "done.gguf"
-    done.write_bytes(b"GGUF")
-    total = 16 * 10**9
-
-    def download(repo, filename, *, on_progress=None, on_verify=None, **_):
-        on_progress(total // 2, total)
-        on_progress(total, total)
-        on_verify(total, total)
-        return done
-
-    monkeypatch.setenv("COLUMNS", str(columns))
-    r = _pull_with_fake_download(tmp_path, monkeypatch, download)
-    assert r.exit_code == 0, r.stderr
-    lines = [line for line in r.stderr.splitlines() if line.strip()]
-    assert len(lines) == 2, r.stderr  # one line per bar: the transfer and the sha256 pass
-    assert all(len(line.rstrip()) <= columns for line in lines), r.stderr
-    assert all("16.0/16.0 GB" in line for line in lines), r.stderr
-    assert lines[1].startswith("sha256 check"), r.stderr
-
-
-def test_pull_progress_bar_shows_a_file_name_as_text(tmp_path, monkeypatch):
-    # the bar's name column read the registry's file name as Rich markup: "[/x]" ended the pull in a
-    # MarkupError, "[b]" vanished
-    done = tmp_path / "done.gguf"
-    done.write_bytes(b"GGUF")
-
-    def download(repo, filename, *, on_progress=None, **_):
-        on_progress(10, 10)
-        return done
-
-    monkeypatch.setenv("COLUMNS", "120")
-    r = _pull_with_fake_download(tmp_path, monkeypatch, download, file="m[/x][b]-Q4_K_M.gguf")
-    assert r.exit_code == 0, (r.stderr, r.exception)
-    assert "m[/x][b]-Q4_K_M.gguf" in r.stderr, r.stderr
-
-
 # ------------------------------------------------------------------------------------------ console script
 
 
@@ -714,6 +570,7 @@ def _dg() -> str:
     return found
 
 
+@pytest.mark.subprocess
 def test_installed_console_script_info_and_errors(tiny_gguf, tmp_path):
     dg = _dg()
     env = dict(os.environ, COLUMNS="120")
@@ -732,6 +589,7 @@ def test_installed_console_script_info_and_errors(tiny_gguf, tmp_path):
 
 
 @pytest.mark.parametrize("columns", ["abc", "0", "-5", ""])
+@pytest.mark.subprocess
 def test_a_columns_variable_that_is_no_width_is_ignored_when_piped(columns):
     """Piped, dg sizes its tables from COLUMNS: a value that is not a positive integer was a ValueError
     traceback before any command ran (even `dg --version`), or a width of 0 or less that printed

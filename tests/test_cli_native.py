@@ -17,13 +17,10 @@ import pytest
 from typer.testing import CliRunner
 
 from dgcli import cli
-from dgcli.commands import _shared as shared
+from dgcli.cli import _models
 
-from dgcli.engine import native
-
-NATIVE, WHY_NOT = native.available()
 AR_ENGINE = importlib.util.find_spec("dgcli.engine.autoregressive") is not None
-pytestmark = pytest.mark.skipif(not NATIVE, reason=f"native layer unavailable: {WHY_NOT}")
+pytestmark = pytest.mark.native
 needs_ar = pytest.mark.skipif(not AR_ENGINE, reason="dgcli.engine.autoregressive not available yet")
 
 runner = CliRunner()
@@ -49,6 +46,7 @@ def test_generate_json_on_a_random_model_commits_one_token_per_step(tiny_gguf, t
         assert res["steps_per_canvas"] == [8] * len(res["steps_per_canvas"])
 
 
+@pytest.mark.subprocess
 def test_generate_plain_through_the_console_script(tiny_gguf):
     exe = Path(sys.executable).parent / "dg"
     if not exe.exists():
@@ -70,7 +68,7 @@ def test_prompt_longer_than_context_with_the_real_model(tiny_gguf, monkeypatch):
         opened.append(DiffusionEngine(str(p), n_threads=1, n_ctx=64))
         return opened[-1]
 
-    monkeypatch.setattr(shared, "open_diffusion_engine", open_small_context)
+    monkeypatch.setattr(_models, "open_diffusion_engine", open_small_context)
     r = dg("generate", "word " * 200, "-m", tiny_gguf)
     n_ctx = opened[0].model.n_ctx
     assert n_ctx < 600

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from dgcli import cli, render
-from dgcli.commands import _shared as shared
+from dgcli import cli
+from dgcli.cli import _display, _models, _output, _terminal, render
 from dgcli.engine.diffusion import DiffusionEngine
+from dgcli.engine.thinking import split_thinking
 from dgcli.engine.types import CanvasEvent, GenerationResult, StepEvent, TokenEvent
 
 WORDS = {0: "<pad>", 1: "<eos>", 5: "The", 6: " cat", 7: " sat", 8: "\n", 9: "zz"}
@@ -145,7 +146,7 @@ def test_display_redraws_a_slow_forward_every_second_and_a_fast_one_never():
     view = render.DiffusionLiveView(piece, detok, end_token_ids=[1])
     live = _RecordingLive(view)
     # slow: the engine computes 3.3 s before its first event
-    with shared.DiffusionDisplay(None, live=True, thinking="show", live_obj=live, view=view) as display:
+    with _display.DiffusionDisplay(None, live=True, thinking="show", live_obj=live, view=view) as display:
         time.sleep(3.3)
         ticks = [status for thread, status in live.redraws if thread == "dg-busy-ticker"]
         display.on_event(step([5, 6, 9, 9], [True, False, False, False], step=1))
@@ -155,7 +156,7 @@ def test_display_redraws_a_slow_forward_every_second_and_a_fast_one_never():
     # fast: events every 0.1 s for 1.5 s, the ticker never redraws
     view, live.redraws = render.DiffusionLiveView(piece, detok, end_token_ids=[1]), []
     live.view = view
-    with shared.DiffusionDisplay(None, live=True, thinking="show", live_obj=live, view=view) as display:
+    with _display.DiffusionDisplay(None, live=True, thinking="show", live_obj=live, view=view) as display:
         for i in range(15):
             time.sleep(0.1)
             display.on_event(step([5, 6, 9, 9], [True, False, False, False], step=i + 1))
@@ -168,12 +169,12 @@ def test_display_says_a_ctrl_c_waits_for_the_forward(monkeypatch):
     forward returns (tens of seconds on a CPU), so the ticker says the work stops after it."""
     import time
 
-    from dgcli.commands import _signals
+    from dgcli.cli import _signals
 
     view = render.DiffusionLiveView(piece, detok, end_token_ids=[1])
     live = _RecordingLive(view)
     monkeypatch.setattr(_signals, "interrupt_pending", lambda: True)
-    with shared.DiffusionDisplay(None, live=True, thinking="show", live_obj=live, view=view):
+    with _display.DiffusionDisplay(None, live=True, thinking="show", live_obj=live, view=view):
         time.sleep(2.3)
     ticks = [status for thread, status in live.redraws if thread == "dg-busy-ticker"]
     assert ticks and ticks[-1].endswith("working 2 s, stopping after this forward (Ctrl-C again: now)"), ticks
@@ -181,9 +182,9 @@ def test_display_says_a_ctrl_c_waits_for_the_forward(monkeypatch):
 
 def test_split_thinking():
     t = "<|channel>thought\nadd 3 and 5<channel|>The answer is 8."
-    assert render.split_thinking(t) == ("add 3 and 5", "The answer is 8.")
-    assert render.split_thinking("plain answer") == (None, "plain answer")
-    assert render.split_thinking("<|channel>thought\nstill thinking") == ("still thinking", "")
+    assert split_thinking(t) == ("add 3 and 5", "The answer is 8.")
+    assert split_thinking("plain answer") == (None, "plain answer")
+    assert split_thinking("<|channel>thought\nstill thinking") == ("still thinking", "")
     assert render.answer_plain(t, "hide") == "The answer is 8."
     assert render.answer_plain(t, "show") == "[thinking] add 3 and 5\n[answer] The answer is 8."
     shown = to_text(render.answer_renderable(t, "show"))
@@ -291,10 +292,10 @@ def test_generate_live_view_on_a_terminal(tiny_gguf, monkeypatch):
     from test_cli import ScriptedModel
 
     buf = io.StringIO()
-    monkeypatch.setattr(shared, "stdout", Console(file=buf, force_terminal=True, width=100, color_system=None))
-    monkeypatch.setattr(shared, "stderr", Console(file=io.StringIO(), force_terminal=True, width=100))
-    monkeypatch.setattr(shared, "open_diffusion_engine", lambda p, threads=None, gpu_layers=0, **_: DiffusionEngine(ScriptedModel()))
-    monkeypatch.setattr(shared.Throttle, "ready", lambda self, force=False: True)  # render every step
+    monkeypatch.setattr(_output, "stdout", Console(file=buf, force_terminal=True, width=100, color_system=None))
+    monkeypatch.setattr(_output, "stderr", Console(file=io.StringIO(), force_terminal=True, width=100))
+    monkeypatch.setattr(_models, "open_diffusion_engine", lambda p, threads=None, gpu_layers=0, **_: DiffusionEngine(ScriptedModel()))
+    monkeypatch.setattr(_terminal.Throttle, "ready", lambda self, force=False: True)  # render every step
     from typer.testing import CliRunner
 
     r = CliRunner().invoke(cli.app, ["generate", "what is 3+5", "-m", str(tiny_gguf), "--seed", "0"])

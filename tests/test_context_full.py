@@ -17,7 +17,7 @@ runner = CliRunner()
 def test_diffusion_keeps_every_canvas_that_fit(tiny_gguf):
     # seed 0: the random model writes no end token before its 256-token context (llama.cpp's minimum) fills
     from dgcli.engine.diffusion import DiffusionEngine
-    from dgcli.engine.types import DiffusionParams
+    from dgcli.params import DiffusionParams
 
     with DiffusionEngine(tiny_gguf, n_threads=1, n_ctx=64) as engine:
         n_ctx, canvas = engine.model.n_ctx, engine.model.canvas_length

@@ -13,9 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dgcli import cli
-from conftest import HAVE_TORCH, NO_TORCH_REASON
-
-pytestmark = pytest.mark.skipif(not HAVE_TORCH, reason=NO_TORCH_REASON)
+pytestmark = pytest.mark.reference  # skipped without torch and transformers (conftest.py)
 runner = CliRunner()
 
 
@@ -173,6 +171,7 @@ def test_malformed_checkpoint_is_one_line(case, reference_checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize("limit", [20_000, 1_000_000, -1000])
+@pytest.mark.subprocess
 def test_a_failed_write_is_one_line_saying_why_and_leaves_nothing(reference_checkpoint, reference_gguf, tmp_path,
                                                                    limit):
     import os

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from dgcli.engine.autoregressive import AutoregressiveEngine
-from dgcli.engine.types import DgError, InvalidParameter, TokenEvent
+from dgcli.engine.types import TokenEvent
+from dgcli.errors import DgError, InvalidParameter
 
 VOCAB, EOS = 10, 1
 

@@ -8,7 +8,9 @@ import pytest
 from dgcli.engine.diffusion import DiffusionEngine
 from dgcli.engine.rng import RngStream
 from dgcli.engine.sampler import NumpyStepSampler, count_valid_tokens, schedule_temperature
-from dgcli.engine.types import CanvasEvent, DgError, DiffusionParams, InvalidParameter, StepEvent
+from dgcli.engine.types import CanvasEvent, StepEvent
+from dgcli.errors import DgError, InvalidParameter
+from dgcli.params import DiffusionParams
 
 VOCAB, CANVAS, EOS, PAD = 12, 4, 1, 0
 
@@ -104,6 +106,15 @@ def test_max_new_tokens_sets_the_number_of_canvases_and_cuts_the_answer():
     assert result.n_new_tokens == 5 and result.tokens_per_forward == pytest.approx(5 / result.decoder_forwards)
     assert [e.token_ids for e in events if isinstance(e, CanvasEvent)] == [[5, 6, 7, 8], [5]]
     assert result.stop_reason == "length"
+
+
+def test_ignore_eos_runs_past_end_tokens_and_pad_canvases_to_max_new_tokens():
+    model = ScriptedModel([[5, EOS, 6, 7], [0, 0, 0, 0], [8, 9, EOS, 4]])
+    result = make_engine(model).generate([2], max_new_tokens=10, seed=0, ignore_eos=True)
+    # the end token is an answer token; the canvas of pads adds nothing but does not stop it
+    assert result.token_ids == [5, EOS, 6, 7, 8, 9, EOS, 4]
+    assert result.stop_reason == "length" and len(result.steps_per_canvas) == 3
+    assert make_engine(ScriptedModel([[5, EOS, 6, 7]])).generate([2], max_new_tokens=10, seed=0).token_ids == [5]
 
 
 def test_pads_are_not_answer_tokens_and_a_canvas_of_pads_ends_the_generation():
@@ -253,10 +264,14 @@ def test_the_numpy_sampler_is_used_when_asked():
 
 
 def test_self_cond_top_k_setting_resolves_to_dense_or_a_width():
-    from dgcli.engine.diffusion import resolve_self_cond_top_k
+    from dgcli.runtime.self_cond import DEFAULT_SC_TOP_K, resolve_self_cond_top_k
 
-    assert resolve_self_cond_top_k(None, 4096) == 0  # small vocabulary: the reference's dense form
-    assert resolve_self_cond_top_k(None, 262144) == 64
+    # the default at every vocabulary size: the reference's dense form (chosen by measurement: docs/design.md)
+    assert DEFAULT_SC_TOP_K == 0
+    assert resolve_self_cond_top_k(None, 4096) == 0
+    assert resolve_self_cond_top_k(None, 262144) == 0
+    assert resolve_self_cond_top_k(None, 262144, exact=True) == 0  # exact mode: always the reference's form
+    assert resolve_self_cond_top_k(64, 262144, exact=True) == 64  # an explicit width is honoured
     assert resolve_self_cond_top_k("dense", 262144) == 0
     assert resolve_self_cond_top_k(0, 262144) == 0
     assert resolve_self_cond_top_k(8, 262144) == 8
@@ -299,10 +314,22 @@ def test_top_k_self_conditioning_feeds_the_samplers_top_k_and_reports_the_droppe
 def test_dense_self_conditioning_reports_no_dropped_mass():
     model = ScriptedModel([[5, 6, 7, 8]], flat=True)
     events = []
-    make_engine(model).generate([2], params=DiffusionParams(max_denoising_steps=3), max_new_tokens=4, seed=0,
-                                on_event=events.append)
+    result = make_engine(model).generate([2], params=DiffusionParams(max_denoising_steps=3), max_new_tokens=4,
+                                         seed=0, on_event=events.append)
     assert not model.topk_log
     assert all(e.sc_dropped_mass == 0.0 for e in events if isinstance(e, StepEvent))
+    assert result.self_conditioning == "dense" and result.to_json()["self_conditioning"] == "dense"
+
+
+def test_the_result_records_the_self_conditioning_form():
+    model = ScriptedModel([[5, 6, 7, 8]], flat=True)
+    result = DiffusionEngine(model, sampler="numpy", self_cond_top_k=3).generate(
+        [2], params=DiffusionParams(max_denoising_steps=2), max_new_tokens=4, seed=0)
+    assert result.self_conditioning == "top-3"
+    # a per-call setting overrides the engine's
+    result = DiffusionEngine(model, sampler="numpy", self_cond_top_k=3).generate(
+        [2], params=DiffusionParams(max_denoising_steps=2), max_new_tokens=4, seed=0, self_cond_top_k=0)
+    assert result.self_conditioning == "dense"
 
 
 def test_the_chat_template_and_tokenizer_are_not_generation_time():

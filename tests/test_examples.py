@@ -15,7 +15,7 @@ from native_helpers import requires_native
 
 REPO = Path(__file__).resolve().parents[1]
 
-pytestmark = requires_native
+pytestmark = [requires_native, pytest.mark.subprocess]
 
 
 def run_example(script: str, out: Path, *args: str) -> subprocess.CompletedProcess:

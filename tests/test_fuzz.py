@@ -15,14 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from dgcli.engine import native
-
 REPO = Path(__file__).resolve().parent.parent
-NATIVE, WHY_NOT = native.available()
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not NATIVE, reason=f"native layer unavailable: {WHY_NOT}")
+@pytest.mark.subprocess
+@pytest.mark.native
 @pytest.mark.parametrize("seed", [1])
 def test_seeded_fuzz_subset_has_no_crash_hang_memory_or_traceback(tmp_path, seed):
     out = tmp_path / "runs.json"

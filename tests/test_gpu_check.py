@@ -42,6 +42,7 @@ def test_each_step_saves_the_table_so_far(tmp_path):
     assert doc["failed"] == ["two"] and doc["rows"][-1]["value"] == "RuntimeError"
 
 
+@pytest.mark.subprocess
 def test_sigterm_mid_check_writes_the_table_and_stops_the_writers(tmp_path):
     """The device tool's time limit arrives as SIGTERM: the check unwinds, kills its GGUF writers,
     removes their files and writes the table with a 'stopped' row, exit 143."""
@@ -71,7 +72,7 @@ def test_sigterm_mid_check_writes_the_table_and_stops_the_writers(tmp_path):
 def test_the_sampler_rate_says_which_seconds_it_divides_by(tiny_gguf, tmp_path, monkeypatch):
     # the row read "tok/s (one canvas, prefill + steps + commit)" beside "N tokens in total_s", but the
     # rate leaves the prefill out: over the seconds the note gave, the figure was too high
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     monkeypatch.setattr(gpu_check, "CANVAS", 16)
     check = gpu_check.Check(out=tmp_path, budget_s=60)

@@ -22,7 +22,7 @@ import pytest
 from native_helpers import GPU_LOGIT_TOL, requires_gpu
 from test_native_model import DEFAULT_TOL, PROMPT, _maxdiff, _run_native, scenario, vocab_size  # noqa: F401
 
-pytestmark = requires_gpu
+pytestmark = [requires_gpu, pytest.mark.native, pytest.mark.reference]
 
 GPU_TOL = GPU_LOGIT_TOL
 ARGMAX_AGREEMENT = 0.97
@@ -44,7 +44,7 @@ def _offloaded_everything(model) -> None:
 
 
 def test_offloaded_exact_mode_matches_cpu_exact_and_reference(reference_gguf, scenario):  # noqa: F811
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     with DiffusionModel(reference_gguf, n_threads=2, exact=True, n_ctx=256, n_ubatch=16, n_gpu_layers=-1) as gpu:
         _offloaded_everything(gpu)
@@ -58,7 +58,7 @@ def test_offloaded_exact_mode_matches_cpu_exact_and_reference(reference_gguf, sc
 
 def test_offloaded_default_mode_matches_reference(reference_gguf, scenario):  # noqa: F811
     """Default mode on the GPU: flash attention with an F16 cache, table-free GELU."""
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     with DiffusionModel(reference_gguf, n_threads=2, n_ctx=256, n_gpu_layers=-1) as gpu:
         _offloaded_everything(gpu)
@@ -68,8 +68,8 @@ def test_offloaded_default_mode_matches_reference(reference_gguf, scenario):  # 
 
 
 def test_offloaded_ar_twin_matches_reference(reference_ar_gguf, reference_model):
-    from dgcli.engine.model import ArModel
-    from dgcli.reference import reference_causal_logits
+    from dgcli.runtime.model import ArModel
+    from dgcli.testing.reference import reference_causal_logits
 
     ref = reference_causal_logits(reference_model, PROMPT)
     with ArModel(reference_ar_gguf, n_threads=2, n_ctx=128, n_gpu_layers=-1) as ar:
@@ -82,7 +82,7 @@ def test_offloaded_ar_twin_matches_reference(reference_ar_gguf, reference_model)
 def test_partial_offload_keeps_experts_in_ram_and_agrees(reference_gguf, scenario):  # noqa: F811
     """--n-cpu-moe 3: the first three layers' experts in CPU buffers, everything else on the GPU, the
     same logits as full offload within the GPU budget."""
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     with DiffusionModel(reference_gguf, n_threads=2, exact=True, n_ctx=256, n_ubatch=16, n_gpu_layers=-1,
                         n_cpu_moe=3) as part:
@@ -104,8 +104,8 @@ def test_self_conditioning_rows_are_gathered_on_the_gpu(reference_gguf, monkeypa
     GPU every step (176 MiB on a real canvas, 40% of an H200's step): no split input may be that big."""
     import re
 
-    from dgcli.engine import native
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime import native
+    from dgcli.runtime.model import DiffusionModel
 
     monkeypatch.setenv("GGML_SCHED_DEBUG", "1")  # the scheduler lists its splits and their inputs
     with DiffusionModel(reference_gguf, n_threads=2, n_ctx=256, n_gpu_layers=-1) as gpu:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dgcli import hub
-from dgcli.engine.types import DgError
+from dgcli.errors import DgError
 
 from hub_server import closed_port  # the fake_hub fixture lives in conftest.py
 

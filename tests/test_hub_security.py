@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from dgcli import hub
-from dgcli.engine.types import DgError
+from dgcli.errors import DgError
 
 REPO, NAME = "org/model-GGUF", "m.gguf"
 PAYLOAD = bytes(range(256)) * 4096  # 1 MiB
@@ -125,6 +125,7 @@ print(path)
 """
 
 
+@pytest.mark.subprocess
 def test_two_pulls_of_one_file_take_turns(served, tmp_path):
     big = bytes(range(256)) * 4096 * 4  # 4 MiB, served slowly so that the pulls overlap
     served.files[(REPO, NAME)] = big

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from dgcli import info
-from dgcli.engine.types import ModelLoadError
-from dgcli.tiny import write_tiny_random_gguf
+from dgcli.errors import ModelLoadError
+from dgcli.modelfile import info
+from dgcli.testing.tiny import write_tiny_random_gguf
 
 
 @pytest.fixture(scope="module")
@@ -179,9 +179,9 @@ def test_ram_need_counts_the_repacked_copies_of_cpu_q8_0_and_q5_0_weights(tmp_pa
 
     import gguf
 
-    from dgcli.engine.header import read_header
-    from dgcli.info import GpuMemory
-    from dgcli.tiny import q5_0_type
+    from dgcli.modelfile.header import read_header
+    from dgcli.modelfile.info import GpuMemory
+    from dgcli.testing.tiny import q5_0_type
 
     storage = {"q8_0": {"outtype": "q8_0"}, "q5_0": {"storage": q5_0_type}}[weights]
     path = write_tiny_random_gguf(tmp_path / f"{weights}.gguf", seed=6, **storage)
@@ -220,3 +220,42 @@ def test_ram_need_counts_the_repacked_copies_of_cpu_q8_0_and_q5_0_weights(tmp_pa
     # an F32 model: nothing to repack
     f32 = read_header(write_tiny_random_gguf(tmp_path / "f32.gguf", seed=6))
     assert info.repacked_bytes(f32, info.header_plan(f32, 0, 0, [])[0]) == 0
+
+
+def test_a_split_model_is_read_whole_from_its_first_part(tmp_path, tiny_models):
+    """llama-gguf-split's parts: the first holds the keys, each its share of the tensors; llama.cpp loads
+    the first and finds the others beside it. dg read only the first, found the other tensors missing
+    and refused the model."""
+    from native_helpers import split_gguf
+
+    diff = tiny_models[0]
+    parts = split_gguf(diff, tmp_path / "split", "m-BF16", n_parts=3)
+    whole, split = info.read_info(diff), info.read_info(parts[0])
+    assert split.problem is None and split.tensor_count == whole.tensor_count
+    assert split.parameter_count == whole.parameter_count and split.tensor_types == whole.tensor_types
+    assert split.file_size == sum(p.stat().st_size for p in parts)
+    info.check_architecture(parts[0], diffusion=True, command="generate")
+    with pytest.raises(ModelLoadError, match="pass the first part, named PREFIX-00001-of-00003.gguf"):
+        info.read_info(parts[1])
+    parts[2].unlink()
+    with pytest.raises(ModelLoadError, match="a part of the split model is missing: .*m-BF16-00003-of-00003.gguf"):
+        info.read_info(parts[0])
+
+
+def test_a_header_is_read_from_the_first_bytes_of_a_file(tiny_models):
+    """What dg info reads of a file on the Hub (dgcli.remote_gguf): the header from a prefix of the file,
+    "more" while it goes on past the bytes given, the same header as the whole file's once they hold it."""
+    from dgcli.modelfile.header import HeaderGoesOn, parse_header_prefix, read_header
+
+    diff = Path(tiny_models[0])
+    data, size = diff.read_bytes(), diff.stat().st_size
+    whole = read_header(diff)
+    for n in (0, 3, 100, whole.data_offset - 1):
+        with pytest.raises(HeaderGoesOn):
+            parse_header_prefix(data[:n], size, "org/m/m.gguf")
+    got = parse_header_prefix(data[:whole.data_offset], size, "org/m/m.gguf")
+    assert got.tensors == whole.tensors and got.metadata == whole.metadata and got.file_size == size
+    with pytest.raises(ModelLoadError, match="not a GGUF file \\(bad magic b'<htm'\\): org/m/m.gguf"):
+        parse_header_prefix(b"<html>" + data[6:100], size, "org/m/m.gguf")
+    with pytest.raises(ModelLoadError, match="truncated"):  # the header cannot fit in the file's size
+        parse_header_prefix(data[:whole.data_offset], whole.data_offset, "org/m/m.gguf")

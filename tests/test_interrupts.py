@@ -18,7 +18,7 @@ pytestmark = requires_native
 @contextmanager
 def sigint_from_the_log_callback(when: str):
     """Send SIGINT to this process from inside llama.cpp's log callback, on the first line containing `when`."""
-    from dgcli.engine import native
+    from dgcli.runtime import native
 
     L = native.lib()
     sent = []
@@ -40,7 +40,7 @@ def sigint_from_the_log_callback(when: str):
 def test_ctrl_c_inside_a_forward_raises_when_the_forward_returns(tiny_gguf):
     import numpy as np
 
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     with DiffusionModel(tiny_gguf, n_threads=1, n_ctx=128) as m:
         m.prefill(m.chat_prompt("hi"))
@@ -55,7 +55,7 @@ def test_ctrl_c_inside_a_forward_raises_when_the_forward_returns(tiny_gguf):
 
 def test_ctrl_c_during_generation_returns_what_was_produced(tiny_gguf):
     from dgcli.engine.diffusion import DiffusionEngine
-    from dgcli.engine.types import DiffusionParams
+    from dgcli.params import DiffusionParams
 
     with DiffusionEngine(tiny_gguf, n_threads=1, n_ctx=256) as engine:
         with sigint_from_the_log_callback("set_causal_attn") as sent:
@@ -65,7 +65,7 @@ def test_ctrl_c_during_generation_returns_what_was_produced(tiny_gguf):
 
 
 def test_ctrl_c_while_loading_frees_the_model_and_raises(tiny_gguf):
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     with sigint_from_the_log_callback("llama_model_loader") as sent:
         with pytest.raises(KeyboardInterrupt):
@@ -74,7 +74,7 @@ def test_ctrl_c_while_loading_frees_the_model_and_raises(tiny_gguf):
 
 
 def test_a_handler_the_application_installed_is_left_alone(tiny_gguf):
-    from dgcli.engine import native
+    from dgcli.runtime import native
 
     seen = []
     previous = signal.signal(signal.SIGINT, lambda *a: seen.append(True))

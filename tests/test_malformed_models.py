@@ -21,12 +21,12 @@ from pathlib import Path
 import gguf
 import pytest
 
-from dgcli import info
-from dgcli.engine import header as header_mod
-from dgcli.engine.header import read_header
-from dgcli.engine.hparams import BadHyperparameter, check_model_header
-from dgcli.engine.template_sandbox import ChatTemplateError, render_chat_template
-from dgcli.engine.types import DiffusionParams, InvalidParameter, ModelLoadError
+from dgcli.errors import InvalidParameter, ModelLoadError
+from dgcli.modelfile import header as header_mod, info
+from dgcli.modelfile.header import read_header
+from dgcli.modelfile.hparams import BadHyperparameter, check_model_header
+from dgcli.params import DiffusionParams
+from dgcli.templates.sandbox import ChatTemplateError, render_chat_template
 from native_helpers import requires_native, rewrite_gguf
 
 REPO = Path(__file__).resolve().parent.parent
@@ -131,6 +131,7 @@ END_TO_END = ["rope dims 0 (loops for ever)", "bos outside the vocabulary", "500
 
 @requires_native
 @pytest.mark.parametrize("name", END_TO_END)
+@pytest.mark.subprocess
 def test_reproducer_through_the_cli_is_one_line(reproducers, name, tiny_gguf):
     key = next(r[3] for r in REPRODUCERS if r[0] == name)
     path = str(reproducers[name])
@@ -145,7 +146,7 @@ def test_reproducer_through_the_cli_is_one_line(reproducers, name, tiny_gguf):
 
 _LOAD_ONLY = """
 import sys
-from dgcli.engine import native
+from dgcli.runtime import native
 L = native.lib()
 native.clear_log()
 model = L.llama_model_load_from_file(sys.argv[1].encode(), L.llama_model_default_params())
@@ -162,6 +163,7 @@ CPP_REFUSES = ["value_length != head size on the full layer", "value_length_swa 
 
 @requires_native
 @pytest.mark.parametrize("name", CPP_REFUSES)
+@pytest.mark.subprocess
 def test_cpp_loader_refuses_what_it_can_see(reproducers, name):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, "-c", _LOAD_ONLY, str(reproducers[name])], capture_output=True, text=True,
@@ -264,7 +266,7 @@ def test_a_header_of_too_many_tiny_keys_is_refused_before_they_are_read(tmp_path
 
 
 def test_info_keeps_no_vocabulary_in_memory(tmp_path):
-    from dgcli.tiny import write_synthetic_gguf
+    from dgcli.testing.tiny import write_synthetic_gguf
 
     path = write_synthetic_gguf(tmp_path / "big-vocab.gguf", n_layer=1, vocab_size=65536, hidden=64, outtype="f32")
     header_mod.clear_cache()
@@ -274,15 +276,15 @@ def test_info_keeps_no_vocabulary_in_memory(tmp_path):
 
 
 def test_header_is_parsed_once_for_info_preflight_params_and_load(tiny_gguf, monkeypatch):
-    from dgcli.commands import _shared as shared
+    from dgcli.cli import _models, _options
 
     calls = []
     real = header_mod._parse_file
     monkeypatch.setattr(header_mod, "_parse_file", lambda *a: calls.append(a) or real(*a))
     monkeypatch.setattr(gguf, "GGUFReader", None)  # the slow reader is not used at all
     header_mod.clear_cache()
-    shared.preflight(Path(tiny_gguf), diffusion=True, command="generate", gpu_layers=0)
-    shared.diffusion_params(Path(tiny_gguf))
+    _models.preflight(Path(tiny_gguf), diffusion=True, command="generate", gpu_layers=0)
+    _options.diffusion_params(Path(tiny_gguf))
     info.read_info(tiny_gguf)
     check_model_header(read_header(tiny_gguf))
     assert len(calls) == 1
@@ -345,7 +347,7 @@ def test_a_normal_template_renders_as_before(tiny_vocab_obj):
 
 
 def test_the_renderer_outlives_a_runaway_and_one_process_serves_many_renders():
-    from dgcli.engine import template_sandbox
+    from dgcli.templates import sandbox as template_sandbox
 
     with pytest.raises(ChatTemplateError):
         render_chat_template("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
@@ -359,6 +361,7 @@ def test_the_renderer_outlives_a_runaway_and_one_process_serves_many_renders():
     assert template_sandbox._worker is worker  # the same child, not one per render
 
 
+@pytest.mark.subprocess
 def test_the_renderer_finds_llama_cpp_installed_only_on_pythonpath(tmp_path):
     """dg's dependencies installed with `pip install --target` and found through PYTHONPATH (how the GPU
     check's machine gets them): the child runs with `-I`, which ignores PYTHONPATH, and it had ended
@@ -371,7 +374,7 @@ def test_the_renderer_finds_llama_cpp_installed_only_on_pythonpath(tmp_path):
     python = bare / "bin" / "python"
     assert subprocess.run([str(python), "-c", "import llama_cpp"], capture_output=True).returncode != 0
     repo = Path(__file__).resolve().parents[1]
-    code = ("from dgcli.engine.template_sandbox import render_chat_template\n"
+    code = ("from dgcli.templates.sandbox import render_chat_template\n"
             "print(render_chat_template('{{ bos_token }}{{ messages[0][\"content\"] }}', "
             "messages=[{'role': 'user', 'content': 'hi'}], bos_token='<bos>'))")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo), *site.getsitepackages()]))
@@ -384,7 +387,7 @@ def test_the_renderer_finds_llama_cpp_installed_only_on_pythonpath(tmp_path):
 
 def test_bench_prompts_must_be_a_regular_file_of_bounded_size(tmp_path):
     from dgcli.bench import MAX_PROMPT_FILE_BYTES, load_prompts
-    from dgcli.engine.types import DgError
+    from dgcli.errors import DgError
 
     with pytest.raises(DgError, match="not a regular file"):
         load_prompts("/dev/zero")
@@ -404,6 +407,7 @@ def test_bench_prompts_must_be_a_regular_file_of_bounded_size(tmp_path):
     assert load_prompts(ok)[0].text == "sort: QWERTY"
 
 
+@pytest.mark.subprocess
 def test_bench_prompts_fifo_through_the_cli_returns(tmp_path):
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
@@ -418,6 +422,7 @@ def test_bench_prompts_fifo_through_the_cli_returns(tmp_path):
 ESCAPES = "\x1b]0;pwned\x07\x1b[2J"
 
 
+@pytest.mark.subprocess
 def test_a_key_name_with_an_escape_sequence_is_quoted_harmlessly_in_the_error(tmp_path):
     # click strips CSI sequences from a pipe but not OSC (window title), and neither on a terminal
     def string(b: bytes) -> bytes:
@@ -433,6 +438,7 @@ def test_a_key_name_with_an_escape_sequence_is_quoted_harmlessly_in_the_error(tm
         assert not any(c in proc.stderr for c in "\x1b\x07"), repr(proc.stderr)
 
 
+@pytest.mark.subprocess
 def test_info_shows_a_name_with_an_escape_sequence_harmlessly(tiny_gguf, tmp_path):
     path = rewrite_gguf(tiny_gguf, tmp_path / "named.gguf", set_keys={"general.name": (ESCAPES + "evil", V.STRING)})
     proc = _dg("info", str(path))
@@ -457,6 +463,7 @@ def test_a_token_id_of_the_wrong_type_reads_as_one_sentence(tiny_gguf, tmp_path)
 
 @pytest.mark.parametrize("name,qtype", [("blk.0.attn_norm.weight", "F16"), ("self_cond_pre_norm.weight", "Q8_0"),
                                         ("blk.0.layer_output_scale.weight", "F16"), ("rope_freqs.weight", "F16")])
+@pytest.mark.subprocess
 def test_a_vector_tensor_not_in_f32_is_refused(tiny_gguf, tmp_path, name, qtype):
     import numpy as np
     from gguf import quants
@@ -501,6 +508,7 @@ def test_a_vector_tensor_not_in_f32_is_refused(tiny_gguf, tmp_path, name, qtype)
     # optional in llama.cpp's stock gemma4 loader: a gemma4 file without them is complete
     ("gemma4", ("blk.1.layer_output_scale.weight", "blk.0.ffn_down_exps.scale", "blk.0.attn_v.weight"), None),
 ])
+@pytest.mark.subprocess
 def test_info_names_the_tensors_an_incomplete_file_lacks(tiny_gguf, tiny_ar_gguf, tmp_path, arch, dropped, named):
     # dg info showed no problem for a GGUF without some of its tensors; only the load failed
     src = tiny_gguf if arch == D else tiny_ar_gguf

@@ -28,7 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _lib():
-    from dgcli.engine import native
+    from dgcli.runtime import native
 
     return native.lib()._lib
 
@@ -105,10 +105,10 @@ def test_repacked_layouts_are_about_the_files_size():
 
 
 def test_memory_plan_counts_the_repacked_layouts_growth():
-    """`dg info` and the pre-load check (dgcli.info, no native library there) count the repacked experts'
+    """`dg info` and the pre-load check (dgcli.modelfile.info, no native library there) count the repacked experts'
     growth over the file with the AVX2 layouts' sizes, the larger of the two families: the same bytes the
     native layout takes on AVX2, and no fewer than on AVX-512 VNNI."""
-    from dgcli.info import REPACKED_EXPERT_GROWTH
+    from dgcli.modelfile.info import REPACKED_EXPERT_GROWTH
 
     lib = _lib()
     n_in, n_out, n_expert = 2816, 1408, 128
@@ -132,7 +132,7 @@ def test_memory_plan_counts_the_repacked_layouts_growth():
 
 _KERNELS_SCRIPT = """
 import json
-from dgcli.engine import native
+from dgcli.runtime import native
 lib = native.lib()._lib
 print(json.dumps({"experts": lib.dg_expert_repack_kernel(), "dense": lib.dg_dense_kernel()}))
 """
@@ -167,8 +167,8 @@ _EXPERT_NODES = ("ffn_moe_gate_up-0", "ffn_moe_down_scaled-0")
 _MODEL_SCRIPT = """
 import ctypes, json, os, sys
 import numpy as np
-from dgcli.engine import native
-from dgcli.engine.model import DiffusionModel
+from dgcli.runtime import native
+from dgcli.runtime.model import DiffusionModel
 
 folder = os.path.dirname(native.lib()._lib._name)
 base = ctypes.CDLL(os.path.join(folder, "libggml-base.so"))
@@ -207,7 +207,7 @@ def _run_model(path, env: dict[str, str], threads: int) -> dict:
 
 
 def _model(tmp_path, weights: str):
-    from dgcli.tiny import write_tiny_random_gguf
+    from dgcli.testing.tiny import write_tiny_random_gguf
 
     if weights == "q4_k_m":  # Q4_K gate+up; down Q4_K (layer 0) and Q6_K (layer 1)
         return small_q4_k_m_gguf(tmp_path / "q4_k_m.gguf", seed=3)

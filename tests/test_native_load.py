@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dgcli.engine.types import DgError, DiffusionParams, InvalidParameter, ModelLoadError
+from dgcli.errors import DgError, InvalidParameter, ModelLoadError
+from dgcli.params import DiffusionParams
 from native_helpers import requires_native, rewrite_gguf
 
 pytestmark = requires_native
@@ -14,14 +15,14 @@ pytestmark = requires_native
 
 @pytest.fixture(scope="module")
 def tiny_model(tiny_gguf):
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     with DiffusionModel(tiny_gguf, n_threads=2, n_ctx=128) as m:
         yield m
 
 
 def _load(path, cls_name="DiffusionModel"):
-    from dgcli.engine import model
+    from dgcli.runtime import model
 
     return getattr(model, cls_name)(path, n_threads=1, n_ctx=64)
 
@@ -90,7 +91,7 @@ def test_prefill_decode_shapes_and_errors(tiny_model):
 
 
 def test_stock_gemma4_still_loads(tiny_ar_gguf):
-    from dgcli.engine.model import ArModel
+    from dgcli.runtime.model import ArModel
 
     with ArModel(tiny_ar_gguf, n_threads=1, n_ctx=64) as ar:
         logits = ar.prefill([2, 40, 41])
@@ -146,7 +147,7 @@ def test_misshaped_tensor_refused(tiny_gguf, tmp_path):
 
 
 def test_model_without_sliding_layers_refused(tmp_path):
-    from dgcli.tiny import write_tiny_random_gguf
+    from dgcli.testing.tiny import write_tiny_random_gguf
 
     path = write_tiny_random_gguf(tmp_path / "all-full.gguf", layer_types=["full_attention"] * 6)
     assert "sliding" in _refused(path)
@@ -155,7 +156,7 @@ def test_model_without_sliding_layers_refused(tmp_path):
 def test_default_threads_is_one_for_tiny_files_and_all_cores_for_big_ones(tmp_path):
     import os
 
-    from dgcli.engine.model import SINGLE_THREAD_BELOW_BYTES, default_threads
+    from dgcli.runtime.cpu import SINGLE_THREAD_BELOW_BYTES, default_threads
 
     small = tmp_path / "small.gguf"
     small.write_bytes(b"\0" * 1024)
@@ -171,7 +172,7 @@ def test_thinking_channel_markers_survive_detokenizing(tiny_gguf, tmp_path):
     while other control tokens are still dropped."""
     import gguf
 
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
     from native_helpers import rewrite_gguf
 
     fields = gguf.GGUFReader(str(tiny_gguf)).fields
@@ -189,18 +190,19 @@ def test_thinking_channel_markers_survive_detokenizing(tiny_gguf, tmp_path):
     assert text == "<|channel>thought<channel|>hi"
 
 
+@pytest.mark.subprocess
 def test_gemma4_without_a_sliding_layer_is_refused_not_aborted(tmp_path):
     """Stock gemma4 asserts (a process abort) on a file whose layers are all full-attention; the AR
     model refuses it first. Run in a subprocess: on the old code the abort would take pytest down."""
     import subprocess
     import sys
 
-    from dgcli.tiny import write_tiny_random_gguf
+    from dgcli.testing.tiny import write_tiny_random_gguf
 
     path = write_tiny_random_gguf(tmp_path / "full.gguf", arch="gemma4", num_hidden_layers=2,
                                   layer_types=["full_attention", "full_attention"])
-    code = ("from dgcli.engine.model import ArModel\n"
-            "from dgcli.engine.types import ModelLoadError\n"
+    code = ("from dgcli.runtime.model import ArModel\n"
+            "from dgcli.errors import ModelLoadError\n"
             f"try:\n    ArModel({str(path)!r}, n_threads=1, n_ctx=64)\n"
             "except ModelLoadError as err:\n    print('refused:', err)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

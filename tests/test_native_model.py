@@ -1,6 +1,6 @@
 """The native diffusion-gemma architecture against the Transformers reference.
 
-Tiny random model (dgcli.reference: every tensor randomized, encoder and decoder layer scalars
+Tiny random model (dgcli.testing.reference: every tensor randomized, encoder and decoder layer scalars
 different, norms / router scale / per-expert scale away from 1): 6 layers (4 sliding with window 8,
 2 full with their own head dim and V = K), 4 experts top-2, canvas 16.
 
@@ -30,7 +30,7 @@ import pytest
 
 from native_helpers import requires_native
 
-pytestmark = requires_native
+pytestmark = [requires_native, pytest.mark.reference]
 
 EXACT_TOL = 1e-4
 # (max, mean) of |diff|: F16 rounding is amplified unevenly by the random tiny model
@@ -64,7 +64,7 @@ def vocab_size(reference_model):
 
 @pytest.fixture(scope="module")
 def exact_model(reference_gguf):
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     with DiffusionModel(reference_gguf, n_threads=2, exact=True, n_ctx=256, n_ubatch=16) as m:
         yield m
@@ -74,7 +74,7 @@ def exact_model(reference_gguf):
 def scenario(reference_model, vocab_size):
     """Reference logits for: canvas A after the prompt (no self-conditioning), canvas A with given
     previous logits, and canvas B after committing canvas A (second canvas)."""
-    from dgcli.reference import ReferenceRunner
+    from dgcli.testing.reference import ReferenceRunner
 
     canvas_a, canvas_b = _canvas(1, vocab_size), _canvas(2, vocab_size)
     sc = _sc_logits(3, len(canvas_a), vocab_size)
@@ -106,7 +106,7 @@ def test_exact_mode_matches_reference(exact_model, scenario):
 
 
 def test_default_mode_matches_reference_loosely(reference_gguf, scenario):
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     with DiffusionModel(reference_gguf, n_threads=2, n_ctx=256) as m:
         got = _run_native(m, scenario)
@@ -121,7 +121,7 @@ def test_tolerance_discriminates(exact_model, reference_model, scenario, vocab_s
     """Plausible mistakes land far outside EXACT_TOL: the encoder scalar used in one decoder layer,
     a context shifted by one token, a sliding layer seeing one cached token too many, no
     self-conditioning."""
-    from dgcli.reference import ReferenceRunner
+    from dgcli.testing.reference import ReferenceRunner
 
     got = _run_native(exact_model, scenario)
 
@@ -154,8 +154,8 @@ def test_tolerance_discriminates(exact_model, reference_model, scenario, vocab_s
 def test_sliding_window_boundary(reference_model, reference_gguf, vocab_size):
     """Contexts of W-1, W, W+1 and 2W+3 tokens: every canvas query must see the same last W-1 cached
     tokens on sliding layers (llama.cpp's per-query SWA mask would show later queries fewer)."""
-    from dgcli.engine.model import DiffusionModel
-    from dgcli.reference import ReferenceRunner
+    from dgcli.runtime.model import DiffusionModel
+    from dgcli.testing.reference import ReferenceRunner
 
     window = reference_model.config.get_text_config().sliding_window
     canvas = _canvas(7, vocab_size)
@@ -193,7 +193,7 @@ def test_decode_leaves_cache_unchanged(exact_model, scenario):
 def test_many_decodes_do_not_evict_needed_window(exact_model, scenario, reference_model, vocab_size):
     """Sliding-window cells displaced by canvases must be ones no later query can see: after many
     decode/commit rounds in a small SWA cache the logits still match the reference."""
-    from dgcli.reference import ReferenceRunner
+    from dgcli.testing.reference import ReferenceRunner
 
     m = exact_model
     m.reset()
@@ -210,7 +210,7 @@ def test_many_decodes_do_not_evict_needed_window(exact_model, scenario, referenc
 
 
 def test_batched_canvases_equal_single(reference_gguf, scenario):
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     s = scenario
     with DiffusionModel(reference_gguf, n_threads=2, exact=True, n_ctx=256, n_seq_max=2) as m:
@@ -228,8 +228,8 @@ def test_a_multi_canvas_forward_needs_room_for_every_canvas(tiny_gguf):
     check counted one canvas, so a forward that did not fit ended in llama.cpp's "failed to find a
     memory slot" (bench: "batch 16 skipped: decoder forward failed (status 1)"); it is a
     ContextFull now, and a model opened for n canvases gets their room on top of the default context."""
-    from dgcli.engine.model import DiffusionModel
-    from dgcli.engine.types import ContextFull
+    from dgcli.errors import ContextFull
+    from dgcli.runtime.model import DiffusionModel
 
     with DiffusionModel(tiny_gguf, n_threads=1, n_ctx=64, n_seq_max=4) as m:
         C = m.canvas_length
@@ -247,7 +247,7 @@ def test_a_multi_canvas_forward_needs_room_for_every_canvas(tiny_gguf):
 
 
 def test_encoder_logits_match_reference_causal(exact_model, reference_model):
-    from dgcli.reference import reference_causal_logits
+    from dgcli.testing.reference import reference_causal_logits
 
     ref = reference_causal_logits(reference_model, PROMPT)
     exact_model.reset()
@@ -256,8 +256,8 @@ def test_encoder_logits_match_reference_causal(exact_model, reference_model):
 
 
 def test_ar_twin_matches_reference_encoder(reference_ar_gguf, reference_model):
-    from dgcli.engine.model import ArModel
-    from dgcli.reference import reference_causal_logits
+    from dgcli.runtime.model import ArModel
+    from dgcli.testing.reference import reference_causal_logits
 
     ref = reference_causal_logits(reference_model, PROMPT)
     with ArModel(reference_ar_gguf, n_threads=2, n_ctx=128) as ar:
@@ -275,7 +275,7 @@ def test_ar_twin_matches_reference_encoder(reference_ar_gguf, reference_model):
 @pytest.mark.parametrize("outtype,tol", [("f16", F16_TOL), ("q8_0", Q8_TOL)])
 def test_quantized_files_load_and_agree(outtype, tol, reference_checkpoint, scenario, tmp_path, monkeypatch):
     from dgcli.convert import convert_checkpoint
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     path = convert_checkpoint(reference_checkpoint, tmp_path / f"ref-{outtype}.gguf", outtype)
     # llama.cpp's AMX Q8_0 kernel (CPU repack buffers) crashes on the tiny model's 64-wide rows,
@@ -314,7 +314,7 @@ def _reference_with_soft(reference_model, canvas, soft: np.ndarray) -> np.ndarra
     """The reference decoder with its soft embeddings replaced by `soft` [C, hidden] (it has no sparse input)."""
     import torch
 
-    from dgcli.reference import ReferenceRunner
+    from dgcli.testing.reference import ReferenceRunner
 
     ref = ReferenceRunner(reference_model)
     ref.prefill(PROMPT)
@@ -392,7 +392,7 @@ def test_graph_is_rebuilt_when_the_top_k_width_changes(exact_model, scenario, vo
 
 
 def test_bad_top_k_input_is_refused(exact_model, scenario, vocab_size):
-    from dgcli.engine.types import DgError
+    from dgcli.errors import DgError
 
     canvas = scenario["canvas_a"]
     ids = np.zeros((len(canvas), 4), np.int32)
@@ -402,5 +402,5 @@ def test_bad_top_k_input_is_refused(exact_model, scenario, vocab_size):
     for bad in ((ids + vocab_size, probs), (ids, -probs), (ids[:, :2], probs), (ids[:-1], probs[:-1])):
         with pytest.raises(DgError, match="sc_topk"):
             exact_model.decode_canvas(canvas, sc_topk=bad)
-    with pytest.raises(DgError, match="not both"):
+    with pytest.raises(DgError, match="one self-conditioning input"):
         exact_model.decode_canvas(canvas, scenario["sc"], sc_topk=(ids, probs))

@@ -11,8 +11,8 @@ pytestmark = requires_native
 
 
 def test_profiler_times_every_node_only_while_enabled(tiny_gguf):
-    from dgcli.engine.model import DiffusionModel
-    from dgcli.engine.profile import NodeProfiler
+    from dgcli.runtime.model import DiffusionModel
+    from dgcli.runtime.profile import NodeProfiler
 
     profiler = NodeProfiler()
     with DiffusionModel(tiny_gguf, n_threads=1, n_ctx=128, eval_callback=profiler.eval_callback) as m:
@@ -38,7 +38,7 @@ def test_profiler_times_every_node_only_while_enabled(tiny_gguf):
 
 
 def test_peaks_are_measured_and_named():
-    from dgcli.engine import native
+    from dgcli.runtime import native
 
     for kind in (native.PEAK_INT8, native.PEAK_BF16, native.PEAK_F32, native.PEAK_INT8_AVX2):
         rate, name = native.peak_gmacs(kind, 0.05)
@@ -65,9 +65,9 @@ def test_step_profile_counts_the_repacked_experts_and_the_k_quant_head(tmp_path,
     n_embd x vocabulary per canvas token."""
     import pytest
 
-    from dgcli.engine import native
-    from dgcli.engine.model import DiffusionModel
-    from dgcli.engine.profile import NodeProfiler
+    from dgcli.runtime import native
+    from dgcli.runtime.model import DiffusionModel
+    from dgcli.runtime.profile import NodeProfiler
 
     if not native.lib()._lib.dg_expert_buffer_type(1):
         pytest.skip("this CPU lacks AVX2: no dg kernel family")
@@ -103,7 +103,7 @@ def test_step_profile_counts_the_repacked_experts_and_the_k_quant_head(tmp_path,
 def test_step_profile_predicts_the_real_depth_from_the_layer_nodes():
     """The real model's step from a shallow file's profile: a layer's nodes (named name-<layer>) scaled
     by real / profiled layers, the others (LM head, the sampler's op) once; the floor the same way."""
-    from dgcli.engine.profile import NodeTime
+    from dgcli.runtime.profile import NodeTime
 
     sp = _step_profile()
     zero = ((0, 0, 0, 0),) * 4

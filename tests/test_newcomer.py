@@ -13,21 +13,19 @@ import re
 import shlex
 import shutil
 import subprocess
-import tomllib
+import sys
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from dgcli import cli, render
-from dgcli.commands import _shared as shared
-from dgcli.engine import native
+from dgcli import cli, registry
+from dgcli.cli import _terminal, render
 from dgcli.engine.types import GenerationResult
-from dgcli.tiny import write_tiny_random_gguf
+from dgcli.testing.tiny import write_tiny_random_gguf
 
 REPO = Path(__file__).resolve().parents[1]
-NATIVE, WHY_NOT = native.available()
-needs_native = pytest.mark.skipif(not NATIVE, reason=f"native layer unavailable: {WHY_NOT}")
+needs_native = pytest.mark.native  # skipped where the patched llama.cpp is not built (conftest.py)
 runner = CliRunner()
 
 
@@ -120,16 +118,16 @@ def test_a_run_without_a_seed_reports_the_seed_that_reproduces_it():
 def test_pace_holds_each_step_on_screen(monkeypatch):
     clock = {"now": 100.0}
     slept = []
-    monkeypatch.setattr(shared.time, "monotonic", lambda: clock["now"])
-    monkeypatch.setattr(shared.time, "sleep", lambda s: (slept.append(round(s, 6)), clock.update(now=clock["now"] + s)))
-    pacer = shared.Pacer(0.3)
+    monkeypatch.setattr(_terminal.time, "monotonic", lambda: clock["now"])
+    monkeypatch.setattr(_terminal.time, "sleep", lambda s: (slept.append(round(s, 6)), clock.update(now=clock["now"] + s)))
+    pacer = _terminal.Pacer(0.3)
     pacer.wait()  # the first step shows at once
     clock["now"] += 0.05  # the next step took 0.05 s to compute
     pacer.wait()
     clock["now"] += 0.5  # a slow step is not held longer
     pacer.wait()
     assert slept == [0.25]
-    shared.Pacer(0).wait()
+    _terminal.Pacer(0).wait()
     assert slept == [0.25]
 
 
@@ -157,7 +155,7 @@ def test_replay_shows_a_saved_trace_again_without_the_model(tmp_path):
 
 
 def test_the_examples_have_an_extra_and_a_make_target():
-    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    extras = registry.tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert any(dep.startswith("matplotlib") for dep in extras["examples"])
     makefile = (REPO / "Makefile").read_text()
     assert re.search(r"^examples:", makefile, re.M) and ".[examples]" in makefile
@@ -169,7 +167,7 @@ def test_the_examples_have_an_extra_and_a_make_target():
 def test_every_json_output_names_its_schema_and_the_schemas_are_documented(tiny_gguf):
     documented = (REPO / "docs" / "json.md").read_text()
     from dgcli.bench import BENCH_SCHEMA
-    from dgcli.commands import compare, generate, info, list_models
+    from dgcli.cli.commands import compare, generate, info, list_models
     from dgcli.trace import TRACE_SCHEMA
 
     for schema in (generate.GENERATE_SCHEMA, compare.COMPARE_SCHEMA, BENCH_SCHEMA, TRACE_SCHEMA,
@@ -256,7 +254,7 @@ def test_raw_runs_a_gguf_without_a_chat_template(tmp_path):
     one_line_error(dg("generate", "hi", "-m", path, "--steps", "2", "-n", "16"), "has no chat template", "--raw")
     r = dg("generate", "hi", "-m", path, "--raw", "--steps", "2", "-n", "16", "-s", "0", "--json")
     assert r.exit_code == 0, r.stderr
-    from dgcli.tiny import tiny_vocab
+    from dgcli.testing.tiny import tiny_vocab
 
     # a bos, then the text as it is
     assert json.loads(r.stdout)["result"]["n_prompt_tokens"] == len(tiny_vocab().encode("hi", add_bos=True))
@@ -264,6 +262,7 @@ def test_raw_runs_a_gguf_without_a_chat_template(tmp_path):
 
 @pytest.mark.skipif(not shutil.which("make"), reason="no make")
 @pytest.mark.parametrize("prompt", ["reverse: HELLO", 'sort: "QWE"', "reverse: $HOME", "it's `id` $(id), ok"])
+@pytest.mark.subprocess
 def test_make_demo_passes_the_prompt_as_typed(prompt):
     # `make demo PROMPT="..."` (README): the Makefile put it in double quotes, so the shell dropped quotes
     # inside it and ran backticks and $(...), and make itself ate `$H` of "reverse: $HOME"
@@ -273,3 +272,16 @@ def test_make_demo_passes_the_prompt_as_typed(prompt):
     commands = subprocess.run(["make", "--no-print-directory", "-n", "demo", f"PROMPT={prompt}"], cwd=REPO,
                               capture_output=True, text=True, check=True, env=env).stdout.strip().splitlines()
     assert shlex.split(commands[-1])[1:] == ["generate", prompt, "--pace", "0.3"], commands[-1]
+
+
+@needs_native
+@pytest.mark.subprocess
+def test_the_readmes_python_example_prints_what_the_readme_shows():
+    """The README's Python API sample, run from the repository as a newcomer would paste it; its
+    output must be the block the README shows after it."""
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Python API"):]
+    code, shown = re.findall(r"```(?:python)?\n(.*?)```", section, flags=re.S)[:2]
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip() == shown.strip()

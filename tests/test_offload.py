@@ -11,10 +11,12 @@ from collections import namedtuple
 import pytest
 from typer.testing import CliRunner
 
-from dgcli import info
 from dgcli.cli import app
 from dgcli.convert import params_from_hf_config, tensor_plan
-from dgcli.engine.offload import (
+from dgcli.errors import InvalidParameter
+from dgcli.modelfile import info
+from dgcli.modelfile.info import GpuMemory
+from dgcli.runtime.offload import (
     LoadReport,
     expert_override_pattern,
     first_gpu_layer,
@@ -22,9 +24,7 @@ from dgcli.engine.offload import (
     plan_placement,
     tiled_weight_pattern,
 )
-from dgcli.engine.types import InvalidParameter
-from dgcli.info import GpuMemory
-from dgcli.tiny import q4_k_m_type
+from dgcli.testing.tiny import q4_k_m_type
 from native_helpers import requires_native, small_q4_k_m_gguf
 
 GB = 1024**3
@@ -90,7 +90,7 @@ def test_first_gpu_layer_follows_llama_cpp():
 def test_llama_cpp_applies_the_override(tiny_gguf, n_cpu_moe, layers):
     """The load log names each tensor the override moved, and where (a CPU build has nothing else to
     offload, but the loader applies the overrides all the same)."""
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     with DiffusionModel(tiny_gguf, n_threads=1, n_gpu_layers=-1, n_cpu_moe=n_cpu_moe, n_ctx=64) as m:
         report = m.load_report
@@ -102,7 +102,7 @@ def test_llama_cpp_applies_the_override(tiny_gguf, n_cpu_moe, layers):
 
 @requires_native
 def test_ar_model_takes_the_same_override(tiny_ar_gguf):
-    from dgcli.engine.model import ArModel
+    from dgcli.runtime.model import ArModel
 
     with ArModel(tiny_ar_gguf, n_threads=1, n_gpu_layers=-1, n_cpu_moe=1, n_ctx=64) as ar:
         assert sorted(ar.load_report.overridden) == sorted((f"blk.0.{s}", "CPU") for s in EXPERT_SUFFIXES)
@@ -115,7 +115,7 @@ def test_k_quant_weights_are_kept_out_of_the_repack_buffers_only_where_our_tiles
     use: elsewhere llama.cpp's repacked matmuls (or the GPU) are the faster path; other types keep their
     home. The embedding never: llama.cpp's CPU repack does not take the tied Q6_K LM head anyway.
     DG_Q6_K_TILE=0 leaves the Q6_K ones out."""
-    from dgcli.engine.header import read_header
+    from dgcli.modelfile.header import read_header
 
     header = read_header(small_q4_k_m_gguf(tmp_path / "q4_k_m.gguf"))
     types = {t.name: t.type_name for t in header.tensors}
@@ -146,12 +146,13 @@ def test_q4_k_experts_load_in_plain_memory_and_reports_say_only_what_was_asked(t
                                                                                reported):
     """Loaded on this CPU build, the Q4_K experts stay out of CPU_REPACK (llama.cpp's log: overridden to
     CPU) and run on our tile; `-v`'s report lists only the experts --n-cpu-moe asked for, since without
-    a GPU every weight is in system memory anyway. DG_EXPERT_GEMM=ggml leaves them to the repack."""
-    from dgcli.engine import native
-    from dgcli.engine.model import DiffusionModel
+    a GPU every weight is in system memory anyway. DG_EXPERT_GEMM=ggml leaves them to the repack. The
+    tile is AVX2's, forced here: an AVX-512 CPU's automatic choice may be another kernel."""
+    from dgcli.runtime import native
+    from dgcli.runtime.model import DiffusionModel, cpu_repack_enabled
 
     path = small_q4_k_m_gguf(tmp_path / "q4_k_m.gguf")
-    monkeypatch.setenv("DG_EXPERT_GEMM", "auto")
+    monkeypatch.setenv("DG_EXPERT_GEMM", "avx2")
     if native.lib()._lib.dg_expert_kernel() != 1 or native.gpu_devices():
         pytest.skip("no AVX2 tile for Q4_K experts here (or a GPU in use)")
 
@@ -161,7 +162,7 @@ def test_q4_k_experts_load_in_plain_memory_and_reports_say_only_what_was_asked(t
             count = native.lib()._lib.dg_expert_gemm_count(m._model)
             return m.load_report.overridden, count, list(log)
 
-    overridden, count, log = load("auto")
+    overridden, count, log = load("avx2")
     gate_up = [line for line in log if "ffn_gate_up_exps.weight" in line and "overridden to" in line]
     assert len(gate_up) == 2 and all(line.endswith("overridden to CPU") for line in gate_up)
     assert count == 4  # both layers' gate+up and down (layer 1's down is Q6_K)
@@ -170,13 +171,15 @@ def test_q4_k_experts_load_in_plain_memory_and_reports_say_only_what_was_asked(t
     overridden, count, log = load("ggml")
     assert count == 0
     gate_up = [line for line in log if "ffn_gate_up_exps.weight" in line and "overridden to" in line]
-    assert len(gate_up) == n_cpu_moe and all(line.endswith("overridden to CPU_REPACK") for line in gate_up)
+    # ggml's home for them: the repack buffers, where this CPU has them on (not on AMX CPUs)
+    home = "CPU_REPACK" if cpu_repack_enabled() else "CPU"
+    assert len(gate_up) == n_cpu_moe and all(line.endswith(f"overridden to {home}") for line in gate_up)
 
-    monkeypatch.setenv("DG_Q4_K_TILE", "0")  # the A/B switch: every Q4_K weight left to the repack buffers
-    overridden, count, log = load("auto")
+    monkeypatch.setenv("DG_Q4_K_TILE", "0")  # the A/B switch: every Q4_K weight left to ggml
+    overridden, count, log = load("avx2")
     assert count == 1 and not any("attn_q.weight" in line and "overridden" in line for line in log)
     monkeypatch.setenv("DG_Q6_K_TILE", "0")  # and Q6_K's: layer 1's down projections back to ggml
-    overridden, count, log = load("auto")
+    overridden, count, log = load("avx2")
     assert count == 0
 
 
@@ -225,7 +228,7 @@ def test_plan_moves_expert_bytes_to_ram_as_n_grows():
 
 @pytest.fixture(scope="module")
 def tiny_diff(tmp_path_factory):
-    from dgcli.tiny import write_tiny_random_gguf
+    from dgcli.testing.tiny import write_tiny_random_gguf
 
     return write_tiny_random_gguf(tmp_path_factory.mktemp("offload") / "diff.gguf", seed=2)
 
@@ -324,7 +327,7 @@ def test_generate_verbose_reports_where_the_experts_went(tiny_diff, monkeypatch)
     result = CliRunner().invoke(app, ["generate", "hi", "-m", str(tiny_diff), "--n-cpu-moe", "2", "--verbose",
                                       "--no-live", "--steps", "2", "-n", "4", "--seed", "0"])
     assert result.exit_code == 0, result.output
-    from dgcli.engine import native
+    from dgcli.runtime import native
 
     reason = native.no_gpu_reason()  # a CPU build: no GPU backend; a CUDA build without a driver: CUDA's words
     assert f"diffusion model diff.gguf: every weight is in system memory: {reason}" in " ".join(result.output.split())
@@ -333,7 +336,7 @@ def test_generate_verbose_reports_where_the_experts_went(tiny_diff, monkeypatch)
 
 
 def test_no_gpu_reason_names_the_missing_backend_or_what_it_said(monkeypatch):
-    from dgcli.engine import native
+    from dgcli.runtime import native
 
     monkeypatch.setattr(native, "gpu_backends", lambda: [])
     assert native.no_gpu_reason().startswith("this llama.cpp build has no GPU backend")
@@ -350,7 +353,7 @@ def test_no_gpu_reason_names_the_missing_backend_or_what_it_said(monkeypatch):
 
 @requires_native
 def test_gpu_backends_lists_no_cpu_or_rpc():
-    from dgcli.engine import native
+    from dgcli.runtime import native
 
     native.lib()
     backends = native.gpu_backends()
@@ -362,7 +365,7 @@ def test_gpu_backends_lists_no_cpu_or_rpc():
 @requires_native
 @pytest.mark.parametrize("command", ["generate", "compare"])
 def test_gpu_layers_without_a_gpu_warns_once_per_model_and_runs_on_the_cpu(command):
-    from dgcli.engine import native
+    from dgcli.runtime import native
 
     native.lib()
     if native.gpu_devices():
@@ -381,7 +384,7 @@ def test_gpu_layers_without_a_gpu_warns_once_per_model_and_runs_on_the_cpu(comma
 def test_cuda_libraries_come_from_nvidia_pip_wheels(tmp_path, monkeypatch):
     """A CUDA build (libggml-cuda, or only its soname as in the slim GPU-check wheel) loads the CUDA
     runtime and cuBLAS from NVIDIA's pip wheels when the system has none; a CPU build loads nothing."""
-    from dgcli.engine import native
+    from dgcli.runtime import native
 
     wheels = tmp_path / "site" / "nvidia" / "cu13" / "lib"
     wheels.mkdir(parents=True)
@@ -411,7 +414,7 @@ def test_cuda_libraries_come_from_nvidia_pip_wheels(tmp_path, monkeypatch):
 @requires_native
 @pytest.mark.parametrize("gpu_layers", [0, -1])
 def test_bench_json_says_where_each_model_ran(tmp_path, gpu_layers):
-    from dgcli.engine import native
+    from dgcli.runtime import native
 
     native.lib()
     if native.gpu_devices():
@@ -439,7 +442,7 @@ def test_bench_json_says_where_each_model_ran(tmp_path, gpu_layers):
 
 @requires_native
 def test_generate_and_compare_json_say_where_the_models_ran():
-    from dgcli.engine import native
+    from dgcli.runtime import native
 
     native.lib()
     if native.gpu_devices():
@@ -480,7 +483,7 @@ def test_verbose_placement_lines_are_not_wrapped_when_piped():
 
 
 def test_verbose_buffer_sizes_are_llama_cpp_s_mib_not_more_precise_than_it_said():
-    from dgcli.render import placement_lines
+    from dgcli.cli.render import placement_lines
 
     report = LoadReport.from_log(["load_tensors:   CPU_Mapped model buffer size =     0.12 MiB",
                                   "llama_kv_cache:        CPU KV buffer size =     0.00 MiB",
@@ -501,7 +504,7 @@ def test_cpu_moe_with_gpu_layers_0_offloads_nothing_as_asked():
     # not given: every layer (here: the warning that there is no GPU to offload to)
     result = CliRunner().invoke(app, ["generate", "reverse: AB", "-n", "4", "--seed", "0", "--no-live", "--cpu-moe"])
     assert result.exit_code == 0, result.output
-    from dgcli.engine import native
+    from dgcli.runtime import native
 
     if not native.gpu_devices():  # named by the flag typed, not the --gpu-layers -1 it implies
         assert "warning: --cpu-moe (which offloads every layer but the experts it keeps): " in result.stderr, \
@@ -510,3 +513,44 @@ def test_cpu_moe_with_gpu_layers_0_offloads_nothing_as_asked():
         result = CliRunner().invoke(app, ["generate", "reverse: AB", "-n", "4", "--seed", "0", "--no-live",
                                           "--n-cpu-moe", "1"])
         assert result.exit_code == 0 and "warning: --n-cpu-moe (which offloads" in result.stderr, result.stderr
+
+
+def test_memory_needs_count_the_transposed_embeddings_of_dense_self_conditioning(monkeypatch):
+    """The dense form (the default) makes a Q8_0 copy of E^T on the first self-conditioned step,
+    262144 x 2816 at real widths: 36 bytes per 32 weights where dg's int8 GEMM repacks it (CPU), 34 as
+    ggml's Q8_0 beside the output layer on a GPU; dg info says so."""
+    from dgcli.modelfile.info import self_cond_copy_bytes
+
+    class Tensor:
+        def __init__(self, name, shape):
+            self.name, self.shape = name, shape
+
+    class Header:
+        architecture = "diffusion-gemma"
+        tensors = [Tensor("token_embd.weight", (2816, 262144))]
+
+    weights = 262144 * 2816
+    tensors = real_size_tensors(2)
+    monkeypatch.setattr(info, "_cpu_runs_repacked_gemms", lambda: True)
+    cpu = plan_placement(tensors, 2, 0, 0, gpu=False)
+    assert self_cond_copy_bytes(Header(), cpu) == (weights // 32 * 36, 0)
+    gpu = plan_placement(tensors, 2, -1, 0, gpu=True)
+    assert self_cond_copy_bytes(Header(), gpu) == (0, weights // 32 * 34)
+    monkeypatch.setattr(info, "_cpu_runs_repacked_gemms", lambda: False)
+    assert self_cond_copy_bytes(Header(), cpu) == (weights // 32 * 34, 0)
+    # a vocabulary that is not whole 32-token blocks: an F32 copy
+    Header.tensors = [Tensor("token_embd.weight", (64, 500))]
+    assert self_cond_copy_bytes(Header(), cpu) == (64 * 500 * 4, 0)
+    # only where dense is the default: a top-k default makes no copy
+    monkeypatch.setattr("dgcli.runtime.self_cond.DEFAULT_SC_TOP_K", 64)
+    assert self_cond_copy_bytes(Header(), cpu) == (0, 0)
+
+
+def test_info_shows_the_self_conditioning_copy(tiny_diff, monkeypatch):
+    fake_ram(monkeypatch, 64 * GB)
+    meta = info.read_info(tiny_diff)
+    assert meta.self_cond_bytes == 500 * 64 * 4 and not meta.self_cond_on_gpu  # dg-tiny: 500 tokens, F32
+    assert meta.to_json()["self_cond_bytes"] == meta.self_cond_bytes
+    result = CliRunner().invoke(app, ["info", str(tiny_diff)])
+    assert result.exit_code == 0, result.output
+    assert "dense (the reference's): 128.0 kB of transposed embeddings in RAM, made on first use" in " ".join(result.output.split())

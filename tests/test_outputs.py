@@ -16,13 +16,12 @@ import pytest
 from typer.testing import CliRunner
 
 from dgcli import cli
-from dgcli.engine.types import DgError
+from dgcli.errors import DgError
 from dgcli.outputs import OutputFile, writing
-from conftest import HAVE_TORCH, NO_TORCH_REASON
 from native_helpers import requires_native
 
 runner = CliRunner()
-needs_torch = pytest.mark.skipif(not HAVE_TORCH, reason=NO_TORCH_REASON)
+needs_torch = pytest.mark.reference  # skipped without torch and transformers (conftest.py)
 
 
 def run(*args):
@@ -240,6 +239,7 @@ def test_status_lines_never_follow_streamed_text_on_its_line():
 
 
 @requires_native
+@pytest.mark.subprocess
 def test_status_lines_start_lines_of_their_own_in_one_file_for_both_streams(tmp_path):
     # `dg generate ... > run.log 2>&1` (or `2>&1 | cat`): stdout and stderr are one file, and the
     # second canvas's status line was glued to the first canvas's text in it
@@ -357,6 +357,7 @@ def test_convert_refuses_an_output_its_checkpoint_would_read_back(reference_chec
     assert run("convert", ckpt, ckpt / "m.gguf", "--outtype", "f32").exit_code == 0  # a .gguf there is fine
 
 
+@pytest.mark.subprocess
 def test_is_stdout_names_the_process_stdout_however_spelled(tmp_path):
     # bench -o PATH with --json prints the report once when PATH is stdout (`-`, /dev/stdout, or the file
     # stdout is piped to)

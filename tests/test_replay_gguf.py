@@ -11,11 +11,9 @@ import pytest
 
 pytest.importorskip("torch", reason="the replay needs torch + transformers (test extras)")
 
-from dgcli.engine import native  # noqa: E402
-from dgcli.engine.types import DiffusionParams  # noqa: E402
+from dgcli.params import DiffusionParams  # noqa: E402
 
-NATIVE_OK, NATIVE_REASON = native.available()
-pytestmark = pytest.mark.skipif(not NATIVE_OK, reason=f"patched llama.cpp not built: {NATIVE_REASON}")
+pytestmark = [pytest.mark.reference, pytest.mark.native]
 
 import numpy as np  # noqa: E402
 
@@ -33,7 +31,7 @@ from test_replay_torch import (  # noqa: E402
 
 def convert(hf_model, directory):
     from dgcli.convert import convert_checkpoint
-    from dgcli.reference import save_checkpoint
+    from dgcli.testing.reference import save_checkpoint
 
     checkpoint = save_checkpoint(hf_model, directory / "ckpt", config_form="google")
     return convert_checkpoint(checkpoint, directory / "model-f32.gguf", "f32")
@@ -41,8 +39,8 @@ def convert(hf_model, directory):
 
 @pytest.fixture(scope="module")
 def random_pair(tmp_path_factory):
-    from dgcli.engine.model import DiffusionModel
-    from dgcli.reference import random_model, tiny_config
+    from dgcli.runtime.model import DiffusionModel
+    from dgcli.testing.reference import random_model, tiny_config
 
     hf_model = random_model(tiny_config(), seed=3)
     model = DiffusionModel(convert(hf_model, tmp_path_factory.mktemp("replay-random")), exact=True, n_threads=1,
@@ -53,7 +51,7 @@ def random_pair(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def confident_pair(tmp_path_factory):
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     hf_model = make_confident_model()
     model = DiffusionModel(convert(hf_model, tmp_path_factory.mktemp("replay-confident")), exact=True, n_threads=1,
@@ -158,7 +156,7 @@ def test_gguf_random_model_follows_reference_step_by_step(random_pair, seed):
     decoder, the cache or the loop changes logits by far more and fails here."""
     from dgcli.engine.diffusion import DiffusionEngine
     from dgcli.engine.sampler import schedule_temperature
-    from dgcli.engine.torch_model import TorchDiffusionModel
+    from dgcli.testing.torch_model import TorchDiffusionModel
 
     hf_model, native_model = random_pair
     torch_model = TorchDiffusionModel(hf_model, end_token_ids=END_TOKEN_IDS, pad_token_id=PAD_TOKEN_ID)

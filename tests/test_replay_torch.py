@@ -19,10 +19,13 @@ pytest.importorskip("transformers", reason="the replay needs the Transformers re
 
 from dgcli.engine.diffusion import DiffusionEngine  # noqa: E402
 from dgcli.engine.rng import RngStream  # noqa: E402
-from dgcli.engine.torch_model import TorchDiffusionModel  # noqa: E402
 from dgcli.engine.sampler import count_valid_tokens  # noqa: E402
-from dgcli.engine.types import DiffusionParams, answer_token_ids  # noqa: E402
-from dgcli.reference import random_model, tiny_config  # noqa: E402
+from dgcli.engine.types import answer_token_ids
+from dgcli.params import DiffusionParams  # noqa: E402
+from dgcli.testing.reference import random_model, tiny_config  # noqa: E402
+from dgcli.testing.torch_model import TorchDiffusionModel  # noqa: E402
+
+pytestmark = pytest.mark.reference
 
 # Two cores shared by everyone: torch's default thread pool makes these tiny forwards ~50x slower.
 torch.set_num_threads(1)

@@ -30,7 +30,7 @@ RPC_EXACT_TOL = 1e-5
 
 
 def _rpc_reason() -> str | None:
-    from dgcli.engine import native, rpc
+    from dgcli.runtime import native, rpc
 
     ok, reason = native.available()
     if not ok:
@@ -98,8 +98,8 @@ def first_line(stream, timeout: float = TIMEOUT_S) -> str:
     return got[0] if got else ""
 
 
-def dg(*args: str, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dgcli.cli", *map(str, args)], cwd=REPO, env=env(),
+def dg(*args: str, timeout: float = TIMEOUT_S, **extra_env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dgcli.cli", *map(str, args)], cwd=REPO, env=dict(env(), **extra_env),
                           capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=timeout)
 
 
@@ -113,6 +113,7 @@ def assert_one_line_error(p: subprocess.CompletedProcess, *fragments: str) -> st
     return lines[0]
 
 
+@pytest.mark.subprocess
 def test_two_workers_give_the_local_tokens_and_logits(workers):
     endpoints = ",".join(w.endpoint for w in workers)
     p = subprocess.run([sys.executable, str(REPO / "tests" / "rpc_compare.py"), str(DEMO), endpoints], cwd=REPO,
@@ -129,6 +130,7 @@ def test_two_workers_give_the_local_tokens_and_logits(workers):
         assert any(f"[{w.endpoint}] model buffer size" in line for line in p.stderr.splitlines()), w.endpoint
 
 
+@pytest.mark.subprocess
 def test_generate_and_serve_over_rpc_answer_as_locally(workers):
     endpoints = ",".join(w.endpoint for w in workers)
     local = dg("generate", "reverse: HELLO", "--seed", "0", "--json")
@@ -144,57 +146,103 @@ def test_generate_and_serve_over_rpc_answer_as_locally(workers):
     assert status == 200 and body["choices"][0]["message"]["content"] == json.loads(local.stdout)["answer"]
 
 
-def kill_a_worker_mid_run(workers, tiny_gguf, *args: str) -> tuple[int, list[str], float]:
-    """`dg generate ARGS --rpc` over both workers, the second killed after the first step: (exit status,
-    stderr lines, seconds from the kill to the client's exit)."""
+class LostWorkerRun:
+    """What `dg generate --rpc` did after one of its workers was killed or stopped mid-run."""
+
+    def __init__(self, rc: int, stdout: str, stderr: list[str], took: float):
+        self.rc, self.stdout, self.stderr, self.took = rc, stdout, stderr, took
+
+    @property
+    def errors(self) -> list[str]:
+        return [line for line in self.stderr if line.startswith("error:")]
+
+
+def lose_a_worker_mid_run(workers, tiny_gguf, *args: str, signum: int = signal.SIGKILL, at: str = "canvas 1  step",
+                          **extra_env: str) -> LostWorkerRun:
+    """`dg generate ARGS --rpc` over both workers, `signum` sent to the second once a stderr line starts
+    with `at`; the client must end within 60 s of it."""
     endpoints = ",".join(w.endpoint for w in workers)
     client = subprocess.Popen([sys.executable, "-m", "dgcli.cli", "generate", "hi", "-m", str(tiny_gguf), "--steps", "48",
-                               "--max-new-tokens", str(16 * 60), "--seed", "0", "--no-live", "--rpc", endpoints, *args],
-                              cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               "--max-new-tokens", str(16 * 60), "--seed", "0", "--no-live", "--ignore-eos",
+                               "--rpc", endpoints, *args],
+                              cwd=REPO, env=dict(env(), **extra_env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               stdin=subprocess.DEVNULL, text=True)
     stderr: list[str] = []
-    first_step = threading.Event()
+    stdout: list[str] = []
+    reached = threading.Event()
 
     def read_stderr() -> None:
         for line in client.stderr:
             stderr.append(line.rstrip("\n"))
-            if line.startswith("canvas 1  step"):
-                first_step.set()
+            if line.startswith(at):
+                reached.set()
 
-    threading.Thread(target=read_stderr, daemon=True).start()
-    assert first_step.wait(TIMEOUT_S), "\n".join(stderr)
-    workers[1].kill()
-    killed_at = time.monotonic()
+    readers = [threading.Thread(target=read_stderr, daemon=True),
+               threading.Thread(target=lambda: stdout.extend(client.stdout), daemon=True)]
+    for reader in readers:
+        reader.start()
+    assert reached.wait(TIMEOUT_S), "\n".join(stderr)
+    workers[1].proc.send_signal(signum)
+    lost_at = time.monotonic()
     try:
         rc = client.wait(60)
     except subprocess.TimeoutExpired:
         client.kill()
-        raise AssertionError("the client hung after its worker died")
-    time.sleep(0.2)  # the reader thread takes the last lines
-    return rc, stderr, time.monotonic() - killed_at
+        raise AssertionError("the client hung after its worker was lost")
+    took = time.monotonic() - lost_at
+    for reader in readers:
+        reader.join(10)
+    return LostWorkerRun(rc, "".join(stdout), stderr, took)
 
 
+@pytest.mark.subprocess
 def test_a_worker_killed_mid_run_is_one_clear_error_not_a_hang(workers, tiny_gguf):
-    rc, stderr, took = kill_a_worker_mid_run(workers, tiny_gguf)
-    from dgcli.engine.rpc import WORKER_LOST_EXIT
+    run = lose_a_worker_mid_run(workers, tiny_gguf)
+    from dgcli.runtime.rpc import WORKER_LOST_EXIT
 
-    assert rc == WORKER_LOST_EXIT, "\n".join(stderr[-5:])
-    errors = [line for line in stderr if line.startswith("error:")]
-    assert errors == [errors[-1]] and errors[-1].startswith(f"error: lost RPC worker {workers[1].endpoint} mid-run")
-    assert not any("Aborted" in line or "ggml_print_backtrace" in line or "#0 " in line for line in stderr)
-    print(f"client exited {took:.2f} s after the worker was killed")
+    assert run.rc == WORKER_LOST_EXIT, "\n".join(run.stderr[-5:])
+    assert run.errors == [run.errors[-1]]
+    assert run.errors[-1].startswith(f"error: lost RPC worker {workers[1].endpoint} mid-run: it closed the connection")
+    assert not any("Aborted" in line or "ggml_print_backtrace" in line or "#0 " in line for line in run.stderr)
+    print(f"client exited {run.took:.2f} s after the worker was killed")
 
 
-def test_a_worker_lost_mid_run_leaves_no_half_written_output(workers, tiny_gguf, tmp_path):
-    # the abort callback ended the process with os._exit: the trace's .partial temporary stayed
+@pytest.mark.subprocess
+def test_a_worker_frozen_mid_run_ends_the_run_with_its_answer_so_far(workers, tiny_gguf):
+    # `kill -STOP`: the worker's kernel keeps its connections open and even accepts new ones, so only
+    # a deadline can tell. dg hung with no output: two Ctrl-C did nothing, SIGTERM ended it (143) and
+    # the answer so far was lost
+    from dgcli.runtime.rpc import WORKER_LOST_EXIT
+
+    run = lose_a_worker_mid_run(workers, tiny_gguf, signum=signal.SIGSTOP, at="canvas 3  step", DG_RPC_TIMEOUT="5")
+    assert run.rc == WORKER_LOST_EXIT, "\n".join(run.stderr[-5:])
+    assert run.errors == [f"error: lost RPC worker {workers[1].endpoint} mid-run: it sent nothing for 5 s (stopped, "
+                          "frozen, or its machine or network is gone? DG_RPC_TIMEOUT sets how long dg waits); the "
+                          "model's layers there are gone: restart the worker and run again"], run.stderr[-5:]
+    # the two canvases finished before it: their answer on stdout, the summary says why it stopped
+    summary = [line for line in run.stderr if "stop=" in line]
+    assert summary and "stop=worker_lost" in summary[-1], run.stderr[-5:]
+    streamed = re.search(r"(\d+) tokens", summary[-1])
+    assert streamed and int(streamed.group(1)) >= 32 and run.stdout.strip(), (summary, run.stdout)
+    print(f"client exited {run.took:.2f} s after the worker was stopped (DG_RPC_TIMEOUT=5)")
+
+
+@pytest.mark.subprocess
+def test_a_worker_lost_mid_run_keeps_the_trace_of_what_was_done(workers, tiny_gguf, tmp_path):
+    # the run ends as a Ctrl-C ends it: the trace of the canvases done is written whole, no temporary
+    # is left behind (the abort callback's os._exit used to leave the .partial file)
     trace = tmp_path / "run.jsonl"
-    rc, stderr, _ = kill_a_worker_mid_run(workers, tiny_gguf, "--trace", str(trace))
-    from dgcli.engine.rpc import WORKER_LOST_EXIT
+    run = lose_a_worker_mid_run(workers, tiny_gguf, "--trace", str(trace), at="canvas 2  step")
+    from dgcli.runtime.rpc import WORKER_LOST_EXIT
 
-    assert rc == WORKER_LOST_EXIT, "\n".join(stderr[-5:])
-    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    assert run.rc == WORKER_LOST_EXIT, "\n".join(run.stderr[-5:])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.jsonl"]
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert any(r["kind"] == "canvas" for r in records)  # canvas 1 was done
+    assert records[-1]["kind"] == "result" and records[-1]["stop_reason"] == "worker_lost" and records[-1]["interrupted"]
 
 
+@pytest.mark.subprocess
 def test_unreachable_busy_and_malformed_workers_are_one_line_errors(tiny_gguf):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -216,7 +264,7 @@ def test_unreachable_busy_and_malformed_workers_are_one_line_errors(tiny_gguf):
 
 def test_a_server_that_is_no_worker_is_named_by_what_it_sent():
     # an HTTP server's answer read as "a 3543824036068086856-byte message" (the bytes 'HTTP/1.1' as a size)
-    from dgcli.engine import rpc
+    from dgcli.runtime import rpc
 
     with socket.socket() as http:
         http.bind(("127.0.0.1", 0))
@@ -236,6 +284,7 @@ def test_a_server_that_is_no_worker_is_named_by_what_it_sent():
                               "not a llama.cpp RPC worker of a compatible version")
 
 
+@pytest.mark.subprocess
 def test_one_worker_under_two_addresses_is_one_line_error_not_a_hang(tiny_gguf):
     # ggml's client opens one connection per address: the second one to the same worker (which
     # serves one at a time) waited forever during the model's load, and Ctrl-C did not end it
@@ -254,6 +303,7 @@ def test_one_worker_under_two_addresses_is_one_line_error_not_a_hang(tiny_gguf):
         worker.kill()
 
 
+@pytest.mark.subprocess
 def test_a_worker_serves_one_client_at_a_time_and_says_so(tiny_gguf):
     worker = Worker()
     try:
@@ -272,6 +322,7 @@ def test_a_worker_serves_one_client_at_a_time_and_says_so(tiny_gguf):
         worker.kill()
 
 
+@pytest.mark.subprocess
 def test_worker_usage_errors_and_ctrl_c():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -287,6 +338,7 @@ def test_worker_usage_errors_and_ctrl_c():
     assert worker.proc.wait(30) == 130
 
 
+@pytest.mark.subprocess
 def test_a_worker_listens_on_a_host_name(tiny_gguf):
     # ggml's server takes only a numeric address: --host localhost passed dg's own check, then
     # llama.cpp printed "Failed to create server socket" and the worker stopped
@@ -301,7 +353,7 @@ def test_a_worker_listens_on_a_host_name(tiny_gguf):
 
 def test_a_worker_whose_listening_socket_closes_just_after_the_abort_is_named():
     # the broken connection can arrive before the killed worker's listening socket is closed
-    from dgcli.engine import rpc
+    from dgcli.runtime import rpc
 
     listener = socket.create_server(("127.0.0.1", 0))
     endpoint = f"127.0.0.1:{listener.getsockname()[1]}"
@@ -309,19 +361,28 @@ def test_a_worker_whose_listening_socket_closes_just_after_the_abort_is_named():
     assert rpc._refusing_workers([endpoint]) == [endpoint]
 
 
+@pytest.mark.subprocess
 def test_the_layers_kept_here_run_on_dgs_cpu_gemms_beside_rpc_workers(workers, tmp_path):
     """dg's CPU GEMMs stand aside where a GPU is in use (llama.cpp's scheduler would run a canvas's
     matmuls on host weights there), but RPC devices, though they report themselves as GPUs, take no
-    such offload: the layers kept on this machine still run on the int8 GEMMs."""
-    from dgcli.tiny import write_tiny_random_gguf
+    such offload: the layers kept on this machine still run on the int8 GEMMs. The experts' GEMM is
+    forced to the AVX2 kernel, which every x86 CPU this suite runs on has: the automatic choice
+    depends on the CPU family (an AVX-512 VNNI CPU may leave them to ggml)."""
+    from dgcli.testing.tiny import write_tiny_random_gguf
+
+    kernel_env = dict(env(), DG_VERBOSE="1", DG_EXPERT_GEMM="avx2")
+    probe = subprocess.run([sys.executable, "-c", "from dgcli.runtime import native; print(native.lib()._lib.dg_expert_kernel())"],
+                           cwd=REPO, env=kernel_env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    if probe.stdout.strip() != "1":
+        pytest.skip("this CPU has no AVX2: dg's expert GEMM does not run here")
 
     q8 = write_tiny_random_gguf(tmp_path / "q8.gguf", seed=4, outtype="q8_0")
-    script = ("import sys; from dgcli.engine import native; from dgcli.engine.model import DiffusionModel\n"
+    script = ("import sys; from dgcli.runtime import native; from dgcli.runtime.model import DiffusionModel\n"
               "m = DiffusionModel(sys.argv[1], n_threads=2, n_ctx=128, n_gpu_layers=2, rpc_servers=[sys.argv[2]])\n"
               "lib = native.lib()._lib\n"
               "print(lib.dg_dense_repacked_count(m._model), lib.dg_expert_gemm_count(m._model))\n")
     endpoint = workers[0].endpoint
-    p = subprocess.run([sys.executable, "-c", script, str(q8), endpoint], cwd=REPO, env=dict(env(), DG_VERBOSE="1"),
+    p = subprocess.run([sys.executable, "-c", script, str(q8), endpoint], cwd=REPO, env=kernel_env,
                        capture_output=True, text=True, timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
     assert p.returncode == 0, p.stderr[-3000:]
     assert any(f"[{endpoint}] model buffer size" in line for line in p.stderr.splitlines())  # layers went there
@@ -329,6 +390,7 @@ def test_the_layers_kept_here_run_on_dgs_cpu_gemms_beside_rpc_workers(workers, t
     assert dense > 0 and experts > 0, p.stdout
 
 
+@pytest.mark.subprocess
 def test_verbose_names_the_rpc_workers_as_where_the_layers_went(workers):
     # it said "N/N layers offloaded to the GPU" when they went to other machines
     p = dg("generate", "reverse: HELLO", "--seed", "0", "--no-live", "-v", "--rpc", workers[0].endpoint)
@@ -337,6 +399,7 @@ def test_verbose_names_the_rpc_workers_as_where_the_layers_went(workers):
     assert "offloaded to the GPU" not in p.stderr
 
 
+@pytest.mark.subprocess
 def test_a_worker_on_every_interface_names_this_machine_for_clients():
     # --host 0.0.0.0 suggested `--rpc 0.0.0.0:P`, which no other machine can connect to
     worker = Worker(host="0.0.0.0")
@@ -364,7 +427,7 @@ def test_the_handshake_limit_holds_for_the_whole_reply():
     for as many limits as it sent bytes, while the error said 'within 5 s')."""
     import struct
 
-    from dgcli.engine import rpc
+    from dgcli.runtime import rpc
 
     reply = struct.pack("<QBBBB", rpc._HELLO_REPLY, rpc.RPC_PROTO_MAJOR, 0, 0, 0) + bytes(rpc._CONN_CAPS)
     with socket.socket() as listener:
@@ -388,6 +451,8 @@ def test_the_handshake_limit_holds_for_the_whole_reply():
         peer.join(10)
 
 
+@pytest.mark.subprocess
+@pytest.mark.pty
 def test_ggml_s_lines_on_a_terminal_do_not_take_in_the_worker_s_own():
     # on a terminal C's stdout was line-buffered and glibc wrote ggml's "Client connection closed" and
     # its newline in two writes: the worker's "listening on" line, printed between them, joined it
@@ -395,7 +460,7 @@ def test_ggml_s_lines_on_a_terminal_do_not_take_in_the_worker_s_own():
     import pty
 
     script = ("import ctypes, os\n"
-              "from dgcli.engine import rpc\n"
+              "from dgcli.runtime import rpc\n"
               "rpc.native_stdout_to_stderr()\n"
               "libc = ctypes.CDLL(None)\n"
               "libc.printf(b'Client connection closed\\n')\n"
@@ -421,6 +486,7 @@ def test_ggml_s_lines_on_a_terminal_do_not_take_in_the_worker_s_own():
     assert out.replace(b"\r\n", b"\n") == b"dg worker: listening\nClient connection closed\n"
 
 
+@pytest.mark.subprocess
 def test_gpu_layers_0_with_rpc_keeps_the_layers_here_as_asked():
     # --rpc offloads every layer "unless --gpu-layers says how many": `--gpu-layers 0` was taken for
     # "not given" and every layer went to the worker anyway
@@ -435,6 +501,7 @@ def test_gpu_layers_0_with_rpc_keeps_the_layers_here_as_asked():
         worker.kill()
 
 
+@pytest.mark.subprocess
 def test_a_worker_refuses_more_threads_than_ggml_s_pool_takes():
     # --threads 100000 started a worker that died of a native std::bad_alloc at a client's first graph
     for threads in ("100000", "513", "100000000000"):
@@ -442,6 +509,7 @@ def test_a_worker_refuses_more_threads_than_ggml_s_pool_takes():
                               f"invalid --threads {threads}: must be an integer from 1 to 512")
 
 
+@pytest.mark.subprocess
 def test_a_cache_directory_that_cannot_be_made_is_one_line(tmp_path):
     # DG_CACHE_DIR naming a file: `dg worker --cache` ended in a NotADirectoryError traceback
     (tmp_path / "file").write_text("")

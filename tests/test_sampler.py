@@ -12,7 +12,8 @@ import pytest
 
 from dgcli.engine import sampler as S
 from dgcli.engine.rng import RngStream, inverse_cdf_sample
-from dgcli.engine.types import DiffusionParams, InvalidParameter
+from dgcli.errors import InvalidParameter
+from dgcli.params import DiffusionParams
 
 REPO = Path(__file__).resolve().parents[1]
 NATIVE_SOURCE = REPO / "native/patch/src/diffusion-gemma-sampler.cpp"
@@ -238,7 +239,7 @@ def test_rng_stream_is_seeded_and_records_call_order():
 
 
 def test_unknown_sampler_backend_is_a_clear_error():
-    from dgcli.engine.types import DgError
+    from dgcli.errors import DgError
 
     with pytest.raises(DgError, match="invalid sampler backend 'gpu'"):
         S.make_step_sampler("gpu")
@@ -287,7 +288,7 @@ def test_native_pass_samples_across_the_distribution(native_sampler):
 
 
 def test_native_pass_rejects_non_finite_logits(native_sampler):
-    from dgcli.engine.types import DgError
+    from dgcli.errors import DgError
 
     logits = np.zeros((2, 5), dtype=np.float32)
     logits[1, 3] = np.nan
@@ -322,7 +323,7 @@ def test_numpy_top_k_of_the_whole_vocabulary_is_the_softmax():
 
 
 def test_top_k_width_is_checked():
-    from dgcli.engine.types import DgError
+    from dgcli.errors import DgError
 
     with pytest.raises(DgError, match="top_k"):
         S.NumpyStepSampler().process_logits(np.zeros((1, 4), np.float32), np.float32(1.0), np.zeros(1), top_k=5)
@@ -355,7 +356,7 @@ def test_native_top_k_agrees_with_numpy(native_sampler, rows, vocab, scale, k):
 
 
 def test_native_top_k_rejects_a_width_beyond_the_vocabulary(native_sampler):
-    from dgcli.engine.types import DgError
+    from dgcli.errors import DgError
 
     with pytest.raises(DgError, match="top_k"):
         native_sampler.process_logits(np.zeros((2, 5), np.float32), np.float32(1.0), np.zeros(2), top_k=6)

@@ -16,7 +16,8 @@ import pytest
 
 from native_helpers import requires_native
 
-from dgcli.engine.types import CanvasEvent, DiffusionParams, StepEvent
+from dgcli.engine.types import CanvasEvent, StepEvent
+from dgcli.params import DiffusionParams
 
 pytestmark = requires_native
 
@@ -50,7 +51,7 @@ class Collector:
 def open_scheduler(path, slots, n_ctx=None, self_cond_top_k=None, max_queue=64, kv_unified=False, sampler="auto",
                    exact=False):
     from dgcli.engine.diffusion import DiffusionEngine
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
     from dgcli.server.scheduler import BatchScheduler
 
     model = DiffusionModel(str(path), n_seq_max=slots, n_ctx=n_ctx or 512 * slots, kv_unified=kv_unified, exact=exact)
@@ -93,7 +94,7 @@ def run_batched(path, jobs, stagger_s=0.0, **open_kwargs):
 
 
 def demo_jobs():
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     with DiffusionModel(str(DEMO)) as m:
         prompts = [m.chat_prompt(p) for p in ("reverse: HELLO", "sort: QWERTY", "add: 123+45", "sort: DBCA",
@@ -123,7 +124,7 @@ def test_batched_answers_equal_solo_generate_on_the_demo():
 def test_multi_canvas_requests_joining_and_leaving_mid_run_equal_solo(tiny_gguf):
     """Random tiny model: every canvas runs its full step budget, requests need 1-3 canvases, so
     sequences commit canvases, finish early and are moved while others are mid-canvas."""
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     with DiffusionModel(str(tiny_gguf)) as m:
         prompts = [m.tokenize(t) for t in ("alpha", "beta gamma", "delta", "epsilon zeta eta", "theta")]
@@ -141,7 +142,7 @@ def test_multi_canvas_requests_joining_and_leaving_mid_run_equal_solo(tiny_gguf)
 
 def test_top_k_self_conditioning_batched_equals_solo(tiny_gguf):
     """The sparse self-conditioning form: rows on a canvas's first step ride along with zero probabilities."""
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     with DiffusionModel(str(tiny_gguf)) as m:
         prompts = [m.tokenize(t) for t in ("one", "two three", "four")]
@@ -162,7 +163,7 @@ def test_batched_step_backend_equals_solo_on_the_other_backend(tiny_gguf, self_c
     own temperature, uniforms and self-conditioning, in its own sequence) give what each request gives
     alone with the forward + host sampler, and the other way round. Exact mode: there the two
     backends' softcap is the same libm tanh (elsewhere the graph's is a vectorised one, ~2 ulp)."""
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     with DiffusionModel(str(tiny_gguf)) as m:
         prompts = [m.tokenize(t) for t in ("one", "two three", "four five six")]
@@ -180,7 +181,7 @@ def test_batched_step_backend_equals_solo_on_the_other_backend(tiny_gguf, self_c
 
 
 def test_a_cancelled_request_frees_its_slot_and_the_others_are_unaffected(tiny_gguf):
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
     from dgcli.server.scheduler import GenerationRequest, RequestFailed
 
     with DiffusionModel(str(tiny_gguf)) as m:
@@ -399,7 +400,7 @@ def test_requests_in_flight_when_the_server_stops_get_a_503_not_a_500(tiny_gguf)
     for s in sinks:
         assert isinstance(s.outcome, RequestFailed) and s.outcome.shutting_down, s.outcome
     pytest.importorskip("starlette")
-    from dgcli.server.app import failure_error
+    from dgcli.server.run import failure_error
 
     error = failure_error(sinks[0].outcome)
     assert (error.status, error.body()["error"]["code"]) == (503, "shutting_down")
@@ -428,22 +429,22 @@ def test_per_sequence_forward_is_bit_identical_to_each_sequence_alone(tiny_gguf)
     sequence s's own cache in a shared forward gives exactly the logits of a model holding that
     sequence alone; a zero-probability self-conditioning row equals none; a moved sequence decodes
     as before. (Default mode: flash attention and an F16 cache, whose sums depend on cell order.)"""
-    from dgcli.engine.diffusion import _SelfCond, batched_self_cond
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
+    from dgcli.runtime.self_cond import SelfCond, batched_self_cond
 
     rng = np.random.default_rng(0)
     C, V = 16, 500
     prompts = [rng.integers(5, V, size=n) for n in (7, 20, 3)]
     committed = rng.integers(5, V, size=C)
     canvases = rng.integers(0, V, size=(3, C))
-    sc = _SelfCond(logits=rng.standard_normal((C, V)).astype(np.float32))
+    sc = SelfCond(logits=rng.standard_normal((C, V)).astype(np.float32))
     with DiffusionModel(str(tiny_gguf), n_seq_max=3, n_ctx=3 * 256, kv_unified=False) as m:
         assert (m.canvas_length, m.vocab_size) == (C, V)
         for s, p in enumerate(prompts):
             m.prefill(p, seq=s)
         m.commit(committed, seq=1)
         plain = m.decode_canvases(canvases, per_sequence=True)
-        mixed = m.decode_canvases(canvases, sc_topk=batched_self_cond([None, sc, None]), per_sequence=True)
+        mixed = m.decode_canvases(canvases, per_sequence=True, **batched_self_cond([None, sc, None]))
         assert [m.cached_tokens(s) for s in range(3)] == [7, 20 + C, 3]  # forwards leave the caches as they were
         m.move_sequence(2, 0)
         moved = m.decode_canvas(canvases[2])
@@ -460,3 +461,133 @@ def test_per_sequence_forward_is_bit_identical_to_each_sequence_alone(tiny_gguf)
         np.testing.assert_array_equal(plain[s], alone_plain[s])
         np.testing.assert_array_equal(mixed[s], alone_mixed[s])
     np.testing.assert_array_equal(moved, alone_plain[2])
+
+
+def test_a_long_prompt_is_prefilled_a_chunk_at_a_time_between_the_other_requests_steps(tiny_gguf):
+    """A prompt of several encoder chunks held up every running request for its whole prefill; now
+    one chunk runs per iteration, between the steps of the others, and both answers are unchanged."""
+    from dgcli.server.scheduler import GenerationRequest
+
+    params = DiffusionParams(max_denoising_steps=4)
+    long_ids = [2] + [10 + i % 50 for i in range(3 * 512 + 100)]  # four chunks of 512
+    jobs = [([2, 5, 6], params, 16 * 8, 1), (long_ids, params, 16, 2)]
+    expected = solo_results(tiny_gguf, jobs)
+    scheduler, model = open_scheduler(tiny_gguf, slots=2, n_ctx=2 * 2560)
+    timeline = []  # ("step", request) and ("chunk", n tokens), in the order the engine thread ran them
+    prefill = model.prefill
+
+    def logged_prefill(tokens, *args, **kwargs):
+        timeline.append(("chunk", len(tokens)))
+        return prefill(tokens, *args, **kwargs)
+
+    model.prefill = logged_prefill
+    running, long_sink = Collector(), Collector()
+
+    def running_sink(event):
+        if isinstance(event, StepEvent):
+            timeline.append(("step", "running"))
+        return running(event)
+
+    try:
+        first = scheduler.submit(GenerationRequest(prompt_ids=jobs[0][0], params=params, max_new_tokens=jobs[0][2],
+                                                   seed=1, sink=running_sink, want_steps=True))
+        deadline = time.monotonic() + WAIT_S
+        while ("step", "running") not in timeline:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        scheduler.submit(GenerationRequest(prompt_ids=long_ids, params=params, max_new_tokens=16, seed=2,
+                                           sink=long_sink))
+        for sink in (running, long_sink):
+            assert sink.done.wait(WAIT_S)
+    finally:
+        scheduler.close()
+        model.close()
+    assert running.outcome.result.token_ids == expected[0].token_ids
+    assert long_sink.outcome.result.token_ids == expected[1].token_ids
+    chunks = [i for i, (kind, n) in enumerate(timeline) if kind == "chunk" and n != len(jobs[0][0])]
+    assert [timeline[i][1] for i in chunks] == [512, 512, 512, 101], timeline
+    steps_between = [kind for kind, _ in timeline[chunks[0]:chunks[-1]] if kind == "step"]
+    assert len(steps_between) >= 3, timeline  # a step of the running request after each chunk
+    assert scheduler.stats.prefill_chunks == 4
+
+
+def test_a_grammar_constrained_request_decodes_beside_canvases_and_conforms(tiny_gguf):
+    """Structured output: a request with a grammar is decoded token by token through the encoder, in
+    the same iterations as the other requests' canvases; its text is what the grammar allows, the
+    same alone or batched, and the canvases' answers are unchanged."""
+    import json as json_module
+
+    from dgcli.engine.grammar import json_schema_grammar
+    from dgcli.server.scheduler import GenerationRequest, RequestDone
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                                   "maximum": 9}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    grammar = json_schema_grammar(schema)
+    params = DiffusionParams(max_denoising_steps=3)
+    diffusion_jobs = [([2, 5, 6], params, 32, 4), ([2, 7, 8, 9], params, 16, 5)]
+    expected = solo_results(tiny_gguf, diffusion_jobs)
+
+    def constrained(sink):
+        return GenerationRequest(prompt_ids=[2, 11, 12], params=params, max_new_tokens=64, seed=0, sink=sink,
+                                 grammar=grammar)
+
+    outcomes = []
+    for together in (False, True):
+        scheduler, model = open_scheduler(tiny_gguf, slots=3)
+        try:
+            sinks = [Collector() for _ in range(3)]
+            scheduler.submit(constrained(sinks[0]))
+            if together:
+                for (ids, p, n, seed), sink in zip(diffusion_jobs, sinks[1:]):
+                    scheduler.submit(GenerationRequest(prompt_ids=ids, params=p, max_new_tokens=n, seed=seed,
+                                                       sink=sink))
+            for sink in sinks[:3 if together else 1]:
+                assert sink.done.wait(WAIT_S)
+        finally:
+            scheduler.close()
+            model.close()
+        outcomes.append(sinks)
+    alone, batched = outcomes[0][0].outcome, outcomes[1][0].outcome
+    assert isinstance(batched, RequestDone) and batched.result.mode == "autoregressive"
+    value = json_module.loads(batched.result.text)
+    assert set(value) == {"ok", "n"} and isinstance(value["ok"], bool) and 0 <= value["n"] <= 9
+    assert batched.result.stop_reason == "end_token"
+    assert batched.result.token_ids == alone.result.token_ids
+    tokens = [e.token_id for e in outcomes[1][0].events]
+    assert tokens == batched.result.token_ids  # one TokenEvent per token
+    for sink, want in zip(outcomes[1][1:], expected):
+        assert sink.outcome.result.token_ids == want.token_ids
+
+
+def test_a_sink_that_raises_ends_its_own_request_not_the_batch(tiny_gguf):
+    """A request's event handler that failed mid-step (a client's job released while its events were
+    being delivered) raised out of the shared forward's step and failed every request in the batch."""
+    from dgcli.server.scheduler import GenerationRequest, RequestDone, RequestFailed
+
+    params = DiffusionParams(max_denoising_steps=4)
+    keep = ([2, 5, 6], params, 32, 1)
+    expected = solo_results(tiny_gguf, [keep])[0]
+    scheduler, model = open_scheduler(tiny_gguf, slots=2)
+    lines = []
+    scheduler.log = lines.append
+    broken_outcome = Collector()
+
+    def broken(event):
+        if isinstance(event, StepEvent):
+            raise AttributeError("'NoneType' object has no attribute 'put'")
+        return broken_outcome(event)
+
+    try:
+        good = Collector()
+        scheduler.submit(GenerationRequest(prompt_ids=[2, 7, 8], params=params, max_new_tokens=32, seed=2,
+                                           sink=broken, want_steps=True))
+        scheduler.submit(GenerationRequest(prompt_ids=keep[0], params=params, max_new_tokens=32, seed=1, sink=good,
+                                           want_steps=True))
+        assert good.done.wait(WAIT_S) and broken_outcome.done.wait(WAIT_S)
+    finally:
+        scheduler.close()
+        model.close()
+    assert isinstance(good.outcome, RequestDone) and good.outcome.result.token_ids == expected.token_ids
+    assert isinstance(broken_outcome.outcome, RequestFailed) and broken_outcome.outcome.message == "cancelled"
+    assert any("internal error in req-1's events: AttributeError" in line for line in lines), lines

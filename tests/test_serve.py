@@ -17,8 +17,9 @@ import pytest
 from native_helpers import requires_native
 from serve_helpers import InProcessServer, ServeProcess, fetch_json, wait_until
 
-from dgcli import render
-from dgcli.engine.types import DiffusionParams, StepEvent
+from dgcli.cli import render
+from dgcli.engine.types import StepEvent
+from dgcli.params import DiffusionParams
 
 SERVE_DEPS = all(importlib.util.find_spec(m) for m in ("starlette", "uvicorn", "openai"))
 pytestmark = [requires_native, pytest.mark.skipif(
@@ -52,6 +53,7 @@ def demo_server():
 # ---- the OpenAI endpoints with the official client ----------------------------------------------------
 
 
+@pytest.mark.subprocess
 def test_chat_completion_equals_generate_alone_and_counts_answer_tokens(demo_server):
     client = client_for(demo_server.url)
     want = solo("reverse: HELLO", seed=0)
@@ -65,6 +67,7 @@ def test_chat_completion_equals_generate_alone_and_counts_answer_tokens(demo_ser
     assert r.model_extra["dg"]["steps_per_canvas"] == want.steps_per_canvas
 
 
+@pytest.mark.subprocess
 def test_chat_stream_deltas_add_up_to_the_answer_then_usage(demo_server):
     client = client_for(demo_server.url)
     want = solo("sort: QWERTY", seed=3)
@@ -79,6 +82,7 @@ def test_chat_stream_deltas_add_up_to_the_answer_then_usage(demo_server):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == want.n_new_tokens
 
 
+@pytest.mark.subprocess
 def test_completions_endpoint_takes_raw_text_streaming_or_not(demo_server):
     client = client_for(demo_server.url)
     prompt = "<|turn>user\nsort: QWERTY<turn|>\n<|turn>model\n"
@@ -91,13 +95,14 @@ def test_completions_endpoint_takes_raw_text_streaming_or_not(demo_server):
     assert streamed == want.text
 
 
+@pytest.mark.subprocess
 def test_concurrent_requests_share_forwards_and_each_equals_generate_alone(demo_server):
     """Six clients at once on four slots, with different prompts, seeds and sampler parameters."""
     prompts = ["reverse: HELLO", "sort: QWERTY", "add: 12+34", "sort: DBCA", "reverse: ABCDEF", "sort: ZYXW"]
     extras = [{"steps": 48, "confidence_threshold": 1e-9}, {"steps": 30, "confidence_threshold": 1e-9},
               {"t_max": 1.0}, {"entropy_bound": 0.3, "confidence_threshold": 1e-9}, {}, {"steps": 40}]
     base = DiffusionParams(max_denoising_steps=48)  # the demo's own defaults, but for the extras
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     with DiffusionModel(str(DEMO)) as m:
         base = m.default_params
@@ -124,6 +129,7 @@ def test_concurrent_requests_share_forwards_and_each_equals_generate_alone(demo_
     assert after["max_batch"] >= 2  # canvases of different requests went through one forward
 
 
+@pytest.mark.subprocess
 def test_dg_steps_stream_carries_the_canvas_for_a_live_view(demo_server):
     client = client_for(demo_server.url)
     want = solo("reverse: WORLD", seed=2)
@@ -148,6 +154,7 @@ def test_dg_steps_stream_carries_the_canvas_for_a_live_view(demo_server):
 # ---- errors: the right status, OpenAI's shape, and the server stays up -----------------------------------
 
 
+@pytest.mark.subprocess
 def test_bad_requests_get_openai_errors_and_the_server_survives(demo_server):
     import openai
 
@@ -156,16 +163,23 @@ def test_bad_requests_get_openai_errors_and_the_server_survives(demo_server):
     cases = [
         (dict(extra_body={"t_min": 0.9, "t_max": 0.5}), "t_max", "at least t_min"),
         (dict(extra_body={"steps": 0}), "steps", "invalid steps=0"),
-        (dict(n=2), "n", "must be 1"),
+        (dict(n=17), "n", "from 1 to 16"),
         (dict(max_tokens=10**6), "max_tokens", "exceeds this server's limit"),
-        (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools", "not supported"),
+        # the demo's chat template has no place for tools: the model would never see them
+        (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools",
+         "does not render tools"),
         (dict(logprobs=True), "logprobs", "not supported"),
+        (dict(temperature=3), "temperature", "from 0 to 2"),
     ]
     for kwargs, param, fragment in cases:
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model="demo", messages=msgs, **kwargs)
         err = info.value.body
         assert err["param"] == param and fragment in err["message"] and err["type"] == "invalid_request_error"
+    with pytest.raises(openai.NotFoundError) as info:  # it answered as the demo, "model": "demo"
+        client.chat.completions.create(model="gpt-4o", messages=msgs)
+    assert info.value.body["code"] == "model_not_found" and "GET /v1/models" in info.value.body["message"]
+    assert fetch_json("GET", demo_server.url + "/models/gpt-4o")[1]["error"]["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "A " * 3000}])
     assert info.value.body["code"] == "context_length_exceeded"
@@ -194,12 +208,13 @@ def test_bad_requests_get_openai_errors_and_the_server_survives(demo_server):
     assert client.models.list().data[0].id == "demo"
 
 
+@pytest.mark.subprocess
 def test_queue_full_is_503_and_a_client_that_disconnects_frees_its_slot(tiny_gguf):
     """One slot, no queue: a second request while a stream runs gets 503 (Retry-After); closing the
     stream cancels its request and the next one is served."""
     import openai
 
-    with ServeProcess("-m", tiny_gguf, "--parallel", "1", "--queue", "0") as server:
+    with ServeProcess("-m", tiny_gguf, "--parallel", "1", "--queue", "0", "--alias", "x") as server:
         assert " 1 slot of " in server.banner, server.banner  # was "1 slots"
         host, port = server.root.removeprefix("http://").split(":")
         conn = http.client.HTTPConnection(host, int(port), timeout=TIMEOUT_S)
@@ -232,6 +247,7 @@ def test_queue_full_is_503_and_a_client_that_disconnects_frees_its_slot(tiny_ggu
         assert health["cancelled"] == 1 and health["completed"] == 1
 
 
+@pytest.mark.subprocess
 def test_ctrl_c_stops_the_server_with_streams_in_flight(tiny_gguf):
     with ServeProcess("-m", tiny_gguf, "--parallel", "2") as server:
         host, port = server.root.removeprefix("http://").split(":")
@@ -253,6 +269,7 @@ def test_ctrl_c_stops_the_server_with_streams_in_flight(tiny_gguf):
     assert not any("Traceback" in line for line in server.stderr_lines)
 
 
+@pytest.mark.subprocess
 def test_sigterm_stops_the_server_with_a_log_line_and_dies_of_the_signal(tiny_gguf):
     """What a service manager sends: the same graceful shutdown, then "dg serve: stopped" in the log
     (it never printed: uvicorn raises the signal again after shutting down) and death by SIGTERM, which
@@ -288,13 +305,14 @@ def test_serve_usage_errors_are_one_line():
     assert r.exit_code == 1 and r.stderr.startswith("error: invalid --max-tokens 0: must be an integer >= 1")
 
 
+@pytest.mark.subprocess
 def test_a_chat_template_that_does_not_parse_is_refused_at_start(tmp_path):
     """Such a server started, then failed every chat request; it stops at start with one error line,
     as dg generate and dg chat report the template."""
     import subprocess
     import sys
 
-    from dgcli.tiny import write_tiny_random_gguf
+    from dgcli.testing.tiny import write_tiny_random_gguf
 
     bad = write_tiny_random_gguf(tmp_path / "bad-template.gguf", chat_template="{% for %}")
     r = subprocess.run([sys.executable, "-m", "dgcli.cli", "serve", "-m", str(bad), "--port", "0"],
@@ -310,7 +328,7 @@ def test_an_empty_api_key_is_refused_at_start(monkeypatch):
     from typer.testing import CliRunner
 
     from dgcli import cli
-    from dgcli.engine import model as model_module
+    from dgcli.runtime import model as model_module
 
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded")
@@ -322,11 +340,12 @@ def test_an_empty_api_key_is_refused_at_start(monkeypatch):
         assert len(r.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.subprocess
 def test_a_model_without_a_chat_template_serves_completions_and_says_chat_is_refused(tmp_path):
     """Such a server started silently, then answered every chat request with advice to pass --raw, a
     flag no HTTP client has. It says at start that chat is refused, and a chat request's error names
     /v1/completions, which still answers."""
-    from dgcli.tiny import write_tiny_random_gguf
+    from dgcli.testing.tiny import write_tiny_random_gguf
 
     path = write_tiny_random_gguf(tmp_path / "plain.gguf", chat_template=None)
     with ServeProcess("-m", path) as server:
@@ -348,7 +367,7 @@ def test_a_context_the_machine_cannot_hold_is_refused_before_loading(monkeypatch
     from typer.testing import CliRunner
 
     from dgcli import cli
-    from dgcli.engine import model as model_module
+    from dgcli.runtime import model as model_module
 
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded")
@@ -380,7 +399,7 @@ class ThinkingModel:
     end_token_ids, pad_token_id = [1], 0
 
     def __init__(self):
-        from dgcli.engine.types import DiffusionParams
+        from dgcli.params import DiffusionParams
 
         self.default_params = DiffusionParams()
         self.canvas_index = 0

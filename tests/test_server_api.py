@@ -6,9 +6,11 @@ import itertools
 
 import pytest
 
-from dgcli.engine.types import DiffusionParams
-from dgcli.render import split_thinking
-from dgcli.server.api import ApiError, chunk_body, parse_request
+from dgcli.engine.thinking import split_thinking
+from dgcli.params import DiffusionParams
+from dgcli.server.api import parse_request
+from dgcli.server.bodies import chunk_body
+from dgcli.server.request import ApiError
 from dgcli.server.text import AnswerStream
 
 DEFAULTS = DiffusionParams()
@@ -53,12 +55,20 @@ def test_message_forms():
                               {"role": "assistant", "content": None}]})
     assert req.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"},
                             {"role": "assistant", "content": ""}]
+    req = parse({"messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]})
+    assert req.messages[1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get", "arguments": {"city": "Paris"}}}]}
+    assert req.messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
 
 
 @pytest.mark.parametrize("body,param,fragment", [
     ([1, 2], None, "JSON object"),
     ({"messages": []}, "messages", "non-empty array"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "tool messages"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id", "answers a tool call"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "string or an array"),
     (chat(max_tokens=0), "max_tokens", ">= 1"),
     (chat(max_tokens=True), "max_tokens", ">= 1"),
@@ -72,7 +82,37 @@ def test_message_forms():
     (chat(dg_steps=True), "dg_steps", "stream: true"),
     (chat(stop=["a", "b", "c", "d", "e"]), "stop", "at most 4"),
     (chat(stop=[1]), "stop", "at most 4"),
-    (chat(n=3), "n", "must be 1"),
+    (chat(n=17), "n", "from 1 to 16"),
+    (chat(n=0), "n", "from 1 to 16"),
+    (chat(n=4, best_of=5), "best_of", "must equal n"),
+    # a role that is no string: unhashable, it was a 500 and a traceback (TypeError)
+    ({"messages": [{"role": ["user"], "content": "x"}]}, "messages[0].role", "got 'list'"),
+    ({"messages": [{"role": {"a": 1}, "content": "x"}]}, "messages[0].role", "got 'dict'"),
+    # integers of hundreds of digits: float() overflowed, a 500 and a traceback
+    (chat(steps=10**400), "steps", "sensible size"),
+    (chat(t_min=10**400), "t_min", "sensible size"),
+    (chat(confidence_threshold=10**400), "confidence_threshold", "sensible size"),
+    (chat(stability_threshold=10**400), "stability_threshold", "sensible size"),
+    (chat(stability_threshold=10**200), "stability_threshold", "a huge number"),
+    (chat(max_tokens=10**400), "max_tokens", "a huge number"),
+    (chat(temperature=2.5), "temperature", "from 0 to 2"),
+    (chat(temperature=-0.1), "temperature", "from 0 to 2"),
+    (chat(temperature="hot"), "temperature", "from 0 to 2"),
+    (chat(temperature=10**400), "temperature", "from 0 to 2"),
+    (chat(top_p=1.5), "top_p", "from 0 to 1"),
+    (chat(presence_penalty=3), "presence_penalty", "from -2 to 2"),
+    (chat(logit_bias=[1]), "logit_bias", "an object"),
+    (chat(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "tools[0].function.name", "letters"),
+    (chat(tools=[{"type": "retrieval"}]), "tools[0]", "functions only"),
+    (chat(tool_choice="required"), "tool_choice", "needs 'tools'"),
+    (chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice={"type": "function",
+                                                                                "function": {"name": "g"}}),
+     "tool_choice", "not in 'tools'"),
+    (chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "https://x/y"}}}),
+     "response_format", "cannot be turned into a grammar"),
+    (chat(response_format={"type": "json_schema", "json_schema": {"schema": 5}}), "response_format",
+     "schema as a JSON object"),
+    (chat(response_format={"type": "xml"}), "response_format", "json_schema"),
     (chat(steps=2.5), "steps", "an integer"),
     (chat(steps=10, max_denoising_steps=11), "max_denoising_steps", "contradicts"),
     (chat(t_min=0.9, t_max=0.5), "t_max", "at least t_min"),
@@ -80,9 +120,7 @@ def test_message_forms():
     (chat(t_min=1e-320, t_max=1e-320), "t_max", "between 1e-30 and 1e+30"),  # 0 in float32: was a 500
     (chat(entropy_bound=float("nan")), "entropy_bound", "a number"),
     (chat(confidence_threshold=0), "confidence_threshold", "> 0"),
-    (chat(tools=[{"type": "function"}]), "tools", "tool calls"),
     (chat(logprobs=True), "logprobs", "not supported"),
-    (chat(response_format={"type": "json_object"}), "response_format", "text"),
 ])
 def test_bad_fields_are_400_naming_the_field(body, param, fragment):
     with pytest.raises(ApiError) as info:
@@ -110,7 +148,8 @@ def test_completion_prompts():
     assert parse({"prompt": "abc"}, "completion").prompt == "abc"
     assert parse({"prompt": ["abc"]}, "completion").prompt == "abc"
     assert parse({"prompt": [2, 5, 9]}, "completion").prompt == [2, 5, 9]
-    for bad in ("  ", ["a", "b"], [], None, [1.5]):
+    assert parse({"prompt": ["a", [5, 6], "b"]}, "completion").prompts == ["a", [5, 6], "b"]
+    for bad in ("  ", ["a", " "], [], None, [1.5], ["a", 5], [[]]):
         with pytest.raises(ApiError, match="prompt"):
             parse({"prompt": bad}, "completion")
     with pytest.raises(ApiError, match="echo"):
@@ -119,7 +158,8 @@ def test_completion_prompts():
 
 def test_chunks_have_the_openai_shapes():
     c = chunk_body("chat", "id", 1, "m", role=True)
-    assert c["object"] == "chat.completion.chunk" and c["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert c["object"] == "chat.completion.chunk" and c["choices"][0]["delta"] == {"role": "assistant", "content": None}
+    assert "-dg" in c["system_fingerprint"]
     c = chunk_body("chat", "id", 1, "m", reasoning="r", content="c", finish=None)
     assert c["choices"][0]["delta"] == {"reasoning_content": "r", "content": "c"}
     c = chunk_body("completion", "id", 1, "m", content="t", finish="length")
@@ -188,7 +228,7 @@ def test_usage_counts_the_tokens_up_to_the_one_that_completes_the_stop_string():
     # dg serve's usage counted the whole canvas that held the stop string: a 256-token canvas whose
     # answer was cut after 3 tokens reported completion_tokens 256
     from dgcli.engine.types import GenerationResult
-    from dgcli.server.api import usage
+    from dgcli.server.bodies import ChoiceOutcome, usage
 
     ids = [6, 7, 9, 6, 7]  # "The answer!The answer"
     for stop, through in (["swer!"], 3), ([" an"], 2), (["The"], 1), (["!The a"], 5):
@@ -200,8 +240,10 @@ def test_usage_counts_the_tokens_up_to_the_one_that_completes_the_stop_string():
     _, _, stream = run_stream(THOUGHTFUL, [4], stop=["answer"])
     assert stream.stop_tokens == len(THOUGHTFUL) - 1
     result = GenerationResult(mode="diffusion", text="", token_ids=ids, n_prompt_tokens=4)
-    assert usage(result, 3) == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
-    assert usage(result) == {"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9}
+    cut, whole = (ChoiceOutcome(0, result, 0.0, "stop", completion_tokens=n) for n in (3, None))
+    assert {k: v for k, v in usage([cut], 4).items() if "details" not in k} == \
+        {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+    assert usage([whole], 4)["completion_tokens"] == 5 and usage([whole, cut], 4)["completion_tokens"] == 8
 
 
 def test_without_thinking_split_the_markers_are_plain_text():

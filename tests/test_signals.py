@@ -23,6 +23,8 @@ import pytest
 import pty_screen
 from native_helpers import requires_native
 
+pytestmark = pytest.mark.subprocess  # each test signals a dg process of its own
+
 FORWARD_MARK = b"set_causal_attn"  # llama.cpp logs it around every decoder forward
 HIDE_CURSOR, SHOW_CURSOR = b"\x1b[?25l", b"\x1b[?25h"
 TIMEOUT_S = 120
@@ -120,6 +122,7 @@ def command(kind: str, tiny_gguf: Path, tiny_ar_gguf: Path, mode: str) -> list:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["terminal", "piped", "json"])
 @pytest.mark.parametrize("kind", ["generate", "compare", "bench"])
+@pytest.mark.pty
 def test_ctrl_c_mid_run_exits_130_with_what_was_produced(kind, mode, tiny_gguf, tiny_ar_gguf):
     run = Run(command(kind, tiny_gguf, tiny_ar_gguf, mode), terminal=mode == "terminal")
     # bench: enough forwards for a few finished runs
@@ -153,6 +156,7 @@ def test_ctrl_c_mid_run_exits_130_with_what_was_produced(kind, mode, tiny_gguf, 
 
 @requires_native
 @pytest.mark.slow
+@pytest.mark.pty
 def test_sigterm_on_a_terminal_restores_the_cursor_and_removes_the_unfinished_trace(tiny_gguf, tmp_path):
     trace = tmp_path / "t.jsonl"
     run = Run(["generate", "tell me a story", "-m", tiny_gguf, "-n", "4000", *SAMPLER, "--trace", trace],
@@ -171,7 +175,7 @@ STUCK = """
 import signal, sys, tempfile, time
 from pathlib import Path
 from dgcli import outputs
-from dgcli.commands import _signals
+from dgcli.cli import _signals
 _signals.install()
 signal.signal(signal.SIGINT, lambda *a: None)
 out = outputs.OutputFile(Path(sys.argv[1]) / "report.json").open()
@@ -216,6 +220,7 @@ def test_ctrl_c_while_the_cli_is_still_importing_exits_130_without_a_traceback(t
 
 @requires_native
 @pytest.mark.slow
+@pytest.mark.pty
 def test_a_terminal_that_hangs_up_ends_the_live_run_at_once(tiny_gguf, tmp_path):
     """Closing the terminal window under a live view: SIGHUP on a terminal that has gone, where giving
     it its settings back fails (termios.error, not an OSError). dg still exits at once (129) and

@@ -19,10 +19,8 @@ pytest.importorskip("pyte", reason="the terminal tests need pexpect and pyte (pi
 import pty_screen  # noqa: E402
 from pyte import modes as pyte_modes  # noqa: E402
 
-from dgcli.engine import native  # noqa: E402
 
-NATIVE, WHY_NOT = native.available()
-pytestmark = pytest.mark.skipif(not NATIVE, reason=f"native layer unavailable: {WHY_NOT}")
+pytestmark = [pytest.mark.pty, pytest.mark.native]
 WIDTHS = [80, 40]
 
 
@@ -251,9 +249,11 @@ def test_ctrl_c_in_compare_shows_the_diffusion_side_and_exits_130(columns):
 
 @pytest.mark.parametrize("columns", WIDTHS)
 def test_a_long_answer_keeps_the_canvas_and_status_in_sight(columns, tiny_gguf):
-    # An untrained model never ends: 16-token canvases of noise until -n. On a 10-row terminal the
-    # committed text overflows after a few canvases; the status line must stay on screen.
+    # --ignore-eos: 16-token canvases until -n, however the untrained model's canvases come out on this
+    # CPU. On a 10-row terminal the committed text overflows after a few canvases; the status line must
+    # stay on screen.
     term = pty_screen.Terminal(columns, 10).spawn("generate", "hi", "-m", str(tiny_gguf), "-n", "800", "--steps", "2",
+                                                    "--ignore-eos",
                                                     "--seed", "0", "--pace", "0.02", "--threads", "1")
     term.read_until("canvas 45  step 2/2")
     term.read_until("╰")  # that frame, drawn to its bottom border
@@ -416,7 +416,8 @@ def test_serve_start_up_lines_wrap_between_words_and_ctrl_c_stops_it(columns):
     words = " ".join(" ".join(lines).split())
     assert re.search(r"dg serve: http://0\.0\.0\.0:\d+/v1 model demo \(canvas \d+\) 4 slots of \d+ tokens queue 64 "
                      r"warning: listening on 0\.0\.0\.0 without --api-key: anyone who reaches this port can use "
-                     r"the model dg serve: Ctrl-C stops", words), lines
+                     r"the model dg serve: http://0\.0\.0\.0:\d+/ shows the canvas denoise in a browser "
+                     r"dg serve: Ctrl-C stops", words), lines
     # every line break falls between words: rejoining with spaces reads the same as the text had
     for line in lines:
         assert len(line) <= columns
@@ -442,7 +443,7 @@ def test_info_tables_wrap_on_a_narrow_terminal_and_never_cut_a_value(columns, ti
             for i, cell in enumerate(line.strip("│").split("│")):
                 columns_text[i] = columns_text.get(i, "") + cell.strip()
     assert "max_denoising_steps" in columns_text[0] and "confidence_threshold" in columns_text[0]
-    from dgcli import info
+    from dgcli.modelfile import info
 
     for t in info.read_info(tiny_gguf).tensor_types:
         assert f"{t.parameters:,}" in columns_text[2], t

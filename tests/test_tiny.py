@@ -10,10 +10,10 @@ import sys
 import numpy as np
 import pytest
 
-from dgcli import info
 from dgcli.convert import PUBLISHED_TOKEN_SCORE, TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL
-from dgcli.engine.types import DgError
-from dgcli.tiny import (
+from dgcli.errors import DgError
+from dgcli.modelfile import info
+from dgcli.testing.tiny import (
     BOS_ID,
     CHAT_TEMPLATE,
     EOS_ID,
@@ -286,10 +286,11 @@ def test_tiny_overrides_change_the_layout(tmp_path):
     assert not (tmp_path / "bad.gguf").exists()
 
 
+@pytest.mark.subprocess
 def test_tiny_gguf_needs_no_torch(tmp_path):
     code = (
         "import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None\n"
-        "from dgcli.tiny import write_tiny_random_gguf\n"
+        "from dgcli.testing.tiny import write_tiny_random_gguf\n"
         f"write_tiny_random_gguf({str(tmp_path / 'x.gguf')!r})\n"
         f"write_tiny_random_gguf({str(tmp_path / 'y.gguf')!r}, arch='gemma4', outtype='q8_0')\n"
     )
@@ -353,7 +354,7 @@ def test_synthetic_q4_k_m_runs_in_llama_cpp(tmp_path):
 
     if not NATIVE_OK:
         pytest.skip(f"native library unavailable: {NATIVE_REASON}")
-    from dgcli.engine.model import DiffusionModel
+    from dgcli.runtime.model import DiffusionModel
 
     path = write_synthetic_gguf(tmp_path / "k.gguf", n_layer=2, vocab_size=4096, hidden=256, num_experts=4,
                                 top_k_experts=2, intermediate_size=512, moe_intermediate_size=256,

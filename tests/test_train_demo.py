@@ -50,3 +50,57 @@ def test_a_state_past_its_decay_refuses_another_schedule(tmp_path):
 def test_decay_from_outside_the_run_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="--decay-from 5"):
         train_demo.train(tmp_path, steps=4, decay_from=5, **RUN)
+
+
+# -- the shipped demo back into Transformers (training/gguf_weights.py) ---------------------------
+
+SHIPPED = train_demo.Path(__file__).resolve().parents[1] / "dgcli" / "models"
+
+
+def _convert(checkpoint, out_dir):
+    from dgcli.convert import convert_checkpoint
+
+    return [convert_checkpoint(checkpoint, out_dir / f"{arch}.gguf", "f32", arch)
+            for arch in ("diffusion-gemma", "gemma4")]
+
+
+def test_the_shipped_gguf_loads_back_exactly(tmp_path):
+    """The F32 GGUF's weights loaded into the Transformers model and converted again give both shipped
+    files byte for byte: the model is exactly the one that was exported, the start of a fine-tune."""
+    from dgcli.testing.reference import save_checkpoint
+    from training import gguf_weights
+
+    model = gguf_weights.load_model_from_gguf(SHIPPED / "demo-diffusion.gguf")
+    assert gguf_weights.roundtrip_mismatches(model, SHIPPED / "demo-diffusion.gguf") == []
+    save_checkpoint(model, tmp_path / "hf")
+    diffusion, ar = _convert(tmp_path / "hf", tmp_path)
+    assert diffusion.read_bytes() == (SHIPPED / "demo-diffusion.gguf").read_bytes()
+    assert ar.read_bytes() == (SHIPPED / "demo-ar.gguf").read_bytes()
+    # and the comparison sees one changed value of a weight the decoder shares with the encoder
+    with torch.no_grad():
+        model.model.decoder.layers[3].experts.down_proj[2, 5, 7] += 1e-6
+    assert gguf_weights.roundtrip_mismatches(model, SHIPPED / "demo-diffusion.gguf") == [
+        "blk.3.ffn_down_exps.weight: differs"]
+
+
+def test_a_gguf_that_is_not_f32_diffusion_is_refused(tmp_path):
+    from dgcli.errors import DgError
+    from training import gguf_weights
+
+    model = train_demo.build_model(hidden_size=64)
+    with pytest.raises(DgError, match="'gemma4' GGUF"):
+        gguf_weights.load_gguf_weights(model, SHIPPED / "demo-ar.gguf")
+    with pytest.raises(DgError, match="token_embd.weight has shape"):
+        gguf_weights.load_gguf_weights(train_demo.build_model(hidden_size=32), SHIPPED / "demo-diffusion.gguf")
+
+
+def test_a_fine_tune_starts_from_the_gguf_and_refuses_a_state_of_another_start(tmp_path):
+    """At learning rate 0 a fine-tune's checkpoint is the GGUF it started from, byte for byte; its
+    state remembers that start."""
+    start = SHIPPED / "demo-diffusion.gguf"
+    frozen = dict(RUN, lr=0.0)
+    train_demo.train(tmp_path / "ft", steps=1, save_every=1, init_gguf=start, **frozen)
+    diffusion, _ = _convert(tmp_path / "ft", tmp_path)
+    assert diffusion.read_bytes() == start.read_bytes()
+    with pytest.raises(SystemExit, match="another run"):
+        train_demo.train(tmp_path / "ft", steps=2, save_every=1, **frozen)

@@ -7,13 +7,13 @@ import math
 
 import pytest
 
-from dgcli.engine.types import DiffusionParams
+from dgcli.params import DiffusionParams
 from native_helpers import requires_native
 
 
 @pytest.fixture(scope="module")
 def untrained_gguf(tmp_path_factory):
-    from dgcli.tiny import write_tiny_random_gguf
+    from dgcli.testing.tiny import write_tiny_random_gguf
 
     return write_tiny_random_gguf(tmp_path_factory.mktemp("untrained") / "untrained.gguf", seed=0, init="untrained")
 

@@ -14,6 +14,12 @@ and the AR twin's accuracy.
     .venv/bin/python -m training.evaluate --write-bench-prompts dgcli/data/demo-prompts.tsv
 
 writes the held-out set `dg bench --model demo` runs (tasks.BENCH_LEVELS, 3 prompts per level).
+
+    .venv/bin/python -m training.evaluate --gguf dgcli/models/demo-diffusion.gguf --no-ar \\
+        --self-cond-top-k 0,1,4,16,64
+
+runs the diffusion side once per self-conditioning form (0: dense, the reference's and dg's default;
+k: the k most probable tokens per position) and ends with one summary row per form.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ class Outcome:
 class Row:
     task: str
     difficulty: int
+    variant: int | None  # the task's second knob (json: digits of every value), None where it has none
     n: int
     accuracy: float
     mean_steps: float  # per canvas
@@ -65,7 +72,7 @@ def load_reference(checkpoint: Path):
     from transformers.models.diffusion_gemma import DiffusionGemmaForBlockDiffusion
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import DiffusionGemmaGenerationConfig
 
-    from dgcli.tiny import tiny_vocab
+    from dgcli.testing.tiny import tiny_vocab
 
     vocab = tiny_vocab()
     generation_config = DiffusionGemmaGenerationConfig(eos_token_id=list(vocab.end_token_ids), pad_token_id=vocab.pad_id,
@@ -80,7 +87,7 @@ def reference_backends(checkpoint: Path, threads: int = 1):
     """Transformers' DiffusionGemmaForBlockDiffusion.generate and a greedy AR loop on the encoder."""
     import torch
 
-    from dgcli.tiny import tiny_vocab
+    from dgcli.testing.tiny import tiny_vocab
 
     torch.set_num_threads(threads)
     vocab = tiny_vocab()
@@ -136,8 +143,8 @@ def engine_over_reference_backend(checkpoint: Path, threads: int = 1):
     import torch
 
     from dgcli.engine import DiffusionEngine
-    from dgcli.engine.torch_model import TorchDiffusionModel
-    from dgcli.tiny import tiny_vocab
+    from dgcli.testing.tiny import tiny_vocab
+    from dgcli.testing.torch_model import TorchDiffusionModel
 
     torch.set_num_threads(threads)
     vocab = tiny_vocab()
@@ -154,11 +161,12 @@ def engine_over_reference_backend(checkpoint: Path, threads: int = 1):
     return diffusion
 
 
-def engine_backends(gguf: Path, ar_gguf: Path | None, threads: int | None = None):
-    """dg's DiffusionEngine / AutoregressiveEngine over the patched llama.cpp."""
+def engine_backends(gguf: Path, ar_gguf: Path | None, threads: int | None = None, self_cond_top_k: int | None = None):
+    """dg's DiffusionEngine / AutoregressiveEngine over the patched llama.cpp (self_cond_top_k: the
+    engine's setting; None: its default)."""
     from dgcli.engine import AutoregressiveEngine, DiffusionEngine
 
-    engine = DiffusionEngine(str(gguf), n_threads=threads)
+    engine = DiffusionEngine(str(gguf), n_threads=threads, self_cond_top_k=self_cond_top_k)
     ar_engine = AutoregressiveEngine(str(ar_gguf), n_threads=threads) if ar_gguf else None
 
     def diffusion(example: tasks.Example, seed: int) -> Outcome:
@@ -184,19 +192,26 @@ def _before_end(ids: list[int], end_ids) -> list[int]:
 
 
 def measure(diffusion: Callable, autoregressive: Callable | None, per_cell: int, max_steps: int = 48,
-            difficulties: dict[str, list[int]] | None = None, seed: int = 0) -> list[Row]:
+            difficulties: dict[str, list[int]] | None = None, seed: int = 0,
+            graded: list[tuple[tasks.Example, bool]] | None = None) -> list[Row]:
+    """One row per evaluation cell (tasks.evaluation_cells) of the chosen tasks and difficulties.
+    `graded`, when given, receives every example with whether the diffusion answer was right."""
     rows = []
     for task in (difficulties or {t: None for t in tasks.TASKS}):
-        levels = (difficulties or {}).get(task) or list(range(1, tasks.MAX_DIFFICULTY[task] + 1))
-        for difficulty in levels:
-            examples = tasks.evaluation_set(task, difficulty, per_cell)
+        levels = (difficulties or {}).get(task)
+        for difficulty, variant in tasks.evaluation_cells(task):
+            if levels and difficulty not in levels:
+                continue
+            examples = tasks.evaluation_set(task, difficulty, per_cell, variant=variant)
             outcomes = [diffusion(e, seed + i) for i, e in enumerate(examples)]
+            if graded is not None:
+                graded += [(e, o.answer == e.answer) for o, e in zip(outcomes, examples)]
             ar_correct = None
             if autoregressive is not None:
                 ar_correct = statistics.mean(autoregressive(e) == e.answer for e in examples)
             canvas_steps = [s for o in outcomes for s in o.steps_per_canvas]
             rows.append(Row(
-                task=task, difficulty=difficulty, n=len(examples),
+                task=task, difficulty=difficulty, variant=variant, n=len(examples),
                 accuracy=statistics.mean(o.answer == e.answer for o, e in zip(outcomes, examples)),
                 mean_steps=statistics.mean(canvas_steps),
                 mean_canvases=statistics.mean(len(o.steps_per_canvas) for o in outcomes),
@@ -214,8 +229,9 @@ def markdown_table(rows: list[Row]) -> str:
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         ar = "-" if r.ar_accuracy is None else f"{r.ar_accuracy:.2f}"
-        lines.append(f"| {r.task} | {r.difficulty} | {r.n} | {r.accuracy:.2f} | {r.mean_steps:.1f} | "
-                     f"{r.mean_canvases:.1f} | {r.tokens_per_forward:.2f} | {r.stopped_early:.2f} | {ar} |")
+        lines.append(f"| {r.task} | {tasks.cell_label(r.task, r.difficulty, r.variant)} | {r.n} | {r.accuracy:.2f} | "
+                     f"{r.mean_steps:.1f} | {r.mean_canvases:.1f} | {r.tokens_per_forward:.2f} | "
+                     f"{r.stopped_early:.2f} | {ar} |")
     total = sum(r.n for r in rows)
     weighted = lambda attr: sum(getattr(r, attr) * r.n for r in rows) / total  # noqa: E731
     ar_rows = [r for r in rows if r.ar_accuracy is not None]
@@ -226,17 +242,86 @@ def markdown_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def form_table(by_form: dict[int | None, list[Row]]) -> str:
+    """One row per self-conditioning form over the whole set: accuracy, steps per canvas (over every
+    canvas), tokens per forward (answer tokens over decoder forwards, summed over the set)."""
+    lines = ["| self-conditioning | n | diffusion acc | steps/canvas | tokens/forward |", "| --- | --- | --- | --- | --- |"]
+    for k, rows in by_form.items():
+        n = sum(r.n for r in rows)
+        canvases = sum(r.mean_canvases * r.n for r in rows)
+        forwards = sum(r.mean_steps * r.mean_canvases * r.n for r in rows)
+        tokens = sum(r.tokens_per_forward * r.mean_steps * r.mean_canvases * r.n for r in rows)
+        name = "default" if k is None else "dense" if k == 0 else f"top-{k}"
+        lines.append(f"| {name} | {n} | {sum(r.accuracy * r.n for r in rows) / n:.3f} | {forwards / canvases:.2f} | "
+                     f"{tokens / forwards:.2f} |")
+    return "\n".join(lines)
+
+
+def task_summary_table(rows: list[Row]) -> str:
+    """Accuracy per task over all its cells (each cell weighted by its examples)."""
+    lines = ["| task | n | diffusion acc | worst cell | AR acc |", "| --- | --- | --- | --- | --- |"]
+    for task in dict.fromkeys(r.task for r in rows):
+        cells = [r for r in rows if r.task == task]
+        n = sum(r.n for r in cells)
+        worst = min(cells, key=lambda r: r.accuracy)
+        ar = [r for r in cells if r.ar_accuracy is not None]
+        ar_text = f"{sum(r.ar_accuracy * r.n for r in ar) / sum(r.n for r in ar):.3f}" if ar else "-"
+        lines.append(f"| {task} | {n} | {sum(r.accuracy * r.n for r in cells) / n:.3f} | "
+                     f"{worst.accuracy:.2f} ({tasks.cell_label(task, worst.difficulty, worst.variant)}) | {ar_text} |")
+    return "\n".join(lines)
+
+
+def _distinct(examples: list[tasks.Example], count: int) -> list[tasks.Example]:
+    return list({e.question: e for e in examples}.values())[:count]
+
+
+def range_table(graded: list[tuple[tasks.Example, bool]]) -> str:
+    """Diffusion accuracy per value of every documented knob (tasks.DOCUMENTED_RANGES): an example
+    counts towards each value its question holds (a JSON question with a one-letter and a two-letter
+    key counts for both); JSON values are grouped by their digit count."""
+    lines = ["| task | range | n | diffusion acc |", "| --- | --- | --- | --- |"]
+    for task, ranges in tasks.DOCUMENTED_RANGES.items():
+        of_task = [(tasks.knob_values(e), ok) for e, ok in graded if e.task == task]
+        for _, knob, _, _ in ranges:
+            buckets: dict[str, list[bool]] = {}
+            for knobs, ok in of_task:
+                values = knobs[knob]
+                labels = {f"{len(str(v))}-digit" for v in values} if knob == "value" else {str(v) for v in values}
+                for label in labels:
+                    buckets.setdefault(label, []).append(ok)
+            for label in sorted(buckets, key=lambda b: int(b.split("-")[0])):
+                results = buckets[label]
+                lines.append(f"| {task} | {knob} {label} | {len(results)} | {statistics.mean(results):.3f} |")
+    return "\n".join(lines)
+
+
+def bench_examples(per_level: int = 3) -> list[tuple[str, tasks.Example]]:
+    """(bench name, held-out example) at tasks.BENCH_LEVELS: `per_level` distinct questions each, or
+    as many as a short level holds out (one-character reversal has one). A task with variants cycles
+    through them, so each level holds every variant once when per_level is their count."""
+    chosen = []
+    for task, levels in tasks.BENCH_LEVELS.items():
+        variants = tasks.TASK_BY_NAME[task].variants
+        for level in levels:
+            name = task if task == "help" else f"{task}-{level}"
+            if not variants:
+                chosen += [(name, e) for e in _distinct(tasks.evaluation_set(task, level, 10 * per_level), per_level)]
+                continue
+            for i in range(per_level):
+                variant = variants[i % len(variants)]
+                chosen.append((name, tasks.evaluation_set(task, level, i // len(variants) + 1, variant=variant)[-1]))
+    return chosen
+
+
 def bench_prompt_lines(per_level: int = 3) -> list[str]:
     """dg bench's prompt file for the demo: name<TAB>prompt<TAB>answer, held-out examples at
     tasks.BENCH_LEVELS, then the hand-written unknown prompts (tasks.UNKNOWN_PROMPTS)."""
     lines = ["# dg bench prompts for the shipped demo pair: held-out examples of its tasks (training/tasks.py",
-             f"# evaluation_set), {per_level} per difficulty, and prompts that are no task (answer: the help reply).",
+             f"# evaluation_set), {per_level} per difficulty (json: values of 1, 2 and 3 digits), and prompts",
+             "# that are no task (answer: the help reply).",
              "# name<TAB>prompt<TAB>expected answer; runs sharing a name are summarised together.",
              "# Written by: python -m training.evaluate --write-bench-prompts dgcli/data/demo-prompts.tsv"]
-    for task, levels in tasks.BENCH_LEVELS.items():
-        for level in levels:
-            name = task if task == "help" else f"{task}-{level}"
-            lines += [f"{name}\t{e.question}\t{e.answer}" for e in tasks.evaluation_set(task, level, per_level)]
+    lines += [f"{name}\t{e.question}\t{e.answer}" for name, e in bench_examples(per_level)]
     lines += [f"unknown\t{q}\t{tasks.HELP_REPLY}" for q in tasks.UNKNOWN_PROMPTS]
     return lines
 
@@ -255,6 +340,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--levels", help="difficulties to run, e.g. 1,4,8 (default: all)")
     parser.add_argument("--tasks", help="tasks to run, e.g. sort,nato (default: all)")
     parser.add_argument("--write-bench-prompts", type=Path, metavar="TSV", help="write dg bench's demo prompt set and exit")
+    parser.add_argument("--self-cond-top-k", metavar="K[,K...]",
+                        help="with --gguf: self-conditioning forms to run, each on the whole set (0: dense; "
+                             "default: the engine's)")
     args = parser.parse_args(argv)
     if args.write_bench_prompts:
         args.write_bench_prompts.write_text("\n".join(bench_prompt_lines()) + "\n", encoding="utf-8")
@@ -263,18 +351,38 @@ def main(argv: list[str] | None = None) -> None:
         diffusion, autoregressive = engine_over_reference_backend(args.checkpoint, args.threads), None
     elif args.checkpoint:
         diffusion, autoregressive = reference_backends(args.checkpoint, args.threads)
-    elif args.gguf:
-        diffusion, autoregressive = engine_backends(args.gguf, args.ar_gguf, args.threads)
-    else:
+    elif not args.gguf:
         parser.error("give --checkpoint or --gguf")
+    if args.self_cond_top_k and not args.gguf:
+        parser.error("--self-cond-top-k runs dg's engine: give --gguf")
     chosen = args.tasks.split(",") if args.tasks else list(tasks.TASKS)
     wanted = [int(x) for x in args.levels.split(",")] if args.levels else None
     levels = {t: [d for d in (wanted or range(1, tasks.MAX_DIFFICULTY[t] + 1)) if d <= tasks.MAX_DIFFICULTY[t]]
               or [tasks.MAX_DIFFICULTY[t]] for t in chosen}
-    rows = measure(diffusion, None if args.no_ar else autoregressive, args.per_cell, difficulties=levels)
-    print(markdown_table(rows))
+    if args.gguf:
+        forms = [int(k) for k in args.self_cond_top_k.split(",")] if args.self_cond_top_k else [None]
+    else:
+        forms = [None]
+    by_form: dict[int | None, list[Row]] = {}
+    rows: list[dict] = []
+    for k in forms:
+        if args.gguf:
+            diffusion, autoregressive = engine_backends(args.gguf, args.ar_gguf, args.threads, k)
+            if k is not None:
+                print(f"self-conditioning: {'dense' if k == 0 else f'top-{k}'}", flush=True)
+        graded: list[tuple[tasks.Example, bool]] = []
+        by_form[k] = measure(diffusion, None if args.no_ar else autoregressive, args.per_cell, difficulties=levels,
+                             graded=graded)
+        print(markdown_table(by_form[k]))
+        print()
+        print(task_summary_table(by_form[k]))
+        print()
+        print(range_table(graded))
+        rows += [asdict(r) | ({"self_cond_top_k": k} if k is not None else {}) for r in by_form[k]]
+    if len(forms) > 1:
+        print(form_table(by_form))
     if args.json_out:
-        args.json_out.write_text(json.dumps([asdict(r) for r in rows], indent=1))
+        args.json_out.write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
     reverse: HELLO WORLD    -> DLROW OLLEH                      (difficulty = characters, 1..12)
     sort: DBCA              -> ABCD                             (difficulty = letters, 1..8)
     nato: DG                -> DELTA GOLF                       (difficulty = letters, 1..6)
-    json: A=1 BC=22         -> {"A": 1, "BC": 22}               (difficulty = pairs, 1..3)
+    json: A=1 BC=22         -> {"A": 1, "BC": 22}               (difficulty = pairs, 1..3; values 0..999)
     anything else           -> HELP_REPLY, one line naming the tasks with an example prompt
 
 Inputs and outputs are upper-case letters, digits and punctuation because dg-tiny has no merges for
@@ -29,7 +29,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Callable
 
-from dgcli.tiny import TinyVocab, tiny_vocab
+from dgcli.testing.tiny import TinyVocab, tiny_vocab
 
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 CANVAS_LENGTH = 32
@@ -83,10 +83,22 @@ def _nato(rng: random.Random, difficulty: int) -> tuple[str, str]:
     return f"nato: {text}", " ".join(NATO[c] for c in text)
 
 
-def _json(rng: random.Random, difficulty: int) -> tuple[str, str]:
+# A value's digit count is drawn first, then the value within it: each of 0-9, 10-99 and 100-999 is a
+# third of the values. Drawn uniformly from 0-999, one-digit values would be 1% of them, too few to
+# learn (the model wrote `{"K": 55}` for `json: K=5`).
+VALUE_DIGITS = (1, 2, 3)
+
+
+def _value(rng: random.Random, digits: int | None = None) -> int:
+    digits = digits or rng.choice(VALUE_DIGITS)
+    return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10 ** digits - 1)
+
+
+def _json(rng: random.Random, difficulty: int, value_digits: int | None = None) -> tuple[str, str]:
+    """`difficulty` pairs; every value of `value_digits` digits when given, else each drawn as above."""
     pairs: dict[str, int] = {}
     while len(pairs) < difficulty:
-        pairs.setdefault(_letters(rng, rng.randint(1, 2)), rng.randint(0, 999))
+        pairs.setdefault(_letters(rng, rng.randint(1, 2)), _value(rng, value_digits))
     question = "json: " + " ".join(f"{k}={v}" for k, v in pairs.items())
     return question, json.dumps(pairs)
 
@@ -166,20 +178,50 @@ def _unknown(rng: random.Random, difficulty: int) -> tuple[str, str]:
 class Task:
     name: str
     max_difficulty: int
-    make: Callable[[random.Random, int], tuple[str, str]]
+    make: Callable[..., tuple[str, str]]  # (rng, difficulty[, variant]) -> (question, answer)
     weight: float  # share of training examples
+    # A second knob whose values are evaluated one by one (json: the digits of every value). Training
+    # draws it inside `make`; empty when the task has none.
+    variants: tuple[int, ...] = ()
+    variant_label: str = ""
 
 
 TASK_LIST = (
     Task("reverse", 12, _reverse, 0.22),
     Task("sort", 8, _sort, 0.28),
     Task("nato", 6, _nato, 0.22),
-    Task("json", 3, _json, 0.2),
+    Task("json", 3, _json, 0.2, VALUE_DIGITS, "{}-digit values"),
     Task("help", 1, _unknown, 0.08),
 )
 TASK_BY_NAME = {t.name: t for t in TASK_LIST}
 TASKS = tuple(TASK_BY_NAME)
 MAX_DIFFICULTY = {t.name: t.max_difficulty for t in TASK_LIST}
+
+# What the model card (dgcli/models/README.md) promises for each task, as the card words it:
+# (phrase, knob, lowest, highest). `knob_values` measures the knobs of a question, so tests can
+# check that training, the held-out sets and the bench set cover each range and stay inside it.
+DOCUMENTED_RANGES = {
+    "reverse": (("{}-{} characters", "characters", 1, 12),),
+    "sort": (("{}-{} letters", "letters", 1, 8),),
+    "nato": (("{}-{} letters", "letters", 1, 6),),
+    "json": (("{}-{} pairs", "pairs", 1, 3), ("keys {}-{} letters", "key letters", 1, 2),
+             ("values {}-{}", "value", 0, 999)),
+}
+
+
+def knob_values(example: Example) -> dict[str, list[int]]:
+    """The documented knobs of a task question: its length, or a JSON question's pair count, every
+    key's length and every value."""
+    text = example.question.partition(": ")[2]
+    if example.task == "reverse":
+        return {"characters": [len(text)]}
+    if example.task in ("sort", "nato"):
+        return {"letters": [len(text)]}
+    if example.task == "json":
+        pairs = [p.partition("=") for p in text.split(" ")]
+        return {"pairs": [len(pairs)], "key letters": [len(k) for k, _, _ in pairs],
+                "value": [int(v) for _, _, v in pairs]}
+    raise ValueError(f"{example.task!r} has no documented ranges")
 
 
 def is_task_question(question: str) -> bool:
@@ -194,37 +236,58 @@ def is_task_question(question: str) -> bool:
     return set(text) <= allowed and text.strip() == text and "  " not in text
 
 
-def make_example(task: str, difficulty: int, rng: random.Random) -> Example:
+def make_example(task: str, difficulty: int, rng: random.Random, variant: int | None = None) -> Example:
+    """An example of `task` at `difficulty`; `variant` fixes the task's second knob (Task.variants)."""
     if task not in TASK_BY_NAME:
         raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
     spec = TASK_BY_NAME[task]
     if not 1 <= difficulty <= spec.max_difficulty:
         raise ValueError(f"{task} difficulty must be in 1..{spec.max_difficulty}, got {difficulty}")
-    question, answer = spec.make(rng, difficulty)
+    if variant is None:
+        question, answer = spec.make(rng, difficulty)
+    elif variant in spec.variants:
+        question, answer = spec.make(rng, difficulty, variant)
+    else:
+        raise ValueError(f"{task} has no variant {variant!r} (its variants: {spec.variants or 'none'})")
     return Example(task, difficulty, question, answer)
 
 
 def sample_example(rng: random.Random, held_out: bool, task: str | None = None,
-                   difficulty: int | None = None) -> Example:
+                   difficulty: int | None = None, variant: int | None = None) -> Example:
     """A random example from the training split (held_out=False) or the evaluation split."""
     while True:
         chosen = TASK_BY_NAME[task] if task else rng.choices(TASK_LIST, weights=[t.weight for t in TASK_LIST])[0]
         # harder inputs are drawn more often (weight = difficulty): short ones are learned from few examples
         levels = range(1, chosen.max_difficulty + 1)
         chosen_difficulty = difficulty or rng.choices(levels, weights=levels)[0]
-        example = make_example(chosen.name, chosen_difficulty, rng)
+        example = make_example(chosen.name, chosen_difficulty, rng, variant)
         if is_held_out(example.question) == held_out:
             return example
 
 
-def evaluation_set(task: str, difficulty: int, count: int, seed: int = 1234) -> list[Example]:
-    """`count` held-out examples of one task and difficulty, the same ones for the same seed.
+def evaluation_set(task: str, difficulty: int, count: int, seed: int = 1234,
+                   variant: int | None = None) -> list[Example]:
+    """`count` held-out examples of one task and difficulty (and variant, when given), the same ones
+    for the same seed.
 
     Short inputs have few distinct held-out questions (1-letter sort has 26 questions, ~3 held out),
     so repeats are allowed there.
     """
-    rng = random.Random(f"{seed}/{task}/{difficulty}")
-    return [sample_example(rng, held_out=True, task=task, difficulty=difficulty) for _ in range(count)]
+    rng = random.Random(f"{seed}/{task}/{difficulty}" + ("" if variant is None else f"/{variant}"))
+    return [sample_example(rng, held_out=True, task=task, difficulty=difficulty, variant=variant)
+            for _ in range(count)]
+
+
+def evaluation_cells(task: str) -> list[tuple[int, int | None]]:
+    """(difficulty, variant) of every cell a task is evaluated in: each difficulty, crossed with each
+    variant where the task has them, so every documented range is measured on its own."""
+    spec = TASK_BY_NAME[task]
+    return [(d, v) for d in range(1, spec.max_difficulty + 1) for v in (spec.variants or (None,))]
+
+
+def cell_label(task: str, difficulty: int, variant: int | None) -> str:
+    spec = TASK_BY_NAME[task]
+    return str(difficulty) if variant is None else f"{difficulty}, {spec.variant_label.format(variant)}"
 
 
 # dg-tiny's chat template for one user turn with the generation prompt, as plain text. Encoding it
@@ -276,8 +339,11 @@ def parse_answer(generated_ids: list[int], vocab: TinyVocab | None = None) -> st
 
 # -- what dg bench measures the demo on (dgcli/data/demo-prompts.tsv) ------------------------------
 
-# Held-out examples at these difficulties, 3 each (python -m training.evaluate --write-bench-prompts).
-BENCH_LEVELS = {"reverse": (3, 6, 9, 12), "sort": (2, 4, 6, 8), "nato": (2, 4, 6), "json": (1, 2, 3), "help": (1,)}
+# Held-out examples at these difficulties, 3 each (python -m training.evaluate --write-bench-prompts):
+# both ends of every documented range. A task with variants (json) takes one prompt per variant at
+# each level, so the bench holds values of one, two and three digits at every pair count.
+BENCH_LEVELS = {"reverse": (1, 3, 6, 9, 12), "sort": (1, 2, 4, 6, 8), "nato": (1, 2, 4, 6), "json": (1, 2, 3),
+                "help": (1,)}
 
 # Hand-written prompts that are none of the tasks, as a new user types them. "Hello" and "Tell me a
 # story" can also come out of the training generator; the others use words and forms it never makes.

@@ -3,6 +3,7 @@
     .venv/bin/python -m training.train_demo --out build/demo-hf --steps 3200 --decay-from 2400 \
         --save-every 100                                                   # the shipped run: ~3 h on 1 busy core
     .venv/bin/python -m training.train_demo --out build/smoke --steps 50   # a smoke run
+    .venv/bin/python -m training.train_demo --init-gguf OLD.gguf ...       # continue from shipped weights
 
 The model is the real architecture in miniature (Transformers' DiffusionGemmaForBlockDiffusion):
 sliding and full attention layers (full layers with k_eq_v and their own head size), a shared dense
@@ -21,6 +22,7 @@ One step of training, per batch (see training/README.md for why):
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import random
@@ -30,7 +32,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from dgcli.tiny import tiny_vocab
+from dgcli.errors import DgError
+from dgcli.testing.tiny import tiny_vocab
 from training import tasks
 
 SEED = 20260610
@@ -199,15 +202,29 @@ def losses(model, batch: dict, generator: torch.Generator, self_condition: bool,
     return result
 
 
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def train(out_dir: Path, steps: int, batch_size: int, lr: float, ar_weight: float, seed: int,
           threads: int, hidden_size: int, log_every: int = 50, save_every: int = 0,
           stop_after: int | None = None, ar_fraction: float = 0.25, decay_fraction: float = 0.2,
-          decay_from: int | None = None) -> Path:
+          decay_from: int | None = None, init_gguf: Path | None = None, warmup_steps: int | None = None) -> Path:
     """Train (or resume from out_dir/train_state.pt, written every `save_every` steps) and save the
     HF checkpoint. A resumed run continues the same data and noise streams, so it ends where an
-    uninterrupted run would."""
+    uninterrupted run would. `init_gguf` starts from an F32 demo GGUF's weights instead of the
+    seeded initialisation (a fine-tune; the optimizer starts fresh, hence its own warm-up)."""
     torch.set_num_threads(threads)
+    warmup_steps = WARMUP_STEPS if warmup_steps is None else warmup_steps
     model = build_model(seed, hidden_size)
+    if init_gguf is not None:
+        from training.gguf_weights import load_gguf_weights
+
+        load_gguf_weights(model, init_gguf)
     model.train()
     rng = random.Random(seed)
     generator = torch.Generator().manual_seed(seed)
@@ -218,14 +235,15 @@ def train(out_dir: Path, steps: int, batch_size: int, lr: float, ar_weight: floa
     if not 0 <= decay_from <= steps:
         raise SystemExit(f"--decay-from {decay_from} must lie between 0 and --steps ({steps})")
     run = dict(seed=seed, hidden_size=hidden_size, batch_size=batch_size, lr=lr, ar_weight=ar_weight,
-               ar_fraction=ar_fraction)  # what a resumed state must match
+               ar_fraction=ar_fraction, warmup_steps=warmup_steps,
+               init_gguf_sha256=file_sha256(init_gguf) if init_gguf else None)  # what a resumed state must match
 
     def lr_at(step: int) -> float:
         """Warm-up, constant, then a cosine decay over the last `decay_fraction` of the steps to 5%.
         Until the decay starts the rate does not depend on `steps`, so a run can be resumed with a
         larger --steps and ends exactly as a fresh run with that --steps would."""
-        if step < WARMUP_STEPS:
-            return lr * (step + 1) / WARMUP_STEPS
+        if step < warmup_steps:
+            return lr * (step + 1) / warmup_steps
         if step < decay_from:
             return lr
         progress = (step - decay_from) / max(1, steps - decay_from)
@@ -237,6 +255,8 @@ def train(out_dir: Path, steps: int, batch_size: int, lr: float, ar_weight: floa
     first_step, running, elapsed_before = 0, {}, 0.0
     if state_path.exists():
         state = torch.load(state_path, weights_only=False)
+        # states written before the warm-up and the initial weights were options had the defaults
+        state["run"] = {"warmup_steps": WARMUP_STEPS, "init_gguf_sha256": None, **state["run"]}
         if state["run"] != run:
             raise SystemExit(f"{state_path} is from another run ({state['run']}); use another --out")
         schedule_changed = (state["steps"], state["decay_from"]) != (steps, decay_from)
@@ -290,7 +310,7 @@ def save_hf_checkpoint(model, out_dir: Path) -> None:
     """Save weights, config and the dg-tiny tokenizer in the form dg convert reads."""
     model.eval()
     try:
-        from dgcli.reference import save_checkpoint  # the converter's own writer, when present
+        from dgcli.testing.reference import save_checkpoint  # the converter's own writer, when present
     except ImportError:
         save_checkpoint = None
     if save_checkpoint is not None:
@@ -317,9 +337,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decay-fraction", type=float, default=0.2, help="share of the steps spent decaying the rate")
     parser.add_argument("--decay-from", type=int,
                         help="step where the decay starts (instead of --decay-fraction); lets a resumed run end sooner")
+    parser.add_argument("--init-gguf", type=Path,
+                        help="start from this F32 diffusion GGUF's weights (a fine-tune of a shipped demo)")
+    parser.add_argument("--warmup-steps", type=int, default=WARMUP_STEPS, help="linear warm-up of the learning rate")
     args = parser.parse_args(argv)
-    train(args.out, args.steps, args.batch_size, args.lr, args.ar_weight, args.seed, args.threads, args.hidden_size,
-          args.log_every, args.save_every, args.stop_after, args.ar_fraction, args.decay_fraction, args.decay_from)
+    if args.init_gguf is not None and not args.init_gguf.is_file():
+        parser.error(f"--init-gguf {args.init_gguf}: no such file")
+    try:
+        train(args.out, args.steps, args.batch_size, args.lr, args.ar_weight, args.seed, args.threads,
+              args.hidden_size, args.log_every, args.save_every, args.stop_after, args.ar_fraction,
+              args.decay_fraction, args.decay_from, args.init_gguf, args.warmup_steps)
+    except DgError as exc:
+        raise SystemExit(f"error: {exc}") from None
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ import numpy as np
 
 from dgcli.engine.diffusion import GEMMA_PAD_TOKEN_ID, TimedEvents, prompt_token_ids, validate_max_new_tokens
 from dgcli.engine.rng import RngStream, inverse_cdf_sample, resolve_seed
-from dgcli.engine.types import ContextFull, DgError, GenerationResult, InvalidParameter, TokenEvent
+from dgcli.engine.types import GenerationResult, TokenEvent
+from dgcli.errors import WORKER_LOST, ContextFull, DgError, InvalidParameter, WorkerLost
 
 EventCallback = Callable[[Any], Any]
 
@@ -50,7 +51,7 @@ class AutoregressiveEngine:
     def __init__(self, model: str | os.PathLike | Any, n_threads: int | None = None, n_gpu_layers: int = 0,
                  n_ctx: int | None = None, n_cpu_moe: int = 0, rpc_servers: Sequence[str] | None = None):
         if isinstance(model, (str, os.PathLike)):
-            from dgcli.engine.model import ArModel
+            from dgcli.runtime.model import ArModel
 
             self.model = ArModel(os.fspath(model), n_threads=n_threads, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx,
                                  n_cpu_moe=n_cpu_moe, rpc_servers=rpc_servers)
@@ -71,16 +72,17 @@ class AutoregressiveEngine:
 
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 256, seed: int | None = None,
                  chat: bool = True, temperature: float = 0.0, on_event: EventCallback | None = None,
-                 parse_special: bool = False) -> GenerationResult:
+                 parse_special: bool = False, ignore_eos: bool = False) -> GenerationResult:
         """Greedy (temperature 0) or sampled decoding. The answer (`answer_token_ids`): tokens before
-        the end token, pads dropped, at most max_new_tokens decoded."""
+        the end token, pads dropped, at most max_new_tokens decoded. ignore_eos: an end token is an
+        answer token like any other."""
         started = time.perf_counter()
         max_new_tokens = validate_max_new_tokens(max_new_tokens)
         temperature = validate_temperature(temperature)
         seed = resolve_seed(seed)
         rng = RngStream(seed)
         events = TimedEvents(on_event)
-        end_ids = set(int(t) for t in self.model.end_token_ids)
+        end_ids = set() if ignore_eos else set(int(t) for t in self.model.end_token_ids)
         pad_id = getattr(self.model, "pad_token_id", GEMMA_PAD_TOKEN_ID)
         prompt_ids: list[int] = []
         new_tokens: list[int] = []
@@ -125,6 +127,8 @@ class AutoregressiveEngine:
                 decodes += 1
         except (KeyboardInterrupt, _StopRequested):
             stop_reason = "interrupted"
+        except WorkerLost:  # the worker's error is the caller's to report (rpc.check_workers raises it again)
+            stop_reason = WORKER_LOST
         return GenerationResult(
             mode="autoregressive",
             text=self.model.detokenize(new_tokens),
@@ -138,7 +142,7 @@ class AutoregressiveEngine:
             timed_forwards=decodes,
             sampling_s=sampling_s,
             stop_reason=stop_reason,
-            interrupted=stop_reason == "interrupted",
+            interrupted=stop_reason in ("interrupted", WORKER_LOST),
             seed=seed,
             display_s=events.seconds,
             prefill_answer_tokens=from_prefill,

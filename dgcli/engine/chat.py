@@ -18,7 +18,9 @@ from typing import Any, Callable
 
 from dgcli.engine.diffusion import prompt_token_ids
 from dgcli.engine.rng import SEED_LIMIT, resolve_seed
-from dgcli.engine.types import DgError, DiffusionParams, GenerationResult, check_utf8
+from dgcli.engine.types import GenerationResult
+from dgcli.errors import DgError, check_utf8
+from dgcli.params import DiffusionParams
 
 COMMANDS = {
     "/exit": "leave the chat (also /quit, /bye, Ctrl-D)",

@@ -5,7 +5,7 @@ Outer loop, one canvas at a time (at most ceil(max_new_tokens / canvas_length) c
     stop at an end token, else commit it (encoder pass appending it to the KV cache) and go on.
 Inner loop, cur_step from max_denoising_steps down to 1 (`denoising_step`):
     decoder forward (self-conditioned on the previous step's processed logits: dense as the
-    reference on small vocabularies, else the sampler's top-k of their softmax); temperature,
+    reference, or the sampler's top-k of their softmax; runtime/self_cond.py); temperature,
     entropy, argmax and multinomial sample per position; entropy-bound acceptance; renoise;
     adaptive stop. The forward and the per-position pass are one graph when the model offers
     `denoise_step` (the "graph" step: only per-position results leave llama.cpp), else the model's
@@ -39,58 +39,21 @@ from dgcli.engine.sampler import (
     StepSampler,
     entropy_bound_accept_mask,
     finalize_canvas,
-    StepStats,
     make_step_sampler,
     mean_entropy,
     renoise_canvas,
     schedule_temperature,
 )
-from dgcli.engine.types import (
-    CanvasEvent,
-    ContextFull,
-    DgError,
-    DiffusionParams,
-    GenerationResult,
-    InvalidParameter,
-    StepEvent,
-    answer_token_ids,
-)
+from dgcli.engine.types import CanvasEvent, GenerationResult, StepEvent, answer_token_ids
+from dgcli.errors import WORKER_LOST, ContextFull, DgError, InvalidParameter, WorkerLost
+from dgcli.params import DiffusionParams
+from dgcli.runtime.forward import StepStats
+from dgcli.runtime.self_cond import SelfCond, batched_self_cond, resolve_self_cond_top_k, self_cond_form
 
 EventCallback = Callable[[Any], Any]
 
 # Gemma's <pad>; used when a model object does not say (the reference reads generation_config.pad_token_id)
 GEMMA_PAD_TOKEN_ID = 0
-
-# Self-conditioning input (the previous step's softmax over the vocabulary, times E): dense, as the
-# reference, up to this vocabulary size (tiny and demo models: exact reference behaviour, cheap);
-# above it the sampler's top SPARSE_SC_TOP_K tokens per position. On the real vocabulary (262144)
-# the dense product is ~190 G multiply-adds per step, 10x the rest of a 2-layer forward; the
-# dropped tail mass is reported per step (StepEvent.sc_dropped_mass).
-DENSE_SC_MAX_VOCAB = 4096
-SPARSE_SC_TOP_K = 64
-
-
-def resolve_self_cond_top_k(value: Any, vocab_size: int) -> int:
-    """The top-k width for a `self_cond_top_k` setting; 0 means dense (the reference's form).
-    None: dense when vocab_size <= DENSE_SC_MAX_VOCAB, else SPARSE_SC_TOP_K. 0 or "dense": dense.
-    k >= vocab_size is dense too (nothing would be dropped)."""
-    if value is None:
-        return 0 if vocab_size <= DENSE_SC_MAX_VOCAB else min(SPARSE_SC_TOP_K, vocab_size)
-    if isinstance(value, str) and value.strip().lower() == "dense":
-        return 0
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise InvalidParameter("self_cond_top_k", value, 'an integer >= 0 (0 = dense), "dense" or None (auto)')
-    return 0 if value >= vocab_size else int(value)
-
-
-@dataclass
-class _SelfCond:
-    """The next decoder forward's self-conditioning input: dense processed logits, or top-k."""
-
-    logits: np.ndarray | None = None  # float32 [C, V]
-    ids: np.ndarray | None = None  # int32 [C, k]
-    probs: np.ndarray | None = None  # float32 [C, k]
-    dropped_mass: float = 0.0  # largest probability mass left out of a position's top-k
 
 
 class _StopRequested(Exception):
@@ -132,7 +95,7 @@ class _StepOutcome:
     canvas: np.ndarray  # the next step's input canvas
     argmax: np.ndarray
     accepted_mask: np.ndarray
-    self_cond: _SelfCond  # the next step's self-conditioning input
+    self_cond: SelfCond  # the next step's self-conditioning input
     stopped: bool
     mean_entropy: float
     temperature: float
@@ -144,8 +107,9 @@ STEP_BACKENDS = ("auto", "graph", "native", "numpy")
 
 def _resolve_step_backend(sampler: str | StepSampler, model: Any, n_threads: int | None) -> StepSampler | None:
     """The host sampler for `sampler`, or None when the step runs inside the model's graph.
-    "auto": the graph step when the model has one (`denoise_step`), else the best host sampler;
-    "graph": the graph step (error without it); "native" / "numpy": host logits, that sampler."""
+    "auto": the graph step when the model has one (`denoise_step`) that this placement can run
+    (`graph_step_refused`), else the best host sampler; "graph": the graph step (error without it);
+    "native" / "numpy": host logits, that sampler."""
     if not isinstance(sampler, str):
         return sampler  # a StepSampler object (tests hand in a freshly compiled one)
     if sampler not in STEP_BACKENDS:
@@ -153,6 +117,10 @@ def _resolve_step_backend(sampler: str | StepSampler, model: Any, n_threads: int
     has_graph_step = callable(getattr(model, "denoise_step", None))
     if sampler == "graph" and not has_graph_step:
         raise DgError(f"{type(model).__name__} has no in-graph denoising step (denoise_step)")
+    refused = getattr(model, "graph_step_refused", lambda: None)() if has_graph_step else None
+    if sampler == "graph" and refused:
+        raise DgError(refused)
+    has_graph_step = has_graph_step and not refused
     if sampler in ("graph", "auto") and has_graph_step:
         return None
     return make_step_sampler(sampler, n_threads=n_threads)
@@ -223,8 +191,12 @@ class DiffusionSequence:
 
     def __init__(self, model: Any, prompt_ids: Sequence[int], params: DiffusionParams, max_new_tokens: int,
                  rng: RngStream, step_sampler: StepSampler | None, top_k: int = 0, pad_token_id: int | None = GEMMA_PAD_TOKEN_ID,
-                 on_event: EventCallback | None = None):
+                 on_event: EventCallback | None = None, ignore_eos: bool = False):
         self.model = model
+        # ignore_eos (llama.cpp's --ignore-eos): end tokens are answer tokens like any other and a
+        # canvas of padding does not end it either, so a generation runs to max_new_tokens
+        self.ignore_eos = ignore_eos
+        self.end_token_ids = [] if ignore_eos else [int(t) for t in model.end_token_ids]
         self.params = params.validate(canvas_length=model.canvas_length)
         limit = validate_max_new_tokens(max_new_tokens)
         self.max_new_canvases = math.ceil(limit / model.canvas_length)
@@ -234,7 +206,7 @@ class DiffusionSequence:
         self.state = _LoopState(limit=limit, prompt_ids=[int(t) for t in prompt_ids])
         self.canvas_index = 0
         self.canvas: np.ndarray | None = None  # the next forward's input canvas
-        self.self_cond: _SelfCond | None = None  # None: no self-conditioning signal (a canvas's first step)
+        self.self_cond: SelfCond | None = None  # None: no self-conditioning signal (a canvas's first step)
         self.stop_rule: StableAndConfidentStop | None = None
         self.stop_reason: str | None = None  # set when the generation is over
         self.started = time.perf_counter()
@@ -302,10 +274,12 @@ class DiffusionSequence:
     def _apply_rules(self, plan: _StepPlan, stats: StepStats, sampler_s: float) -> _StepOutcome:
         began = time.perf_counter()
         if self.top_k:
-            next_sc = _SelfCond(ids=stats.topk_ids, probs=stats.topk_probs,
-                                dropped_mass=float(np.max(stats.dropped_mass)))
+            next_sc = SelfCond(ids=stats.topk_ids, probs=stats.topk_probs,
+                               dropped_mass=float(np.max(stats.dropped_mass)))
+        elif stats.soft is not None:
+            next_sc = SelfCond(soft=stats.soft)  # the graph step formed the product already
         else:
-            next_sc = _SelfCond(logits=stats.processed)
+            next_sc = SelfCond(logits=stats.processed)
         accepted = entropy_bound_accept_mask(stats.entropy, self.params.entropy_bound)
         next_canvas = renoise_canvas(stats.sampled, accepted, self.rng.renoise(len(self.canvas), self.model.vocab_size))
         stopped = self.stop_rule(stats.argmax, stats.entropy)
@@ -320,17 +294,17 @@ class DiffusionSequence:
         generation stops here (stop_reason says why)."""
         state = self.state
         argmax_canvas = state.current_argmax
-        canvas, state.found_end = finalize_canvas(argmax_canvas, self.model.end_token_ids, self.pad_token_id)
+        canvas, state.found_end = finalize_canvas(argmax_canvas, self.end_token_ids, self.pad_token_id)
         state.committed.append(canvas)
         state.current_argmax = None
-        whole = answer_token_ids(canvas, self.model.end_token_ids, self.pad_token_id)
+        whole = answer_token_ids(canvas, self.end_token_ids, self.pad_token_id)
         self._canvas_answer = whole[:state.limit - len(state.answer)]
         state.answer.extend(self._canvas_answer)
         if len(self._canvas_answer) < len(whole):
             self.stop_reason = "length"  # cut at max_new_tokens, whatever the canvas went on to say
         elif state.found_end:
             self.stop_reason = "end_token"
-        elif self.pad_token_id is not None and bool(np.all(canvas == self.pad_token_id)):
+        elif not self.ignore_eos and self.pad_token_id is not None and bool(np.all(canvas == self.pad_token_id)):
             self.stop_reason = "pad_canvas"
         elif self.canvas_index + 1 == self.max_new_canvases or len(state.answer) >= state.limit:
             self.stop_reason = "length"
@@ -346,13 +320,14 @@ class DiffusionSequence:
     # ---- result ------------------------------------------------------------------------------------
 
     def result(self, stop_reason: str | None = None, seed: int | None = None) -> GenerationResult:
-        """What this generation produced so far; stop_reason "interrupted" adds the current canvas's answer."""
+        """What this generation produced so far; stop_reason "interrupted" (or WORKER_LOST) adds the
+        current canvas's answer."""
         state = self.state
         stop_reason = stop_reason or self.stop_reason or "length"
-        interrupted = stop_reason == "interrupted"
+        interrupted = stop_reason in ("interrupted", WORKER_LOST)
         answer = list(state.answer)
         if interrupted and state.current_argmax is not None and not state.found_end:
-            answer.extend(answer_token_ids(state.current_argmax, self.model.end_token_ids, self.pad_token_id,
+            answer.extend(answer_token_ids(state.current_argmax, self.end_token_ids, self.pad_token_id,
                                            limit=state.limit - len(state.answer)))
         forwards = state.decoder_forwards
         display_s = self.events.seconds
@@ -373,36 +348,9 @@ class DiffusionSequence:
             seed=seed if seed is not None else self.rng.seed,
             display_s=display_s,
             n_cached_prompt_tokens=state.n_cached_prompt,
+            self_conditioning=self_cond_form(self.top_k),
             canvas_token_ids=[int(t) for canvas in state.committed for t in canvas],
         )
-
-
-def batched_self_cond(self_conds: Sequence[_SelfCond | None]) -> tuple[np.ndarray, np.ndarray] | None:
-    """Several canvases' self-conditioning inputs as one top-k pair (ids [n, C, k], probs [n, C, k]).
-    A canvas on its first step (None) gets all-zero probabilities: the graph then adds exactly zero,
-    as when no input is passed. Dense inputs become k = V: every id, softmax probabilities."""
-    from dgcli.engine.model import dense_self_cond_probs
-
-    present = [sc for sc in self_conds if sc is not None]
-    if not present:
-        return None
-    first = present[0]
-    dense = first.ids is None
-    length, k = (first.logits if dense else first.ids).shape
-    ids = np.zeros((len(self_conds), length, k), dtype=np.int32)
-    probs = np.zeros((len(self_conds), length, k), dtype=np.float32)
-    if dense:
-        ids[:] = np.arange(k, dtype=np.int32)
-    for row, sc in enumerate(self_conds):
-        if sc is None:
-            continue
-        if (sc.ids is None) != dense or (sc.logits if dense else sc.ids).shape != (length, k):
-            raise DgError("canvases in one forward need the same self-conditioning form (dense or the same top-k)")
-        if dense:
-            probs[row] = dense_self_cond_probs(sc.logits)
-        else:
-            ids[row], probs[row] = sc.ids, sc.probs
-    return ids, probs
 
 
 def denoising_step(model: Any, sequences: Sequence[DiffusionSequence]) -> list[bool]:
@@ -430,28 +378,26 @@ def denoising_step(model: Any, sequences: Sequence[DiffusionSequence]) -> list[b
             logits = model.decode_canvas(seq.canvas, None if sc is None else sc.logits)[None]
     else:
         canvases = np.stack([seq.canvas for seq in sequences])
-        logits = model.decode_canvases(canvases, sc_topk=batched_self_cond([seq.self_cond for seq in sequences]),
-                                       per_sequence=True)
+        logits = model.decode_canvases(canvases, per_sequence=True,
+                                       **batched_self_cond([seq.self_cond for seq in sequences]))
     forward_s = time.perf_counter() - began
     return [seq.sample_step(rows, forward_s, plan) for seq, plan, rows in zip(sequences, plans, logits)]
 
 
 def _graph_step(model: Any, sequences: Sequence[DiffusionSequence], plans: Sequence[_StepPlan]) -> list[StepStats]:
-    """The decoder forward and the per-position pass in one graph, for every sequence's canvas.
-    The dense self-conditioning input (top_k 0) needs the processed logits back."""
+    """The decoder forward and the per-position pass in one graph, for every sequence's canvas. The
+    next step's self-conditioning input comes out of the same graph: the top-k, or (dense) the soft
+    embedding, this step's probabilities times E."""
     top_k = sequences[0].top_k
     if any(seq.top_k != top_k for seq in sequences):
         raise DgError("canvases in one forward need the same self-conditioning form (dense or the same top-k)")
     canvases = np.stack([seq.canvas for seq in sequences])
     temperatures = np.array([plan.temperature for plan in plans], dtype=np.float32)
     uniforms = np.stack([plan.uniforms for plan in plans])
-    if len(sequences) == 1:
-        sc = sequences[0].self_cond
-        self_cond = {} if sc is None else (
-            {"sc_topk": (sc.ids[None], sc.probs[None])} if sc.ids is not None else {"sc_logits": sc.logits[None]})
-    else:
-        self_cond = {"sc_topk": batched_self_cond([seq.self_cond for seq in sequences]), "per_sequence": True}
-    return model.denoise_step(canvases, temperatures, uniforms, top_k=top_k, return_values=not top_k, **self_cond)
+    self_cond = batched_self_cond([seq.self_cond for seq in sequences])
+    if len(sequences) > 1:
+        self_cond["per_sequence"] = True
+    return model.denoise_step(canvases, temperatures, uniforms, top_k=top_k, next_soft=not top_k, **self_cond)
 
 
 class DiffusionEngine:
@@ -462,7 +408,7 @@ class DiffusionEngine:
                  self_cond_top_k: int | str | None = None, n_cpu_moe: int = 0,
                  rpc_servers: Sequence[str] | None = None):
         if isinstance(model, (str, os.PathLike)):
-            from dgcli.engine.model import DiffusionModel
+            from dgcli.runtime.model import DiffusionModel
 
             self.model = DiffusionModel(os.fspath(model), n_threads=n_threads, n_gpu_layers=n_gpu_layers,
                                         exact=exact, n_ctx=n_ctx, n_cpu_moe=n_cpu_moe, rpc_servers=rpc_servers)
@@ -505,24 +451,24 @@ class DiffusionEngine:
 
     def new_sequence(self, prompt_ids: Sequence[int], params: DiffusionParams | None = None, max_new_tokens: int = 256,
                      seed: int | None = None, on_event: EventCallback | None = None, rng: RngStream | None = None,
-                     self_cond_top_k: int | str | None = None) -> DiffusionSequence:
+                     self_cond_top_k: int | str | None = None, ignore_eos: bool = False) -> DiffusionSequence:
         """A generation's state with every setting validated; nothing runs yet. seed None: a random
-        seed (rng.seed reports it)."""
+        seed (rng.seed reports it). ignore_eos: end tokens do not end the answer."""
         setting = self.self_cond_top_k if self_cond_top_k is None else self_cond_top_k
-        top_k = resolve_self_cond_top_k(setting, self.model.vocab_size)
+        top_k = resolve_self_cond_top_k(setting, self.model.vocab_size, exact=getattr(self.model, "exact", False))
         return DiffusionSequence(
             self.model, prompt_ids, params or self.default_params, max_new_tokens,
             rng if rng is not None else RngStream(resolve_seed(seed)), self.step_sampler,
-            top_k=top_k, pad_token_id=self.pad_token_id, on_event=on_event)
+            top_k=top_k, pad_token_id=self.pad_token_id, on_event=on_event, ignore_eos=ignore_eos)
 
     def generate(self, prompt: str | Sequence[int], params: DiffusionParams | None = None, max_new_tokens: int = 256,
                  seed: int | None = None, chat: bool = True, on_event: EventCallback | None = None,
                  rng: RngStream | None = None, self_cond_top_k: int | str | None = None,
-                 reuse_cache: bool = False, parse_special: bool = False) -> GenerationResult:
+                 reuse_cache: bool = False, parse_special: bool = False, ignore_eos: bool = False) -> GenerationResult:
         """One generation. prompt: see `prompt_token_ids`. seed None: a random seed, reported in the
         result. reuse_cache: keep the KV cache's longest prefix shared with the prompt's tokens and
         prefill only the rest (chat turns)."""
-        seq = self.new_sequence([], params, max_new_tokens, seed, on_event, rng, self_cond_top_k)
+        seq = self.new_sequence([], params, max_new_tokens, seed, on_event, rng, self_cond_top_k, ignore_eos)
         stop_reason = None
         try:
             seq.state.prompt_ids = prompt_token_ids(self.model, prompt, chat, parse_special)
@@ -541,6 +487,8 @@ class DiffusionEngine:
                         seq.start_canvas()
         except (KeyboardInterrupt, _StopRequested):
             stop_reason = "interrupted"
+        except WorkerLost:  # the worker's error is the caller's to report (rpc.check_workers raises it again)
+            stop_reason = WORKER_LOST
         except ContextFull:
             if not seq.state.steps_per_canvas:
                 raise  # the prompt alone does not fit: nothing was generated

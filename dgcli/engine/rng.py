@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from dgcli.engine.types import InvalidParameter
+from dgcli.errors import InvalidParameter
 
 # Seeds are 32-bit, as llama.cpp's: a picked seed fits every tool a user may replay it with.
 SEED_LIMIT = 1 << 32

@@ -24,35 +24,19 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import numpy as np
 
 from dgcli.engine.rng import inverse_cdf_sample
-from dgcli.engine.types import DgError
+from dgcli.errors import DgError
+from dgcli.runtime.forward import StepStats
 
 
 def schedule_temperature(cur_step: int, max_steps: int, t_min: float, t_max: float) -> np.float32:
     """The linear schedule, in float32 as the reference evaluates it (`cur_step` is an int32 tensor there)."""
     fraction = np.float32(cur_step) / np.float32(max_steps)
     return np.float32(np.float32(t_min) + np.float32(t_max - t_min) * fraction)
-
-
-@dataclass
-class StepStats:
-    """Per-position results of one step's logits pass."""
-
-    entropy: np.ndarray  # float64 [C]: entropy of softmax(logits / t)
-    argmax: np.ndarray  # int64 [C]: argmax of logits / t
-    sampled: np.ndarray  # int64 [C]: multinomial sample from softmax(logits / t)
-    # float32 [C, V]: logits / t (the dense self-conditioning input of the next step); None when the
-    # step ran inside the decoder graph without being asked for it
-    processed: np.ndarray | None
-    # with top_k > 0: the next step's self-conditioning input in top-k form (see `top_k_softmax`)
-    topk_ids: np.ndarray | None = None  # int32 [C, k]: most probable first
-    topk_probs: np.ndarray | None = None  # float32 [C, k]: softmax(processed) at those ids
-    dropped_mass: np.ndarray | None = None  # float64 [C]: 1 - sum(topk_probs), the mass left out
 
 
 class StepSampler(Protocol):

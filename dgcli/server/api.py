@@ -1,35 +1,38 @@
-"""The OpenAI API's shapes for `dg serve`: request validation, response bodies, stream chunks, errors.
+"""What a request to `dg serve` may carry, validated: pure functions over the parsed JSON body.
 
-Pure functions over dicts (no HTTP here; dgcli/server/app.py serves them). What a request may carry:
-
-- the OpenAI fields dg honours: `messages` (chat) or `prompt` (completions), `model` (echoed; one
-  model is served), `max_tokens` / `max_completion_tokens`, `seed`, `stream`,
-  `stream_options.include_usage`, `stop` (a string or up to 4), `n` (1 only);
+- the OpenAI fields dg honours: `messages` (chat, tool messages included) or `prompt` (completions:
+  one or several prompts, text or token ids), `model` (the one served; another is a 404),
+  `max_tokens` / `max_completion_tokens`, `seed`, `stream`, `stream_options.include_usage`,
+  `stop` (a string or up to 4), `n` (choices per prompt), `tools` / `tool_choice`
+  (dgcli/server/tools.py), `response_format` (dgcli/server/structured.py; llama-server's
+  `json_schema` field too);
 - the diffusion sampler's parameters as extra fields (the CLI's flags): `steps` (or
   `max_denoising_steps`), `t_min`, `t_max`, `entropy_bound`, `stability_threshold`,
   `confidence_threshold`; unset ones take the GGUF's defaults;
 - `dg_steps: true` (with `stream: true`): one extra chunk per denoising step carrying the canvas
-  (`dg_step`, see step_chunk) and one per committed canvas (`dg_canvas`);
-- fields that only tune an autoregressive sampler (`temperature`, `top_p`, penalties, `logit_bias`)
-  are accepted and ignored: the diffusion sampler has its own temperature schedule (t_min/t_max).
-Anything dg cannot do (tools, logprobs, images, n > 1) is a 400 naming the field.
+  (`dg_step`) and one per committed canvas (`dg_canvas`);
+- `temperature` (OpenAI's range, 0 to 2) tunes only the grammar-constrained autoregressive decoder
+  (structured output, forced tool calls; unset: greedy); `top_p` and the penalties are checked and
+  ignored: the diffusion sampler has its own temperature schedule (t_min/t_max).
+Every malformed or unsupported field is an ApiError 400 naming it (`param`).
 """
 
 from __future__ import annotations
 
 import math
-import time
-import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from dgcli.engine.rng import SEED_LIMIT
-from dgcli.engine.types import DgError, DiffusionParams, GenerationResult, InvalidParameter, StepEvent, check_utf8
+from dgcli.errors import InvalidParameter
+from dgcli.params import DiffusionParams
+from dgcli.server.request import CompletionRequest, bad, get_field, number_in, unicode_text
+from dgcli.server.structured import parse_response_format
+from dgcli.server.tools import parse_message_tool_calls, parse_tool_choice, parse_tools
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
+MAX_CHOICES = 16  # n x prompts in one request
+MAX_MESSAGES = 4096
 
 # extra request field -> DiffusionParams field
 SAMPLER_FIELDS = {
@@ -42,61 +45,15 @@ SAMPLER_FIELDS = {
     "confidence_threshold": "confidence_threshold",
 }
 INTEGER_SAMPLER_FIELDS = {"max_denoising_steps", "stability_threshold"}
+# OpenAI's ranges for the fields dg checks but does not use (or uses only in the AR decoder)
+OPENAI_NUMBERS = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "presence_penalty": (-2.0, 2.0),
+                  "frequency_penalty": (-2.0, 2.0)}
 UNSUPPORTED_FIELDS = {
-    "tools": "tool calls", "tool_choice": "tool calls", "functions": "function calls",
-    "function_call": "function calls", "audio": "audio output", "prediction": "predicted outputs",
-    "suffix": "suffix (fill-in-the-middle)",
+    "functions": "the deprecated 'functions' (send 'tools')", "function_call": "the deprecated 'function_call' "
+    "(send 'tool_choice')", "audio": "audio output", "prediction": "predicted outputs",
+    "suffix": "suffix (fill-in-the-middle)", "grammar": "raw grammars (send response_format with a json_schema)",
 }
-MESSAGE_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-
-
-class ApiError(Exception):
-    """An error response in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": " ".join(str(message).split()), "type": type, "param": param, "code": code}}
-
-
-def _bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
-    return ApiError(400, message, param=param, code=code)
-
-
-@dataclass
-class CompletionRequest:
-    """A validated request of either endpoint."""
-
-    kind: str  # "chat" | "completion"
-    messages: list[dict[str, str]] = field(default_factory=list)  # chat
-    prompt: str | list[int] = ""  # completion: text, or token ids
-    model: str | None = None
-    params: DiffusionParams = field(default_factory=DiffusionParams)
-    max_new_tokens: int = 256
-    max_tokens_given: bool = False  # False: the server's default, shortened to what the context holds
-    seed: int | None = None
-    stream: bool = False
-    include_usage: bool = False
-    stop: list[str] = field(default_factory=list)
-    dg_steps: bool = False
-
-
-def _get(body: dict, name: str, kinds: tuple[type, ...], what: str) -> Any:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-        raise _bad(f"'{name}' must be {what}", param=name)
-    return value
+MESSAGE_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 def parse_request(body: Any, kind: str, defaults: DiffusionParams, default_max_tokens: int,
@@ -104,112 +61,177 @@ def parse_request(body: Any, kind: str, defaults: DiffusionParams, default_max_t
     """Validate a request body of /v1/chat/completions (kind "chat") or /v1/completions ("completion");
     canvas_length: the served model's, which bounds the steps a canvas may take."""
     if not isinstance(body, dict):
-        raise _bad("the request body must be a JSON object")
+        raise bad("the request body must be a JSON object")
     req = CompletionRequest(kind=kind)
     for name, what in UNSUPPORTED_FIELDS.items():
         if body.get(name) not in (None, [], {}):
-            raise _bad(f"'{name}' is not supported: dg serve does not do {what}", param=name)
+            raise bad(f"'{name}' is not supported: dg serve does not do {what}", param=name)
     if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
-        raise _bad("'logprobs' is not supported by dg serve", param="logprobs")
+        raise bad("'logprobs' is not supported by dg serve: a canvas's tokens are not drawn one by one "
+                  "from a distribution", param="logprobs")
     if kind == "completion" and body.get("echo"):
-        raise _bad("'echo' is not supported by dg serve", param="echo")
-    for name in ("n", "best_of"):
-        n = _get(body, name, (int,), "an integer")
-        if n is not None and n != 1:
-            raise _bad(f"'{name}' must be 1: dg serve returns one choice per request", param=name)
-    response_format = body.get("response_format")
-    if response_format is not None and (not isinstance(response_format, dict) or response_format.get("type") != "text"):
-        raise _bad("only response_format {\"type\": \"text\"} is supported", param="response_format")
+        raise bad("'echo' is not supported by dg serve", param="echo")
+    req.n = parse_count(body, "n")
+    best_of = parse_count(body, "best_of")
+    if best_of != req.n and body.get("best_of") is not None:
+        raise bad("'best_of' must equal n: dg serve returns every choice it makes", param="best_of")
 
     if kind == "chat":
         req.messages = parse_messages(body.get("messages"))
+        req.tools = parse_tools(body.get("tools"))
+        req.tool_choice = parse_tool_choice(body.get("tool_choice"), req.tools)
+        req.parallel_tool_calls = get_field(body, "parallel_tool_calls", (bool,), "true or false") is not False
     else:
-        req.prompt = parse_prompt(body.get("prompt"))
-    req.model = _get(body, "model", (str,), "a string")
-    req.stream = bool(_get(body, "stream", (bool,), "true or false"))
-    options = _get(body, "stream_options", (dict,), "an object")
+        req.prompts = parse_prompts(body.get("prompt"))
+        for name in ("tools", "tool_choice"):
+            if body.get(name) is not None:
+                raise bad(f"'{name}' belongs to /v1/chat/completions", param=name)
+    if req.n_choices > MAX_CHOICES:
+        raise bad(f"n x prompts = {req.n_choices} exceeds dg serve's limit of {MAX_CHOICES} choices per request",
+                  param="n")
+    req.response_format = parse_response_format(body.get("response_format"))
+    if body.get("json_schema") is not None:  # llama-server's shorthand for a json_schema response_format
+        if req.response_format is not None:
+            raise bad("send either 'json_schema' or 'response_format'", param="json_schema")
+        req.response_format = parse_response_format({"type": "json_schema", "json_schema": {
+            "schema": body["json_schema"]}}, "json_schema")
+    req.model = get_field(body, "model", (str,), "a string")
+    parse_openai_numbers(body, req)
+    req.stream = bool(get_field(body, "stream", (bool,), "true or false"))
+    options = get_field(body, "stream_options", (dict,), "an object")
     if options is not None:
         if not req.stream:
-            raise _bad("'stream_options' is only allowed with stream: true", param="stream_options")
-        req.include_usage = bool(_get(options, "include_usage", (bool,), "true or false"))
-    req.dg_steps = bool(_get(body, "dg_steps", (bool,), "true or false"))
+            raise bad("'stream_options' is only allowed with stream: true", param="stream_options")
+        req.include_usage = bool(get_field(options, "include_usage", (bool,), "true or false",
+                                           "stream_options.include_usage"))
+    req.dg_steps = bool(get_field(body, "dg_steps", (bool,), "true or false"))
     if req.dg_steps and not req.stream:
-        raise _bad("'dg_steps' streams the canvas per step: it needs stream: true", param="dg_steps")
-
-    # a null field is an unset one: max_completion_tokens null beside max_tokens 5 leaves max_tokens in charge
-    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = body.get(name)
-    if max_tokens is None:
-        req.max_new_tokens = default_max_tokens
-    elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise _bad(f"'{name}' must be an integer >= 1", param=name)
-    elif max_tokens > max_tokens_limit:
-        raise _bad(f"'{name}' = {max_tokens} exceeds this server's limit of {max_tokens_limit}", param=name,
-                   code="context_length_exceeded")
-    else:
-        req.max_new_tokens, req.max_tokens_given = max_tokens, True
-
-    seed = _get(body, "seed", (int,), "an integer")
+        raise bad("'dg_steps' streams the canvas per step: it needs stream: true", param="dg_steps")
+    parse_max_tokens(body, req, default_max_tokens, max_tokens_limit)
+    seed = get_field(body, "seed", (int,), "an integer")
     if seed is not None and not 0 <= seed < SEED_LIMIT:  # the engine's range: checked only once the request ran
-        raise _bad(f"'seed' must be an integer in [0, {SEED_LIMIT - 1}]", param="seed")
+        raise bad(f"'seed' must be an integer in [0, {SEED_LIMIT - 1}]", param="seed")
     req.seed = seed
     req.stop = parse_stop(body.get("stop"))
     req.params = parse_sampler(body, defaults, canvas_length)
     return req
 
 
-def parse_messages(messages: Any) -> list[dict[str, str]]:
+def parse_count(body: dict, name: str) -> int:
+    value = get_field(body, name, (int,), f"an integer from 1 to {MAX_CHOICES}")
+    if value is None:
+        return 1
+    if not 1 <= value <= MAX_CHOICES:
+        raise bad(f"'{name}' must be an integer from 1 to {MAX_CHOICES}", param=name)
+    return value
+
+
+def parse_openai_numbers(body: dict, req: CompletionRequest) -> None:
+    for name, (low, high) in OPENAI_NUMBERS.items():
+        value = body.get(name)
+        if value is not None and not number_in(value, low, high):
+            raise bad(f"'{name}' must be a number from {low:g} to {high:g}", param=name)
+    if body.get("temperature") is not None:
+        req.temperature = float(body["temperature"])
+    bias = body.get("logit_bias")
+    if bias is not None and not isinstance(bias, dict):
+        raise bad("'logit_bias' must be an object", param="logit_bias")
+
+
+def parse_max_tokens(body: dict, req: CompletionRequest, default: int, limit: int) -> None:
+    # a null field is an unset one: max_completion_tokens null beside max_tokens 5 leaves max_tokens in charge
+    names = [n for n in ("max_completion_tokens", "max_output_tokens", "max_tokens") if body.get(n) is not None]
+    name = names[0] if names else "max_tokens"
+    req.max_tokens_param = name
+    max_tokens = body.get(name)
+    if max_tokens is None:
+        req.max_new_tokens = default
+    elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise bad(f"'{name}' must be an integer >= 1", param=name)
+    elif max_tokens > limit:
+        raise bad(f"'{name}' = {max_tokens if max_tokens < 10**12 else 'a huge number'} exceeds this server's "
+                  f"limit of {limit}", param=name, code="context_length_exceeded")
+    else:
+        req.max_new_tokens, req.max_tokens_given = max_tokens, True
+
+
+def parse_messages(messages: Any) -> list[dict[str, Any]]:
+    """OpenAI chat messages -> what the chat template takes: {"role", "content"} (text), assistant
+    tool_calls with their arguments as objects, tool results with their call's id and name."""
     if not isinstance(messages, list) or not messages:
-        raise _bad("'messages' must be a non-empty array of {role, content} objects", param="messages")
+        raise bad("'messages' must be a non-empty array of {role, content} objects", param="messages")
+    if len(messages) > MAX_MESSAGES:
+        raise bad(f"'messages' holds more than {MAX_MESSAGES} messages", param="messages")
     out = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
-            raise _bad(f"'{where}' must be an object with 'role' and 'content'", param=where)
+            raise bad(f"'{where}' must be an object with 'role' and 'content'", param=where)
         role = message.get("role")
-        if role not in MESSAGE_ROLES:
-            raise _bad(f"'{where}.role' must be one of system, developer, user, assistant (got {role!r}); "
-                       "tool messages are not supported", param=f"{where}.role")
-        out.append({"role": MESSAGE_ROLES[role], "content": _message_text(message.get("content"), where)})
+        if not isinstance(role, str) or role not in MESSAGE_ROLES:
+            shown = role if isinstance(role, str) and len(role) <= 40 else type(role).__name__
+            raise bad(f"'{where}.role' must be one of system, developer, user, assistant, tool (got {shown!r})",
+                      param=f"{where}.role")
+        entry: dict[str, Any] = {"role": MESSAGE_ROLES[role], "content": message_text(message.get("content"), where)}
+        if role == "assistant" and message.get("tool_calls") is not None:
+            entry["tool_calls"] = parse_message_tool_calls(message["tool_calls"], where)
+        if role == "tool":
+            call_id = get_field(message, "tool_call_id", (str,), "a string", f"{where}.tool_call_id")
+            if call_id is None:
+                raise bad(f"'{where}.tool_call_id' is missing: a tool message answers a tool call",
+                          param=f"{where}.tool_call_id")
+            entry["tool_call_id"] = unicode_text(call_id, f"{where}.tool_call_id")
+        name = get_field(message, "name", (str,), "a string", f"{where}.name")
+        if name is not None:
+            entry["name"] = unicode_text(name, f"{where}.name")
+        out.append(entry)
     return out
 
 
-def _unicode(text: str, param: str) -> str:
-    try:
-        check_utf8(text, f"'{param}'")
-    except DgError as err:
-        raise _bad(str(err), param=param) from None
-    return text
+TEXT_PART_TYPES = ("text", "input_text", "output_text")
 
 
-def _message_text(content: Any, where: str) -> str:
+def message_text(content: Any, where: str) -> str:
     if isinstance(content, str):
-        return _unicode(content, f"{where}.content")
+        return unicode_text(content, f"{where}.content")
     if content is None:
         return ""
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise _bad(f"'{where}.content[{j}]' is not a text part: dg serve takes text only",
-                           param=f"{where}.content")
-            texts.append(_unicode(part["text"], f"{where}.content"))
+            if not isinstance(part, dict) or part.get("type") not in TEXT_PART_TYPES \
+                    or not isinstance(part.get("text"), str):
+                raise bad(f"'{where}.content[{j}]' is not a text part: dg serve takes text only",
+                          param=f"{where}.content")
+            texts.append(unicode_text(part["text"], f"{where}.content"))
         return "".join(texts)
-    raise _bad(f"'{where}.content' must be a string or an array of text parts", param=f"{where}.content")
+    raise bad(f"'{where}.content' must be a string or an array of text parts", param=f"{where}.content")
 
 
-def parse_prompt(prompt: Any) -> str | list[int]:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        if not prompt.strip():
-            raise _bad("'prompt' is empty", param="prompt")
-        return _unicode(prompt, "prompt")
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return list(prompt)
-    if isinstance(prompt, list) and len(prompt) > 1:
-        raise _bad("'prompt' must be one prompt: dg serve takes one prompt per request", param="prompt")
-    raise _bad("'prompt' must be a non-empty string or an array of token ids", param="prompt")
+def is_token_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                           for t in value)
+
+
+def parse_prompts(prompt: Any) -> list[str | list[int]]:
+    """A prompt (text or token ids) or a batch of them (strings, or lists of token ids)."""
+    if isinstance(prompt, str) or is_token_list(prompt):
+        batch = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_token_list(p) for p in prompt):
+        batch = list(prompt)
+    else:
+        raise bad("'prompt' must be a non-empty string, an array of token ids, or an array of either",
+                  param="prompt")
+    out: list[str | list[int]] = []
+    for i, p in enumerate(batch):
+        where = "prompt" if len(batch) == 1 else f"prompt[{i}]"
+        if isinstance(p, str):
+            if not p.strip():
+                raise bad(f"'{where}' is empty", param="prompt")
+            out.append(unicode_text(p, where))
+        else:
+            out.append(list(p))
+    return out
 
 
 def parse_stop(stop: Any) -> list[str]:
@@ -217,10 +239,10 @@ def parse_stop(stop: Any) -> list[str]:
         return []
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops) or len(stops) > MAX_STOP_STRINGS:
-        raise _bad(f"'stop' must be a string or an array of at most {MAX_STOP_STRINGS} strings", param="stop")
+        raise bad(f"'stop' must be a string or an array of at most {MAX_STOP_STRINGS} strings", param="stop")
     if any(len(s) > MAX_STOP_CHARS for s in stops):
-        raise _bad(f"each 'stop' string must be at most {MAX_STOP_CHARS} characters", param="stop")
-    return [s for s in stops if s]
+        raise bad(f"each 'stop' string must be at most {MAX_STOP_CHARS} characters", param="stop")
+    return [unicode_text(s, "stop") for s in stops if s]
 
 
 def parse_sampler(body: dict, defaults: DiffusionParams, canvas_length: int | None = None) -> DiffusionParams:
@@ -230,92 +252,17 @@ def parse_sampler(body: dict, defaults: DiffusionParams, canvas_length: int | No
         if value is None:
             continue
         integral = target in INTEGER_SAMPLER_FIELDS
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (integral and not isinstance(value, int)) \
-                or not math.isfinite(value):
-            raise _bad(f"'{name}' must be {'an integer' if integral else 'a number'}", param=name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (integral and not isinstance(value, int)):
+            raise bad(f"'{name}' must be {'an integer' if integral else 'a number'}", param=name)
+        if not number_in(value, -math.inf, math.inf):  # nan, or an integer of hundreds of digits
+            raise bad(f"'{name}' must be {'an integer' if integral else 'a number'} of a sensible size", param=name)
         if target in values and values[target] != value:
-            raise _bad(f"'{name}' contradicts another field setting {target}", param=name)
+            raise bad(f"'{name}' contradicts another field setting {target}", param=name)
         values[target] = value
     try:
         # with the canvas, as the engine validates them once the request runs (too late for a 400)
         return defaults.replace(**values).validate(canvas_length)
     except InvalidParameter as err:
         field_name = next((n for n, t in SAMPLER_FIELDS.items() if t == err.name and n in body), err.name)
-        raise _bad(f"invalid {field_name}={err.value!r}: must be {err.allowed}", param=field_name) from None
-
-
-# ---- responses ----------------------------------------------------------------------------------------
-
-
-def new_id(kind: str) -> str:
-    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
-
-
-FINISH_REASONS = {"end_token": "stop", "stop": "stop", "length": "length", "interrupted": "stop"}
-
-
-def usage(result: GenerationResult, completion_tokens: int | None = None) -> dict[str, int]:
-    """Answer tokens as the CLI counts them (GenerationResult.n_new_tokens: before the end token), or
-    `completion_tokens` when a stop string cut the answer (AnswerStream.stop_tokens)."""
-    completion = result.n_new_tokens if completion_tokens is None else min(completion_tokens, result.n_new_tokens)
-    return {"prompt_tokens": result.n_prompt_tokens, "completion_tokens": completion,
-            "total_tokens": result.n_prompt_tokens + completion}
-
-
-def dg_stats(result: GenerationResult, queued_s: float) -> dict[str, Any]:
-    """dg's own figures for a request (an extra top-level field; clients ignore it)."""
-    return {"steps_per_canvas": result.steps_per_canvas, "decoder_forwards": result.decoder_forwards,
-            "tokens_per_forward": round(result.tokens_per_forward, 4), "queued_s": round(queued_s, 4),
-            "total_s": round(result.total_s, 4), "prefill_s": round(result.prefill_s, 4)}
-
-
-def completion_body(kind: str, rid: str, created: int, model: str, reasoning: str, content: str, finish: str,
-                    result: GenerationResult, queued_s: float, completion_tokens: int | None = None) -> dict[str, Any]:
-    if kind == "chat":
-        message = {"role": "assistant", "content": content, "reasoning_content": reasoning or None}
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish}
-        obj = "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
-            "usage": usage(result, completion_tokens), "dg": dg_stats(result, queued_s)}
-
-
-def chunk_body(kind: str, rid: str, created: int, model: str, *, reasoning: str = "", content: str = "",
-               role: bool = False, finish: str | None = None, extra: dict[str, Any] | None = None,
-               no_choices: bool = False) -> dict[str, Any]:
-    """One streamed chunk. Chat: a delta (role / reasoning_content / content); completions: text."""
-    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-    body: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model}
-    if no_choices:
-        body["choices"] = []
-    elif kind == "chat":
-        delta: dict[str, Any] = {}
-        if role:
-            delta["role"] = "assistant"
-            delta["content"] = ""
-        if reasoning:
-            delta["reasoning_content"] = reasoning
-        if content:
-            delta["content"] = content
-        body["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
-    else:
-        body["choices"] = [{"index": 0, "text": content, "logprobs": None, "finish_reason": finish}]
-    if extra:
-        body.update(extra)
-    return body
-
-
-def step_payload(event: StepEvent, piece: Any) -> dict[str, Any]:
-    """`dg_step`: one denoising step of the canvas, enough to draw the CLI's live view remotely.
-    StepEvent.to_json() (canvas, step, max_steps, temperature, argmax_canvas, accepted, n_accepted,
-    mean_entropy, forward_s, sampling_s, stopped, sc_dropped_mass) plus `pieces`: each canvas
-    token's text, so a client needs no tokenizer."""
-    payload = event.to_json()
-    payload["pieces"] = [piece(int(t)) for t in np.asarray(event.argmax_canvas)]
-    return payload
-
-
-def created_now() -> int:
-    return int(time.time())
+        value = err.value if not isinstance(err.value, int) or abs(err.value) < 10**12 else "a huge number"
+        raise bad(f"invalid {field_name}={value!r}: must be {err.allowed}", param=field_name) from None

@@ -1,63 +1,54 @@
 """`dg serve`'s HTTP side: an OpenAI-compatible API (Starlette) over the batch scheduler.
 
+    GET  /                       a page that shows the canvas denoise live (static/, no build step)
     GET  /health                 liveness, slots, queue, batching figures
-    GET  /v1/models              the one model served
-    POST /v1/chat/completions    chat (the GGUF's chat template), SSE streaming or not
-    POST /v1/completions         raw text or token ids, SSE streaming or not
+    GET  /v1/models              the one model served; /v1/models/{id} it, or 404 model_not_found
+    POST /v1/chat/completions    chat (the GGUF's chat template; tools), SSE streaming or not
+    POST /v1/completions         raw text or token ids, one prompt or several, SSE streaming or not
+    POST /v1/responses           OpenAI's Responses API, text in and out (responses.py)
 
-Every error is OpenAI's JSON shape with the matching status (400 bad request, 401 wrong key, 404,
-405, 413 body too large, 503 queue full, 500 the server's own failure); the server stays up. A
-request's tokenization runs on a worker thread (llama.cpp's tokenizer is read-only, as llama.cpp's
-own server uses it); everything that touches the model's context runs on the scheduler's thread,
-whose events reach each request through call_soon_threadsafe. A client that disconnects, mid-stream
-or while waiting, cancels its request: its slot goes to the next one.
+Every error is OpenAI's JSON shape with the matching status (400 bad request, 401 wrong key, 403
+a Host or Origin refused, 404, 405, 413 body too large, 415 not JSON, 503 queue full or shutting
+down, 500 the server's own failure); the server stays up. Before the routes, guard.py checks Host,
+Origin and Content-Type and adds x-request-id; net.py bounds the connections. A request's
+tokenization runs on a worker thread (llama.cpp's tokenizer is read-only, as llama.cpp's own server
+uses it); everything that touches the model's context runs on the scheduler's thread, whose events
+reach each request through call_soon_threadsafe. A client that disconnects, mid-stream or while
+waiting, cancels its request: its slots go to the next one.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hmac
-import json
 import sys
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
 from dgcli.engine.diffusion import DiffusionEngine, prompt_token_ids
-from dgcli.engine.types import CanvasEvent, DgError, StepEvent
-from dgcli.server.api import (
-    FINISH_REASONS,
-    ApiError,
-    CompletionRequest,
-    chunk_body,
-    completion_body,
-    created_now,
-    dg_stats,
-    error_body,
-    new_id,
-    parse_request,
-    step_payload,
-    usage,
-)
-from dgcli.server.scheduler import (
-    BatchScheduler,
-    GenerationRequest,
-    QueueFull,
-    RequestDone,
-    RequestFailed,
-    RequestTooLong,
-    SchedulerClosed,
-)
-from dgcli.server.text import AnswerStream
+from dgcli.errors import DgError
+from dgcli.server.api import parse_request
+from dgcli.server.bodies import created_now, system_fingerprint
+from dgcli.server.guard import CorsPolicy, HostCheck, HttpGuard
+from dgcli.server.http import EventStreamResponse, error_response, read_json, wait_unless_gone
+from dgcli.server.request import ApiError, CompletionRequest, error_body
+from dgcli.server.responses import parse_responses_request, respond
+from dgcli.server.run import Job
+from dgcli.server.scheduler import BatchScheduler, QueueFull, RequestTooLong, SchedulerClosed
+from dgcli.server.structured import check_grammar, grammar_for
+from dgcli.server.tools import MarkerText, parses_tool_calls, template_tools
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+STATIC = Path(__file__).with_name("static")
+STATIC_FILES = {"index.html": "text/html; charset=utf-8", "app.js": "text/javascript; charset=utf-8",
+                "style.css": "text/css; charset=utf-8"}
 
 
 @dataclass
@@ -67,6 +58,9 @@ class ServeConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     api_key: str | None = None
     created: int = field(default_factory=created_now)
+    bound_host: str = "127.0.0.1"  # the Host header must name it (guard.py)
+    allowed_hosts: Sequence[str] = ()
+    cors_origins: Sequence[str] = ()
 
 
 class DgService:
@@ -78,6 +72,8 @@ class DgService:
         self.model = self.engine.model
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self._pieces: dict[int, str] = {}  # used on the scheduler's thread only
+        self._marker_text: MarkerText | None = None
+        self._renders_tools: bool | None = None
 
     @property
     def max_tokens_limit(self) -> int:
@@ -90,24 +86,50 @@ class DgService:
         """False for a GGUF without tokenizer.chat_template (a model with no such attribute brings chat_tokens)."""
         return getattr(self.model, "chat_template", True) is not None
 
-    def default_max_tokens(self, n_prompt: int) -> int:
-        """The configured default, in whole canvases that fit after the prompt (at least one canvas:
-        a prompt too long even for that gets the context error)."""
-        canvas = self.model.canvas_length
-        room = (self.scheduler.kv_capacity - n_prompt) // canvas * canvas
-        return max(canvas, min(self.config.default_max_tokens, room))
+    def renders_tools(self) -> bool:
+        """Whether the GGUF's chat template writes tools into the prompt (a scripted model: assumed)."""
+        if self._renders_tools is None:
+            template = getattr(self.model, "chat_template", None)
+            self._renders_tools = template.renders_tools() if template is not None else True
+        return self._renders_tools
 
-    def prompt_ids(self, req: CompletionRequest) -> list[int]:
-        """Token ids of the request's prompt (chat template for chat). Runs on a worker thread."""
-        if req.kind == "chat":
-            # control-token text in the messages stays text (the chat template's own markers only)
-            ids = self.model.chat_tokens(req.messages)
-        else:
+    def default_max_tokens(self, n_prompt: int, constrained: bool) -> int:
+        """The configured default, in whole canvases that fit after the prompt (at least one canvas:
+        a prompt too long even for that gets the context error); a constrained decode's tokens."""
+        canvas = self.model.canvas_length
+        room = self.scheduler.kv_capacity - n_prompt
+        if constrained:
+            return max(1, min(self.config.default_max_tokens, room - canvas))
+        return max(canvas, min(self.config.default_max_tokens, room // canvas * canvas))
+
+    def prepare(self, req: CompletionRequest) -> tuple[list[list[int]], str | None]:
+        """Each prompt's token ids (chat: the template over the messages and tools) and the grammar
+        the answer must follow, if any. Runs on a worker thread."""
+        grammar = grammar_for(req)
+        if grammar is not None:
+            check_grammar(self.model, grammar)
+        if req.kind == "completion":
             # a raw prompt is the caller's whole text, template markers included (as llama-server)
-            ids = prompt_token_ids(self.model, req.prompt, chat=False, parse_special=True)
+            prompts = [prompt_token_ids(self.model, p, chat=False, parse_special=True) for p in req.prompts]
+            return prompts, grammar
+        tools = template_tools(req)
+        if tools and not self.renders_tools():
+            raise ApiError(400, f"the chat template of {self.config.model_name} does not render tools, so the "
+                                "model would never see them; send tool_choice \"none\" or no tools",
+                           param="tools", code="tools_not_supported")
+        # control-token text in the messages stays text (the chat template's own markers only)
+        ids = self.model.chat_tokens(req.messages, tools=tools) if tools else self.model.chat_tokens(req.messages)
         if not ids:
             raise DgError("empty prompt: nothing to condition on")
-        return ids
+        return [ids], grammar
+
+    def detokenizer(self, req: CompletionRequest) -> Callable[[Sequence[int]], str]:
+        """The model's detokenize; with tool calls to read, the markers' text kept (tools.MarkerText)."""
+        if not parses_tool_calls(req):
+            return self.model.detokenize
+        if self._marker_text is None:
+            self._marker_text = MarkerText(self.model)
+        return self._marker_text
 
     def piece(self, token: int) -> str:
         if token not in self._pieces:
@@ -115,304 +137,179 @@ class DgService:
         return self._pieces[token]
 
 
-class RequestRun:
-    """One HTTP request's generation: the scheduler's events, turned into deltas on the engine
-    thread (AnswerStream) and handed to the event loop through an asyncio.Queue."""
+class Endpoints:
+    """The routes over one DgService."""
 
-    def __init__(self, service: DgService, req: CompletionRequest, prompt_ids: list[int]):
-        self.service, self.req = service, req
-        self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.rid, self.created = new_id(req.kind), created_now()
-        self.model_name = service.config.model_name
-        self.answer = AnswerStream(service.model.detokenize, stop=req.stop, thinking=req.kind == "chat")
-        self.request = GenerationRequest(prompt_ids=prompt_ids, params=req.params, max_new_tokens=req.max_new_tokens,
-                                         seed=req.seed, sink=self._sink, want_steps=req.dg_steps, id=self.rid)
-        self.finished = False
+    def __init__(self, service: DgService):
+        self.service, self.config = service, service.config
 
-    # ---- the scheduler's thread
-
-    def _sink(self, event: Any) -> Any:
-        if isinstance(event, StepEvent):
-            self._put(("step", step_payload(event, self.service.piece)))
-        elif isinstance(event, CanvasEvent):
-            reasoning, content = self.answer.feed(event.token_ids)
-            self._put(("canvas", reasoning, content, event.to_json()))
-            if self.answer.stopped:
-                return False  # a stop string: no further canvases
-        elif isinstance(event, RequestDone):
-            reasoning, content = self.answer.finish()
-            self._put(("done", reasoning, content, event))
-        elif isinstance(event, RequestFailed):
-            self._put(("failed", event))
-        return None
-
-    def _put(self, item: tuple) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:
-            pass  # the event loop is gone (shutdown): nobody is waiting for this request any more
-
-    # ---- the event loop
-
-    def cancel(self) -> None:
-        if not self.finished:
-            self.service.scheduler.cancel(self.request)
-
-    def finish_reason(self, done: RequestDone) -> str:
-        if done.stopped_by_client or self.answer.stopped:
-            return "stop"
-        return FINISH_REASONS.get(done.result.stop_reason, "stop")
-
-    def log_done(self, done: RequestDone, finish: str) -> None:
-        r = done.result
-        canvases = len(r.steps_per_canvas)
-        sent = usage(r, self.answer.stop_tokens)["completion_tokens"]  # what the client's usage says
-        cut = f" ({sent} through the stop string)" if sent != r.n_new_tokens else ""
-        self.service.log(f"{self.rid}  {r.n_prompt_tokens}+{r.n_new_tokens} tokens{cut}  {canvases} "
-                         f"canvas{'es' if canvases != 1 else ''} {r.decoder_forwards} steps  {r.total_s:.2f}s "
-                         f"(queued {done.queued_s:.2f}s)  {finish}")
-
-    async def outcome(self) -> RequestDone:
-        """Wait for the end (non-streaming); a failure becomes an ApiError."""
-        while True:
-            item = await self.queue.get()
-            if item[0] == "done":
-                self.finished = True
-                return item[3]
-            if item[0] == "failed":
-                self.finished = True
-                raise failure_error(item[1])
-
-    def response_body(self, done: RequestDone) -> dict[str, Any]:
-        finish = self.finish_reason(done)
-        self.log_done(done, finish)
-        return completion_body(self.req.kind, self.rid, self.created, self.model_name, self.answer.reasoning,
-                               self.answer.content, finish, done.result, done.queued_s, self.answer.stop_tokens)
-
-    async def sse(self) -> AsyncIterator[str]:
-        kind, rid, created, name = self.req.kind, self.rid, self.created, self.model_name
-
-        def chunk(**kw: Any) -> str:
-            return sse_data(chunk_body(kind, rid, created, name, **kw))
-
-        try:
-            if kind == "chat":
-                yield chunk(role=True)
-            while True:
-                item = await self.queue.get()
-                tag = item[0]
-                if tag == "step":
-                    yield chunk(extra={"dg_step": item[1]})
-                elif tag == "canvas":
-                    _, reasoning, content, canvas = item
-                    extra = {"dg_canvas": canvas} if self.req.dg_steps else None
-                    if reasoning or content or extra:
-                        yield chunk(reasoning=reasoning, content=content, extra=extra)
-                elif tag == "done":
-                    _, reasoning, content, done = item
-                    self.finished = True
-                    if reasoning or content:
-                        yield chunk(reasoning=reasoning, content=content)
-                    finish = self.finish_reason(done)
-                    self.log_done(done, finish)
-                    yield chunk(finish=finish)
-                    if self.req.include_usage:
-                        yield chunk(no_choices=True, extra={"usage": usage(done.result, self.answer.stop_tokens),
-                                                            "dg": dg_stats(done.result, done.queued_s)})
-                    yield "data: [DONE]\n\n"
-                    return
-                elif tag == "failed":
-                    self.finished = True
-                    yield sse_data(failure_error(item[1]).body())
-                    return
-        finally:
-            self.cancel()  # the client went away (or we failed): free the slot
-
-
-def failure_error(failed: RequestFailed) -> ApiError:
-    if failed.shutting_down:  # as a request that arrives once the server is stopping (SchedulerClosed)
-        return ApiError(503, failed.message, type="server_error", code="shutting_down")
-    if failed.internal:
-        return ApiError(500, failed.message, type="server_error")
-    return ApiError(400, failed.message)
-
-
-def sse_data(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
-class EventStreamResponse(StreamingResponse):
-    """SSE that also listens for the client's disconnect the whole time (Starlette only notices a
-    disconnect on its next write when the server speaks ASGI 2.4, and a canvas can take a while)."""
-
-    def __init__(self, content: AsyncIterator[str]):
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async with anyio.create_task_group() as group:
-            async def stream() -> None:
-                try:
-                    await self.stream_response(send)
-                except OSError:
-                    pass  # the client is gone
-                group.cancel_scope.cancel()
-
-            group.start_soon(stream)
-            await self.listen_for_disconnect(receive)
-            group.cancel_scope.cancel()
-
-
-async def until_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-def error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
-
-
-async def read_json(request: Request, limit: int) -> Any:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"request body of {int(declared)} bytes exceeds the limit of {limit}")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise ApiError(413, f"request body exceeds the limit of {limit} bytes")
-    try:
-        return json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ApiError(400, f"the request body is not valid JSON: {err}") from None
-    except RecursionError:  # e.g. 100000 nested arrays: was a 500 and a traceback in the log
-        raise ApiError(400, "the request body is nested too deeply") from None
-    except ValueError:  # an integer past Python's 4300-digit limit for reading one
-        raise ApiError(400, "the request body holds a number too long to read") from None
-
-
-def create_app(service: DgService) -> Starlette:
-    config = service.config
-
-    def check_key(request: Request) -> None:
-        if config.api_key is None:
+    def check_key(self, request: Request) -> None:
+        key = self.config.api_key
+        if key is None:
             return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        # header values arrive as latin-1: their bytes, compared with the key's (ASCII, serve.py checks)
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode("latin-1"), key.encode()):
             raise ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)", type="authentication_error",
                            code="invalid_api_key")
 
-    async def health(request: Request) -> Response:
-        s = service.scheduler
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.config.model_name:
+            shown = name if len(name) <= 80 else name[:80] + "..."
+            raise ApiError(404, f"model {shown!r} is not served here (this server serves "
+                                f"{self.config.model_name!r}; see GET /v1/models)", param="model",
+                           code="model_not_found")
+
+    async def health(self, request: Request) -> Response:
+        s, service = self.service.scheduler, self.service
         return JSONResponse({
-            "status": "ok", "model": config.model_name,
+            "status": "ok", "model": self.config.model_name, "system_fingerprint": system_fingerprint(),
             "slots": {"total": s.slots, "busy": s.n_active},
             "queue": {"waiting": s.n_waiting, "limit": s.max_queue},
             "context_per_request": s.kv_capacity, "canvas_length": service.model.canvas_length,
+            "end_token_ids": [int(t) for t in service.model.end_token_ids],
+            "pad_token_id": getattr(service.model, "pad_token_id", None),
+            "auth": self.config.api_key is not None,
             "requests": s.stats.to_json(),
         })
 
-    def model_card() -> dict[str, Any]:
-        return {"id": config.model_name, "object": "model", "created": config.created, "owned_by": "dg",
-                "dg": {"canvas_length": service.model.canvas_length, "slots": service.scheduler.slots,
-                       "context_per_request": service.scheduler.kv_capacity,
-                       "max_tokens_limit": service.max_tokens_limit}}
+    def model_card(self) -> dict[str, Any]:
+        s = self.service.scheduler
+        return {"id": self.config.model_name, "object": "model", "created": self.config.created, "owned_by": "dg",
+                "dg": {"canvas_length": self.service.model.canvas_length, "slots": s.slots,
+                       "context_per_request": s.kv_capacity, "max_tokens_limit": self.service.max_tokens_limit,
+                       "system_fingerprint": system_fingerprint()}}
 
-    async def models(request: Request) -> Response:
-        check_key(request)
-        return JSONResponse({"object": "list", "data": [model_card()]})
+    async def models(self, request: Request) -> Response:
+        self.check_key(request)
+        return JSONResponse({"object": "list", "data": [self.model_card()]})
 
-    async def one_model(request: Request) -> Response:
-        check_key(request)
-        if request.path_params["model"] != config.model_name:
-            raise ApiError(404, f"model {request.path_params['model']!r} is not served here "
-                                f"(this server serves {config.model_name!r})", code="model_not_found")
-        return JSONResponse(model_card())
+    async def one_model(self, request: Request) -> Response:
+        self.check_key(request)
+        self.check_model(request.path_params["model"])
+        return JSONResponse(self.model_card())
 
-    async def generate(request: Request, kind: str) -> Response:
-        check_key(request)
-        if kind == "chat" and not service.has_chat_template:
+    async def page(self, request: Request) -> Response:
+        name = request.path_params.get("name", "index.html")
+        if name not in STATIC_FILES:
+            raise HTTPException(404)
+        return FileResponse(STATIC / name, media_type=STATIC_FILES[name], headers={
+            "Cache-Control": "no-cache", "Content-Security-Policy": "default-src 'self'; style-src 'self'; "
+            "script-src 'self'; connect-src 'self'; img-src 'self' data:", "X-Content-Type-Options": "nosniff"})
+
+    async def parse(self, request: Request, kind: str) -> CompletionRequest:
+        """The request's body, validated (kind: "chat", "completion" or "responses")."""
+        self.check_key(request)
+        if kind != "completion" and not self.service.has_chat_template:
             # not the engine's advice to pass --raw: a client has no flags, but it has /v1/completions
-            raise ApiError(400, f"{config.model_name} has no chat template (tokenizer.chat_template): this server "
-                                "answers /v1/completions only (the prompt text as it is)", param="messages",
+            raise ApiError(400, f"{self.config.model_name} has no chat template (tokenizer.chat_template): this "
+                                "server answers /v1/completions only (the prompt text as it is)", param="messages",
                            code="no_chat_template")
-        body = await read_json(request, config.max_body_bytes)
-        req = parse_request(body, kind, service.engine.default_params, config.default_max_tokens,
-                            service.max_tokens_limit, service.model.canvas_length)
+        body = await read_json(request, self.config.max_body_bytes)
+        service = self.service
+        if kind == "responses":
+            req = parse_responses_request(body, service.engine.default_params, self.config.default_max_tokens,
+                                          service.max_tokens_limit, service.model.canvas_length)
+        else:
+            req = parse_request(body, kind, service.engine.default_params, self.config.default_max_tokens,
+                                service.max_tokens_limit, service.model.canvas_length)
+        self.check_model(req.model)
+        return req
+
+    async def start(self, req: CompletionRequest) -> Job:
+        """Tokenize, build the grammar if any, and queue every choice: the running Job."""
+        service = self.service
+        param = "prompt" if req.kind == "completion" else "messages" if req.kind == "chat" else "input"
         try:
-            prompt_ids = await anyio.to_thread.run_sync(service.prompt_ids, req)
+            prompts, grammar = await anyio.to_thread.run_sync(service.prepare, req)
         except DgError as err:
-            raise ApiError(400, str(err), param="messages" if kind == "chat" else "prompt") from None
+            raise ApiError(400, str(err), param=param) from None
         if not req.max_tokens_given:
-            req.max_new_tokens = service.default_max_tokens(len(prompt_ids))
-        run = RequestRun(service, req, prompt_ids)
+            req.max_new_tokens = min(service.default_max_tokens(len(ids), grammar is not None) for ids in prompts)
+        job = Job(service, req, prompts, grammar)
         try:
-            service.scheduler.submit(run.request)
+            service.scheduler.submit_group(job.requests)
         except RequestTooLong as err:
-            raise ApiError(400, str(err), param="messages" if kind == "chat" else "prompt",
-                           code="context_length_exceeded") from None
+            job.release(rejected=True)
+            raise ApiError(400, str(err), param=param, code="context_length_exceeded") from None
         except QueueFull as err:
+            job.release(rejected=True)
             raise ApiError(503, str(err), type="server_overloaded", code="queue_full",
                            headers={"Retry-After": "1"}) from None
         except SchedulerClosed as err:
+            job.release(rejected=True)
             raise ApiError(503, str(err), type="server_error", code="shutting_down") from None
         except DgError as err:
+            job.release(rejected=True)
             raise ApiError(400, str(err)) from None
+        return job
+
+    async def generate(self, request: Request, kind: str) -> Response:
+        req = await self.parse(request, kind)
+        job = await self.start(req)
         if req.stream:
-            return EventStreamResponse(run.sse())
-        # not streaming: the answer, unless the client leaves first (then the request is cancelled)
-        done: RequestDone | None = None
-        error: ApiError | None = None
-        async with anyio.create_task_group() as group:
-            async def watch() -> None:
-                await until_disconnect(request)
-                run.cancel()
-                group.cancel_scope.cancel()
-
-            group.start_soon(watch)
-            try:
-                done = await run.outcome()
-            except ApiError as err:
-                error = err
-            group.cancel_scope.cancel()
-        if error is not None:
-            raise error
-        if done is None:
+            return EventStreamResponse(job.sse())
+        try:
+            outcome = await wait_unless_gone(request, job)
+        finally:
+            job.release()
+        if isinstance(outcome, ApiError):
+            return error_response(outcome)
+        if outcome is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
-        return JSONResponse(run.response_body(done))
+        return JSONResponse(job.body(outcome))
 
-    async def chat_completions(request: Request) -> Response:
-        return await generate(request, "chat")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.generate(request, "chat")
 
-    async def completions(request: Request) -> Response:
-        return await generate(request, "completion")
+    async def completions(self, request: Request) -> Response:
+        return await self.generate(request, "completion")
+
+    async def responses(self, request: Request) -> Response:
+        req = await self.parse(request, "responses")
+        return await respond(self, request, req)
+
+
+def create_app(service: DgService) -> Any:
+    """The Starlette app behind guard.HttpGuard."""
+    endpoints = Endpoints(service)
+
+    def guarded(handler: Callable) -> Callable:
+        async def run(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except ApiError as err:  # answered here: no traceback kept alive by a handler further out
+                return error_response(err.with_traceback(None))
+            except ClientDisconnect:
+                return Response(status_code=499)
+        return run
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
-        messages = {404: f"no route {request.url.path} (see GET /v1/models, POST /v1/chat/completions)",
-                    405: f"{request.method} is not allowed on {request.url.path}"}
+        messages = {404: f"no route {request.url.path[:120]} (see GET /v1/models, POST /v1/chat/completions)",
+                    405: f"{request.method} is not allowed on {request.url.path[:120]}"}
         return JSONResponse(error_body(messages.get(exc.status_code, str(exc.detail)),
                                        code="not_found" if exc.status_code == 404 else None),
                             status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
-    async def api_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, ApiError)
-        return error_response(exc)
-
     async def internal_error(request: Request, exc: Exception) -> Response:
-        service.log(f"error: internal error on {request.method} {request.url.path}: {type(exc).__name__}: {exc}")
+        service.log(f"error: internal error on {request.method} {request.url.path[:120]}: "
+                    f"{type(exc).__name__}: {exc}")
         return JSONResponse(error_body(f"internal server error: {type(exc).__name__}", type="server_error"),
                             status_code=500)
 
+    e = endpoints
     routes = [
-        Route("/health", health, methods=["GET"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/models/{model:path}", one_model, methods=["GET"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/", guarded(e.page), methods=["GET"]),
+        Route("/static/{name}", guarded(e.page), methods=["GET"]),
+        Route("/health", guarded(e.health), methods=["GET"]),
+        Route("/v1/models", guarded(e.models), methods=["GET"]),
+        Route("/v1/models/{model:path}", guarded(e.one_model), methods=["GET"]),
+        Route("/v1/chat/completions", guarded(e.chat_completions), methods=["POST"]),
+        Route("/v1/completions", guarded(e.completions), methods=["POST"]),
+        Route("/v1/responses", guarded(e.responses), methods=["POST"]),
     ]
-    return Starlette(routes=routes, exception_handlers={HTTPException: http_error, ApiError: api_error,
-                                                        Exception: internal_error})
-
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: internal_error})
+    config = service.config
+    return HttpGuard(app, HostCheck(config.bound_host, config.allowed_hosts), CorsPolicy(config.cors_origins),
+                     service.log)

@@ -20,13 +20,14 @@ class ServeProcess:
     """`python -m dgcli.cli serve --port 0 ARGS...`; `.url` is the /v1 base URL it printed, `.root`
     the server root (/health). Every wait is bounded."""
 
-    def __init__(self, *args: str, env: dict | None = None, start_timeout: float = START_TIMEOUT_S):
+    def __init__(self, *args: str, env: dict | None = None, start_timeout: float = START_TIMEOUT_S,
+                 preexec_fn: Any = None):
         self.start_timeout = start_timeout
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dgcli.cli", "serve", "--port", "0", *map(str, args)],
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
             env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-                     **(env or {})))
+                     **(env or {})), preexec_fn=preexec_fn)
         self.stderr_lines: list[str] = []
         threading.Thread(target=self._drain_stderr, daemon=True).start()
         self.url = self._read_url()

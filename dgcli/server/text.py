@@ -1,7 +1,7 @@
 """Committed canvases -> the text an OpenAI client receives, incrementally.
 
 Diffusion commits a canvas at a time; its text is appended to what the client has. For chat, Gemma
-4's thinking channel (`<|channel>thought ... <channel|>`, render.split_thinking) goes out as
+4's thinking channel (`<|channel>thought ... <channel|>`, engine/thinking.py) goes out as
 `reasoning_content` and the rest as `content`, the way OpenAI-compatible servers return a
 reasoning model's output. `stop` strings cut the content (and end the request after that canvas).
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from dgcli.render import THINK_CLOSE, THINK_OPEN, split_thinking
+from dgcli.engine.thinking import THINK_CLOSE, THINK_OPEN, split_thinking
 
 REPLACEMENT_CHAR = "\ufffd"  # what detokenizing a cut UTF-8 sequence ends with
 

@@ -1,6 +1,6 @@
 #pragma once
 // C functions for driving a diffusion-gemma model (see src/models/diffusion-gemma.cpp).
-// Called through ctypes on libllama (dgcli/engine/native.py). Every function works on the KV
+// Called through ctypes on libllama (dgcli/runtime/native.py). Every function works on the KV
 // cache of the context's sequences; the caller owns model and context (llama.h API).
 //
 // Context requirements: n_ubatch >= n_seqs*canvas_length (a canvas is one non-causal micro-batch),
@@ -26,33 +26,50 @@ LLAMA_API int32_t dg_canvas_length(const struct llama_model * model);
 LLAMA_API int32_t dg_encode(struct llama_context * ctx, const llama_token * tokens, int32_t n_tokens,
                             llama_seq_id seq_id, bool exact, float * last_logits_out);
 
+// The self-conditioning input of a decoder forward, per canvas position (row r = s*n_canvas + c of
+// n_seqs*n_canvas), in one of three forms (the others' pointers NULL):
+//   top-k  topk_ids[r*k ...], topk_probs[r*k ...]: the k most probable tokens under softmax(previous
+//          step's processed logits) and their probabilities; the soft embedding is
+//          sum_j topk_probs[r, j] * E[topk_ids[r, j]] * sqrt(n_embd) (the tail mass is dropped, not
+//          renormalised)
+//   dense  probs[r*n_vocab ...]: the whole distribution; the soft embedding is the reference's
+//          softmax(logits) @ E * sqrt(n_embd), one product of the probabilities and a transposed copy of
+//          E made on first use (Q8_0; F32 in exact mode, or where n_vocab is not a multiple of 32)
+//   soft   soft[r*n_embd ...]: the soft embedding itself, as a dense step hands it back (dg_step_outputs)
+// A row of zeros (probabilities or soft embedding) gives exactly no signal, as a canvas's first step.
+struct dg_self_cond {
+    const int32_t * topk_ids;   // [rows, k]
+    const float *   topk_probs; // [rows, k]
+    int32_t         k;          // 1..n_vocab with topk_ids, else 0
+    const float *   probs;      // [rows, n_vocab]
+    const float *   soft;       // [rows, n_embd]
+};
+
 // Decoder: one forward over n_seqs canvases of n_canvas tokens; canvas s (tokens
 // canvases[s*n_canvas ...]) belongs to sequence s and sits right after that sequence's cached
-// tokens. Self-conditioning input, in top-k form: for every canvas position (row r of
-// n_seqs*n_canvas), sc_k token ids sc_ids[r*sc_k ...] and their probabilities
-// sc_probs[r*sc_k ...] under softmax(previous step's processed logits); the decoder input then uses
-// soft = sum_j sc_probs[r, j] * E[sc_ids[r, j]] * sqrt(n_embd). With sc_k = n_vocab and every id
-// once this is the reference's dense softmax(logits) @ E; a small sc_k drops the tail mass (not
-// renormalised). sc_ids NULL = first step (zero self-conditioning signal). logits_out receives the
-// softcapped logits [n_seqs*n_canvas, n_vocab]. The KV cache is unchanged on return.
-// Returns 0, a llama_decode status, -1 for bad arguments (including sc_k outside [1, n_vocab] or
-// an id outside the vocabulary), -2 if n_seqs*n_canvas > n_ubatch.
+// tokens. `sc` (nullable: a canvas's first step, zero self-conditioning signal) is the
+// self-conditioning input. logits_out receives the softcapped logits [n_seqs*n_canvas, n_vocab].
+// The KV cache is unchanged on return.
+// Returns 0, a llama_decode status, -1 for bad arguments (including more than one form in `sc`, k
+// outside [1, n_vocab] or an id outside the vocabulary), -2 if n_seqs*n_canvas > n_ubatch.
 LLAMA_API int32_t dg_decode_canvases(struct llama_context * ctx, const llama_token * canvases, int32_t n_seqs,
-                                     int32_t n_canvas, const int32_t * sc_ids, const float * sc_probs,
-                                     int32_t sc_k, bool exact, float * logits_out);
+                                     int32_t n_canvas, const struct dg_self_cond * sc, bool exact,
+                                     float * logits_out);
 
 // One denoising step in one graph: the decoder forward of dg_decode_canvases (same canvases,
 // sequences and self-conditioning input), then, where the logits are, per canvas position
 // (row r = s*n_canvas + c) the sampler's pass over softmax(softcap(logits) / t_s):
 //   entropy[r]  (nats), argmax[r] (first index of the maximum),
 //   sampled[r]  = first i with cumsum(p)[i] > uniforms[r] (inverse CDF; cumsum in double on the CPU),
-//   with top_k > 0 the next step's self-conditioning input: topk_ids[r, :top_k] most probable
-//   first (ties: the lower id), topk_probs[r, :top_k] their probabilities, dropped[r] = 1 - their sum.
+//   with top_k > 0 the next step's self-conditioning input in top-k form: topk_ids[r, :top_k] most
+//   probable first (ties: the lower id), topk_probs[r, :top_k] their probabilities, dropped[r] = 1 - their sum;
+//   with soft (nullable) the next step's input in dense form: soft[r, :n_embd] = p @ E * sqrt(n_embd),
+//   the product of the whole distribution and the transposed embeddings inside the same graph.
 // temperatures[s] is canvas s's temperature (> 0); uniforms [n_seqs*n_canvas] in [0, 1).
-// Only these leave the graph; values (nullable) additionally receives softcap(logits) / t,
-// [n_seqs*n_canvas, n_vocab] (debugging, and the dense self-conditioning of small vocabularies).
-// flags: DG_STEP_EXACT (F32 GELU, libm tanh), DG_STEP_PORTABLE_OPS (the ggml-ops form of the step,
-// which non-CPU backends use, also where the logits are on the CPU: for tests).
+// Only these leave the graph; values (nullable, not with soft) additionally receives
+// softcap(logits) / t, [n_seqs*n_canvas, n_vocab] (debugging; a host-side dense input).
+// flags: DG_STEP_EXACT (F32 GELU, libm tanh, F32 transposed embeddings), DG_STEP_PORTABLE_OPS (the
+// ggml-ops form of the step, which non-CPU backends use, also where the logits are on the CPU: for tests).
 // Returns 0, a llama_decode status, -1 for bad arguments, -2 if n_seqs*n_canvas > n_ubatch,
 // -3 if a row held a non-finite logit. The KV cache is unchanged on return.
 #define DG_STEP_EXACT        1u
@@ -66,12 +83,22 @@ struct dg_step_outputs {
     float *   topk_probs; // [rows, top_k]  (top_k > 0)
     float *   dropped;    // [rows]         (top_k > 0)
     float *   values;     // nullable: [rows, n_vocab]
+    float *   soft;       // nullable: [rows, n_embd], the next step's dense self-conditioning input
 };
 
 LLAMA_API int32_t dg_denoise_step(struct llama_context * ctx, const llama_token * canvases, int32_t n_seqs,
-                                  int32_t n_canvas, const int32_t * sc_ids, const float * sc_probs, int32_t sc_k,
-                                  const float * temperatures, const double * uniforms, int32_t top_k,
-                                  uint32_t flags, struct dg_step_outputs * out);
+                                  int32_t n_canvas, const struct dg_self_cond * sc, const float * temperatures,
+                                  const double * uniforms, int32_t top_k, uint32_t flags,
+                                  struct dg_step_outputs * out);
+
+// Which kernel multiplies the dense self-conditioning product (the transposed embeddings) on the CPU:
+// "avx512-vnni", "avx2", "emulated" (the LM head's repacked int8 GEMM: a Q8_0 copy), or "ggml" (ggml's
+// MUL_MAT: a GPU in use, DG_LM_HEAD=ggml, no kernel for this CPU, or an F32 copy). `exact` asks about
+// exact mode's copy. Decides without making the copy.
+LLAMA_API const char * dg_self_cond_path(const struct llama_model * model, bool exact);
+
+// Bytes of that copy as it is held (0 before any dense self-conditioning).
+LLAMA_API int64_t dg_self_cond_bytes(const struct llama_model * model, bool exact);
 
 // Which kernel runs this model's LM head on the CPU: "avx512-vnni", "avx2" or "emulated" (our
 // repacked int8 GEMM, src/diffusion-gemma-lm-head.h) or "ggml" (ggml's matmul: no kernel for this

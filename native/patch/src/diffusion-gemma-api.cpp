@@ -3,6 +3,7 @@
 
 #include "diffusion-gemma.h"
 #include "diffusion-gemma-api.h"
+#include "diffusion-gemma-embd-t.h"
 #include "diffusion-gemma-lm-head.h"
 #include "diffusion-gemma-step.h"
 
@@ -79,6 +80,21 @@ const char * dg_lm_head_path(const llama_model * model) {
         return dg_lm_head::kernel_name(head->kernel());
     }
     return dg->dense_tiled(dg->output) ? "avx2 K-quant tile" : "ggml";
+}
+
+const char * dg_self_cond_path(const llama_model * model, bool exact) {
+    const auto * dg = dg_model_of(model);
+    if (!dg) {
+        return "ggml";
+    }
+    const dg_embd_t_plan plan = dg->embd_t_plan(exact);
+    return dg_lm_head::kernel_name(plan.kernel);
+}
+
+int64_t dg_self_cond_bytes(const llama_model * model, bool exact) {
+    const auto * dg = dg_model_of(model);
+    const int    i  = exact ? 1 : 0;
+    return dg && dg->embd_t_made[i] ? dg->embd_t_made[i]->bytes() : 0;
 }
 
 // How many weights one of the model's CPU GEMMs took: `decide` makes its choice on first use (a null
@@ -170,16 +186,21 @@ namespace {
 // The checks every decoder forward makes: 0, -1 (bad arguments) or -2 (too many tokens for one
 // micro-batch).
 int32_t dg_check_decoder_args(llama_context * ctx, const llama_token * canvases, int32_t n_seqs, int32_t n_canvas,
-                              const int32_t * sc_ids, const float * sc_probs, int32_t sc_k) {
+                              const dg_self_cond * sc) {
     if (!ctx || !canvases || n_seqs <= 0 || n_canvas <= 0 || n_seqs > (int32_t) llama_n_seq_max(ctx) ||
         !dg_tokens_valid(ctx, canvases, n_seqs * n_canvas)) {
         return -1;
     }
     const int32_t n_total = n_seqs * n_canvas;
-    if (sc_ids) {
+    if (sc) {
         const int32_t n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx)));
+        const int     n_forms = (sc->topk_ids != nullptr) + (sc->probs != nullptr) + (sc->soft != nullptr);
+        if (n_forms > 1 || (sc->topk_ids == nullptr) != (sc->topk_probs == nullptr) ||
+            (sc->topk_ids == nullptr) != (sc->k == 0)) {
+            return -1;
+        }
         // get_rows reads E at these ids without a bounds check of its own
-        if (!sc_probs || sc_k <= 0 || sc_k > n_vocab || !dg_tokens_valid(ctx, sc_ids, n_total * sc_k)) {
+        if (sc->topk_ids && (sc->k < 0 || sc->k > n_vocab || !dg_tokens_valid(ctx, sc->topk_ids, n_total * sc->k))) {
             return -1;
         }
     }
@@ -227,24 +248,37 @@ int32_t dg_run_decoder(llama_context * ctx, dg_request & req, const llama_token 
     return rc;
 }
 
-void dg_set_self_cond(dg_request & req, const int32_t * sc_ids, const float * sc_probs, int32_t sc_k) {
-    req.sc_ids   = sc_ids;
-    req.sc_probs = sc_ids ? sc_probs : nullptr;
-    req.sc_k     = sc_ids ? sc_k : 0;
+void dg_set_self_cond(dg_request & req, const llama_context * ctx, const dg_self_cond * sc) {
+    if (!sc) {
+        return;
+    }
+    if (sc->topk_ids) {
+        req.sc_form   = dg_sc_form::topk;
+        req.sc_ids    = sc->topk_ids;
+        req.sc_values = sc->topk_probs;
+        req.sc_width  = sc->k;
+    } else if (sc->probs) {
+        req.sc_form   = dg_sc_form::dense;
+        req.sc_values = sc->probs;
+        req.sc_width  = llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx)));
+    } else if (sc->soft) {
+        req.sc_form   = dg_sc_form::soft;
+        req.sc_values = sc->soft;
+        req.sc_width  = llama_model_n_embd(llama_get_model(ctx));
+    }
 }
 
 }  // namespace
 
 int32_t dg_decode_canvases(llama_context * ctx, const llama_token * canvases, int32_t n_seqs, int32_t n_canvas,
-                           const int32_t * sc_ids, const float * sc_probs, int32_t sc_k, bool exact,
-                           float * logits_out) {
-    const int32_t bad = dg_check_decoder_args(ctx, canvases, n_seqs, n_canvas, sc_ids, sc_probs, sc_k);
+                           const dg_self_cond * sc, bool exact, float * logits_out) {
+    const int32_t bad = dg_check_decoder_args(ctx, canvases, n_seqs, n_canvas, sc);
     if (bad != 0 || !logits_out) {
         return bad != 0 ? bad : -1;
     }
     dg_request req;
     req.exact = exact;
-    dg_set_self_cond(req, sc_ids, sc_probs, sc_k);
+    dg_set_self_cond(req, ctx, sc);
 
     return dg_run_decoder(ctx, req, canvases, n_seqs, n_canvas, [&](int32_t n_total) -> int32_t {
         for (int32_t i = 0; i < n_total; ++i) {
@@ -259,9 +293,9 @@ int32_t dg_decode_canvases(llama_context * ctx, const llama_token * canvases, in
 }
 
 int32_t dg_denoise_step(llama_context * ctx, const llama_token * canvases, int32_t n_seqs, int32_t n_canvas,
-                        const int32_t * sc_ids, const float * sc_probs, int32_t sc_k, const float * temperatures,
-                        const double * uniforms, int32_t top_k, uint32_t flags, struct dg_step_outputs * out) {
-    const int32_t bad = dg_check_decoder_args(ctx, canvases, n_seqs, n_canvas, sc_ids, sc_probs, sc_k);
+                        const dg_self_cond * sc, const float * temperatures, const double * uniforms, int32_t top_k,
+                        uint32_t flags, struct dg_step_outputs * out) {
+    const int32_t bad = dg_check_decoder_args(ctx, canvases, n_seqs, n_canvas, sc);
     if (bad != 0) {
         return bad;
     }
@@ -269,7 +303,7 @@ int32_t dg_denoise_step(llama_context * ctx, const llama_token * canvases, int32
     const int32_t n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx)));
     if (!temperatures || !uniforms || !out || !out->entropy || !out->argmax || !out->sampled ||
         top_k < 0 || top_k > n_vocab || n_vocab > DG_STEP_MAX_VOCAB ||
-        (top_k > 0 && (!out->topk_ids || !out->topk_probs || !out->dropped)) ||
+        (top_k > 0 && (!out->topk_ids || !out->topk_probs || !out->dropped)) || (out->values && out->soft) ||
         (flags & ~(DG_STEP_EXACT | DG_STEP_PORTABLE_OPS)) != 0) {
         return -1;
     }
@@ -286,9 +320,10 @@ int32_t dg_denoise_step(llama_context * ctx, const llama_token * canvases, int32
 
     dg_request req;
     req.exact = (flags & DG_STEP_EXACT) != 0;
-    dg_set_self_cond(req, sc_ids, sc_probs, sc_k);
+    dg_set_self_cond(req, ctx, sc);
     req.step.active       = true;
     req.step.top_k        = top_k;
+    req.step.soft         = out->soft != nullptr;
     req.step.keep_values  = out->values != nullptr;
     req.step.portable     = (flags & DG_STEP_PORTABLE_OPS) != 0;
     req.step.temperatures = temperatures;
@@ -297,9 +332,11 @@ int32_t dg_denoise_step(llama_context * ctx, const llama_token * canvases, int32
     return dg_run_decoder(ctx, req, canvases, n_seqs, n_canvas, [&](int32_t n_rows) -> int32_t {
         const dg_step_request & step = req.step;
         if (!step.record || (int32_t) step.rows.size() != n_rows || step.record->ne[1] != n_rows ||
-            step.record->ne[0] != dg_step_record_width(top_k) || (out->values && !step.values)) {
+            step.record->ne[0] != dg_step_record_width(top_k) || (out->values && !step.values) ||
+            (out->soft && !step.soft_embd)) {
             return -1;
         }
+        const int64_t n_embd = llama_model_n_embd(llama_get_model(ctx));
         llama_synchronize(ctx);
         const int64_t      width = step.record->ne[0];
         std::vector<float> records((size_t) width * n_rows);
@@ -325,6 +362,10 @@ int32_t dg_denoise_step(llama_context * ctx, const llama_token * canvases, int32
             if (out->values) {
                 ggml_backend_tensor_get(step.values, out->values + r * n_vocab, (size_t) i * step.values->nb[1],
                                         (size_t) n_vocab * sizeof(float));
+            }
+            if (out->soft) {
+                ggml_backend_tensor_get(step.soft_embd, out->soft + r * n_embd, (size_t) i * step.soft_embd->nb[1],
+                                        (size_t) n_embd * sizeof(float));
             }
         }
         return status;

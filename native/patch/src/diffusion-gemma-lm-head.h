@@ -53,6 +53,14 @@ public:
     static std::unique_ptr<dg_lm_head> repack(const void * rows, ggml_type type, int64_t n_embd, int64_t n_vocab,
                                               dg_lm_head_kernel kernel);
 
+    // An all-zero repack of [n_embd, n_vocab] for `kernel`, to be filled with pack_blocks, a range of blocks
+    // of every row at a time (the transposed embeddings are made that way, without a whole Q8_0 copy
+    // in between); null if the CPU lacks the kernel or n_embd is not whole blocks.
+    static std::unique_ptr<dg_lm_head> zeros(int64_t n_embd, int64_t n_vocab, dg_lm_head_kernel kernel);
+    // Blocks [b0, b0 + n_blocks) of every row from Q8_0 rows holding just those blocks (row v at
+    // rows + v * row_bytes). Calls for disjoint block ranges may run on different threads.
+    void pack_blocks(const void * rows, size_t row_bytes, int64_t b0, int64_t n_blocks);
+
     dg_lm_head_kernel kernel() const { return kernel_; }
     int64_t           n_embd() const { return n_embd_; }
     int64_t           n_vocab() const { return n_vocab_; }
@@ -62,12 +70,17 @@ public:
 
     // Columns [c0, c1) of x (F32, column c at x + c * ld_x) quantized as ggml quantizes the
     // activations of a Q8_0 matmul (per 32 values: d = amax / 127 as fp16, round-to-even of
-    // x * 127 / amax), into act (column c at act + c * act_bytes()).
+    // x * 127 / amax), into act (column c at act + c * act_bytes(), per chunk_blocks() its quants then
+    // their scales).
     void quantize(const float * x, int64_t ld_x, int64_t c0, int64_t c1, uint8_t * act) const;
 
     // out[c * ld_out + v] for the vocabulary rows of groups [g0, g1) (group_rows() rows each)
     // and every column of act.
     void gemm(const uint8_t * act, int64_t n_cols, float * out, int64_t ld_out, int64_t g0, int64_t g1) const;
+
+    // Blocks of a row the GEMM multiplies at a time (all of them, unless the rows are long): quantize
+    // lays each chunk's quants and then its scales out together.
+    int64_t chunk_blocks() const;
 
     int64_t group_rows() const { return group_; }
     int64_t bytes() const;  // of the repacked matrix

@@ -162,6 +162,7 @@ bool dg_step_row(const dg_row_in & in, dg_row_out & out, dg_topk_heap & heap) {
     const double entropy = std::log(total) - weighted / total;
     out.entropy = entropy > 0.0 ? entropy : 0.0;
     out.argmax  = best_idx;
+    out.total   = total;
 
     const float * weights = in.weights;
     if (in.top_k > 0) {

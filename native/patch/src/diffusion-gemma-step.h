@@ -47,6 +47,7 @@ struct dg_row_out {
     int32_t argmax  = 0;    // first index of the maximum
     int32_t sampled = 0;    // first i with cumsum(weights)[i] > u * sum(weights)
     double  dropped = 0.0;  // 1 - sum(topk_probs)
+    double  total   = 0.0;  // sum(weights): the softmax's denominator
 };
 
 // (weight, index) candidates of the top-k selection, reused between rows

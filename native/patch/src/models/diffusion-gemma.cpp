@@ -1,6 +1,7 @@
 #include "models.h"
 #include "llama-impl.h"
 #include "../diffusion-gemma-api.h"
+#include "../diffusion-gemma-embd-t.h"
 #include "../diffusion-gemma-lm-head.h"
 #include "../diffusion-gemma-step.h"
 
@@ -22,7 +23,7 @@
 // The dg_* functions (diffusion-gemma-api.cpp) remove the canvas from the cache after a decoder
 // forward, so from the outside the decoder never changes the cache.
 
-// the largest meaningful values (dgcli/engine/types.py and hparams.py hold the same bounds)
+// the largest meaningful values (dgcli/params.py and dgcli/modelfile/hparams.py hold the same bounds)
 static constexpr uint32_t DG_MAX_CANVAS_LENGTH  = 1024;
 static constexpr uint32_t DG_MAX_SLIDING_WINDOW = 1u << 24;
 
@@ -274,6 +275,56 @@ const dg_lm_head * llama_model_diffusion_gemma::lm_head() const {
     return lm_head_repacked.get();
 }
 
+// How the dense self-conditioning product's transposed embeddings are held (diffusion-gemma-embd-t.h):
+// F32 in exact mode or where the vocabulary is not whole 32-token blocks, else Q8_0; in the output
+// layer's memory where that is a device's that can multiply it (the product then runs there, next to
+// the logits), else in host memory, where a CPU with a kernel for the LM head's GEMM gets it repacked
+// for that GEMM (unless a GPU is in use, which llama.cpp then runs host weights' products on, or
+// DG_LM_HEAD says otherwise).
+dg_embd_t_plan llama_model_diffusion_gemma::embd_t_plan(bool exact) const {
+    dg_embd_t_plan plan;
+    plan.type = exact || tok_embd->ne[1] % 32 != 0 ? GGML_TYPE_F32 : GGML_TYPE_Q8_0;
+    plan.buft = ggml_backend_cpu_buffer_type();
+    if (output && output->buffer && !ggml_backend_buffer_is_host(output->buffer)) {
+        ggml_backend_buffer_type_t buft = ggml_backend_buffer_get_type(output->buffer);
+        ggml_backend_dev_t         dev  = ggml_backend_buft_get_device(buft);
+        // ask the device about the product it would run: E^T [n_vocab, n_embd] x probabilities [n_vocab, 1]
+        ggml_init_params params = { 3 * ggml_tensor_overhead(), nullptr, /*no_alloc =*/ true };
+        ggml_context *   ctx    = ggml_init(params);
+        ggml_tensor *    a      = ggml_new_tensor_2d(ctx, plan.type, tok_embd->ne[1], tok_embd->ne[0]);
+        ggml_tensor *    b      = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, tok_embd->ne[1], 1);
+        if (dev && ggml_backend_dev_supports_op(dev, ggml_mul_mat(ctx, a, b))) {
+            plan.buft = buft;
+        }
+        ggml_free(ctx);
+    }
+    if (plan.type == GGML_TYPE_Q8_0 && ggml_backend_buft_is_host(plan.buft) && !uses_gpu()) {
+        plan.kernel = dg_lm_head::kernel_for_cpu();
+    }
+    return plan;
+}
+
+// The transposed embeddings of the dense self-conditioning product, made once per mode, on the first
+// graph that needs them (at real widths ~0.8 GB as Q8_0, 3 GB as exact mode's F32): a model that only
+// ever runs the top-k form never holds them.
+const dg_embd_transposed * llama_model_diffusion_gemma::embd_t(bool exact) const {
+    const int i = exact ? 1 : 0;
+    std::call_once(embd_t_once[i], [&] {
+        const dg_embd_t_plan plan = embd_t_plan(exact);
+        std::shared_ptr<const dg_embd_transposed> made = dg_embd_transposed::make(tok_embd, plan);
+        if (made) {
+            LLAMA_LOG_INFO("%s: transposed embeddings for dense self-conditioning: %s, %s, %.1f MiB\n", __func__,
+                           ggml_type_name(plan.type), made->packed() ? made->path() : ggml_backend_buft_name(plan.buft),
+                           made->bytes() / 1048576.0);
+        } else {
+            LLAMA_LOG_ERROR("%s: cannot make the transposed embeddings (%s as %s)\n", __func__,
+                            ggml_type_name(tok_embd->type), ggml_type_name(plan.type));
+        }
+        embd_t_made[i] = std::move(made);
+    });
+    return embd_t_made[i].get();
+}
+
 // The decoder's other dense Q8_0 and Q5_0 weights through the LM head's int8 GEMM: ggml's matmul
 // runs them at about half (Q8_0) and 40% (Q5_0, the down projections of Q4_K_M files) of the
 // core's int8 rate (benchmarks/step_profile.py), the repack at ~80%. Made
@@ -311,7 +362,7 @@ const dg_lm_head * llama_model_diffusion_gemma::dense(const ggml_tensor * w) con
 // The MoE experts of Q8_0, Q5_0 and (AVX2) Q4_K type (all of a Q8_0 or a Q4_K_M file's but Q6_K
 // ones) through the same tiles, packed on the fly (dg_experts): ggml's MUL_MAT_ID runs them at 44-64%
 // of the core's int8 rate here. Q4_K experts qualify only outside ggml's CPU repack buffers, which
-// the loader keeps them out of where this runs (dg_plain_cpu_buffer_type, dgcli.engine.offload).
+// the loader keeps them out of where this runs (dg_plain_cpu_buffer_type, dgcli.runtime.offload).
 // Not where a GPU is in use (uses_gpu: e.g. --n-cpu-moe's host experts then run on the GPU).
 // Decided once, on the first graph; DG_EXPERT_GEMM=ggml keeps ggml's MUL_MAT_ID (A/B runs).
 const dg_experts * llama_model_diffusion_gemma::experts(const ggml_tensor * w) const {
@@ -342,7 +393,7 @@ const dg_experts * llama_model_diffusion_gemma::experts(const ggml_tensor * w) c
 // token is routed to, packed on the fly: a canvas's 256 columns pay for a group's packing many times
 // over, and ggml's repacked Q4_K / Q6_K GEMMs run at ~70% of the int8 rate here. AVX2 only (the tiles'
 // only form), not where a GPU is in use, and only outside ggml's CPU repack buffers, which the loader
-// keeps these tensors out of where this runs (dgcli.engine.offload.tiled_weight_pattern).
+// keeps these tensors out of where this runs (dgcli.runtime.offload.tiled_weight_pattern).
 // DG_DENSE_GEMM=ggml keeps ggml's matmul.
 const dg_experts * llama_model_diffusion_gemma::dense_tiled(const ggml_tensor * w) const {
     std::call_once(dense_tiled_once, [this] {
@@ -382,32 +433,36 @@ static ggml_tensor * dg_gelu_tanh_f32(ggml_context * ctx, ggml_tensor * x) {
     return ggml_mul(ctx, x, ggml_scale_bias(ctx, t, 0.5f, 0.5f));
 }
 
-// What a graph was built for, beyond what llama.cpp itself compares: a graph built with (or
-// without) self-conditioning, another top-k width, exact GELU or another step is never reused for
-// a request that differs.
+// What a graph was built for, beyond what llama.cpp itself compares: a graph built with another
+// self-conditioning form (or none), another top-k width, exact GELU or another step is never reused
+// for a request that differs.
 struct dg_graph_key {
-    bool    exact     = false;
-    int32_t sc_k      = 0;     // 0: no self-conditioning input
-    bool    step      = false;
-    int32_t step_k    = 0;
-    bool    keep      = false;
-    bool    portable  = false;
+    bool       exact     = false;
+    dg_sc_form sc_form   = dg_sc_form::none;
+    int32_t    sc_width  = 0;
+    bool       step      = false;
+    int32_t    step_k    = 0;
+    bool       step_soft = false;
+    bool       keep      = false;
+    bool       portable  = false;
 
     explicit dg_graph_key(const dg_request * req) {
         if (!req) {
             return;
         }
-        exact    = req->exact;
-        sc_k     = req->sc_ids ? req->sc_k : 0;
-        step     = req->step.active;
-        step_k   = step ? req->step.top_k : 0;
-        keep     = step && req->step.keep_values;
-        portable = step && req->step.portable;
+        exact     = req->exact;
+        sc_form   = req->sc_form;
+        sc_width  = req->sc_width;
+        step      = req->step.active;
+        step_k    = step ? req->step.top_k : 0;
+        step_soft = step && req->step.soft;
+        keep      = step && req->step.keep_values;
+        portable  = step && req->step.portable;
     }
 
     bool operator==(const dg_graph_key & o) const {
-        return exact == o.exact && sc_k == o.sc_k && step == o.step && step_k == o.step_k && keep == o.keep &&
-               portable == o.portable;
+        return exact == o.exact && sc_form == o.sc_form && sc_width == o.sc_width && step == o.step &&
+               step_k == o.step_k && step_soft == o.step_soft && keep == o.keep && portable == o.portable;
     }
 };
 
@@ -433,30 +488,36 @@ static int64_t dg_batch_row(const dg_request & req, const llama_ubatch & ubatch,
     return row;
 }
 
+// The previous step's self-conditioning input, one row per canvas position (dg_sc_form): top-k ids
+// and their probabilities, the whole distribution, or the soft embedding itself.
 class llm_graph_input_dg_self_cond : public llm_graph_input_i {
 public:
-    llm_graph_input_dg_self_cond(int32_t k) : k(k) {}
+    llm_graph_input_dg_self_cond(dg_sc_form form, int32_t width) : form(form), width(width) {}
 
     void set_input(const llama_ubatch * ubatch) override {
         const dg_request * req = dg_active_request();
-        GGML_ASSERT(req && req->sc_ids && req->sc_probs && req->sc_k == k);
+        GGML_ASSERT(req && req->sc_form == form && req->sc_width == width && req->sc_values);
+        GGML_ASSERT((ids != nullptr) == (req->sc_ids != nullptr));
 
-        const size_t ids_bytes   = (size_t) k * sizeof(int32_t);
-        const size_t probs_bytes = (size_t) k * sizeof(float);
+        const size_t ids_bytes    = (size_t) width * sizeof(int32_t);
+        const size_t values_bytes = (size_t) width * sizeof(float);
         for (uint32_t i = 0; i < ubatch->n_tokens; ++i) {
-            const size_t row = (size_t) dg_batch_row(*req, *ubatch, i) * (size_t) k;
-            ggml_backend_tensor_set(ids,   req->sc_ids   + row, i * ids_bytes,   ids_bytes);
-            ggml_backend_tensor_set(probs, req->sc_probs + row, i * probs_bytes, probs_bytes);
+            const size_t row = (size_t) dg_batch_row(*req, *ubatch, i) * (size_t) width;
+            if (ids) {
+                ggml_backend_tensor_set(ids, req->sc_ids + row, i * ids_bytes, ids_bytes);
+            }
+            ggml_backend_tensor_set(values, req->sc_values + row, i * values_bytes, values_bytes);
         }
     }
 
     bool can_reuse(const llm_graph_params & params) override {
-        return probs->ne[1] == params.ubatch.n_tokens;
+        return values->ne[1] == params.ubatch.n_tokens;
     }
 
-    const int32_t k;
-    ggml_tensor * ids   = nullptr; // I32 [k * n_tokens]: token ids, k per canvas position
-    ggml_tensor * probs = nullptr; // F32 [k, n_tokens]: their probabilities under softmax(prev logits)
+    const dg_sc_form form;
+    const int32_t    width;          // k, n_vocab or n_embd
+    ggml_tensor *    ids    = nullptr; // top-k: I32 [k * n_tokens], k token ids per canvas position
+    ggml_tensor *    values = nullptr; // F32 [width, n_tokens]: probabilities, or the soft embedding
 };
 
 // The settings of one graph's step op, read by every thread of the op.
@@ -465,6 +526,7 @@ struct dg_step_op_params {
     float   softcap     = 0.0f;  // 0: none
     bool    exact_tanh  = false;
     bool    keep_values = false; // leave softcap(logits) / t in the logits tensor for the caller
+    float   probs_scale = 0.0f;  // not 0: leave softmax(values) * probs_scale there (the dense product's input)
 };
 
 // The denoising step over the LM head's output, one row per canvas position (rows split over
@@ -472,7 +534,8 @@ struct dg_step_op_params {
 // (dg_step_row, shared with the host sampler). The step adds no logits-sized buffer: values and then
 // weights go to a per-thread row kept across steps (so the logits are read from memory once and not
 // written back, half the traffic of transforming them in place), or, where the caller wants the
-// values, the values over the raw logits and the weights to that row.
+// values, the values over the raw logits and the weights to that row. With probs_scale the weights,
+// normalised, are then written over the row: it holds the next step's probabilities.
 static void dg_step_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const auto & p       = *(const dg_step_op_params *) userdata;
     ggml_tensor * logits = dst->src[0];                        // F32 [n_vocab, n_rows]
@@ -517,8 +580,18 @@ static void dg_step_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
         for (int32_t j = 0; j < p.top_k; ++j) {
             record[DG_STEP_TOPK + j] = (float) ids[j];
         }
+        if (p.probs_scale != 0.0f) {
+            const float to_probs = (float) ((double) p.probs_scale / out.total);
+            for (int32_t i = 0; i < n_vocab; ++i) {
+                row[i] = in.weights[i] * to_probs;
+            }
+        }
     }
 }
+
+// Nothing to compute: the step op left the probabilities in the logits' rows. This in-place view of
+// them has the step's record as a source, so the graph runs whatever reads it after the step op.
+static void dg_after_step_op(ggml_tensor *, int, int, void *) {}
 
 // The step's per-row inputs (temperature of the row's canvas, its uniform) and, once the inputs
 // are set, where the caller finds the results (published into the request: the graph may be
@@ -546,8 +619,9 @@ public:
             std::vector<float> unif32(unif.begin(), unif.end());
             ggml_backend_tensor_set(uniforms, unif32.data(), 0, unif32.size() * sizeof(float));
         }
-        step.record = record;
-        step.values = values;
+        step.record    = record;
+        step.values    = values;
+        step.soft_embd = soft_embd;
     }
 
     bool can_reuse(const llm_graph_params & params) override {
@@ -559,11 +633,14 @@ public:
     ggml_tensor * uniforms     = nullptr; // F64 [n_rows] (the step op) or F32 [1, n_rows] (ggml ops)
     ggml_tensor * record       = nullptr; // F32 [dg_step_record_width(top_k), n_rows]
     ggml_tensor * values       = nullptr; // F32 [n_vocab, n_rows], when the caller keeps them
+    ggml_tensor * soft_embd    = nullptr; // F32 [n_embd, n_rows]: the next step's dense self-conditioning input
 };
 
-// logits (LM head output, before the softcap) -> the step's record. Where the logits are on the
-// CPU this is one op of ours (dg_step_op); on any other backend (or when asked, to test that
-// path) ggml ops that every backend has, so the logits never leave the device.
+// logits (LM head output, before the softcap) -> the step's record, and with step.soft the next
+// step's soft embedding (the dense self-conditioning input: this step's probabilities times E, in
+// the same graph). Where the logits are on the CPU the record is one op of ours (dg_step_op); on any
+// other backend (or when asked, to test that path) ggml ops that every backend has, so the logits
+// never leave the device.
 void llama_model_diffusion_gemma::graph::build_step(const llama_model_diffusion_gemma & model, ggml_tensor * logits) {
     const dg_request &      req   = *dg_active_request();
     const dg_step_request & step  = req.step;
@@ -571,6 +648,7 @@ void llama_model_diffusion_gemma::graph::build_step(const llama_model_diffusion_
     const int32_t           k      = step.top_k;
     const float             cap    = hparams.f_final_logit_softcapping;
     GGML_ASSERT(n_rows == n_tokens); // every canvas position is an output
+    GGML_ASSERT(!(step.soft && step.keep_values)); // the probabilities take the values' place
 
     auto inp = std::make_unique<llm_graph_input_dg_step>();
     inp->temperatures = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, 1, n_rows);
@@ -581,42 +659,59 @@ void llama_model_diffusion_gemma::graph::build_step(const llama_model_diffusion_
 
     ggml_tensor * record;
     ggml_tensor * values = nullptr;
+    ggml_tensor * probs  = nullptr; // softmax(values) * DG_SC_PROBS_SCALE, [n_vocab, n_rows], with step.soft
     if (on_cpu && !step.portable) {
         inp->op.top_k       = k;
         inp->op.softcap     = cap;
         inp->op.exact_tanh  = req.exact;
         inp->op.keep_values = step.keep_values;
+        inp->op.probs_scale = step.soft ? DG_SC_PROBS_SCALE : 0.0f;
         inp->uniforms = ggml_new_tensor_1d(ctx0, GGML_TYPE_F64, n_rows);
         ggml_set_input(inp->uniforms);
         ggml_tensor * args[] = { logits, inp->temperatures, inp->uniforms };
         record = ggml_custom_4d(ctx0, GGML_TYPE_F32, dg_step_record_width(k), n_rows, 1, 1, args, 3, dg_step_op,
                                 GGML_N_TASKS_MAX, &inp->op);
         values = step.keep_values ? logits : nullptr; // the op leaves the values there
+        if (step.soft) {
+            probs = ggml_custom_inplace(ctx0, logits, &record, 1, dg_after_step_op, 1, nullptr);
+        }
     } else {
         inp->uniforms = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, 1, n_rows);
         ggml_set_input(inp->uniforms);
-        record = build_step_ops(logits, inp->temperatures, inp->uniforms, k, values);
+        ggml_tensor * softmax = nullptr;
+        record = build_step_ops(logits, inp->temperatures, inp->uniforms, k, values, softmax);
         values = step.keep_values ? values : nullptr;
+        if (step.soft) {
+            probs = ggml_scale(ctx0, softmax, DG_SC_PROBS_SCALE);
+        }
     }
     cb(record, "dg_step", -1);
     ggml_set_output(record);
+    ggml_build_forward_expand(gf, record);
     if (values) {
         ggml_set_output(values);
+        ggml_build_forward_expand(gf, values);
+    }
+    if (probs) {
+        cb(probs, "sc_next_probs", -1);
+        ggml_tensor * soft = build_soft_embd_dense(model, probs, DG_SC_PROBS_SCALE, req.exact);
+        cb(soft, "sc_next_soft_embd", -1);
+        ggml_set_output(soft);
+        ggml_build_forward_expand(gf, soft);
+        inp->soft_embd = soft;
     }
     inp->record = record;
     inp->values = values;
     res->add_input(std::move(inp));
-    ggml_build_forward_expand(gf, record);
-    if (values) {
-        ggml_build_forward_expand(gf, values);
-    }
 }
 
 // The step from ggml ops, for backends without our op: the same record in float arithmetic
 // (softmax, cumulative sum and the sample's comparison in F32, where the op accumulates in double;
-// the top-k sorted by probability, ties in the backend's order).
+// the top-k sorted by probability, ties in the backend's order; the argmax's ties to the lowest id,
+// as the op, where a top-k is asked for).
 ggml_tensor * llama_model_diffusion_gemma::graph::build_step_ops(ggml_tensor * logits, ggml_tensor * temperatures,
-                                                                  ggml_tensor * uniforms, int32_t k, ggml_tensor *& values) {
+                                                                  ggml_tensor * uniforms, int32_t k, ggml_tensor *& values,
+                                                                  ggml_tensor *& probs) {
     const int64_t n_vocab = logits->ne[0];
     const int64_t n_rows  = logits->ne[1];
     const float   cap     = hparams.f_final_logit_softcapping;
@@ -628,7 +723,7 @@ ggml_tensor * llama_model_diffusion_gemma::graph::build_step_ops(ggml_tensor * l
         x = ggml_scale(ctx0, x, cap);
     }
     values = ggml_div(ctx0, x, temperatures);                                   // [V, N]
-    ggml_tensor * probs = ggml_soft_max(ctx0, values);                          // [V, N]
+    probs  = ggml_soft_max(ctx0, values);                                       // [V, N]
 
     // a row's value and probability at one index per row: get_rows over [1, V, N]
     auto at = [&](ggml_tensor * t, ggml_tensor * idx /* I32 [m, N] */) {
@@ -648,16 +743,31 @@ ggml_tensor * llama_model_diffusion_gemma::graph::build_step_ops(ggml_tensor * l
     ggml_tensor * below   = ggml_step(ctx0, ggml_neg(ctx0, ggml_sub(ctx0, ggml_cumsum(ctx0, probs), uniforms)));
     ggml_tensor * sampled = ggml_clamp(ctx0, ggml_sum_rows(ctx0, below), 0.0f, (float) (n_vocab - 1));
 
-    ggml_tensor * record = ggml_concat(ctx0, entropy, ggml_cast(ctx0, argmax, GGML_TYPE_F32), 0);
-    record = ggml_concat(ctx0, record, sampled, 0);
     if (k == 0) {
+        ggml_tensor * record = ggml_concat(ctx0, entropy, ggml_cast(ctx0, argmax, GGML_TYPE_F32), 0);
+        record = ggml_concat(ctx0, record, sampled, 0);
         return ggml_concat(ctx0, record, ggml_scale(ctx0, entropy, 0.0f), 0); // dropped: 0
     }
     ggml_tensor * ids     = ggml_top_k(ctx0, probs, k);                         // I32 [k, N], any order
+    ggml_tensor * ids_f   = ggml_cast(ctx0, ids, GGML_TYPE_F32);                // exact below 2^24
+
+    // Equal maxima: ggml's argmax keeps its backend's own one (the CPU the last index, GPUs one by
+    // thread order); the reference and the step op the lowest id. Every maximum is among the top k
+    // (unless more than k tie): the lowest id there whose value equals the maximum, by an argmax over
+    // k entries of (value == max) * (V - id).
+    ggml_tensor * is_max  = ggml_scale_bias(ctx0, ggml_step(ctx0, ggml_neg(ctx0, ggml_sub(ctx0, at(values, ids), v_max))),
+                                            -1.0f, 1.0f);                       // [k, N]: 1 where equal
+    ggml_tensor * score   = ggml_mul(ctx0, is_max, ggml_scale_bias(ctx0, ids_f, -1.0f, (float) n_vocab));
+    ggml_tensor * first   = ggml_reshape_2d(ctx0, ggml_argmax(ctx0, score), 1, n_rows);
+    ggml_tensor * lowest  = ggml_reshape_2d(ctx0, ggml_get_rows(ctx0, ggml_reshape_3d(ctx0, ids_f, 1, k, n_rows), first),
+                                            1, n_rows);                         // F32 [1, N]
+
+    ggml_tensor * record  = ggml_concat(ctx0, entropy, lowest, 0);
+    record = ggml_concat(ctx0, record, sampled, 0);
     ggml_tensor * kept    = at(probs, ids);                                     // [k, N]
     ggml_tensor * order   = ggml_argsort(ctx0, kept, GGML_SORT_ORDER_DESC);      // most probable first
-    ggml_tensor * ids_f   = ggml_reshape_3d(ctx0, ggml_cast(ctx0, ids, GGML_TYPE_F32), 1, k, n_rows);
-    ggml_tensor * ids_out = ggml_reshape_2d(ctx0, ggml_get_rows(ctx0, ids_f, order), k, n_rows);
+    ggml_tensor * ids_out = ggml_reshape_2d(ctx0, ggml_get_rows(ctx0, ggml_reshape_3d(ctx0, ids_f, 1, k, n_rows), order),
+                                            k, n_rows);
     ggml_tensor * p_out   = ggml_reshape_2d(ctx0, ggml_get_rows(ctx0, ggml_reshape_3d(ctx0, kept, 1, k, n_rows), order),
                                             k, n_rows);
     ggml_tensor * dropped = ggml_scale_bias(ctx0, ggml_sum_rows(ctx0, p_out), -1.0f, 1.0f);
@@ -706,7 +816,9 @@ ggml_tensor * llama_model_diffusion_gemma::graph::build_tiled_mm(const dg_expert
 // all of them
 ggml_tensor * llama_model_diffusion_gemma::graph::build_repacked_mm(const dg_lm_head * packed, ggml_tensor * cur) {
     void * userdata = const_cast<dg_lm_head *>(packed); // the ops only read it
-    cur = ggml_cont(ctx0, cur);
+    if (!ggml_is_contiguous(cur)) {
+        cur = ggml_cont(ctx0, cur);
+    }
     ggml_tensor * act = ggml_custom_4d(ctx0, GGML_TYPE_I8, packed->act_bytes(), cur->ne[1], 1, 1, &cur, 1,
                                        dg_lm_head_quantize_op, GGML_N_TASKS_MAX, userdata);
     cb(act, "repacked_act", -1);
@@ -714,48 +826,37 @@ ggml_tensor * llama_model_diffusion_gemma::graph::build_repacked_mm(const dg_lm_
                           GGML_N_TASKS_MAX, userdata);
 }
 
+// tokens per partial sum of exact mode's F32 dense product (build_chunked_mul_mat)
+static constexpr int64_t DG_SC_F32_CHUNK = 8192;
+
 // e + sc, where sc is the self-conditioning block on the previous step's soft embeddings
 ggml_tensor * llama_model_diffusion_gemma::graph::build_self_cond_input(const llama_model_diffusion_gemma & model, ggml_tensor * inp_embd) {
-    const dg_request * req = dg_active_request();
-    const bool    exact = req && req->exact;
-    const int32_t k     = req->sc_k;
+    const dg_request * req   = dg_active_request();
+    const bool         exact = req->exact;
 
-    auto inp = std::make_unique<llm_graph_input_dg_self_cond>(k);
-    inp->ids   = ggml_new_tensor_1d(ctx0, GGML_TYPE_I32, (int64_t) k * n_tokens);
-    inp->probs = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, k, n_tokens);
-    ggml_set_input(inp->ids);
-    ggml_set_input(inp->probs);
-    cb(inp->probs, "sc_probs", -1);
+    auto inp = std::make_unique<llm_graph_input_dg_self_cond>(req->sc_form, req->sc_width);
+    inp->values = ggml_new_tensor_2d(ctx0, GGML_TYPE_F32, req->sc_width, n_tokens);
+    ggml_set_input(inp->values);
+    cb(inp->values, "sc_input", -1);
 
-    // soft[:, c] = sum_j probs[j, c] * E[:, ids[j, c]]. The dense product softmax(logits) @ E is
-    // ~190 G multiply-adds per 256-token step on the real vocabulary (and ggml's quantized
-    // out_prod dequantizes all of E once per canvas row); the probability mass sits on a few
-    // tokens, so the caller keeps the top k per position (k = n_vocab reproduces the dense sum).
-    // get_rows dequantizes only the k rows of E needed (F32 out); the batched out_prod then
-    // contracts over the k rows of each position: [n_embd, k, C] x [1, k, C] -> [n_embd, 1, C].
-    // The rows come from the tied output copy where it sits in a device's memory: llama.cpp keeps
-    // tok_embd in host memory, and the gathered rows (k x C x n_embd floats: 176 MiB for a real
-    // canvas at k = 64) then crossed to the GPU every step, 40% of an H200's step. Not from a host
-    // buffer: the output copy may be repacked there (CPU_REPACK), which get_rows cannot read.
-    ggml_tensor * rows = nullptr;
-    if (model.output && model.output->buffer && !ggml_backend_buffer_is_host(model.output->buffer)) {
-        ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(model.output->buffer));
-        rows = ggml_get_rows(ctx0, model.output, inp->ids);
-        if (!dev || !ggml_backend_dev_supports_op(dev, rows)) {
-            rows = nullptr; // that device cannot gather this type: the host copy does
-        }
+    ggml_tensor * soft = nullptr; // [n_embd, n_tokens]
+    switch (req->sc_form) {
+        case dg_sc_form::topk:
+            inp->ids = ggml_new_tensor_1d(ctx0, GGML_TYPE_I32, (int64_t) req->sc_width * n_tokens);
+            ggml_set_input(inp->ids);
+            soft = build_soft_embd_topk(model, inp->ids, inp->values);
+            break;
+        case dg_sc_form::dense:
+            soft = build_soft_embd_dense(model, ggml_scale(ctx0, inp->values, DG_SC_PROBS_SCALE), DG_SC_PROBS_SCALE,
+                                         exact);
+            break;
+        case dg_sc_form::soft:
+            soft = inp->values; // a dense step's product, handed back
+            break;
+        case dg_sc_form::none:
+            GGML_ABORT("no self-conditioning input");
     }
-    if (!rows) {
-        rows = ggml_get_rows(ctx0, model.tok_embd, inp->ids);
-    }
-    cb(rows, "sc_rows", -1);                                                 // [n_embd, k*C]
-    rows = ggml_reshape_3d(ctx0, rows, n_embd, k, n_tokens);
-    ggml_tensor * weights = ggml_reshape_3d(ctx0, inp->probs, 1, k, n_tokens);
     res->add_input(std::move(inp));
-
-    ggml_tensor * soft = ggml_out_prod(ctx0, rows, weights);                 // [n_embd, 1, C]
-    soft = ggml_reshape_2d(ctx0, soft, n_embd, n_tokens);
-    soft = ggml_scale(ctx0, soft, sqrtf((float) n_embd));
     cb(soft, "sc_soft_embd", -1);
 
     ggml_tensor * cur = build_norm(soft, model.self_cond_pre_norm, nullptr, LLM_NORM_RMS, -1);
@@ -763,6 +864,77 @@ ggml_tensor * llama_model_diffusion_gemma::graph::build_self_cond_input(const ll
     cb(cur, "sc_signal", -1);
 
     return ggml_add(ctx0, inp_embd, cur);
+}
+
+// The reference's soft embedding softmax(logits) @ E * sqrt(n_embd) as one product: the transposed
+// embeddings (model.embd_t: E^T times a power of two, Q8_0 or F32) times the probabilities, which
+// the caller scaled by probs_scale, [n_vocab, N] -> [n_embd, N]. On the CPU the product runs on the
+// LM head's repacked int8 GEMM where the copy was repacked for it, else it is ggml's MUL_MAT (a GPU's
+// tensor cores where the output layer is offloaded).
+ggml_tensor * llama_model_diffusion_gemma::graph::build_soft_embd_dense(const llama_model_diffusion_gemma & model,
+                                                                        ggml_tensor * probs, float probs_scale,
+                                                                        bool exact) {
+    const dg_embd_transposed * et = model.embd_t(exact);
+    if (et == nullptr) {
+        throw std::runtime_error("diffusion-gemma: cannot make the transposed embeddings of the dense self-conditioning");
+    }
+    ggml_tensor * soft;
+    if (et->packed()) {
+        soft = build_repacked_mm(et->packed(), probs);
+    } else if (et->tensor()->type == GGML_TYPE_F32 && probs->ne[0] > DG_SC_F32_CHUNK && probs->ne[0] % DG_SC_F32_CHUNK == 0) {
+        soft = build_chunked_mul_mat(et->tensor(), probs, DG_SC_F32_CHUNK);
+    } else {
+        soft = ggml_mul_mat(ctx0, et->tensor(), probs);
+    }
+    cb(soft, "sc_dense_product", -1);
+    return ggml_scale(ctx0, soft, sqrtf((float) n_embd) / (probs_scale * et->scale()));
+}
+
+// a x b, [K, M] x [K, N] -> [M, N], as K / chunk products of `chunk`-long rows (one batched MUL_MAT
+// over views of a and b) whose partial sums are added in double (sum_rows). Exact mode's F32 product
+// over the 262144-token vocabulary: in one MUL_MAT each of ggml's accumulators adds ~4096 terms, whose
+// rounding moved the real-width logits by 7e-5 (against 1e-4 for the whole small-model budget).
+ggml_tensor * llama_model_diffusion_gemma::graph::build_chunked_mul_mat(ggml_tensor * a, ggml_tensor * b, int64_t chunk) {
+    const int64_t n_chunks = a->ne[0] / chunk;
+    GGML_ASSERT(a->ne[0] == b->ne[0] && n_chunks * chunk == a->ne[0]);
+    ggml_tensor * a3 = ggml_view_3d(ctx0, a, chunk, a->ne[1], n_chunks, a->nb[1], chunk * a->nb[0], 0);
+    ggml_tensor * b3 = ggml_view_3d(ctx0, b, chunk, b->ne[1], n_chunks, b->nb[1], chunk * b->nb[0], 0);
+    ggml_tensor * parts = ggml_mul_mat(ctx0, a3, b3);                            // [M, N, n_chunks]
+    parts = ggml_cont(ctx0, ggml_permute(ctx0, parts, 1, 2, 0, 3));              // [n_chunks, M, N]
+    return ggml_reshape_2d(ctx0, ggml_sum_rows(ctx0, parts), a->ne[1], b->ne[1]);
+}
+
+// The top-k form: soft[:, c] = sum_j probs[j, c] * E[:, ids[j, c]] * sqrt(n_embd), the k rows of E of
+// each position gathered and contracted over k. MUL_MAT contracts along rows, so the gathered rows
+// [n_embd, k, C] are transposed to [k, n_embd, C] first (a copy of k x C x n_embd floats, far less than
+// the product of the dense form).
+// The rows come from the tied output copy where it sits in a device's memory: llama.cpp keeps
+// tok_embd in host memory, and the gathered rows (k x C x n_embd floats: 176 MiB for a real
+// canvas at k = 64) then crossed to the GPU every step, 40% of an H200's step. Not from a host
+// buffer: the output copy may be repacked there (CPU_REPACK), which get_rows cannot read.
+ggml_tensor * llama_model_diffusion_gemma::graph::build_soft_embd_topk(const llama_model_diffusion_gemma & model,
+                                                                       ggml_tensor * ids, ggml_tensor * probs) {
+    const int64_t k = probs->ne[0];
+    ggml_tensor * rows = nullptr;
+    if (model.output && model.output->buffer && !ggml_backend_buffer_is_host(model.output->buffer)) {
+        ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(model.output->buffer));
+        rows = ggml_get_rows(ctx0, model.output, ids);
+        if (!dev || !ggml_backend_dev_supports_op(dev, rows)) {
+            rows = nullptr; // that device cannot gather this type: the host copy does
+        }
+    }
+    if (!rows) {
+        rows = ggml_get_rows(ctx0, model.tok_embd, ids);
+    }
+    cb(rows, "sc_rows", -1);                                                     // [n_embd, k*C]
+    rows = ggml_reshape_3d(ctx0, rows, n_embd, k, n_tokens);
+    rows = ggml_cont(ctx0, ggml_permute(ctx0, rows, 1, 0, 2, 3));                // [k, n_embd, C]
+    cb(rows, "sc_rows_t", -1);
+    ggml_tensor * weights = ggml_reshape_3d(ctx0, probs, k, 1, n_tokens);        // [k, 1, C]
+    ggml_tensor * soft    = ggml_mul_mat(ctx0, rows, weights);                   // [n_embd, 1, C]
+    cb(soft, "sc_topk_product", -1);
+    soft = ggml_reshape_2d(ctx0, soft, n_embd, n_tokens);
+    return ggml_scale(ctx0, soft, sqrtf((float) n_embd));
 }
 
 // build_ffn's GELU with a parallel gate, with the projections through build_mm; exact: an F32 GELU
@@ -874,7 +1046,7 @@ llama_model_diffusion_gemma::graph::graph(const llama_model & model_base, const 
     const dg_request * req = dg_active_request();
     const bool decoder = !cparams.causal_attn;
     const bool exact   = req && req->exact;
-    const bool has_sc  = decoder && req && req->sc_ids;
+    const bool has_sc  = decoder && req && req->sc_form != dg_sc_form::none;
 
     // a worst-case graph llama.cpp reserves mid-call (after a memory update: a sequence's stream
     // copied) has fewer outputs than tokens: it gets the plain logits, the request's step is not its
