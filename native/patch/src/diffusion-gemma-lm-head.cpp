@@ -1353,14 +1353,16 @@ bool is_k_quant(ggml_type type) {
     return type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K;
 }
 
-bool expert_type_fits(ggml_type type, int64_t n_in, dg_lm_head_kernel kernel) {
-    // DG_Q4_K_TILE=0 / DG_Q6_K_TILE=0 leave that type's weights to ggml (A/B runs), wherever they sit
+// DG_Q4_K_TILE=0 / DG_Q6_K_TILE=0 leave that type's weights to ggml (A/B runs), wherever they sit
+bool k_quant_switched_off(ggml_type type) {
     const char * off_switch = type == GGML_TYPE_Q4_K ? "DG_Q4_K_TILE" : type == GGML_TYPE_Q6_K ? "DG_Q6_K_TILE" : nullptr;
-    if (off_switch) {
-        const char * env = std::getenv(off_switch);
-        if (env && !std::strcmp(env, "0")) {
-            return false;
-        }
+    const char * env        = off_switch ? std::getenv(off_switch) : nullptr;
+    return env && !std::strcmp(env, "0");
+}
+
+bool expert_type_fits(ggml_type type, int64_t n_in, dg_lm_head_kernel kernel) {
+    if (k_quant_switched_off(type)) {
+        return false;
     }
     if (is_k_quant(type)) { // their tiles exist for AVX2 only
         return n_in % QK_K == 0 && kernel == dg_lm_head_kernel::avx2;
@@ -1477,11 +1479,8 @@ bool dg_experts::repack_takes(ggml_type type, int64_t n_in, dg_lm_head_kernel ke
         n_in <= 0) {
         return false;
     }
-    if (type == GGML_TYPE_Q6_K) { // DG_Q6_K_TILE=0 leaves Q6_K weights to ggml (A/B runs)
-        const char * env = std::getenv("DG_Q6_K_TILE");
-        if (env && !std::strcmp(env, "0")) {
-            return false;
-        }
+    if (k_quant_switched_off(type)) {
+        return false;
     }
     if (is_k_quant(type)) {
         return n_in % QK_K == 0;
