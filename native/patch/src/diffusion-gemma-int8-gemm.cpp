@@ -1,0 +1,1067 @@
+// dg's int8 GEMMs (the LM head, the dense projections, the MoE experts) on repacks of their own: see
+// diffusion-gemma-lm-head.h. The SIMD kernels per family are in diffusion-gemma-int8-kernels.inc, the
+// self-tests in diffusion-gemma-int8-selftest.inc.
+
+#include "diffusion-gemma-lm-head.h"
+#include "diffusion-gemma.h"
+
+#include "ggml.h"
+#include "ggml-backend.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+
+#if defined(__unix__) || defined(__APPLE__)
+#    include <unistd.h>
+#endif
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#    include <immintrin.h>
+#    define DG_LMH_X86 1
+#endif
+
+#if defined(__GNUC__) && !defined(__clang__)
+// 32- and 64-byte vectors only cross function boundaries inside this translation unit
+#    pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+
+namespace {
+
+constexpr int64_t QK      = 32; // quants per Q8_0 block
+
+// Activation columns kept hot in L2 while the row groups stream past (dg_lm_head::gemm): as many as
+// fill half this core's L2 with one K chunk of their activations, in steps of 8 from 16 to 256 (a
+// 256-token canvas; 64 where the size is unknown). The weights stream from memory once per panel, so
+// the fewer panels the better while the columns stay in L2: on a 2 MiB L2 the LM head's whole canvas
+// is one panel.
+int64_t panel_columns(int64_t act_bytes) {
+    static const long l2 = [] {
+#if defined(_SC_LEVEL2_CACHE_SIZE)
+        return sysconf(_SC_LEVEL2_CACHE_SIZE);
+#else
+        return 0L;
+#endif
+    }();
+    if (l2 <= 0 || act_bytes <= 0) {
+        return 64;
+    }
+    return std::clamp<int64_t>(l2 / 2 / act_bytes / 8 * 8, 16, 256);
+}
+
+// Rows longer than 2 x this many blocks (the transposed embeddings: 8192 blocks) are multiplied a chunk of
+// this many blocks at a time, partial sums added: a group's chunk (16 rows: 144 KiB) and a panel's
+// activations for it (at most half of L2) stay in L2, where a whole row group (4.5 MiB) and a column's
+// activations (288 KiB) would come from L3 for every tile.
+constexpr int64_t K_CHUNK = 256;
+
+struct q8_0_block {
+    uint16_t d;
+    int8_t   qs[QK];
+};
+static_assert(sizeof(q8_0_block) == 34, "Q8_0 block layout");
+
+// Q5_0 (what llama.cpp's K-quants fall back to for rows that are not whole 256-wide super-blocks,
+// e.g. the dense FFN's and the experts' down projections of Q4_K_M files): value = d * (q - 16) with
+// q in 0..31, so (q - 16) is an int8 quant under the same fp16 scale: a lossless Q8_0 block.
+struct q5_0_block {
+    uint16_t d;
+    uint8_t  qh[4]; // bit j: the fifth bit of quant j
+    uint8_t  qs[QK / 2]; // quant j in the low nibble of byte j, quant j + 16 in the high one
+};
+static_assert(sizeof(q5_0_block) == 22, "Q5_0 block layout");
+
+q8_0_block q8_0_of(const q5_0_block & blk) {
+    uint32_t high;
+    std::memcpy(&high, blk.qh, sizeof(high));
+    q8_0_block out;
+    out.d = blk.d;
+    for (int64_t j = 0; j < QK / 2; ++j) {
+        out.qs[j]          = (int8_t) (((blk.qs[j] & 0x0F) | (((high >> j) & 1) << 4)) - 16);
+        out.qs[j + QK / 2] = (int8_t) (((blk.qs[j] >> 4) | (((high >> (j + QK / 2)) & 1) << 4)) - 16);
+    }
+    return out;
+}
+
+// block b of row r as Q8_0, from rows of `type` (Q8_0 or Q5_0)
+q8_0_block q8_0_block_at(const void * rows, ggml_type type, int64_t n_blocks, int64_t r, int64_t b) {
+    if (type == GGML_TYPE_Q5_0) {
+        return q8_0_of(((const q5_0_block *) rows)[r * n_blocks + b]);
+    }
+    return ((const q8_0_block *) rows)[r * n_blocks + b];
+}
+
+// Q4_K (most matrices of Q4_K_M files, the experts' gate+up among them): super-blocks of 256 values,
+// 8 sub-blocks of 32; value = d * sc_j * q - dmin * m_j with q in 0..15 and 6-bit sc_j, m_j.
+constexpr int64_t QK_K = 256;
+
+struct q4_K_block {
+    uint16_t d;
+    uint16_t dmin;
+    uint8_t  scales[12]; // sc_j and m_j, 6 bits each (q4_K_scale_min)
+    uint8_t  qs[QK_K / 2]; // sub-block 2i in the low nibbles of bytes 32i..32i+31, 2i+1 in the high ones
+};
+static_assert(sizeof(q4_K_block) == 144, "Q4_K block layout");
+
+// sc_j and m_j of sub-block j, unpacked as ggml packs them
+void q4_K_scale_min(const uint8_t * s, int j, int & sc, int & m) {
+    if (j < 4) {
+        sc = s[j] & 63;
+        m  = s[j + 4] & 63;
+    } else {
+        sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+        m  = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+// A Q4_K row group of 8 in the tiles' layout, per super-block: the 8 sub-blocks' scales d * sc_j
+// (float [sub-block][row]), their offsets dmin * m_j (the same), then per sub-block 8 x (8 x 4) quants
+// as unsigned bytes. Both products of an fp16 and a 6-bit integer are exact in float.
+constexpr int64_t Q4_K_GROUP  = 8;
+constexpr int64_t Q4_K_SB_BYTES = 2 * 8 * Q4_K_GROUP * 4 + 8 * 8 * Q4_K_GROUP * 4;
+
+// Activations against Q4_K, per super-block: ggml's Q8_K (its quants; d = 1 / iscale), then the
+// 8 sub-blocks' d * (sum of their quants), which the offsets multiply.
+constexpr int64_t Q8_K_BYTES = QK_K + 4 + 8 * 4;
+
+// Q6_K (a Q4_K_M file's LM head and its attn_v / ffn_down of some layers): super-blocks of 256 values,
+// 16 sub-blocks of 16; value = d * sc_j * (q - 32) with q in 0..63 and int8 sc_j.
+struct q6_K_block {
+    uint8_t  ql[QK_K / 2];     // the quants' low 4 bits
+    uint8_t  qh[QK_K / 4];     // their high 2 bits
+    int8_t   scales[QK_K / 16];
+    uint16_t d;
+};
+static_assert(sizeof(q6_K_block) == 210, "Q6_K block layout");
+
+// quant i of a Q6_K block, minus 32, as ggml's dequantize_row_q6_K reads it: per 128, 32 low bytes hold
+// quants l and l + 64 (nibbles), 32 more l + 32 and l + 96, and 32 qh bytes their high bits 2 at a time
+int8_t q6_K_quant(const q6_K_block & blk, int64_t i) {
+    const int64_t h = i / 128, k = (i % 128) / 32, l = i % 32;
+    const int     low  = (blk.ql[64 * h + l + 32 * (k & 1)] >> (4 * (k >> 1))) & 0x0F;
+    const int     high = (blk.qh[32 * h + l] >> (2 * k)) & 3;
+    return (int8_t) ((low | (high << 4)) - 32);
+}
+
+// A Q6_K row group of 8 in the tiles' layout, per super-block: the rows' d (float [row]); their
+// corrections 128 * sum_j sc_j * (sum of sub-block j's quants) (int32 [row]), which undo the +128 that
+// makes the activations unsigned for vpmaddubsw; per sub-block the scales as int16 pairs (sc of row r
+// at 2r and 2r + 1, for vpmaddwd); then the quants minus 32 as int8, 64 x (8 x 4).
+constexpr int64_t Q6_K_SB_BYTES = 8 * 4 + 8 * 4 + 16 * 32 + 64 * 32;
+
+// rows [0, n_rows) of a Q4_K group (row r at rows + r * row_bytes) in that layout; rows past n_rows
+// are zero (scales and offsets 0), so a partial last group computes zeros
+void pack_group_q4_K(const uint8_t * rows, size_t row_bytes, int64_t n_super, int64_t n_rows, uint8_t * out) {
+    constexpr int64_t G = Q4_K_GROUP;
+    for (int64_t s = 0; s < n_super; ++s) {
+        uint8_t * o = out + s * Q4_K_SB_BYTES;
+        std::memset(o, 0, (size_t) Q4_K_SB_BYTES);
+        float * scales  = (float *) o;
+        float * offsets = scales + 8 * G;
+        uint8_t * quants = o + 2 * 8 * G * 4;
+        for (int64_t r = 0; r < n_rows; ++r) {
+            const q4_K_block & blk = ((const q4_K_block *) (rows + r * row_bytes))[s];
+            const float d = ggml_fp16_to_fp32(blk.d), dmin = ggml_fp16_to_fp32(blk.dmin);
+            for (int j = 0; j < 8; ++j) {
+                int sc, m;
+                q4_K_scale_min(blk.scales, j, sc, m);
+                scales[j * G + r]  = d * (float) sc;
+                offsets[j * G + r] = dmin * (float) m;
+                for (int k = 0; k < QK; ++k) {
+                    const uint8_t byte = blk.qs[(j / 2) * QK + k];
+                    quants[j * 8 * 4 * G + (k / 4) * 4 * G + 4 * r + k % 4] = j % 2 ? byte >> 4 : byte & 0x0F;
+                }
+            }
+        }
+    }
+}
+
+// rows [0, n_rows) of a Q6_K group in that layout; rows past n_rows are zero, so they compute zeros
+void pack_group_q6_K(const uint8_t * rows, size_t row_bytes, int64_t n_super, int64_t n_rows, uint8_t * out) {
+    constexpr int64_t G = 8;
+    for (int64_t s = 0; s < n_super; ++s) {
+        uint8_t * o = out + s * Q6_K_SB_BYTES;
+        std::memset(o, 0, (size_t) Q6_K_SB_BYTES);
+        float *   d      = (float *) o;
+        int32_t * corr   = (int32_t *) (o + 32);
+        int16_t * scales = (int16_t *) (o + 64);
+        int8_t *  quants = (int8_t *) (o + 64 + 16 * 32);
+        for (int64_t r = 0; r < n_rows; ++r) {
+            const q6_K_block & blk = ((const q6_K_block *) (rows + r * row_bytes))[s];
+            d[r] = ggml_fp16_to_fp32(blk.d);
+            int32_t sum = 0;
+            for (int64_t j = 0; j < 16; ++j) {
+                scales[j * 16 + 2 * r] = scales[j * 16 + 2 * r + 1] = blk.scales[j];
+                int32_t quant_sum = 0;
+                for (int64_t k = 0; k < 16; ++k) {
+                    const int64_t i = 16 * j + k;
+                    quants[(i / 4) * 4 * G + 4 * r + i % 4] = q6_K_quant(blk, i);
+                    quant_sum += q6_K_quant(blk, i);
+                }
+                sum += blk.scales[j] * quant_sum;
+            }
+            corr[r] = 128 * sum;
+        }
+    }
+}
+
+// Activations against the VNNI Q6_K tile, per super-block: the Q8_K quants and d, then per 16-wide
+// sub-block -32 * (sum of its quants) as int32, the tile's starting value for the sub-block's dot
+// product of the unsigned quants 0..63 (which takes their -32 back).
+constexpr int64_t Q8_K_BYTES_SUMS16 = QK_K + 4 + 16 * 4;
+
+// Columns [c0, c1) of x (n_super * 256 values each) as ggml's quantize_row_q8_K_ref writes them
+// (per 256: the value of largest magnitude, first of equals, maps to -127; round-to-even), into
+// the layout above; `flip` 0x80 stores each quant + 128 as an unsigned byte (the AVX2 Q6_K tile's
+// operand); `sums16` writes the VNNI Q6_K tile's layout instead (Q8_K_BYTES_SUMS16).
+void quantize_columns_q8_K(int64_t n_super, const float * x, int64_t ld_x, int64_t c0, int64_t c1, uint8_t * act,
+                          uint8_t flip = 0, bool sums16 = false) {
+    const int64_t bytes = sums16 ? Q8_K_BYTES_SUMS16 : Q8_K_BYTES;
+    for (int64_t c = c0; c < c1; ++c) {
+        for (int64_t s = 0; s < n_super; ++s) {
+            const float * v = x + c * ld_x + s * QK_K;
+            uint8_t *     o = act + (c * n_super + s) * bytes;
+            float max = 0.0f, amax = 0.0f;
+            for (int64_t k = 0; k < QK_K; ++k) {
+                if (std::fabs(v[k]) > amax) {
+                    amax = std::fabs(v[k]);
+                    max  = v[k];
+                }
+            }
+            float   d = 0.0f, sums[8] = {};
+            int32_t sums_16[16] = {};
+            if (amax != 0.0f) {
+                const float iscale = -127.0f / max;
+                for (int64_t k = 0; k < QK_K; ++k) {
+                    const int8_t q = (int8_t) std::min(127, (int) std::nearbyint(iscale * v[k]));
+                    o[k] = (uint8_t) q ^ flip;
+                    sums[k / QK] += q;
+                    sums_16[k / 16] += q;
+                }
+                d = 1.0f / iscale;
+            } else {
+                std::memset(o, flip, QK_K);
+            }
+            std::memcpy(o + QK_K, &d, sizeof(d));
+            if (sums16) {
+                for (int j = 0; j < 16; ++j) {
+                    const int32_t start = -32 * sums_16[j];
+                    std::memcpy(o + QK_K + 4 + 4 * j, &start, sizeof(start));
+                }
+                continue;
+            }
+            for (int j = 0; j < 8; ++j) {
+                const float b = d * sums[j];
+                std::memcpy(o + QK_K + 4 + 4 * j, &b, sizeof(b));
+            }
+        }
+    }
+}
+
+// rows [0, n_rows) of a group of G (row r at rows + r * row_bytes, `type` Q8_0 or Q5_0) in the tiles'
+// layout: per block, G fp16 scales, G int16 quant sums, then 8 x (G x 4) quants; rows past n_rows
+// are zero (scale 0), so a partial last group computes zeros
+void pack_group(const uint8_t * rows, size_t row_bytes, ggml_type type, int64_t n_blocks, int64_t n_rows, int64_t G,
+                uint8_t * out) {
+    const int64_t GBB = 36 * G;
+    for (int64_t b = 0; b < n_blocks; ++b) {
+        uint8_t * o = out + b * GBB;
+        std::memset(o, 0, (size_t) GBB);
+        for (int64_t r = 0; r < n_rows; ++r) {
+            const q8_0_block blk = q8_0_block_at(rows + r * row_bytes, type, n_blocks, 0, b);
+            int16_t sum = 0;
+            for (int64_t k = 0; k < QK; ++k) {
+                sum = (int16_t) (sum + blk.qs[k]);
+            }
+            std::memcpy(o + 2 * r, &blk.d, 2);
+            std::memcpy(o + 2 * G + 2 * r, &sum, 2);
+            for (int64_t q = 0; q < QK / 4; ++q) {
+                std::memcpy(o + 4 * G + q * 4 * G + 4 * r, blk.qs + 4 * q, 4);
+            }
+        }
+    }
+}
+
+#include "diffusion-gemma-int8-kernels.inc"
+
+typedef void (*tile_fn)(const uint8_t *, const uint8_t *, int64_t, int64_t, float *, int64_t);
+// (group, act, act bytes, n_blocks, b0, b1, out, ld_out): adds blocks [b0, b1)'s products to out
+typedef void (*span_tile_fn)(const uint8_t *, const uint8_t *, int64_t, int64_t, int64_t, int64_t, float *, int64_t);
+
+// tile functions for 1..8 columns
+#define DG_LMH_TILES(name)                                                                                   \
+    const tile_fn name##_by_columns[9] = { nullptr,    name<1>, name<2>, name<3>, name<4>, name<5>, name<6>, \
+                                           name<7>, name<8> };
+
+DG_LMH_TILES(tile_emulated)
+#ifdef DG_LMH_X86
+DG_LMH_TILES(tile_vnni)
+const tile_fn tile_avx2_by_columns[5] = { nullptr, tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4> };
+const tile_fn tile_q4_K_avx2_by_columns[5] = { nullptr, tile_q4_K_avx2<1>, tile_q4_K_avx2<2>, tile_q4_K_avx2<3>,
+                                              tile_q4_K_avx2<4> };
+const tile_fn tile_q6_K_avx2_by_columns[5] = { nullptr, tile_q6_K_avx2<1>, tile_q6_K_avx2<2>, tile_q6_K_avx2<3>,
+                                              tile_q6_K_avx2<4> };
+// the repacked experts' VNNI tiles (spans of blocks, accumulating), by column count
+#    define DG_LMH_SPAN_TILES(name)                                                                         \
+        const span_tile_fn name##_by_columns[9] = { nullptr, name<1>, name<2>, name<3>, name<4>, name<5>, \
+                                                    name<6>, name<7>, name<8> };
+DG_LMH_SPAN_TILES(tile_q8_0_vnni)
+DG_LMH_SPAN_TILES(tile_q5_0_vnni)
+DG_LMH_SPAN_TILES(tile_q4_K_vnni)
+DG_LMH_SPAN_TILES(tile_q6_K_vnni)
+#endif
+
+bool cpu_has(const char * feature) {
+#ifdef DG_LMH_X86
+    __builtin_cpu_init();
+    if (!std::strcmp(feature, "avx512vnni")) {
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+               __builtin_cpu_supports("f16c");
+    }
+    if (!std::strcmp(feature, "avx2")) {
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    }
+#endif
+    (void) feature;
+    return false;
+}
+
+bool kernel_runs_here(dg_lm_head_kernel kernel) {
+    switch (kernel) {
+        case dg_lm_head_kernel::avx512_vnni: return cpu_has("avx512vnni");
+        case dg_lm_head_kernel::avx2:        return cpu_has("avx2");
+        case dg_lm_head_kernel::emulated:    return true;
+        case dg_lm_head_kernel::none:        return false;
+    }
+    return false;
+}
+
+// One block of 32 activations as ggml-cpu's quantize_row_q8_0 quantizes it: the scale amax / 127
+// rounded to fp16, the quants round-to-even of x * 127 / amax; stored ^ offset (VNNI: + 128).
+void quantize_block(const float * x, uint8_t * quants, float * scale, int8_t offset) {
+    float amax = 0.0f;
+    for (int64_t k = 0; k < QK; ++k) {
+        amax = std::max(amax, std::fabs(x[k]));
+    }
+    const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+    *scale = ggml_fp16_to_fp32(ggml_fp32_to_fp16(amax / 127.0f));
+    for (int64_t k = 0; k < QK; ++k) {
+        const int8_t q = (int8_t) std::nearbyint(x[k] * id);
+        quants[k] = (uint8_t) (q ^ offset);
+    }
+}
+
+#ifdef DG_LMH_X86
+// The same, 8 lanes at a time: the same products, rounded by cvtps2dq under the default rounding mode
+// (to nearest even, as nearbyint), packed to bytes in order (the packs interleave 4-byte groups, the
+// permute puts them back). The dense self-conditioning product quantizes 256 x 262144 activations a
+// step: 0.19 s of a 4.2 s step on one thread with the scalar loop.
+__attribute__((target("avx2,f16c"))) void quantize_block_avx2(const float * x, uint8_t * quants, float * scale,
+                                                              int8_t offset) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256       v[4];
+    __m256       m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(x + 8 * i);
+        m    = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h);
+    const float id   = amax != 0.0f ? 127.0f / amax : 0.0f;
+    *scale = ggml_fp16_to_fp32(ggml_fp32_to_fp16(amax / 127.0f));
+    const __m256 vid = _mm256_set1_ps(id);
+    __m256i      q[4];
+    for (int i = 0; i < 4; ++i) {
+        q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vid));
+    }
+    __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    bytes = _mm256_xor_si256(bytes, _mm256_set1_epi8(offset));
+    _mm256_storeu_si256((__m256i *) quants, bytes);
+}
+#endif
+
+// Columns [c0, c1) of x, n_blocks blocks each, into act: column c at act + c * act_stride holds its
+// quants, then their scales (a chunked layout calls this once per chunk, act and x at the chunk's
+// start). `scalar`: the portable loop even where the CPU has AVX2 (the selftest compares the two).
+void quantize_columns(dg_lm_head_kernel kernel, int64_t n_blocks, const float * x, int64_t ld_x, int64_t c0, int64_t c1,
+                      uint8_t * act, int64_t act_stride, bool scalar = false) {
+    // the VNNI layout's operand is unsigned: the activation + 128
+    const int8_t offset = kernel == dg_lm_head_kernel::avx2 ? 0 : -128;
+    static const bool avx2 = cpu_has("avx2");
+    for (int64_t c = c0; c < c1; ++c) {
+        const float * col    = x + c * ld_x;
+        uint8_t *     quants = act + c * act_stride;
+        uint8_t *     scales = quants + n_blocks * QK;
+        for (int64_t b = 0; b < n_blocks; ++b) {
+            float scale;
+#ifdef DG_LMH_X86
+            if (avx2 && !scalar) {
+                quantize_block_avx2(col + b * QK, quants + b * QK, &scale, offset);
+            } else
+#endif
+            {
+                quantize_block(col + b * QK, quants + b * QK, &scale, offset);
+            }
+            std::memcpy(scales + b * 4, &scale, sizeof(scale));
+        }
+    }
+    (void) avx2;
+}
+
+void quantize_columns(dg_lm_head_kernel kernel, int64_t n_blocks, const float * x, int64_t ld_x, int64_t c0, int64_t c1,
+                      uint8_t * act) {
+    quantize_columns(kernel, n_blocks, x, ld_x, c0, c1, act, n_blocks * (QK + 4));
+}
+
+
+// this kernel's tiles for weights of `type` by column count, and the widest (Q4_K, Q6_K: AVX2's only,
+// which dg_experts::make ensures)
+const tile_fn * tiles_for(dg_lm_head_kernel kernel, int64_t * n_wide, ggml_type type = GGML_TYPE_Q8_0) {
+    *n_wide = kernel == dg_lm_head_kernel::avx2 ? 4 : 8;
+#ifdef DG_LMH_X86
+    if (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K) {
+        GGML_ASSERT(kernel == dg_lm_head_kernel::avx2);
+        return type == GGML_TYPE_Q4_K ? tile_q4_K_avx2_by_columns : tile_q6_K_avx2_by_columns;
+    }
+    if (kernel == dg_lm_head_kernel::avx512_vnni) {
+        return tile_vnni_by_columns;
+    }
+    if (kernel == dg_lm_head_kernel::avx2) {
+        return tile_avx2_by_columns;
+    }
+#endif
+    return tile_emulated_by_columns;
+}
+
+// the repacked experts' span tiles of `type` by column count (VNNI; null: the staged AVX2 route)
+const span_tile_fn * span_tiles_for(dg_lm_head_kernel kernel, ggml_type type) {
+#ifdef DG_LMH_X86
+    if (kernel == dg_lm_head_kernel::avx512_vnni) {
+        switch (type) {
+            case GGML_TYPE_Q8_0: return tile_q8_0_vnni_by_columns;
+            case GGML_TYPE_Q5_0: return tile_q5_0_vnni_by_columns;
+            case GGML_TYPE_Q4_K: return tile_q4_K_vnni_by_columns;
+            case GGML_TYPE_Q6_K: return tile_q6_K_vnni_by_columns;
+            default:             break;
+        }
+    }
+#endif
+    (void) kernel;
+    (void) type;
+    return nullptr;
+}
+
+}  // namespace
+
+dg_lm_head_kernel dg_lm_head::kernel_for_cpu(const char * env_name) {
+    const char * env = env_name ? std::getenv(env_name) : nullptr;
+    if (!env || !*env || !std::strcmp(env, "auto")) {
+        env = std::getenv("DG_CPU_KERNELS"); // the family for every component not named on its own
+    }
+    if (env && *env && std::strcmp(env, "auto") != 0) {
+        if (!std::strcmp(env, "avx2") && kernel_runs_here(dg_lm_head_kernel::avx2)) {
+            return dg_lm_head_kernel::avx2;
+        }
+        if (!std::strcmp(env, "avx512-vnni") && kernel_runs_here(dg_lm_head_kernel::avx512_vnni)) {
+            return dg_lm_head_kernel::avx512_vnni;
+        }
+        if (!std::strcmp(env, "emulated")) {
+            return dg_lm_head_kernel::emulated;
+        }
+        return dg_lm_head_kernel::none; // "ggml", or a kernel this CPU lacks
+    }
+    if (kernel_runs_here(dg_lm_head_kernel::avx512_vnni)) {
+        return dg_lm_head_kernel::avx512_vnni;
+    }
+    if (kernel_runs_here(dg_lm_head_kernel::avx2)) {
+        return dg_lm_head_kernel::avx2;
+    }
+    return dg_lm_head_kernel::none;
+}
+
+const char * dg_lm_head::kernel_name(dg_lm_head_kernel kernel) {
+    switch (kernel) {
+        case dg_lm_head_kernel::avx512_vnni: return "avx512-vnni";
+        case dg_lm_head_kernel::avx2:        return "avx2";
+        case dg_lm_head_kernel::emulated:    return "emulated";
+        case dg_lm_head_kernel::none:        return "ggml";
+    }
+    return "ggml";
+}
+
+dg_lm_head::dg_lm_head(dg_lm_head_kernel kernel, int64_t n_embd, int64_t n_vocab) :
+    kernel_(kernel), n_embd_(n_embd), n_vocab_(n_vocab), n_blocks_(n_embd / QK),
+    group_(kernel == dg_lm_head_kernel::avx2 ? 8 : 16) {}
+
+bool dg_lm_head::qualifies(const ggml_tensor * w) {
+    // tensor->extra is set by the CPU extra buffer types (repack, AMX): their own layout, not Q8_0
+    return w && (w->type == GGML_TYPE_Q8_0 || w->type == GGML_TYPE_Q5_0) && w->extra == nullptr && w->buffer &&
+           ggml_backend_buffer_is_host(w->buffer) && ggml_is_contiguous(w) && ggml_n_dims(w) == 2 && w->ne[0] % QK == 0;
+}
+
+std::unique_ptr<dg_lm_head> dg_lm_head::repack(const ggml_tensor * w, dg_lm_head_kernel kernel) {
+    return qualifies(w) ? repack(w->data, w->type, w->ne[0], w->ne[1], kernel) : nullptr;
+}
+
+std::unique_ptr<dg_lm_head> dg_lm_head::repack(const void * rows, ggml_type type, int64_t n_embd, int64_t n_vocab,
+                                               dg_lm_head_kernel kernel) {
+    if (!rows || (type != GGML_TYPE_Q8_0 && type != GGML_TYPE_Q5_0) || n_embd <= 0 || n_embd % QK != 0 ||
+        n_vocab <= 0 || !kernel_runs_here(kernel)) {
+        return nullptr;
+    }
+    std::unique_ptr<dg_lm_head> h(new dg_lm_head(kernel, n_embd, n_vocab));
+    const int64_t G   = h->group_;
+    const int64_t GBB = dg_lm_head_group_block_bytes(G);
+    const int64_t nb  = h->n_blocks_;
+    h->data_.assign((size_t) (h->n_groups() * nb * GBB + 64), 0);
+    h->base_ = (uint8_t *) (((uintptr_t) h->data_.data() + 63) & ~(uintptr_t) 63);
+
+    const size_t row_bytes = (size_t) nb * ggml_type_size(type);
+    for (int64_t g = 0; g < h->n_groups(); ++g) {
+        // the last group is padded with zero rows past the vocabulary
+        pack_group((const uint8_t *) rows + g * G * row_bytes, row_bytes, type, nb, std::min(G, n_vocab - g * G), G,
+                   h->base_ + g * nb * GBB);
+    }
+    return h;
+}
+
+std::unique_ptr<dg_lm_head> dg_lm_head::zeros(int64_t n_embd, int64_t n_vocab, dg_lm_head_kernel kernel) {
+    if (n_embd <= 0 || n_embd % QK != 0 || n_vocab <= 0 || !kernel_runs_here(kernel)) {
+        return nullptr;
+    }
+    std::unique_ptr<dg_lm_head> h(new dg_lm_head(kernel, n_embd, n_vocab));
+    h->data_.assign((size_t) (h->n_groups() * h->n_blocks_ * dg_lm_head_group_block_bytes(h->group_) + 64), 0);
+    h->base_ = (uint8_t *) (((uintptr_t) h->data_.data() + 63) & ~(uintptr_t) 63);
+    return h;
+}
+
+void dg_lm_head::pack_blocks(const void * rows, size_t row_bytes, int64_t b0, int64_t n_blocks) {
+    GGML_ASSERT(b0 >= 0 && n_blocks >= 0 && b0 + n_blocks <= n_blocks_);
+    const int64_t G   = group_;
+    const int64_t GBB = dg_lm_head_group_block_bytes(G);
+    for (int64_t g = 0; g < n_groups(); ++g) {
+        // a group's blocks follow each other: block b of group g at (g * n_blocks_ + b) * GBB
+        pack_group((const uint8_t *) rows + g * G * row_bytes, row_bytes, GGML_TYPE_Q8_0, n_blocks,
+                   std::min(G, n_vocab_ - g * G), G, base_ + (g * n_blocks_ + b0) * GBB);
+    }
+}
+
+int64_t dg_lm_head::bytes() const {
+    return n_groups() * n_blocks_ * dg_lm_head_group_block_bytes(group_);
+}
+
+int64_t dg_lm_head::act_bytes() const {
+    return n_blocks_ * (QK + 4);
+}
+
+int64_t dg_lm_head::chunk_blocks() const {
+    return n_blocks_ > 2 * K_CHUNK ? K_CHUNK : n_blocks_;
+}
+
+void dg_lm_head::quantize(const float * x, int64_t ld_x, int64_t c0, int64_t c1, uint8_t * act) const {
+    // chunk by chunk: each chunk's quants then its scales, as the tiles read a row of that many blocks
+    const int64_t chunk = chunk_blocks();
+    for (int64_t k0 = 0; k0 < n_blocks_; k0 += chunk) {
+        quantize_columns(kernel_, std::min(chunk, n_blocks_ - k0), x + k0 * QK, ld_x, c0, c1, act + k0 * (QK + 4),
+                         act_bytes());
+    }
+}
+
+
+void dg_lm_head::gemm(const uint8_t * act, int64_t n_cols, float * out, int64_t ld_out, int64_t g0, int64_t g1) const {
+    const int64_t G      = group_;
+    const int64_t GBB    = dg_lm_head_group_block_bytes(G);
+    const int64_t ab     = act_bytes();
+    const int64_t chunk  = chunk_blocks();
+    int64_t         n_wide; // columns per tile
+    const tile_fn * tiles = tiles_for(kernel_, &n_wide);
+    float partial[16 * 8]; // a tile computed aside: the last group's (a partial group), or a later chunk's
+    const int64_t panel = panel_columns(ab * chunk / n_blocks_); // one chunk's activations per column
+    for (int64_t p0 = 0; p0 < n_cols; p0 += panel) {
+        const int64_t p1 = std::min(p0 + panel, n_cols);
+        for (int64_t k0 = 0; k0 < n_blocks_; k0 += chunk) {
+            const int64_t   nk    = std::min(chunk, n_blocks_ - k0);
+            const uint8_t * act_k = act + k0 * (QK + 4); // the chunk's quants and scales (quantize)
+            for (int64_t g = g0; g < g1; ++g) {
+                const uint8_t * group = base_ + (g * n_blocks_ + k0) * GBB;
+                const int64_t   rows  = std::min(G, n_vocab_ - g * G);
+                for (int64_t c = p0; c < p1; c += n_wide) {
+                    const int64_t nc = std::min(n_wide, p1 - c);
+                    if (rows == G && k0 == 0) {
+                        tiles[nc](group, act_k + c * ab, ab, nk, out + c * ld_out + g * G, ld_out);
+                        continue;
+                    }
+                    tiles[nc](group, act_k + c * ab, ab, nk, partial, G);
+                    for (int64_t j = 0; j < nc; ++j) {
+                        float * o = out + (c + j) * ld_out + g * G;
+                        for (int64_t r = 0; r < rows; ++r) {
+                            o[r] = k0 == 0 ? partial[j * G + r] : o[r] + partial[j * G + r];
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+void dg_lm_head_quantize_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const auto &        head = *(const dg_lm_head *) userdata;
+    const ggml_tensor * x    = dst->src[0]; // F32 [n_embd, n_cols], contiguous rows
+    const int64_t       n    = x->ne[1];
+    head.quantize((const float *) x->data, x->nb[1] / sizeof(float), ith * n / nth, (ith + 1) * n / nth,
+                  (uint8_t *) dst->data);
+}
+
+void dg_lm_head_gemm_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const auto &        head = *(const dg_lm_head *) userdata;
+    const ggml_tensor * act  = dst->src[0];
+    const int64_t       ng   = head.n_groups();
+    head.gemm((const uint8_t *) act->data, act->ne[1], (float *) dst->data, dst->nb[1] / sizeof(float),
+              ith * ng / nth, (ith + 1) * ng / nth);
+}
+
+// ---- MoE experts --------------------------------------------------------------------------------
+
+namespace {
+
+bool is_k_quant(ggml_type type) {
+    return type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K;
+}
+
+// DG_Q4_K_TILE=0 / DG_Q6_K_TILE=0 leave that type's weights to ggml (A/B runs), wherever they sit
+bool k_quant_switched_off(ggml_type type) {
+    const char * off_switch = type == GGML_TYPE_Q4_K ? "DG_Q4_K_TILE" : type == GGML_TYPE_Q6_K ? "DG_Q6_K_TILE" : nullptr;
+    const char * env        = off_switch ? std::getenv(off_switch) : nullptr;
+    return env && !std::strcmp(env, "0");
+}
+
+bool expert_type_fits(ggml_type type, int64_t n_in, dg_lm_head_kernel kernel) {
+    if (k_quant_switched_off(type)) {
+        return false;
+    }
+    if (is_k_quant(type)) { // their tiles exist for AVX2 only
+        return n_in % QK_K == 0 && kernel == dg_lm_head_kernel::avx2;
+    }
+    return (type == GGML_TYPE_Q8_0 || type == GGML_TYPE_Q5_0) && n_in % QK == 0;
+}
+
+// The repacked layouts (described above the kernels), written from the file's rows: rows [0, n_rows) of
+// a group of G at `rows` (row r at rows + r * row_bytes) into `out`; rows past n_rows are zeros (their
+// scales 0, so they compute zeros).
+void repack_group_q5_0(const uint8_t * rows, size_t row_bytes, int64_t n_blocks, int64_t n_rows, int64_t G, bool vnni,
+                       uint8_t * out) {
+    for (int64_t b = 0; b < n_blocks; ++b) {
+        uint8_t * o = out + b * Q5_0_STORED * G;
+        std::memset(o, 0, (size_t) (Q5_0_STORED * G));
+        uint8_t * nibbles = o + 4 * G;
+        uint8_t * fifth   = o + 20 * G;
+        for (int64_t r = 0; r < n_rows; ++r) {
+            const q5_0_block & blk = ((const q5_0_block *) (rows + r * row_bytes))[b];
+            const q8_0_block   q8  = q8_0_of(blk);
+            int16_t            sum = 0;
+            for (int64_t k = 0; k < QK; ++k) {
+                sum = (int16_t) (sum + q8.qs[k]);
+            }
+            std::memcpy(o + 2 * r, &blk.d, 2);
+            std::memcpy(o + 2 * G + 2 * r, &sum, 2);
+            for (int64_t q = 0; q < 4; ++q) {
+                std::memcpy(nibbles + q * 4 * G + 4 * r, blk.qs + 4 * q, 4);
+            }
+            uint32_t high;
+            std::memcpy(&high, blk.qh, sizeof(high));
+            for (int64_t q = 0; q < 8; ++q) {
+                for (int64_t k = 0; k < 4; ++k) {
+                    const uint32_t bit = (high >> (4 * q + k)) & 1;
+                    if (vnni && !bit) { // mask q: the bytes 16 is taken from
+                        fifth[8 * q + (4 * r + k) / 8] |= (uint8_t) (1u << ((4 * r + k) % 8));
+                    } else if (!vnni) {
+                        fifth[4 * r + k] |= (uint8_t) (bit << q);
+                    }
+                }
+            }
+        }
+    }
+}
+
+void repack_group_q4_K(const uint8_t * rows, size_t row_bytes, int64_t n_super, int64_t n_rows, int64_t G,
+                       uint8_t * out) {
+    for (int64_t s = 0; s < n_super; ++s) {
+        uint8_t * o = out + s * Q4_K_STORED * G;
+        std::memset(o, 0, (size_t) (Q4_K_STORED * G));
+        for (int64_t r = 0; r < n_rows; ++r) {
+            const q4_K_block & blk = ((const q4_K_block *) (rows + r * row_bytes))[s];
+            std::memcpy(o + 2 * r, &blk.d, 2);
+            std::memcpy(o + 2 * G + 2 * r, &blk.dmin, 2);
+            for (int j = 0; j < 8; ++j) {
+                int sc, m;
+                q4_K_scale_min(blk.scales, j, sc, m);
+                o[4 * G + j * G + r]  = (uint8_t) sc;
+                o[12 * G + j * G + r] = (uint8_t) m;
+            }
+            for (int64_t v = 0; v < 32; ++v) { // pair v / 8, step v % 8: the file's bytes 32 (v / 8) + 4 (v % 8)
+                std::memcpy(o + 20 * G + v * 4 * G + 4 * r, blk.qs + 32 * (v / 8) + 4 * (v % 8), 4);
+            }
+        }
+    }
+}
+
+void repack_group_q6_K(const uint8_t * rows, size_t row_bytes, int64_t n_super, int64_t n_rows, int64_t G,
+                       bool correction, uint8_t * out) {
+    const int64_t stored = correction ? Q6_K_STORED_AVX2 : Q6_K_STORED;
+    const int64_t at_sc  = correction ? 6 * G : 2 * G;
+    for (int64_t s = 0; s < n_super; ++s) {
+        uint8_t * o = out + s * stored * G;
+        std::memset(o, 0, (size_t) (stored * G));
+        for (int64_t r = 0; r < n_rows; ++r) {
+            const q6_K_block & blk = ((const q6_K_block *) (rows + r * row_bytes))[s];
+            std::memcpy(o + 2 * r, &blk.d, 2);
+            if (correction) { // 128 x the row's scaled quant sums: the AVX2 tile's +128 on the activations
+                int32_t sum = 0;
+                for (int64_t i = 0; i < QK_K; ++i) {
+                    sum += blk.scales[i / 16] * q6_K_quant(blk, i);
+                }
+                const int32_t corr = 128 * sum;
+                std::memcpy(o + 2 * G + 4 * r, &corr, 4);
+            }
+            for (int64_t j = 0; j < 16; ++j) {
+                o[at_sc + j * G + r] = (uint8_t) blk.scales[j];
+            }
+            for (int64_t v = 0; v < 32; ++v) {
+                std::memcpy(o + at_sc + 16 * G + v * 4 * G + 4 * r, blk.ql + 4 * v, 4);
+            }
+            for (int64_t u = 0; u < 16; ++u) {
+                std::memcpy(o + at_sc + 144 * G + u * 4 * G + 4 * r, blk.qh + 4 * u, 4);
+            }
+        }
+    }
+}
+
+}  // namespace
+
+dg_lm_head_kernel dg_experts::kernel_for_cpu() {
+    const dg_lm_head_kernel kernel = dg_lm_head::kernel_for_cpu("DG_EXPERT_GEMM");
+    return kernel == dg_lm_head_kernel::avx512_vnni ? dg_lm_head_kernel::none : kernel;
+}
+
+dg_lm_head_kernel dg_experts::repack_kernel_for_cpu() {
+    const dg_lm_head_kernel kernel = dg_lm_head::kernel_for_cpu("DG_EXPERT_GEMM");
+    return kernel == dg_lm_head_kernel::avx2 || kernel == dg_lm_head_kernel::avx512_vnni ? kernel
+                                                                                         : dg_lm_head_kernel::none;
+}
+
+bool dg_experts::repack_takes(ggml_type type, int64_t n_in, dg_lm_head_kernel kernel) {
+    if ((kernel != dg_lm_head_kernel::avx2 && kernel != dg_lm_head_kernel::avx512_vnni) || !kernel_runs_here(kernel) ||
+        n_in <= 0) {
+        return false;
+    }
+    if (k_quant_switched_off(type)) {
+        return false;
+    }
+    if (is_k_quant(type)) {
+        return n_in % QK_K == 0;
+    }
+    return (type == GGML_TYPE_Q8_0 || type == GGML_TYPE_Q5_0) && n_in % QK == 0;
+}
+
+int64_t dg_experts::stored_group_bytes(ggml_type type, int64_t n_in, dg_lm_head_kernel kernel) {
+    const int64_t G = kernel == dg_lm_head_kernel::avx2 ? 8 : 16;
+    switch (type) {
+        case GGML_TYPE_Q8_0: return n_in / QK * dg_lm_head_group_block_bytes(G);
+        case GGML_TYPE_Q5_0: return n_in / QK * Q5_0_STORED * G;
+        case GGML_TYPE_Q4_K: return n_in / QK_K * Q4_K_STORED * G;
+        case GGML_TYPE_Q6_K:
+            return n_in / QK_K * (kernel == dg_lm_head_kernel::avx2 ? Q6_K_STORED_AVX2 : Q6_K_STORED) * G;
+        default: return 0;
+    }
+}
+
+size_t dg_experts::repacked_bytes(ggml_type type, int64_t n_in, int64_t n_out, int64_t n_expert,
+                                  dg_lm_head_kernel kernel) {
+    const int64_t G = kernel == dg_lm_head_kernel::avx2 ? 8 : 16;
+    return (size_t) (n_expert * ((n_out + G - 1) / G) * stored_group_bytes(type, n_in, kernel));
+}
+
+void dg_experts::repack(ggml_type type, int64_t n_in, int64_t n_out, int64_t e0, int64_t e1, dg_lm_head_kernel kernel,
+                        const void * src, void * dst) {
+    const int64_t G         = kernel == dg_lm_head_kernel::avx2 ? 8 : 16;
+    const int64_t n_groups  = (n_out + G - 1) / G;
+    const int64_t stored    = stored_group_bytes(type, n_in, kernel);
+    const size_t  row_bytes = ggml_row_size(type, n_in);
+    for (int64_t e = e0; e < e1; ++e) {
+        for (int64_t g = 0; g < n_groups; ++g) {
+            const uint8_t * rows   = (const uint8_t *) src + (e * n_out + g * G) * row_bytes;
+            const int64_t   n_rows = std::min(G, n_out - g * G);
+            uint8_t *       out    = (uint8_t *) dst + (e * n_groups + g) * stored;
+            switch (type) {
+                case GGML_TYPE_Q8_0: pack_group(rows, row_bytes, type, n_in / QK, n_rows, G, out); break;
+                case GGML_TYPE_Q5_0:
+                    repack_group_q5_0(rows, row_bytes, n_in / QK, n_rows, G, kernel != dg_lm_head_kernel::avx2, out);
+                    break;
+                case GGML_TYPE_Q4_K: repack_group_q4_K(rows, row_bytes, n_in / QK_K, n_rows, G, out); break;
+                case GGML_TYPE_Q6_K:
+                    repack_group_q6_K(rows, row_bytes, n_in / QK_K, n_rows, G, kernel == dg_lm_head_kernel::avx2, out);
+                    break;
+                default: GGML_ABORT("dg_experts::repack: type %s has no repacked layout", ggml_type_name(type));
+            }
+        }
+    }
+}
+
+std::unique_ptr<dg_experts> dg_experts::over_repacked(const void * data, ggml_type type, int64_t n_in, int64_t n_out,
+                                                      int64_t n_expert, dg_lm_head_kernel kernel) {
+    if (!data || !repack_takes(type, n_in, kernel) || n_out <= 0 || n_expert <= 0) {
+        return nullptr;
+    }
+    std::unique_ptr<dg_experts> experts(new dg_experts(kernel, data, type, n_in, n_out, n_expert));
+    experts->repacked_ = true;
+    return experts;
+}
+
+bool dg_experts::qualifies(const ggml_tensor * w) {
+    return w && (w->type == GGML_TYPE_Q8_0 || w->type == GGML_TYPE_Q5_0 || is_k_quant(w->type)) &&
+           w->extra == nullptr && w->buffer && ggml_backend_buffer_is_host(w->buffer) && ggml_is_contiguous(w) &&
+           ggml_n_dims(w) <= 3 && w->ne[3] == 1 && w->ne[0] % ggml_blck_size(w->type) == 0;
+}
+
+std::unique_ptr<dg_experts> dg_experts::make(const ggml_tensor * w, dg_lm_head_kernel kernel) {
+    return qualifies(w) ? make(w->data, w->type, w->ne[0], w->ne[1], w->ne[2], kernel) : nullptr;
+}
+
+std::unique_ptr<dg_experts> dg_experts::make(const void * data, ggml_type type, int64_t n_in, int64_t n_out,
+                                             int64_t n_expert, dg_lm_head_kernel kernel) {
+    if (!data || n_in <= 0 || !expert_type_fits(type, n_in, kernel) || n_out <= 0 || n_expert <= 0 ||
+        !kernel_runs_here(kernel)) {
+        return nullptr;
+    }
+    return std::unique_ptr<dg_experts>(new dg_experts(kernel, data, type, n_in, n_out, n_expert));
+}
+
+dg_experts::dg_experts(dg_lm_head_kernel kernel, const void * data, ggml_type type, int64_t n_in, int64_t n_out,
+                       int64_t n_expert) :
+    kernel_(kernel), data_((const uint8_t *) data), type_(type), n_in_(n_in), n_out_(n_out), n_expert_(n_expert),
+    n_blocks_(n_in / QK), group_(kernel == dg_lm_head_kernel::avx2 ? 8 : 16), row_bytes_(ggml_row_size(type, n_in)) {}
+
+int64_t dg_experts::act_bytes() const {
+    if (type_ == GGML_TYPE_Q6_K && kernel_ == dg_lm_head_kernel::avx512_vnni) {
+        return n_in_ / QK_K * Q8_K_BYTES_SUMS16;
+    }
+    return is_k_quant(type_) ? n_in_ / QK_K * Q8_K_BYTES : n_blocks_ * (QK + 4);
+}
+
+int64_t dg_experts::group_bytes() const {
+    if (repacked_ && kernel_ == dg_lm_head_kernel::avx512_vnni) {
+        return 0; // its tiles read the repacked layout
+    }
+    if (is_k_quant(type_)) {
+        return n_in_ / QK_K * (type_ == GGML_TYPE_Q4_K ? Q4_K_SB_BYTES : Q6_K_SB_BYTES);
+    }
+    return n_blocks_ * dg_lm_head_group_block_bytes(group_);
+}
+
+void dg_experts::quantize(const float * x, int64_t ld_x, int64_t r0, int64_t r1, uint8_t * act) const {
+    if (type_ == GGML_TYPE_Q6_K && kernel_ == dg_lm_head_kernel::avx512_vnni) {
+        quantize_columns_q8_K(n_in_ / QK_K, x, ld_x, r0, r1, act, 0, /*sums16 =*/ true);
+    } else if (is_k_quant(type_)) {
+        quantize_columns_q8_K(n_in_ / QK_K, x, ld_x, r0, r1, act, type_ == GGML_TYPE_Q6_K ? 0x80 : 0);
+    } else {
+        quantize_columns(kernel_, n_blocks_, x, ld_x, r0, r1, act);
+    }
+}
+
+void dg_experts::pack(const uint8_t * first_row, int64_t rows, uint8_t * group) const {
+    if (type_ == GGML_TYPE_Q4_K) {
+#ifdef DG_LMH_X86
+        if (rows == Q4_K_GROUP) {
+            pack_group_q4_K_avx2(first_row, row_bytes_, n_in_ / QK_K, group);
+            return;
+        }
+#endif
+        pack_group_q4_K(first_row, row_bytes_, n_in_ / QK_K, rows, group);
+        return;
+    }
+    if (type_ == GGML_TYPE_Q6_K) {
+#ifdef DG_LMH_X86
+        if (rows == 8) {
+            pack_group_q6_K_avx2(first_row, row_bytes_, n_in_ / QK_K, group);
+            return;
+        }
+#endif
+        pack_group_q6_K(first_row, row_bytes_, n_in_ / QK_K, rows, group);
+        return;
+    }
+#ifdef DG_LMH_X86
+    if (kernel_ == dg_lm_head_kernel::avx2 && rows == group_) {
+        pack_group_avx2(first_row, row_bytes_, type_, n_blocks_, group);
+        return;
+    }
+#endif
+    pack_group(first_row, row_bytes_, type_, n_blocks_, rows, group_, group);
+}
+
+const uint8_t * dg_experts::stage(int64_t e, int64_t g, uint8_t * buffer) const {
+    const int64_t G = group_;
+    if (!repacked_) {
+        pack(data_ + (e * n_out_ + g * G) * row_bytes_, std::min(G, n_out_ - g * G), buffer);
+        return buffer;
+    }
+    const int64_t   n_groups = (n_out_ + G - 1) / G;
+    const uint8_t * stored   = data_ + (e * n_groups + g) * stored_group_bytes(type_, n_in_, kernel_);
+    if (type_ == GGML_TYPE_Q8_0 || kernel_ == dg_lm_head_kernel::avx512_vnni) {
+        return stored; // the tiles read it as it is
+    }
+#ifdef DG_LMH_X86
+    switch (type_) {
+        case GGML_TYPE_Q5_0: unpack_q5_0_avx2(stored, n_blocks_, buffer); return buffer;
+        case GGML_TYPE_Q4_K: unpack_q4_K_avx2(stored, n_in_ / QK_K, buffer); return buffer;
+        case GGML_TYPE_Q6_K: unpack_q6_K_avx2(stored, n_in_ / QK_K, buffer); return buffer;
+        default:             break;
+    }
+#endif
+    GGML_ABORT("dg_experts::stage: no repacked layout for %s", ggml_type_name(type_));
+}
+
+void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * ids, int64_t ld_ids, int64_t n_used,
+                      int64_t n_tokens, char * out, size_t nb_slot, size_t nb_token, int ith, int nth) const {
+    const int64_t G        = group_;
+    const int64_t n_groups = (n_out_ + G - 1) / G;
+    const int64_t ab       = act_bytes();
+    int64_t         n_wide     = 8;
+    // the repacked experts on VNNI: tiles over spans of blocks of the repacked layout itself
+    const span_tile_fn * spans = repacked_ ? span_tiles_for(kernel_, type_) : nullptr;
+    const tile_fn *      tiles = spans ? nullptr : tiles_for(kernel_, &n_wide, type_);
+
+    // the (slot, token) pairs routed to each expert, in token order; every thread builds the same lists
+    thread_local std::vector<int64_t> first, routed;
+    first.assign((size_t) n_expert_ + 1, 0);
+    for (int64_t t = 0; t < n_tokens; ++t) {
+        for (int64_t u = 0; u < n_used; ++u) {
+            const int32_t e = ids[u + t * ld_ids];
+            GGML_ASSERT(e >= 0 && e < n_expert_);
+            ++first[(size_t) e + 1];
+        }
+    }
+    for (int64_t e = 0; e < n_expert_; ++e) {
+        first[(size_t) e + 1] += first[(size_t) e];
+    }
+    routed.resize((size_t) (n_used * n_tokens));
+    {
+        thread_local std::vector<int64_t> next;
+        next.assign(first.begin(), first.end() - 1);
+        for (int64_t t = 0; t < n_tokens; ++t) {
+            for (int64_t u = 0; u < n_used; ++u) {
+                routed[(size_t) next[(size_t) ids[u + t * ld_ids]]++] = u + t * n_used;
+            }
+        }
+    }
+
+    // This thread's share of the (expert, group) pairs, by cost: a group's packing from the file's
+    // layout costs about as much as running it against three columns, its unpacking from the repacked
+    // one about one (nothing where the tiles read it as stored: Q8_0, and every type on VNNI).
+    const int64_t PACK_COST = !repacked_ ? 3 : type_ == GGML_TYPE_Q8_0 || kernel_ == dg_lm_head_kernel::avx512_vnni ? 0 : 1;
+    int64_t           total     = 0;
+    for (int64_t e = 0; e < n_expert_; ++e) {
+        const int64_t n = first[(size_t) e + 1] - first[(size_t) e];
+        total += n ? n_groups * (n + PACK_COST) : 0;
+    }
+    const int64_t lo = total * ith / nth, hi = total * (ith + 1) / nth;
+
+    thread_local std::vector<uint8_t> packed, gathered;
+    thread_local std::vector<float>   sums;
+    packed.resize((size_t) (group_bytes() + 64));
+    uint8_t * group = (uint8_t *) (((uintptr_t) packed.data() + 63) & ~(uintptr_t) 63);
+    float     tile_out[16 * 8];
+
+    for (int64_t e = 0, start = 0; e < n_expert_ && start < hi; ++e) {
+        const int64_t n = first[(size_t) e + 1] - first[(size_t) e];
+        if (n == 0) {
+            continue;
+        }
+        const int64_t cost = n + PACK_COST; // per group
+        // groups g with start + g * cost in [lo, hi)
+        const int64_t g0 = std::max<int64_t>(0, (lo - start + cost - 1) / cost);
+        const int64_t g1 = std::min<int64_t>(n_groups, std::max<int64_t>(0, (hi - start + cost - 1) / cost));
+        start += n_groups * cost;
+        if (g0 >= g1) {
+            continue;
+        }
+        const int64_t * pairs = routed.data() + first[(size_t) e];
+        // the expert's activation rows, contiguous for the tiles
+        gathered.resize((size_t) (n * ab));
+        for (int64_t j = 0; j < n; ++j) {
+            const int64_t u = pairs[j] % n_used, t = pairs[j] / n_used;
+            std::memcpy(gathered.data() + j * ab, act + ((u % n_act_slots) + t * n_act_slots) * ab, (size_t) ab);
+        }
+        // the columns in tiles of near-equal widths (19: 7 + 6 + 6, not 8 + 8 + 3: a narrow tile reloads
+        // the weights for few columns)
+        const int64_t n_tiles = (n + n_wide - 1) / n_wide;
+        for (int64_t g = g0; g < g1; ++g) {
+            const int64_t   rows   = std::min(G, n_out_ - g * G);
+            const uint8_t * staged = stage(e, g, group);
+            if (spans) {
+                // every column tile over a span of blocks (8: ~2.3-4.6 KB of weights, kept in L1) before the
+                // next span, so that the group's weights stream from memory once, without pauses
+                sums.assign((size_t) (n * G), 0.0f);
+                for (int64_t b0 = 0; b0 < n_blocks_; b0 += 8) {
+                    for (int64_t c = 0, tile = 0; c < n; ++tile) {
+                        const int64_t nc = n / n_tiles + (tile < n % n_tiles ? 1 : 0);
+                        spans[nc](staged, gathered.data() + c * ab, ab, n_blocks_, b0, std::min(b0 + 8, n_blocks_),
+                                  sums.data() + c * G, G);
+                        c += nc;
+                    }
+                }
+                for (int64_t j = 0; j < n; ++j) {
+                    const int64_t u = pairs[j] % n_used, t = pairs[j] / n_used;
+                    std::memcpy(out + u * nb_slot + t * nb_token + g * G * sizeof(float), sums.data() + j * G,
+                                (size_t) rows * sizeof(float));
+                }
+                continue;
+            }
+            for (int64_t c = 0, tile = 0; c < n; ++tile) {
+                const int64_t nc = n / n_tiles + (tile < n % n_tiles ? 1 : 0);
+                tiles[nc](staged, gathered.data() + c * ab, ab, n_blocks_, tile_out, G);
+                for (int64_t j = 0; j < nc; ++j) {
+                    const int64_t u = pairs[c + j] % n_used, t = pairs[c + j] / n_used;
+                    std::memcpy(out + u * nb_slot + t * nb_token + g * G * sizeof(float), tile_out + j * G,
+                                (size_t) rows * sizeof(float));
+                }
+                c += nc;
+            }
+        }
+    }
+}
+
+void dg_experts_quantize_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const auto &        experts = *(const dg_experts *) userdata;
+    const ggml_tensor * x       = dst->src[0]; // F32 [n_in, rows], contiguous rows
+    const int64_t       n       = x->ne[1];
+    experts.quantize((const float *) x->data, x->nb[1] / sizeof(float), ith * n / nth, (ith + 1) * n / nth,
+                     (uint8_t *) dst->data);
+}
+
+void dg_experts_gemm_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const auto &        experts = *(const dg_experts *) userdata;
+    const ggml_tensor * act     = dst->src[0]; // I8 [act_bytes, n_act_slots * n_tokens]
+    const ggml_tensor * ids     = dst->src[1]; // I32 [n_used, n_tokens]
+    const int64_t       n_used = ids->ne[0], n_tokens = ids->ne[1];
+    experts.gemm((const uint8_t *) act->data, act->ne[1] / n_tokens, (const int32_t *) ids->data,
+                 ids->nb[1] / sizeof(int32_t), n_used, n_tokens, (char *) dst->data, dst->nb[1], dst->nb[2], ith, nth);
+}
+
+void dg_experts_dense_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const auto &        experts  = *(const dg_experts *) userdata;
+    const ggml_tensor * act      = dst->src[0]; // I8 [act_bytes, n_tokens]
+    const int64_t       n_tokens = act->ne[1];
+    // every token routed to the one expert
+    thread_local std::vector<int32_t> expert_0;
+    expert_0.assign((size_t) n_tokens, 0);
+    experts.gemm((const uint8_t *) act->data, 1, expert_0.data(), 1, 1, n_tokens, (char *) dst->data, 0, dst->nb[1],
+                 ith, nth);
+}
+
+#include "diffusion-gemma-int8-selftest.inc"
