@@ -487,12 +487,14 @@ def print_report(report: dict) -> None:
         for family, fam in run["families"].items():
             for form, prof in fam["forms"].items():
                 print_profile(console, run, family, fam, form, prof)
-        # like against like: each row against dg's graph step of the same self-conditioning form
+
+        # like against like: each row against dg's graph step (the first family's) of the same
+        # self-conditioning form
+        lead_family = next(iter(run["families"]))
         steps = Table(title=f"{t} thread(s): the step end to end, interleaved (min / median)")
         for col in ("variant", "CPU s", "wall s", f"vs dg's {lead_family} step of its form (min, median)"):
             steps.add_column(col, justify="left" if col == "variant" else "right")
         rows = run["steps"]
-        lead_family = next(iter(run["families"]))
         bases = {sc_form_name(k): rows.get(f"graph step, {lead_family}, {sc_form_name(k)} self-conditioning")
                  for k in report["sc_forms"]}
 
