@@ -40,7 +40,7 @@ print(f"DGCLI {os.path.dirname(dgcli.__file__)}", flush=True)
 try:
     from dgcli.runtime import native
 except ImportError:  # a --baseline checkout from before dgcli/runtime/
-    from dgcli.engine import native
+    from dgcli.runtime import native
 _lib = native.lib
 def lib():
     mod = _lib()

@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/step_ab.py --b DG_MOE_GEMM=0,DG_DENSE_GEMM=ggml
                                            [--a ''] [--gguf PATH | --layers 2 --experts 8 --quant q4_k_m]
                                            [--threads 1] [--reps 3] [--steps 2]
+    .venv/bin/python benchmarks/step_ab.py --a-tree OLD_CHECKOUT --a-site OLD_SITE ...   # before / after
 
 For the switches a process reads once (DG_MOE_GEMM is read by ggml-cpu on the first MUL_MAT_ID), so
 `step_profile.py`'s in-process variants cannot compare them. Each rep runs A, then B, in its own
@@ -39,9 +40,15 @@ sys.path.insert(0, "benchmarks")
 from step_profile import group_of, multiply_adds
 from dgcli.runtime.profile import NodeProfiler
 
+def rss_gb():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) * 1024 / 1e9
+
 rng = np.random.default_rng(0)
 profiler = NodeProfiler()
+load = time.perf_counter()
 with DiffusionModel(path, n_threads=threads, n_ctx=1024, eval_callback=profiler.eval_callback) as m:
+    load, loaded_rss = time.perf_counter() - load, rss_gb()
     m.prefill([int(t) for t in rng.integers(200, 400, 64)])
     canvas = rng.integers(0, m.vocab_size, (1, m.canvas_length))
     [first] = m.denoise_step(canvas, np.float32(0.6), rng.random((1, m.canvas_length)), top_k=64)
@@ -68,7 +75,9 @@ with DiffusionModel(path, n_threads=threads, n_ctx=1024, eval_callback=profiler.
         wall, cpu = time.perf_counter(), time.process_time()
         m.prefill([int(token)], return_logits=True)
         decode_times.append((time.perf_counter() - wall, time.process_time() - cpu))
-print(json.dumps({"steps": times, "groups": groups, "decodes": decode_times}))
+    stepped_rss = rss_gb()
+print(json.dumps({"steps": times, "groups": groups, "decodes": decode_times, "load_s": load, "rss_gb": loaded_rss,
+                  "rss_after_steps_gb": stepped_rss}))
 """
 
 
@@ -83,19 +92,27 @@ def parse_env(text: str) -> dict[str, str]:
     return env
 
 
-def run_variant(path: Path, env: dict[str, str], threads: int, steps: int, decodes: int = 0) -> dict:
+def run_variant(path: Path, env: dict[str, str], threads: int, steps: int, decodes: int = 0,
+                tree: Path | None = None, site: Path | None = None) -> dict:
     """{"steps": [(wall s, CPU s), ...], "groups": {matmul group [weight type]: [CPU s, multiply-adds]},
-    "decodes": [(wall s, CPU s), ...]}"""
+    "decodes": [(wall s, CPU s), ...]}; `tree`: another checkout whose dgcli and benchmarks the child runs,
+    `site`: a folder put first on its PYTHONPATH (another build's llama_cpp package), for before/after runs."""
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("DG_")} | env
+    if site is not None:
+        child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), child_env.get("PYTHONPATH")]))
     out = subprocess.run([sys.executable, "-c", _CHILD, str(path), str(threads), str(steps), str(decodes)], env=child_env,
-                         cwd=ROOT, check=True, capture_output=True, text=True)
+                         cwd=tree or ROOT, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--a", default="", help="variant A's environment, NAME=VALUE,... (default: none)")
-    parser.add_argument("--b", required=True, help="variant B's environment, NAME=VALUE,...")
+    parser.add_argument("--b", default="", help="variant B's environment, NAME=VALUE,...")
+    parser.add_argument("--a-tree", type=Path, default=None,
+                        help="variant A runs this checkout's dgcli (e.g. the commit before a change)")
+    parser.add_argument("--a-site", type=Path, default=None,
+                        help="a folder holding another build's llama_cpp package, first on variant A's PYTHONPATH")
     parser.add_argument("--gguf", type=Path, help="a diffusion-gemma GGUF (default: synthetic)")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--experts", type=int, default=8)
@@ -107,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     variants = {"A": parse_env(args.a), "B": parse_env(args.b)}
+    if variants["A"] == variants["B"] and args.a_tree is None and args.a_site is None:
+        raise SystemExit("step_ab: A and B are the same run; give --b, --a, --a-tree or --a-site")
     if args.gguf:
         path = args.gguf
     else:
@@ -115,12 +134,16 @@ def main(argv: list[str] | None = None) -> int:
 
         path = synthetic_model(args.layers, args.quant, args.experts)
     times: dict[str, list] = {name: [] for name in variants}
+    memory: dict[str, list] = {name: [] for name in variants}  # (load s, RSS after load, RSS after the steps)
     decodes: dict[str, list] = {name: [] for name in variants}
     groups: dict[str, dict] = {name: {} for name in variants}  # group -> [CPU s of each rep], multiply-adds
     for rep in range(args.reps):  # interleaved: the box's load hits both alike
         for name, env in variants.items():
-            run = run_variant(path, env, args.threads, args.steps, args.decodes)
+            before = name == "A"
+            run = run_variant(path, env, args.threads, args.steps, args.decodes,
+                              tree=args.a_tree if before else None, site=args.a_site if before else None)
             times[name] += [tuple(t) for t in run["steps"]]
+            memory[name].append((run.get("load_s"), run.get("rss_gb"), run.get("rss_after_steps_gb")))
             decodes[name] += [tuple(t) for t in run["decodes"]]
             for group, (cpu, macs) in run["groups"].items():
                 groups[name].setdefault(group, {"cpu_s": [], "multiply_adds": macs})["cpu_s"].append(cpu)
@@ -129,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {"model": path.name, "threads": args.threads, "reps": args.reps, "steps": args.steps,
               "variants": {name: {"env": variants[name], "wall_s": [w for w, _ in t], "cpu_s": [c for _, c in t],
                                   "decode_wall_s": [w for w, _ in decodes[name]],
-                                  "decode_cpu_s": [c for _, c in decodes[name]], "matmuls": groups[name]}
+                                  "decode_cpu_s": [c for _, c in decodes[name]], "matmuls": groups[name],
+                                  "load_s_rss_gb": memory[name]}
                            for name, t in times.items()}}
     if args.json:
         print(json.dumps(report, indent=1))
@@ -141,8 +165,15 @@ def main(argv: list[str] | None = None) -> int:
         cpu, wall = v["cpu_s"], v["wall_s"]
         rows[name] = (min(cpu), statistics.median(cpu), min(wall), statistics.median(wall))
         env = ",".join(f"{k}={x}" for k, x in v["env"].items()) or "(defaults)"
+        if name == "A" and (args.a_tree or args.a_site):
+            env = f"{env} [{args.a_tree or ''} {args.a_site or ''}]".strip()
         print(f"  {name} {env:40s} CPU s {rows[name][0]:7.2f} / {rows[name][1]:7.2f}   "
               f"wall s {rows[name][2]:7.2f} / {rows[name][3]:7.2f}   (min / median)")
+    for name, v in report["variants"].items():
+        loads = [m for m in v["load_s_rss_gb"] if m[0] is not None]
+        if loads:
+            print(f"  {name} load s {min(m[0] for m in loads):.1f}, resident set after the load "
+                  f"{min(m[1] for m in loads):.2f} GB, after the steps {min(m[2] for m in loads):.2f} GB (min)")
     a, b = rows["A"], rows["B"]
     print(f"  B / A: CPU {b[0] / a[0]:.2f}x (min) {b[1] / a[1]:.2f}x (median), "
           f"wall {b[2] / a[2]:.2f}x (min) {b[3] / a[3]:.2f}x (median)")

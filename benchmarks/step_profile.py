@@ -1,29 +1,37 @@
 #!/usr/bin/env python3
-"""One denoising step, op by op, against this CPU's measured peaks, and the Transformers reference.
+"""One denoising step, op by op, against this CPU's measured peaks, for each CPU kernel family, and the
+Transformers reference.
 
-    .venv/bin/python benchmarks/step_profile.py [--gguf PATH | --layers 2 --experts 8 --quant q8_0]
-                                                [--threads 1,2] [--reps 3] [--sc-forms 0,64]
+    .venv/bin/python benchmarks/step_profile.py [--gguf PATH | --layers 2 --experts 128 --quant q8_0]
+                                                [--families auto] [--threads 1,2] [--reps 3]
+                                                [--sc-forms 0,64] [--real-layers 30]
                                                 [--no-reference] [--json]
 
 For any diffusion-gemma GGUF (default: the real-width synthetic model of benchmarks/native_costs.py,
-vocab 262144, hidden 2816, --layers layers of --experts experts, written once and cached), per
-thread count:
+vocab 262144, hidden 2816, --layers layers of --experts experts (128, top-8: the real model's ~16 tokens
+per expert, where the experts' weight reads dominate), written once and cached), per thread count:
 
 1. the step end to end, self-conditioned on the previous step, in each --sc-forms form: dense (0:
    the reference's computation and dg's default; the previous step's soft embedding in, this step's
    product E^T x p out, both inside the graph) and top-k (k > 0): the one-graph step
-   (`DiffusionModel.denoise_step`) with our repacked int8 GEMMs; for the first form also the same
-   with ggml's matmul for the dense projections (DG_DENSE_GEMM=ggml), then for the LM head and the
-   dense product too (DG_LM_HEAD=ggml), and the forward with the logits copied out and sampled on
-   the host (`decode_canvas` + the native sampler, dg's previous path); with torch installed, the
-   Transformers reference's steps in the same loop (part 3); interleaved, minimum and median of --reps;
-2. where the graph step's time goes, per form: every node timed through llama.cpp's per-node eval
-   callback (dgcli.runtime.profile), grouped by op and node name: seconds, share of the step,
-   multiply-adds, achieved G MAC/s per thread against this CPU's single-thread int8 and bf16 peaks
-   (measured here with register-resident instruction chains, `dg_peak_gmacs`), and the op's floor
-   (its multiply-adds at the peak: int8 for quantized weights, bf16 otherwise); the dense product
-   is a row of its own;
-3. with torch installed, the Transformers reference (DiffusionGemmaForBlockDiffusion in bf16 or fp32
+   (`DiffusionModel.denoise_step`) on each of dg's CPU kernel families (--families; `auto`: every one
+   this CPU runs, so an AVX-512 VNNI CPU measures the AVX2 kernels too: DG_CPU_KERNELS=avx512-vnni |
+   avx2, read when a model loads); for the first form also on ggml's kernels alone
+   (DG_CPU_KERNELS=ggml), and the forward with the logits copied out and sampled on the host
+   (`decode_canvas` + the native sampler, dg's previous path); with torch installed, the
+   Transformers reference's steps in the same loop (part 4); interleaved, minimum and median of --reps;
+2. per family and form, where the graph step's time goes: every node timed through llama.cpp's
+   per-node eval callback (dgcli.runtime.profile), grouped by op and node name: seconds, share of the
+   step, multiply-adds, achieved G MAC/s per thread against the family's single-thread int8 peak
+   (measured here with register-resident instruction chains, `dg_peak_gmacs`: vpdpbusd zmm for
+   avx512-vnni, the vpmaddubsw + vpmaddwd chain for avx2) and the bf16 peak, and the op's floor (its
+   multiply-adds at the peak: int8 for quantized weights, bf16 otherwise); the dense product is a row
+   of its own; this CPU's single-thread read bandwidth is printed beside it, since with ~16 tokens per
+   expert the experts' weights are read at about 16 multiply-adds a byte;
+3. the real model's step predicted from that profile: nodes of a layer (names ending in -<layer>)
+   scaled to --real-layers (30), the rest (LM head, sampler pass, self-conditioning) as measured;
+   the floor the same way;
+4. with torch installed, the Transformers reference (DiffusionGemmaForBlockDiffusion in bf16 or fp32
    with the GGUF's shapes and random weights) timed through its own `_denoising_step`, one
    two-step generation per repetition: the first step without self-conditioning, the second with
    the dense self-conditioning it always uses after a canvas's first step. Its dense step is
@@ -36,6 +44,7 @@ uninterrupted step of part 1; the shares are what to read from it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -98,8 +107,9 @@ def group_of(node, n_vocab: int, n_embd: int) -> str:
     base = re.sub(r"-\d+$", "", node.name)
     if node.op == "MUL_MAT" and node.shapes[1][1] == n_vocab:
         return "LM head (ggml MUL_MAT)"
-    if node.op == "MUL_MAT_ID":  # by shape: the down product's name sits on its per-expert scale's MUL
-        return "MoE gate+up (MUL_MAT_ID)" if node.shapes[1][0] == n_embd else "MoE down (MUL_MAT_ID)"
+    if node.op == "MUL_MAT_ID":  # by shape (the down product's name sits on its per-expert scale's MUL): down
+        # projections give n_embd outputs, gate+up 2 x the experts' width
+        return "MoE down (MUL_MAT_ID)" if node.shapes[1][1] == n_embd else "MoE gate+up (MUL_MAT_ID)"
     if node.op == "CUSTOM" and base in EXPERT_GEMMS:  # the down product's name sits on its scale's MUL
         return ("MoE gate+up" if base == "ffn_moe_gate_up" else "MoE down") + " (experts on our tiles)"
     if node.op == "CUSTOM" and base == "lm_head" and node.shapes[1][0] % 36:  # Q8_K activations: a K-quant head
@@ -141,24 +151,60 @@ def floor_peak(node, peaks: dict) -> float:
     return peaks["int8"][0] if quantized else peaks["bf16"][0]
 
 
-def open_model(path: Path, threads: int, ggml: tuple[str, ...] = (), eval_callback=None):
-    """A DiffusionModel whose `ggml` GEMMs ("lm_head", "dense", "experts") keep ggml's matmul instead of
-    ours (DG_LM_HEAD / DG_DENSE_GEMM / DG_EXPERT_GEMM are read when the model's first graph is built,
-    here)."""
-    from dgcli.runtime.model import DiffusionModel
+def in_layer(node) -> bool:
+    """Whether a node belongs to a layer (llama.cpp names a layer's nodes name-<layer>)."""
+    return re.search(r"-\d+$", node.name) is not None
 
-    env = {"DG_LM_HEAD": "ggml" if "lm_head" in ggml else None, "DG_DENSE_GEMM": "ggml" if "dense" in ggml else None,
-           "DG_EXPERT_GEMM": "ggml" if "experts" in ggml else None}
+
+# what each family's int8 work is measured against (dg_peak_gmacs kinds, dgcli.runtime.native)
+FAMILY_PEAK = {"avx512-vnni": "PEAK_INT8", "avx2": "PEAK_INT8_AVX2", "ggml": "PEAK_INT8"}
+KERNEL_IDS = {1: "avx2", 2: "avx512-vnni"}
+COMPONENT_VARIABLES = ("DG_LM_HEAD", "DG_DENSE_GEMM", "DG_EXPERT_GEMM")
+
+
+def cpu_families() -> list[str]:
+    """dg's kernel families this CPU runs, widest first (a VNNI CPU runs the AVX2 kernels too)."""
+    from dgcli.runtime import native
+
+    lib = native.lib()._lib
+    return [name for kernel, name in sorted(KERNEL_IDS.items(), reverse=True) if lib.dg_expert_buffer_type(kernel)]
+
+
+@contextlib.contextmanager
+def family_env(family: str):
+    """DG_CPU_KERNELS=family for the block, the per-component variables cleared so that the family
+    decides: the GEMMs read it when a model loads and builds its first graph, the sampler's pass at
+    every row."""
+    env = {"DG_CPU_KERNELS": family, **{k: None for k in COMPONENT_VARIABLES}}
     saved = {k: os.environ.get(k) for k in env}
     for k, v in env.items():
         os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     try:
-        m = DiffusionModel(path, n_threads=threads, n_ctx=2048, eval_callback=eval_callback)
-        m.decode_canvas(np.zeros(m.canvas_length, np.int32))
+        yield
     finally:
         for k, v in saved.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def open_model(path: Path, threads: int, family: str, eval_callback=None):
+    """A DiffusionModel on one CPU kernel family."""
+    from dgcli.runtime.model import DiffusionModel
+
+    with family_env(family):
+        m = DiffusionModel(path, n_threads=threads, n_ctx=2048, eval_callback=eval_callback)
+        m.decode_canvas(np.zeros(m.canvas_length, np.int32))
     return m
+
+
+def read_bandwidth_gbs(seconds: float = 1.0) -> float:
+    """This thread's read bandwidth from memory (GB/s): the fastest of a few sums over 512 MiB."""
+    data = np.ones(1 << 26, dtype=np.float64)  # 512 MiB, far beyond any cache
+    best, start = 0.0, time.perf_counter()
+    while time.perf_counter() - start < seconds or best == 0.0:
+        t0 = time.perf_counter()
+        data.sum()
+        best = max(best, data.nbytes / (time.perf_counter() - t0) / 1e9)
+    return best
 
 
 def sc_form_name(k: int) -> str:
@@ -175,34 +221,76 @@ def first_self_cond(m, canvas, temperature, rng, k: int) -> dict:
     return {"sc_soft": first.soft[None], "next_soft": True}
 
 
-def measure_dg(path: Path, threads: int, reps: int, sc_forms: list[int], peaks: dict,
-               references: dict | None = None) -> dict:
-    """`references`: {name: callable} timing one reference generation each, run inside the loop; each
-    returns {row name: (wall, cpu)}."""
-    from dgcli.runtime.profile import NodeProfiler
+def profile_groups(profiled: list, peaks: dict, n_vocab: int, n_embd: int, layer_scale: float) -> dict:
+    """Node times grouped (the repetition with the least CPU time per group: the box's load only adds),
+    with each group's share of a real-depth step: its layer nodes times layer_scale."""
+    groups: dict[str, dict] = {}
+    for nodes in profiled:
+        sums: dict[str, list] = defaultdict(lambda: [0.0, 0.0, 0, 0.0, 0.0, 0.0])
+        for node in nodes:
+            g = sums[group_of(node, n_vocab, n_embd)]
+            macs = multiply_adds(node, n_embd)
+            floor = macs / floor_peak(node, peaks) / 1e9 if macs else 0.0
+            scale = layer_scale if in_layer(node) else 1.0
+            g[0] += node.cpu_seconds
+            g[1] += node.seconds
+            g[2] += macs
+            g[3] += floor
+            g[4] += node.cpu_seconds * scale
+            g[5] += floor * scale
+        for name, (cpu, wall, macs, floor, real_cpu, real_floor) in sums.items():
+            if name not in groups or cpu < groups[name]["cpu_s"]:
+                groups[name] = {"cpu_s": cpu, "wall_s": wall, "multiply_adds": macs, "floor_cpu_s": floor,
+                                "real_cpu_s": real_cpu, "real_floor_cpu_s": real_floor}
+    total = sum(g["cpu_s"] for g in groups.values())
+    rows = []
+    for name, g in sorted(groups.items(), key=lambda kv: -kv[1]["cpu_s"]):
+        rate = g["multiply_adds"] / g["cpu_s"] / 1e9 if g["multiply_adds"] and g["cpu_s"] else 0.0
+        rows.append(dict(op=name, cpu_s=g["cpu_s"], wall_s=g["wall_s"], share=g["cpu_s"] / total,
+                         gmac=g["multiply_adds"] / 1e9, gmacs_per_thread=rate,
+                         of_int8_peak=rate / peaks["int8"][0], of_bf16_peak=rate / peaks["bf16"][0],
+                         floor_cpu_s=g["floor_cpu_s"], real_cpu_s=g["real_cpu_s"],
+                         real_floor_cpu_s=g["real_floor_cpu_s"]))
+    return dict(profiled_cpu_s=total, ops=rows, step_gmac=sum(r["gmac"] for r in rows),
+                floor_cpu_s=sum(r["floor_cpu_s"] for r in rows),
+                real_cpu_s=sum(r["real_cpu_s"] for r in rows), real_floor_cpu_s=sum(r["real_floor_cpu_s"] for r in rows))
+
+
+def measure_dg(path: Path, threads: int, reps: int, sc_forms: list[int], peaks: dict, families: list[str],
+               real_layers: int, references: dict | None = None) -> dict:
+    """The step on each family in each self-conditioning form, and on ggml's kernels and the host sampler
+    in the first form, interleaved; then each family's step node by node. `references`: {name: callable}
+    timing one reference generation each, run inside the loop; each returns {row name: (wall, cpu)}."""
     from dgcli.engine.sampler import make_step_sampler
+    from dgcli.runtime import native
     from dgcli.runtime.profile import NodeProfiler
 
     profiler = NodeProfiler()
-    new = open_model(path, threads, eval_callback=profiler.eval_callback)
-    ggml_dense = open_model(path, threads, ggml=("dense", "experts"))
-    old = open_model(path, threads, ggml=("lm_head", "dense", "experts"))
+    models = {}
     try:
+        for family in [*families, "ggml"]:
+            models[family] = open_model(path, threads, family, eval_callback=profiler.eval_callback)
         rng = np.random.default_rng(0)
-        C, V, n_embd = new.canvas_length, new.vocab_size, new.n_embd
+        first_model, old = models[families[0]], models["ggml"]
+        C, V, n_embd = first_model.canvas_length, first_model.vocab_size, first_model.n_embd
+        n_layer = int(first_model.header.get("diffusion-gemma.block_count"))
         prompt = [int(t) for t in rng.integers(200, 400, PROMPT_TOKENS)]
-        for m in (new, ggml_dense, old):
+        for m in models.values():
             m.prefill(prompt)
         canvas = rng.integers(0, V, (1, C))
         temperature = np.float32(0.6)
         # a first step gives what the next ones are conditioned on, in each form
-        inputs = {k: first_self_cond(new, canvas, temperature, rng, k) for k in sc_forms}
+        with family_env(families[0]):
+            inputs = {k: first_self_cond(first_model, canvas, temperature, rng, k) for k in sc_forms}
+            [values] = first_model.denoise_step(canvas, temperature, rng.random((1, C)), return_values=True)
         lead = sc_forms[0]
         host = make_step_sampler("native", n_threads=threads)
-        [values] = new.denoise_step(canvas, temperature, rng.random((1, C)), return_values=True)
 
-        def graph_step(m, k):
-            return lambda: m.denoise_step(canvas, temperature, rng.random((1, C)), **inputs[k])
+        def graph_step(family, k):
+            def step():
+                with family_env(family):  # the sampler's pass reads the family at every row
+                    models[family].denoise_step(canvas, temperature, rng.random((1, C)), **inputs[k])
+            return step
 
         def host_step():
             sc = inputs[lead]
@@ -214,9 +302,9 @@ def measure_dg(path: Path, threads: int, reps: int, sc_forms: list[int], peaks: 
                 host.process_logits(logits, temperature, rng.random(C))
 
         lead_name = sc_form_name(lead)
-        variants = {f"graph step, {sc_form_name(k)} self-conditioning": graph_step(new, k) for k in sc_forms}
-        variants |= {f"graph step, {lead_name}, ggml dense and expert matmuls": graph_step(ggml_dense, lead),
-                     f"graph step, {lead_name}, ggml LM head, dense and expert matmuls": graph_step(old, lead),
+        variants = {f"graph step, {family}, {sc_form_name(k)} self-conditioning": graph_step(family, k)
+                    for family in families for k in sc_forms}
+        variants |= {f"graph step, ggml, {lead_name} self-conditioning": graph_step("ggml", lead),
                      f"previous: forward + host sampler, {lead_name}, ggml matmuls": host_step}
         times: dict[str, list] = {name: [] for name in variants}
         for _ in range(reps):  # interleaved: the box's load hits every variant alike
@@ -226,51 +314,27 @@ def measure_dg(path: Path, threads: int, reps: int, sc_forms: list[int], peaks: 
                 for row, sample in reference().items():
                     times.setdefault(row, []).append(sample)
 
-        profiled: dict[int, list] = {k: [] for k in sc_forms}
-        for _ in range(reps):
-            for k in sc_forms:
-                profiler.enabled = True
-                graph_step(new, k)()
-                profiler.enabled = False
-                profiled[k].append(profiler.take())
-        from dgcli.runtime import native
-
-        lm_head_path = native.lib()._lib.dg_lm_head_path(new._model).decode()
-        sc_path = new.self_cond_path()
+        lib = native.lib()._lib
+        runs = {}
+        for family in families:
+            m = models[family]
+            profiled: dict[int, list] = {k: [] for k in sc_forms}
+            for _ in range(reps):
+                for k in sc_forms:
+                    profiler.enabled = True
+                    graph_step(family, k)()
+                    profiler.enabled = False
+                    profiled[k].append(profiler.take())
+            family_peaks = dict(peaks, int8=peaks[FAMILY_PEAK[family]])
+            runs[family] = dict(lm_head=lib.dg_lm_head_path(m._model).decode(), self_cond_product=m.self_cond_path(),
+                                experts_on_dg=lib.dg_expert_gemm_count(m._model), peak_int8=family_peaks["int8"],
+                                forms={sc_form_name(k): profile_groups(profiled[k], family_peaks, V, n_embd,
+                                                                       real_layers / n_layer) for k in sc_forms})
     finally:
-        for m in (new, ggml_dense, old):
+        for m in models.values():
             m.close()
         profiler.close()
-
-    forms = {sc_form_name(k): op_groups(profiled[k], V, n_embd, peaks) for k in sc_forms}
-    return dict(threads=threads, canvas=C, lm_head=lm_head_path, self_cond_product=sc_path, steps=times, forms=forms)
-
-
-def op_groups(profiled: list, n_vocab: int, n_embd: int, peaks: dict) -> dict:
-    """Per group, the repetition with the least CPU time (the box's load only adds): the table's rows."""
-    groups: dict[str, dict] = {}
-    for nodes in profiled:
-        sums: dict[str, list] = defaultdict(lambda: [0.0, 0.0, 0, 0.0])
-        for node in nodes:
-            g = sums[group_of(node, n_vocab, n_embd)]
-            macs = multiply_adds(node, n_embd)
-            g[0] += node.cpu_seconds
-            g[1] += node.seconds
-            g[2] += macs
-            g[3] += macs / floor_peak(node, peaks) / 1e9 if macs else 0.0
-        for name, (cpu, wall, macs, floor) in sums.items():
-            if name not in groups or cpu < groups[name]["cpu_s"]:
-                groups[name] = {"cpu_s": cpu, "wall_s": wall, "multiply_adds": macs, "floor_cpu_s": floor}
-    total = sum(g["cpu_s"] for g in groups.values())
-    rows = []
-    for name, g in sorted(groups.items(), key=lambda kv: -kv[1]["cpu_s"]):
-        rate = g["multiply_adds"] / g["cpu_s"] / 1e9 if g["multiply_adds"] and g["cpu_s"] else 0.0
-        rows.append(dict(op=name, cpu_s=g["cpu_s"], wall_s=g["wall_s"], share=g["cpu_s"] / total,
-                         gmac=g["multiply_adds"] / 1e9, gmacs_per_thread=rate,
-                         of_int8_peak=rate / peaks["int8"][0], of_bf16_peak=rate / peaks["bf16"][0],
-                         floor_cpu_s=g["floor_cpu_s"]))
-    return dict(profiled_cpu_s=total, ops=rows, step_gmac=sum(r["gmac"] for r in rows),
-                floor_cpu_s=sum(r["floor_cpu_s"] for r in rows))
+    return dict(threads=threads, canvas=C, steps=times, families=runs, layers=n_layer, real_layers=real_layers)
 
 
 # ---- the Transformers reference ------------------------------------------------------------------
@@ -370,6 +434,40 @@ class ReferenceSteps:
 # ---- report ------------------------------------------------------------------------------------
 
 
+def print_profile(console, run: dict, family: str, fam: dict, form: str, prof: dict) -> None:
+    """One family's step in one self-conditioning form, op by op, and the real depth predicted from it."""
+    from rich.table import Table
+
+    t = run["threads"]
+    table = Table(title=f"{t} thread(s), {family} kernels (int8 peak {fam['peak_int8'][0]:.1f} G MAC/s; LM head "
+                        f"{fam['lm_head']}; dense product {fam['self_cond_product']}; {fam['experts_on_dg']} expert "
+                        f"tensors on dg's GEMM): one step self-conditioned {form}, {prof['step_gmac']:.0f} G "
+                        f"multiply-adds, {prof['floor_cpu_s']:.2f} CPU s at the peaks")
+    for col in ("op", "CPU s", "wall s", "share", "G MAC", "G MAC/s/thread", "of int8 peak", "of bf16 peak",
+                "floor CPU s"):
+        table.add_column(col, justify="left" if col == "op" else "right")
+    shown, rest = prof["ops"][:12], prof["ops"][12:]
+    for r in shown:
+        has = r["gmac"] > 0
+        table.add_row(r["op"], f"{r['cpu_s']:.3f}", f"{r['wall_s']:.3f}", f"{r['share']:.1%}",
+                      f"{r['gmac']:.1f}" if has else "", f"{r['gmacs_per_thread']:.1f}" if has else "",
+                      f"{r['of_int8_peak']:.0%}" if has else "", f"{r['of_bf16_peak']:.0%}" if has else "",
+                      f"{r['floor_cpu_s']:.3f}" if has else "")
+    if rest:
+        table.add_row(f"({len(rest)} more groups)", f"{sum(r['cpu_s'] for r in rest):.3f}",
+                      f"{sum(r['wall_s'] for r in rest):.3f}", f"{sum(r['share'] for r in rest):.1%}",
+                      "", "", "", "", "")
+    table.add_row("profiled total", f"{prof['profiled_cpu_s']:.3f}", "", "100%", "", "", "", "",
+                  f"{prof['floor_cpu_s']:.3f}")
+    console.print(table)
+
+    console.print(f"  profiled step {prof['profiled_cpu_s']:.2f} CPU s = "
+                  f"{prof['profiled_cpu_s'] / prof['floor_cpu_s']:.2f}x its floor; the {run['real_layers']}-layer "
+                  f"step predicted from it (layer nodes x {run['real_layers']}/{run['layers']}): "
+                  f"{prof['real_cpu_s']:.2f} CPU s, floor {prof['real_floor_cpu_s']:.2f} s, "
+                  f"{prof['real_cpu_s'] / prof['real_floor_cpu_s']:.2f}x")
+
+
 def print_report(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -380,37 +478,24 @@ def print_report(report: dict) -> None:
     console.print(f"[bold]{report['model']}[/bold]: canvas {report['canvas']}, prompt {PROMPT_TOKENS}, "
                   f"self-conditioning {forms}, {report['reps']} reps; times in CPU seconds "
                   f"of the process (the wait for a core on a shared machine left out), wall seconds beside")
-    console.print(f"single-thread peaks: int8 {peaks['int8'][0]:.1f} G MAC/s ({peaks['int8'][1]}), "
-                  f"bf16 {peaks['bf16'][0]:.1f} G MAC/s ({peaks['bf16'][1]})")
+    console.print(f"single-thread peaks: int8 {peaks['PEAK_INT8'][0]:.1f} G MAC/s ({peaks['PEAK_INT8'][1]}), "
+                  f"int8 of the AVX2 kernels {peaks['PEAK_INT8_AVX2'][0]:.1f} G MAC/s, "
+                  f"bf16 {peaks['bf16'][0]:.1f} G MAC/s ({peaks['bf16'][1]}); "
+                  f"read bandwidth {report['read_gbs']:.1f} GB/s")
     for run in report["runs"]:
         t = run["threads"]
-        for form, prof in run["forms"].items():
-            table = Table(title=f"{t} thread(s), LM head kernel {run['lm_head']}, dense product "
-                                f"{run['self_cond_product']}: one step self-conditioned {form}, "
-                                f"{prof['step_gmac']:.0f} G multiply-adds, {prof['floor_cpu_s']:.2f} CPU s at the peaks")
-            for col in ("op", "CPU s", "wall s", "share", "G MAC", "G MAC/s/thread", "of int8 peak", "of bf16 peak",
-                        "floor CPU s"):
-                table.add_column(col, justify="left" if col == "op" else "right")
-            shown, rest = prof["ops"][:12], prof["ops"][12:]
-            for r in shown:
-                has = r["gmac"] > 0
-                table.add_row(r["op"], f"{r['cpu_s']:.3f}", f"{r['wall_s']:.3f}", f"{r['share']:.1%}",
-                              f"{r['gmac']:.1f}" if has else "", f"{r['gmacs_per_thread']:.1f}" if has else "",
-                              f"{r['of_int8_peak']:.0%}" if has else "", f"{r['of_bf16_peak']:.0%}" if has else "",
-                              f"{r['floor_cpu_s']:.3f}" if has else "")
-            if rest:
-                table.add_row(f"({len(rest)} more groups)", f"{sum(r['cpu_s'] for r in rest):.3f}",
-                              f"{sum(r['wall_s'] for r in rest):.3f}", f"{sum(r['share'] for r in rest):.1%}",
-                              "", "", "", "", "")
-            table.add_row("profiled total", f"{prof['profiled_cpu_s']:.3f}", "", "100%", "", "", "", "", "")
-            console.print(table)
+        for family, fam in run["families"].items():
+            for form, prof in fam["forms"].items():
+                print_profile(console, run, family, fam, form, prof)
 
-        # like against like: each row against dg's graph step of the same self-conditioning form
+        # like against like: each row against dg's graph step (the first family's) of the same
+        # self-conditioning form
+        lead_family = next(iter(run["families"]))
         steps = Table(title=f"{t} thread(s): the step end to end, interleaved (min / median)")
-        for col in ("variant", "CPU s", "wall s", "vs dg's step of its form (min, median)"):
+        for col in ("variant", "CPU s", "wall s", f"vs dg's {lead_family} step of its form (min, median)"):
             steps.add_column(col, justify="left" if col == "variant" else "right")
         rows = run["steps"]
-        bases = {sc_form_name(k): rows.get(f"graph step, {sc_form_name(k)} self-conditioning")
+        bases = {sc_form_name(k): rows.get(f"graph step, {lead_family}, {sc_form_name(k)} self-conditioning")
                  for k in report["sc_forms"]}
 
         def base_of(name: str):
@@ -439,7 +524,7 @@ def print_report(report: dict) -> None:
             if form != "dense" and dense and samples:
                 d = [c for _, c in dense]
                 k = [c for _, c in samples]
-                console.print(f"dg dense / dg {form}: {min(d) / min(k):.2f}x (min), "
+                console.print(f"dg {lead_family} dense / top-k {form}: {min(d) / min(k):.2f}x (min), "
                               f"{statistics.median(d) / statistics.median(k):.2f}x (median), CPU s")
 
 
@@ -447,7 +532,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gguf", type=Path, default=None, help="a diffusion-gemma GGUF (default: synthetic)")
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--families", default="auto",
+                        help="comma-separated CPU kernel families (avx512-vnni, avx2); auto: every one this CPU runs")
+    parser.add_argument("--real-layers", type=int, default=30, help="the depth the step is predicted for")
     parser.add_argument("--quant", default="q8_0", choices=["q8_0", "q4_k_m", "f16"])
     parser.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     parser.add_argument("--reps", type=int, default=3)
@@ -486,9 +574,18 @@ def main(argv: list[str] | None = None) -> int:
         dtypes = [d.strip() for d in args.reference_dtype.split(",") if d.strip()]
         if any(d not in ("bf16", "fp32") for d in dtypes):
             raise DgError(f"--reference-dtype takes bf16 and/or fp32, got {args.reference_dtype!r}")
+        available = cpu_families()
+        families = available if args.families == "auto" else [f.strip() for f in args.families.split(",") if f.strip()]
+        if not families or any(f not in available for f in families):
+            raise DgError(f"--families takes some of {', '.join(available) or '(none: this CPU runs no dg kernels)'}, "
+                          f"got {args.families!r}")
+        if args.real_layers < 1:
+            raise DgError("--real-layers needs a count >= 1")
         path = args.gguf or synthetic_model(args.layers, args.quant, args.experts)
-        peaks = {"int8": native.peak_gmacs(native.PEAK_INT8, args.peak_seconds),
+        peaks = {"PEAK_INT8": native.peak_gmacs(native.PEAK_INT8, args.peak_seconds),
+                 "PEAK_INT8_AVX2": native.peak_gmacs(native.PEAK_INT8_AVX2, args.peak_seconds),
                  "bf16": native.peak_gmacs(native.PEAK_BF16, args.peak_seconds)}
+        read_gbs = read_bandwidth_gbs()
         references = {}
         if not args.no_reference:
             try:
@@ -498,10 +595,10 @@ def main(argv: list[str] | None = None) -> int:
                 print("(torch/transformers not installed: no reference rows)", file=sys.stderr)
             else:
                 references = {dtype: ReferenceSteps(Path(path), dtype) for dtype in dtypes}
-        runs = [measure_dg(path, t, args.reps, sc_forms, peaks,
+        runs = [measure_dg(path, t, args.reps, sc_forms, peaks, families, args.real_layers,
                            {d: (lambda r=r, t=t: r(t)) for d, r in references.items()}) for t in threads_list]
         report = dict(model=Path(path).name, canvas=runs[0]["canvas"], sc_forms=sc_forms, reps=args.reps,
-                      cpu_threads=os.cpu_count(), peaks=peaks, runs=runs)
+                      cpu_threads=os.cpu_count(), peaks=peaks, read_gbs=read_gbs, runs=runs)
     except DgError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -172,8 +172,9 @@ def test_memory_fit_counts_the_kv_cache_of_the_context_asked_for(tiny_models, mo
 @pytest.mark.parametrize("weights", ["q8_0", "q5_0"])
 def test_ram_need_counts_the_repacked_copies_of_cpu_q8_0_and_q5_0_weights(tmp_path, monkeypatch, weights):
     """The LM head (here tied to the token embedding) and the dense projections dg's int8 GEMMs copy
-    when they run on the CPU: 36 bytes per 32 weights (Q8_0: 34, Q5_0: 22); nothing for other types
-    (the Q5_0 model's experts), other CPUs, or weights on a GPU."""
+    when they run on the CPU: 36 bytes per 32 weights (Q8_0: 34, Q5_0: 22); the experts, repacked in
+    place of the file's copy, only their layout's growth (Q8_0: 36 per 34 bytes, Q5_0: 24 per 22);
+    nothing on other CPUs or for weights on a GPU."""
     import re
 
     import gguf
@@ -195,18 +196,27 @@ def test_ram_need_counts_the_repacked_copies_of_cpu_q8_0_and_q5_0_weights(tmp_pa
     expected = sum(int(t.n_elements) // 32 * 36 for t in tensors if dense.fullmatch(t.name))
     assert expected > 0
 
+    # the experts, repacked while loading in place of the file's copy: their layout's growth only
+    growth = {T.Q8_0: (36, 34), T.Q5_0: (24, 22)}
+    experts = [t for t in tensors if re.fullmatch(r"blk\.\d+\.ffn_(gate_up|down)_exps\.weight", t.name)]
+    expected_experts = sum(int(t.n_bytes) * (growth[t.tensor_type][0] - growth[t.tensor_type][1])
+                           // growth[t.tensor_type][1] for t in experts)
+    assert len(experts) == 2 * header.get("diffusion-gemma.block_count") and expected_experts > 0
+
     monkeypatch.setattr(info, "_cpu_runs_repacked_gemms", lambda: True)
     plan, ram, _ = info.header_plan(header, 0, 0, [])
     assert info.repacked_bytes(header, plan) == expected
+    assert info.repacked_expert_growth(header, plan) == expected_experts
     monkeypatch.setattr(info, "_cpu_runs_repacked_gemms", lambda: False)
     _, ram_without, _ = info.header_plan(header, 0, 0, [])
-    assert ram - ram_without == expected
+    assert ram - ram_without == expected + expected_experts
 
     # a GPU in use, even for one layer: llama.cpp runs the canvas's host matmuls there, nothing is repacked
     monkeypatch.setattr(info, "_cpu_runs_repacked_gemms", lambda: True)
     for layers in (-1, 1):
         gpu_plan, _, _ = info.header_plan(header, layers, 0, [GpuMemory("GPU", 2**34, 2**34)])
         assert info.repacked_bytes(header, gpu_plan) == 0
+        assert info.repacked_expert_growth(header, gpu_plan) == 0
     # an F32 model: nothing to repack
     f32 = read_header(write_tiny_random_gguf(tmp_path / "f32.gguf", seed=6))
     assert info.repacked_bytes(f32, info.header_plan(f32, 0, 0, [])[0]) == 0

@@ -299,36 +299,6 @@ def test_experts_on_our_tiles_give_ggml_results(tmp_path, monkeypatch, weights, 
         assert step.argmax.tolist() == np.argmax(logits, axis=1).tolist()
 
 
-def test_q4_k_experts_on_our_tiles_give_ggml_results(tmp_path, monkeypatch):
-    """A Q4_K_M file's Q4_K experts (and layer 1's Q6_K down projections) on our AVX2 tiles, kept out of
-    llama.cpp's CPU repack buffers for them (the `plain` override), against ggml's repacked MUL_MAT_ID
-    (DG_EXPERT_GEMM=ggml: repacked as usual): layer 0's gate+up products within float rounding (both
-    quantize the activations as Q8_K, then only the summation order differs), the logits within 1e-3,
-    at 1 and 2 threads."""
-    import gguf
-
-    path = small_q4_k_m_gguf(tmp_path / "q4_k_m.gguf", seed=3)
-    types = {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors}
-    assert types["blk.0.ffn_gate_up_exps.weight"] == gguf.GGMLQuantizationType.Q4_K
-    n_ref, n_layer, ref_prefill, ref_logits, _, ref_nodes = _run_with_expert_gemm(path, "ggml", 2, False, monkeypatch)
-    assert n_ref == 0 and set(ref_nodes) == _EXPERT_NODES
-    assert float(np.std(ref_logits)) > 0.1  # real logits, not a degenerate output
-    for threads in (1, 2):
-        # AVX2's tiles, forced: an AVX-512 VNNI CPU's automatic choice leaves these experts to ggml
-        count, _, prefill, logits, step, nodes = _run_with_expert_gemm(path, "avx2", threads, False, monkeypatch)
-        if count == 0:
-            pytest.skip("this CPU has no AVX2 tile for Q4_K experts (it has no AVX2)")
-        # every expert tensor: Q4_K, Q5_0, Q8_0 and Q6_K (layer 1's down projections) all have tiles
-        assert types["blk.1.ffn_down_exps.weight"] == gguf.GGMLQuantizationType.Q6_K
-        assert count == 2 * n_layer
-        for name in sorted(_EXPERT_NODES):
-            scale = float(np.max(np.abs(ref_nodes[name])))
-            assert scale > 0 and float(np.max(np.abs(nodes[name] - ref_nodes[name]))) <= 1e-5 * scale, name
-        assert float(np.max(np.abs(prefill - ref_prefill))) < 1e-3
-        assert float(np.max(np.abs(logits - ref_logits))) < 1e-3
-        assert step.argmax.tolist() == np.argmax(logits, axis=1).tolist()
-
-
 def test_experts_of_other_types_stay_on_ggml(tiny_gguf, monkeypatch):
     """F32 experts (the tiny test model): ggml's MUL_MAT_ID, whatever DG_EXPERT_GEMM says."""
     from dgcli.runtime import native

@@ -40,47 +40,57 @@ def test_profiler_times_every_node_only_while_enabled(tiny_gguf):
 def test_peaks_are_measured_and_named():
     from dgcli.runtime import native
 
-    for kind in (native.PEAK_INT8, native.PEAK_BF16, native.PEAK_F32):
+    for kind in (native.PEAK_INT8, native.PEAK_BF16, native.PEAK_F32, native.PEAK_INT8_AVX2):
         rate, name = native.peak_gmacs(kind, 0.05)
         assert rate > 0.1 and name
+    # the AVX2 kernels' chain, whatever wider instructions the CPU has (the family switch's peak)
+    _, name = native.peak_gmacs(native.PEAK_INT8_AVX2, 0.05)
+    assert name in ("int8 AVX2 (vpmaddubsw + vpmaddwd)", "fp32 scalar")
 
 
-def test_step_profile_counts_the_work_on_our_tiles(tmp_path, monkeypatch):
-    """benchmarks/step_profile.py's groups and multiply-adds for the experts' custom ops: gate+up and
-    down apart, K from the quantized row in either layout (Q8_0-like for Q5_0 / Q8_0 experts, Q8_K for
-    Q4_K and Q6_K ones), so their G MAC/s are right: every routed (token, expert) pair costs n_out x K.
-    And the Q6_K LM head on its tile: n_embd x vocabulary per canvas token."""
+def _step_profile():
     import sys
     from pathlib import Path
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import step_profile
+
+    return step_profile
+
+
+def test_step_profile_counts_the_repacked_experts_and_the_k_quant_head(tmp_path, monkeypatch):
+    """benchmarks/step_profile.py's groups and multiply-adds on the AVX2 family (DG_CPU_KERNELS=avx2, which
+    every x86 CPU with AVX2 runs): the experts, repacked while loading, are MUL_MAT_ID nodes, gate+up and
+    down apart, each routed (token, expert) pair costing n_out x K; the Q6_K LM head on its tile costs
+    n_embd x vocabulary per canvas token."""
+    import pytest
+
+    from dgcli.runtime import native
     from dgcli.runtime.model import DiffusionModel
     from dgcli.runtime.profile import NodeProfiler
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from step_profile import group_of, multiply_adds
-
-    # the K-quant tiles are AVX2's: forced, so an AVX-512 CPU (whose automatic choice differs) runs them too
-    for variable in ("DG_EXPERT_GEMM", "DG_DENSE_GEMM", "DG_LM_HEAD"):
-        monkeypatch.setenv(variable, "avx2")
+    if not native.lib()._lib.dg_expert_buffer_type(1):
+        pytest.skip("this CPU lacks AVX2: no dg kernel family")
+    group_of, multiply_adds = _step_profile().group_of, _step_profile().multiply_adds
+    for name in ("DG_LM_HEAD", "DG_DENSE_GEMM", "DG_EXPERT_GEMM"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("DG_CPU_KERNELS", "avx2")
     # Q4_K gate+up in both layers; down: Q4_K in layer 0, Q6_K in layer 1; a Q6_K LM head
     path = small_q4_k_m_gguf(tmp_path / "q4_k_m.gguf")
     profiler = NodeProfiler()
     try:
         with DiffusionModel(path, n_threads=1, n_ctx=128, eval_callback=profiler.eval_callback) as m:
+            assert native.lib()._lib.dg_expert_gemm_count(m._model) == 4
             m.prefill([2, 105, 40, 41, 42])
             profiler.enabled = True
             m.decode_canvas(np.arange(50, 66))
             profiler.enabled = False
             every = profiler.take()
-            nodes = [n for n in every if "experts on our tiles" in group_of(n, m.vocab_size, m.n_embd)]
     finally:
         profiler.close()
-    if not nodes:
-        import pytest
-
-        pytest.skip("this CPU runs no Q4_K experts on our tiles (it has no AVX2)")
+    nodes = [n for n in every if n.op == "MUL_MAT_ID"]
     groups = sorted(group_of(n, m.vocab_size, m.n_embd) for n in nodes)
-    assert groups == ["MoE down (experts on our tiles)"] * 2 + ["MoE gate+up (experts on our tiles)"] * 2
+    assert groups == ["MoE down (MUL_MAT_ID)"] * 2 + ["MoE gate+up (MUL_MAT_ID)"] * 2
     pairs = 16 * 2  # canvas tokens x experts used
     for node in nodes:
         gate_up = group_of(node, m.vocab_size, m.n_embd).startswith("MoE gate+up")
@@ -88,3 +98,22 @@ def test_step_profile_counts_the_work_on_our_tiles(tmp_path, monkeypatch):
     [head] = [n for n in every if group_of(n, m.vocab_size, m.n_embd).startswith("LM head")]
     assert group_of(head, m.vocab_size, m.n_embd) == "LM head (K-quant tile)"
     assert multiply_adds(head, m.n_embd) == 256 * m.vocab_size * 16
+
+
+def test_step_profile_predicts_the_real_depth_from_the_layer_nodes():
+    """The real model's step from a shallow file's profile: a layer's nodes (named name-<layer>) scaled
+    by real / profiled layers, the others (LM head, the sampler's op) once; the floor the same way."""
+    from dgcli.runtime.profile import NodeTime
+
+    sp = _step_profile()
+    zero = ((0, 0, 0, 0),) * 4
+    q8 = ((100, 4, 1, 1), (32, 100, 1, 1), (32, 4, 1, 1), (0, 0, 0, 0))  # 32 x 100 x 4 multiply-adds
+    nodes = [NodeTime("ffn_moe_down-0", "ADD", "f32", zero, 1.0, 1.0),
+             NodeTime("ffn_moe_down-1", "ADD", "f32", zero, 2.0, 2.0),
+             NodeTime("result_output", "MUL_MAT", "q8_0", q8, 4.0, 4.0),
+             NodeTime("dg_step", "CUSTOM", "f32", zero, 0.5, 0.5)]
+    peaks = {"int8": (6400.0, "x"), "bf16": (1.0, "y")}
+    report = sp.profile_groups([nodes], peaks, n_vocab=100, n_embd=32, layer_scale=30 / 2)
+    assert report["profiled_cpu_s"] == 7.5
+    assert report["real_cpu_s"] == (1.0 + 2.0) * 15 + 4.0 + 0.5
+    assert report["floor_cpu_s"] == report["real_floor_cpu_s"] == 32 * 100 * 4 / 6400 / 1e9

@@ -306,9 +306,12 @@ def test_engine_on_the_graph_step_generates_what_the_host_sampler_does(tiny_gguf
         assert graph_entropy == host_entropy
     else:
         # dense: the graph step forms the next soft embedding from its own probabilities (its exp, within
-        # 2 ulp of numpy's), the host path from numpy's softmax of the processed logits; this random
-        # model feeds the difference back step after step (1e-7 at the second step, 3e-4 by the eighth)
-        np.testing.assert_allclose(graph_entropy, host_entropy, rtol=1e-3)
+        # 2 ulp of numpy's; its sum in another order), the host path from numpy's softmax of the processed
+        # logits. The first self-conditioned step (the second) shows that difference alone (~1e-7); this
+        # random model then feeds it back step after step, where a change of summation order moves the
+        # eighth step's entropy by up to 6e-3
+        np.testing.assert_allclose(graph_entropy[:2], host_entropy[:2], rtol=1e-5)
+        np.testing.assert_allclose(graph_entropy, host_entropy, rtol=1e-2)
     assert [e.accepted_mask.tolist() for e in graph_steps] == [e.accepted_mask.tolist() for e in host_steps]
 
 

@@ -142,19 +142,20 @@ def test_k_quant_weights_are_kept_out_of_the_repack_buffers_only_where_our_tiles
 
 @requires_native
 @pytest.mark.parametrize("n_cpu_moe, reported", [(0, []), (1, [0])])
-def test_q4_k_experts_load_in_plain_memory_and_reports_say_only_what_was_asked(tmp_path, monkeypatch, n_cpu_moe,
-                                                                               reported):
-    """Loaded on this CPU build, the Q4_K experts stay out of CPU_REPACK (llama.cpp's log: overridden to
-    CPU) and run on our tile; `-v`'s report lists only the experts --n-cpu-moe asked for, since without
-    a GPU every weight is in system memory anyway. DG_EXPERT_GEMM=ggml leaves them to the repack. The
-    tile is AVX2's, forced here: an AVX-512 CPU's automatic choice may be another kernel."""
+def test_q4_k_experts_load_into_dgs_expert_buffer_and_reports_say_only_what_was_asked(tmp_path, monkeypatch,
+                                                                                      n_cpu_moe, reported):
+    """Loaded on this CPU build, the Q4_K experts go to dg's expert buffer type of the AVX2 family
+    (llama.cpp's log: overridden to CPU_DG_EXPERTS_AVX2), repacked while loading, and run on its GEMM;
+    `-v`'s report lists only the experts --n-cpu-moe asked for, since without a GPU every weight is in
+    system memory anyway. DG_EXPERT_GEMM=ggml leaves them to ggml's buffers. The family is forced here:
+    an AVX-512 CPU's automatic choice is another one."""
     from dgcli.runtime import native
     from dgcli.runtime.model import DiffusionModel, cpu_repack_enabled
 
     path = small_q4_k_m_gguf(tmp_path / "q4_k_m.gguf")
     monkeypatch.setenv("DG_EXPERT_GEMM", "avx2")
-    if native.lib()._lib.dg_expert_kernel() != 1 or native.gpu_devices():
-        pytest.skip("no AVX2 tile for Q4_K experts here (or a GPU in use)")
+    if native.lib()._lib.dg_expert_repack_kernel() != 1 or native.gpu_devices():
+        pytest.skip("no AVX2 family for the experts here (or a GPU in use)")
 
     def load(experts: str) -> tuple[list, int, list[str]]:
         monkeypatch.setenv("DG_EXPERT_GEMM", experts)
@@ -164,9 +165,11 @@ def test_q4_k_experts_load_in_plain_memory_and_reports_say_only_what_was_asked(t
 
     overridden, count, log = load("avx2")
     gate_up = [line for line in log if "ffn_gate_up_exps.weight" in line and "overridden to" in line]
-    assert len(gate_up) == 2 and all(line.endswith("overridden to CPU") for line in gate_up)
+    assert len(gate_up) == 2 and all(line.endswith("overridden to CPU_DG_EXPERTS_AVX2") for line in gate_up)
     assert count == 4  # both layers' gate+up and down (layer 1's down is Q6_K)
-    assert sorted(overridden) == sorted((f"blk.{i}.{s}", "CPU") for i in reported for s in EXPERT_SUFFIXES)
+    # the weights in dg's expert buffer, the down projections' per-expert scales (F32) in ggml's
+    assert sorted(overridden) == sorted((f"blk.{i}.{s}", "CPU" if s.endswith(".scale") else "CPU_DG_EXPERTS_AVX2")
+                                        for i in reported for s in EXPERT_SUFFIXES)
 
     overridden, count, log = load("ggml")
     assert count == 0

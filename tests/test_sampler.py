@@ -360,3 +360,35 @@ def test_native_top_k_rejects_a_width_beyond_the_vocabulary(native_sampler):
 
     with pytest.raises(DgError, match="top_k"):
         native_sampler.process_logits(np.zeros((2, 5), np.float32), np.float32(1.0), np.zeros(2), top_k=6)
+
+
+def test_native_sample_walk_equals_the_sequential_cumsum_at_exact_ties(native_sampler):
+    """The sample walks block sums and then one block, and falls back to the sequential float64 cumsum
+    when the target is within rounding of a partial sum: equal weights make every partial sum exact and
+    u * sum land on one (u = 0.5 of an even width), where the first index strictly past it is n / 2;
+    also u = 0 (the first index) and a u whose target falls past the last block's start."""
+    rows, vocab = 4, 4096
+    logits = np.zeros((rows, vocab), np.float32)
+    uniforms = np.array([0.5, 0.0, 0.999999, 0.25])
+    reference = S.NumpyStepSampler().process_logits(logits.copy(), np.float32(1.0), uniforms)
+    native = native_sampler.process_logits(logits.copy(), np.float32(1.0), uniforms)
+    assert native.sampled.tolist() == reference.sampled.tolist() == [vocab // 2, 0, vocab - 1, vocab // 4]
+
+
+def test_native_pass_is_the_same_in_every_vector_width(native_sampler, monkeypatch):
+    """The AVX-512 copy of the pass and the AVX2 one (DG_CPU_KERNELS=avx2, read at every row) give the
+    same values bit for bit (x / t correctly rounded in both; softcap's tanh is not in the host pass) and
+    the same decisions, on a CPU that runs both; elsewhere the one copy agrees with itself."""
+    rng = np.random.default_rng(31)
+    logits = (rng.standard_normal((6, 70001)) * 6.0).astype(np.float32)
+    uniforms = rng.random(6)
+    runs = []
+    for family in ("avx512-vnni", "avx2"):
+        monkeypatch.setenv("DG_CPU_KERNELS", family)
+        runs.append(native_sampler.process_logits(logits.copy(), np.float32(0.55), uniforms, top_k=16))
+    wide, narrow = runs
+    assert np.array_equal(wide.processed, narrow.processed)
+    assert wide.argmax.tolist() == narrow.argmax.tolist()
+    assert wide.sampled.tolist() == narrow.sampled.tolist()
+    assert wide.topk_ids.tolist() == narrow.topk_ids.tolist()
+    np.testing.assert_allclose(wide.entropy, narrow.entropy, rtol=1e-12)

@@ -244,8 +244,11 @@ def test_engine_dense_default_runs_the_product_in_the_graph(blocks_gguf):
     assert graph.self_conditioning == host.self_conditioning == "dense"
     assert graph.token_ids == host.token_ids
     assert [e.accepted_mask.tolist() for e in graph_steps] == [e.accepted_mask.tolist() for e in host_steps]
-    np.testing.assert_allclose([e.mean_entropy for e in graph_steps], [e.mean_entropy for e in host_steps],
-                               rtol=1e-5)
+    # the graph's probabilities (its exp, its sum's order) and numpy's softmax differ by ~1e-6 at the first
+    # self-conditioned step; this random model feeds that back, to ~1e-5 by the sixth step
+    graph_entropy, host_entropy = [e.mean_entropy for e in graph_steps], [e.mean_entropy for e in host_steps]
+    np.testing.assert_allclose(graph_entropy[:2], host_entropy[:2], rtol=1e-5)
+    np.testing.assert_allclose(graph_entropy, host_entropy, rtol=1e-4)
 
 
 @pytest.mark.parametrize("lm_head", ["emulated", "ggml"])

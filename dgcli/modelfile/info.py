@@ -251,7 +251,8 @@ def header_plan(header: GgufHeader, n_gpu_layers: int, n_cpu_moe: int, gpus: lis
     sc_ram, sc_gpu = self_cond_copy_bytes(header, plan)
     if any(g.metal for g in gpus):  # one memory: the copy a Mac's GPU holds is taken from RAM too
         sc_ram += sc_gpu
-    return plan, ram_need + repacked_bytes(header, plan) + sc_ram, gpu_need + sc_gpu
+    repacked = repacked_bytes(header, plan) + repacked_expert_growth(header, plan)
+    return plan, ram_need + repacked + sc_ram, gpu_need + sc_gpu
 
 
 # The weights dg's int8 GEMMs copy into their own layout when they run on this CPU (x86-64 with AVX2;
@@ -283,6 +284,28 @@ def repacked_bytes(header: GgufHeader, plan: PlacementPlan) -> int:
     return sum(t.n_bytes * 36 // REPACKED_TYPES[t.type_name] for name, t in tensors.items()
                if _REPACKED_WEIGHTS.fullmatch(name) and name not in on_gpu and t.type_name in REPACKED_TYPES
                and len(t.shape) == 2 and t.shape[0] % 32 == 0)
+
+
+# The MoE experts dg repacks while loading into a layout of its int8 GEMM (its own buffer type, native
+# diffusion-gemma-experts.cpp), which replaces the file's copy: bytes of that layout per byte of the file
+# (Q8_0 and Q5_0 with each row-block's quant sum, Q4_K with its 6-bit scales unpacked, Q6_K with the AVX2
+# kernels' correction; the VNNI Q6_K layout is the file's size).
+REPACKED_EXPERT_GROWTH = {"Q8_0": (36, 34), "Q5_0": (24, 22), "Q4_K": (148, 144), "Q6_K": (214, 210)}
+_EXPERT_WEIGHTS = re.compile(r"blk\.\d+\.ffn_(gate_up|up|gate|down)_exps\.weight")
+
+
+def repacked_expert_growth(header: GgufHeader, plan: PlacementPlan) -> int:
+    """Bytes the repacked experts of a diffusion-gemma model add over their share of the file: the
+    repack runs where no GPU is in use and the CPU has AVX2 (the loader then drops the file's pages of
+    those tensors, so only the growth is new)."""
+    if header.architecture != "diffusion-gemma" or plan.gpu or not _cpu_runs_repacked_gemms():
+        return 0
+    growth = 0
+    for t in header.tensors:
+        if _EXPERT_WEIGHTS.fullmatch(t.name) and t.type_name in REPACKED_EXPERT_GROWTH:
+            stored, file = REPACKED_EXPERT_GROWTH[t.type_name]
+            growth += t.n_bytes * (stored - file) // file
+    return growth
 
 
 def self_cond_copy_bytes(header: GgufHeader, plan: PlacementPlan) -> tuple[int, int]:

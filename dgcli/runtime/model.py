@@ -41,7 +41,13 @@ from dgcli.params import MAX_CANVAS_LENGTH, DiffusionParams
 from dgcli.runtime import native
 from dgcli.runtime.cpu import check_threads, cpu_flags, default_threads
 from dgcli.runtime.forward import DecoderInputs, StepStats, check_tokens
-from dgcli.runtime.offload import LoadReport, check_offload, expert_override_pattern, tiled_weight_pattern
+from dgcli.runtime.offload import (
+    LoadReport,
+    check_offload,
+    expert_override_pattern,
+    expert_repack_pattern,
+    tiled_weight_pattern,
+)
 from dgcli.runtime.self_cond import check_decoder_self_cond
 from dgcli.templates.sandbox import start_renderer
 
@@ -103,17 +109,25 @@ class _LlamaModel:
         override = expert_override_pattern(n_cpu_moe, n_layer if isinstance(n_layer, int) else 0)
         self._lib = native.lib()
         L = self._lib
+        gpu_in_use = bool(rpc_servers) or bool(native.gpu_devices())
         # DG_Q4_K_TILE=0 leaves the Q4_K weights to ggml (its repack buffers where they are on; A/B runs)
         tiled = None if os.environ.get("DG_Q4_K_TILE") == "0" else tiled_weight_pattern(
-            self.header, L._lib.dg_expert_kernel(), L._lib.dg_dense_kernel(),
-            gpu_in_use=bool(rpc_servers) or bool(native.gpu_devices()))
+            self.header, L._lib.dg_expert_kernel(), L._lib.dg_dense_kernel(), gpu_in_use=gpu_in_use)
+        # the experts repacked while loading for dg's int8 GEMM (its own buffer type) where no GPU is in use
+        own = []
+        repack_kernel = 0 if gpu_in_use else L._lib.dg_expert_repack_kernel()
+        if repack_kernel:
+            pattern = expert_repack_pattern(
+                self.header, lambda type_id, n_in: L._lib.dg_expert_repack_takes(repack_kernel, type_id, n_in))
+            if pattern:
+                own.append((pattern, L._lib.dg_expert_buffer_type(repack_kernel)))
         native.clear_log()
 
         mparams = L.llama_model_default_params()
         mparams.n_gpu_layers = int(n_gpu_layers)
         if not cpu_repack_enabled():
             mparams.use_extra_bufts = False
-        overrides = native.buft_overrides([override] if override else [], plain=[tiled] if tiled else [])
+        overrides = native.buft_overrides([override] if override else [], plain=[tiled] if tiled else [], own=own)
         mparams.tensor_buft_overrides = ctypes.cast(overrides, ctypes.c_void_p)
         # RPC workers' devices instead of this machine's accelerators: n_gpu_layers layers go to them
         self.rpc_devices = None
@@ -128,7 +142,7 @@ class _LlamaModel:
             model = self._model = L.llama_model_load_from_file(str(self.path).encode(), mparams)
         # where llama.cpp put the weights, in its own words (offloaded layers, buffers, overrides)
         self.load_report = LoadReport.from_log(load_log)
-        if tiled:  # only what --n-cpu-moe asked for is news: without a GPU every weight is in system memory
+        if tiled or own:  # only what --n-cpu-moe asked for is news: without a GPU every weight is in system memory
             asked = re.compile(override) if override else None
             self.load_report.overridden = [(t, b) for t, b in self.load_report.overridden if asked and asked.search(t)]
         if self.load_report.offloaded_layers is None:

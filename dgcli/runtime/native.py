@@ -205,6 +205,22 @@ def _declare(lib_mod: Any) -> None:
         "dg_experts_selftest": ([ctypes.c_int32, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                  ctypes.c_int64, ctypes.c_int64, ctypes.c_bool, ctypes.c_int32, ctypes.c_uint32,
                                  ctypes.POINTER(ctypes.c_double)], ctypes.c_int32),
+        "dg_expert_repack_kernel": ([], ctypes.c_int32),
+        "dg_expert_buffer_type": ([ctypes.c_int32], ctypes.c_void_p),
+        # (kernel, weight ggml type, n_in)
+        "dg_expert_repack_takes": ([ctypes.c_int32, ctypes.c_int32, ctypes.c_int64], ctypes.c_bool),
+        # (kernel, weight ggml type, n_in, n_out, n_expert)
+        "dg_expert_repacked_bytes": ([ctypes.c_int32, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64],
+                                     ctypes.c_int64),
+        # as dg_experts_selftest
+        "dg_experts_repacked_selftest": ([ctypes.c_int32, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64,
+                                          ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_bool, ctypes.c_int32,
+                                          ctypes.c_uint32, ctypes.POINTER(ctypes.c_double)], ctypes.c_int32),
+        # (kernel, weight ggml type, n_in, n_out, n_expert, n_used, n_tokens, input_per_slot, n_threads, seed,
+        #  max_rel_diff out)
+        "dg_expert_buffer_selftest": ([ctypes.c_int32, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                       ctypes.c_int64, ctypes.c_int64, ctypes.c_bool, ctypes.c_int32, ctypes.c_uint32,
+                                       ctypes.POINTER(ctypes.c_double)], ctypes.c_int32),
         "dg_peak_gmacs": ([ctypes.c_int32, ctypes.c_double, ctypes.c_char_p, ctypes.c_int32], ctypes.c_double),
         "dg_profile_new": ([], ctypes.c_void_p),
         "dg_profile_free": ([ctypes.c_void_p], None),
@@ -450,13 +466,15 @@ class TensorBuftOverride(ctypes.Structure):
     _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
 
 
-def buft_overrides(patterns: list[str], plain: Sequence[str] = ()) -> Any:
+def buft_overrides(patterns: list[str], plain: Sequence[str] = (), own: Sequence[tuple[str, int]] = ()) -> Any:
     """A NULL-terminated llama_model_tensor_buft_override array sending `patterns` to system memory
-    (a CPU repack buffer where llama.cpp has one for the tensor) and `plain` to plain system memory, in
-    the file's layout (dg_plain_cpu_buffer_type). llama.cpp takes a tensor's first match: `plain` first.
+    (a CPU repack buffer where llama.cpp has one for the tensor), `plain` to plain system memory, in
+    the file's layout (dg_plain_cpu_buffer_type), and each (pattern, buffer type) of `own` to that buffer
+    type (dg's expert buffer). llama.cpp takes a tensor's first match: `own` first, then `plain`.
     The caller keeps it alive until the model is loaded."""
-    array = (TensorBuftOverride * (len(plain) + len(patterns) + 1))()
-    targets = [(p, lib()._lib.dg_plain_cpu_buffer_type()) for p in plain] + [(p, cpu_buffer_type()) for p in patterns]
+    array = (TensorBuftOverride * (len(own) + len(plain) + len(patterns) + 1))()
+    targets = list(own) + [(p, lib()._lib.dg_plain_cpu_buffer_type()) for p in plain] + \
+        [(p, cpu_buffer_type()) for p in patterns]
     for i, (pattern, buft) in enumerate(targets):
         array[i].pattern, array[i].buft = pattern.encode(), buft
     return array
@@ -489,7 +507,7 @@ def available() -> tuple[bool, str]:
 
 
 # dg_peak_gmacs kinds (native/patch/include/diffusion-gemma.h)
-PEAK_INT8, PEAK_BF16, PEAK_F32 = 0, 1, 2
+PEAK_INT8, PEAK_BF16, PEAK_F32, PEAK_INT8_AVX2 = 0, 1, 2, 3
 
 
 def peak_gmacs(kind: int, seconds: float = 0.5) -> tuple[float, str]:

@@ -88,6 +88,21 @@ def tiled_weight_pattern(header, expert_kernel: int, dense_kernel: int, gpu_in_u
     return "|".join(parts) or None
 
 
+def expert_repack_pattern(header, takes) -> str | None:
+    """The override pattern sending a diffusion-gemma file's expert tensors to dg's expert buffer (native
+    `dg_expert_buffer_type`: repacked while loading for dg's int8 GEMM, MUL_MAT_ID on them runs it), or
+    None: the tensors `takes(type_id, row_length)` accepts, by layer and role (one alternation of layers
+    per role: llama.cpp compiles the pattern anew for every tensor)."""
+    if header.architecture != "diffusion-gemma":
+        return None
+    layers: dict[str, list[str]] = {}
+    for t in header.tensors:
+        m = _BLOCK.match(t.name)
+        if m and re.search(EXPERT_TENSORS, t.name) and takes(t.type_id, t.shape[0]):
+            layers.setdefault(t.name.split(".", 2)[2], []).append(m[1])
+    return "|".join(rf"^blk\.({'|'.join(numbers)})\.{re.escape(role)}$" for role, numbers in layers.items()) or None
+
+
 def first_gpu_layer(n_gpu_layers: int, n_layer: int) -> int:
     """Layers il >= this one are offloaded (il == n_layer is the output layer)."""
     n = n_layer + 1 if n_gpu_layers < 0 else min(n_gpu_layers, n_layer + 1)

@@ -150,6 +150,34 @@ LLAMA_API int32_t dg_experts_selftest(int32_t kernel, int32_t weight_type, int64
                                       int64_t n_expert, int64_t n_used, int64_t n_tokens, bool input_per_slot,
                                       int32_t nth, uint32_t seed, double * max_rel_error);
 
+// The MoE experts repacked while loading (src/diffusion-gemma-experts.cpp): a CPU extra buffer type per
+// kernel family whose tensors hold the experts in a layout of dg's GEMM (about the file's size; the
+// file's copy is not kept), MUL_MAT_ID on them running that GEMM.
+// The family the repacked route takes on this CPU: 1 avx2, 2 avx512-vnni, 0 none (ggml's MUL_MAT_ID);
+// DG_EXPERT_GEMM, else DG_CPU_KERNELS, choose (ggml | avx2 | avx512-vnni | auto).
+LLAMA_API int32_t dg_expert_repack_kernel(void);
+// The buffer type of `kernel`'s family, for a tensor buffer-type override of the expert tensors; NULL
+// where this CPU lacks the kernel.
+LLAMA_API ggml_backend_buffer_type_t dg_expert_buffer_type(int32_t kernel);
+// Whether experts of `weight_type` (a ggml_type) with rows n_in wide get the repacked layout of `kernel`
+// (Q8_0, Q5_0, Q4_K, Q6_K); others put in that buffer are stored as they come and stay ggml's.
+LLAMA_API bool dg_expert_repack_takes(int32_t kernel, int32_t weight_type, int64_t n_in);
+// Bytes of [n_in, n_out, n_expert] experts in that layout (-1 if it does not take them).
+LLAMA_API int64_t dg_expert_repacked_bytes(int32_t kernel, int32_t weight_type, int64_t n_in, int64_t n_out,
+                                           int64_t n_expert);
+// The repacked GEMM's tiles as dg_experts_selftest checks the on-the-fly one (kernel 1 or 2 only).
+LLAMA_API int32_t dg_experts_repacked_selftest(int32_t kernel, int32_t weight_type, int64_t n_in, int64_t n_out,
+                                               int64_t n_expert, int64_t n_used, int64_t n_tokens,
+                                               bool input_per_slot, int32_t nth, uint32_t seed,
+                                               double * max_rel_error);
+// MUL_MAT_ID on experts loaded into that buffer against ggml's own MUL_MAT_ID on the same experts in
+// plain memory, in one CPU graph of n_threads threads (random experts quantized by ggml, random
+// routing): *max_rel_diff = max |difference| / max |ggml's|. 0, 1 if this CPU lacks the kernel, -1 for
+// bad arguments or a type the layout does not take.
+LLAMA_API int32_t dg_expert_buffer_selftest(int32_t kernel, int32_t weight_type, int64_t n_in, int64_t n_out,
+                                            int64_t n_expert, int64_t n_used, int64_t n_tokens, bool input_per_slot,
+                                            int32_t n_threads, uint32_t seed, double * max_rel_diff);
+
 // This CPU's single-thread multiply-add peak in G MAC/s for `kind`, from register-resident
 // instruction chains run for about `seconds` of the thread's CPU time, the fastest of five rounds
 // (CPU time, so that other processes on a shared machine do not lower it). DG_PEAK_INT8: the widest int8 dot-product instruction the CPU has (AVX-512 VNNI,
@@ -159,6 +187,9 @@ LLAMA_API int32_t dg_experts_selftest(int32_t kernel, int32_t weight_type, int64
 #define DG_PEAK_INT8 0
 #define DG_PEAK_BF16 1
 #define DG_PEAK_F32  2
+// the int8 chain of dg's AVX2 kernels (vpmaddubsw + vpmaddwd) whatever wider instructions the CPU has:
+// the peak of that family where it is forced on an AVX-512 CPU (DG_CPU_KERNELS=avx2)
+#define DG_PEAK_INT8_AVX2 3
 
 LLAMA_API double dg_peak_gmacs(int32_t kind, double seconds, char * name_out, int32_t name_len);
 

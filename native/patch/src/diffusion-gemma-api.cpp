@@ -76,9 +76,8 @@ const char * dg_lm_head_path(const llama_model * model) {
     if (!dg) {
         return "ggml";
     }
-    const dg_lm_head_kernel kernel = dg_lm_head::kernel_for_cpu();
-    if (!dg->uses_gpu() && dg_lm_head::qualifies(dg->output)) {
-        return dg_lm_head::kernel_name(kernel);
+    if (const dg_lm_head * head = dg->lm_head()) { // the kernel the model took when it repacked its head
+        return dg_lm_head::kernel_name(head->kernel());
     }
     return dg->dense_tiled(dg->output) ? "avx2 K-quant tile" : "ggml";
 }
@@ -115,7 +114,14 @@ int32_t dg_dense_repacked_count(const llama_model * model) {
 }
 
 int32_t dg_expert_gemm_count(const llama_model * model) {
-    return dg_count_taken(model, &llama_model_diffusion_gemma::experts, &llama_model_diffusion_gemma::experts_gemm);
+    int32_t count = dg_count_taken(model, &llama_model_diffusion_gemma::experts, &llama_model_diffusion_gemma::experts_gemm);
+    if (const auto * dg = dg_model_of(model)) { // and those repacked while loading (dg_expert_buffer_type)
+        for (const auto & layer : dg->layers) {
+            count += (int32_t) dg_expert_tensor_repacked(layer.ffn_gate_up_exps) +
+                     (int32_t) dg_expert_tensor_repacked(layer.ffn_down_exps);
+        }
+    }
+    return count;
 }
 
 int32_t dg_dense_tiled_count(const llama_model * model) {

@@ -36,7 +36,9 @@ enum class dg_lm_head_kernel : int32_t {
 class dg_lm_head {
 public:
     // The kernel this CPU asks for, unless the environment variable `env` (DG_LM_HEAD for the LM
-    // head, DG_DENSE_GEMM for the decoder's other projections) names one: ggml | avx2 | emulated.
+    // head, DG_DENSE_GEMM for the decoder's other projections) names one: ggml | avx2 | avx512-vnni |
+    // emulated; where `env` is unset or auto, DG_CPU_KERNELS names the family for every component.
+    // A kernel this CPU lacks means ggml's.
     static dg_lm_head_kernel kernel_for_cpu(const char * env = "DG_LM_HEAD");
     static const char *      kernel_name(dg_lm_head_kernel kernel);
 
@@ -120,13 +122,36 @@ void dg_lm_head_gemm_op(ggml_tensor * dst, int ith, int nth, void * userdata);
 // unsigned operand of vpmaddubsw, and the correction (128 x the row's scaled quant sums) takes that back.
 // The values are the same quantized products as ggml's (its activation quantization, the file's
 // quants and scales); only the float summation order differs.
+//
+// Repacked experts (the main route since the experts moved to dg's extra buffer type,
+// diffusion-gemma-experts.cpp): the loader hands a tensor's file rows to the buffer once, which stores
+// them in a layout of the kernel's own (repack()), about the file's size: row groups of 16 (VNNI) or 8
+// (AVX2) rows, each block's quants interleaved 4 at a time across the group, the scales beside them
+// in the group's order; Q4_K and Q6_K keep their nibble and 2-bit planes and Q5_0 its fifth bits, so
+// that a group is made ready for the tiles by a few vector ops per 4 quants (stage()), Q8_0 by none.
 class dg_experts {
 public:
-    // The kernel for this CPU (DG_EXPERT_GEMM overrides, as DG_LM_HEAD does the LM head's). Not
-    // avx512-vnni: that layout's groups would be packed by portable code (only AVX2's pack is
-    // vectorized), which costs more than the tiles save; DG_EXPERT_GEMM=avx2 asks for the AVX2 tiles
-    // there (unmeasured: no such CPU here).
+    // The kernel of the on-the-fly route for this CPU (DG_EXPERT_GEMM / DG_CPU_KERNELS override, as
+    // DG_LM_HEAD does the LM head's): experts in plain host memory, each row group packed from the
+    // file's layout when used. Not avx512-vnni, whose pack is portable code; that family runs the
+    // repacked route (repack_kernel_for_cpu).
     static dg_lm_head_kernel kernel_for_cpu();
+    // The kernel of the repacked route (avx2 or avx512-vnni; none: ggml's MUL_MAT_ID), the same
+    // variables read.
+    static dg_lm_head_kernel repack_kernel_for_cpu();
+    // Whether experts of `type` with rows n_in wide have a repacked layout for `kernel`: Q8_0, Q5_0,
+    // Q4_K and Q6_K (whole blocks), avx2 or avx512-vnni where the CPU has it.
+    static bool repack_takes(ggml_type type, int64_t n_in, dg_lm_head_kernel kernel);
+    // Bytes of [n_in, n_out, n_expert] experts in the repacked layout.
+    static size_t repacked_bytes(ggml_type type, int64_t n_in, int64_t n_out, int64_t n_expert,
+                                 dg_lm_head_kernel kernel);
+    // Experts [e0, e1) of the file's rows `src` (expert e at src + e * n_out * row bytes) into the
+    // repacked layout of the whole tensor at `dst`; rows past n_out of a last group are zeros.
+    static void repack(ggml_type type, int64_t n_in, int64_t n_out, int64_t e0, int64_t e1, dg_lm_head_kernel kernel,
+                       const void * src, void * dst);
+    // A GEMM over experts already in the repacked layout (null if repack_takes says no).
+    static std::unique_ptr<dg_experts> over_repacked(const void * data, ggml_type type, int64_t n_in, int64_t n_out,
+                                                     int64_t n_expert, dg_lm_head_kernel kernel);
 
     // Q8_0, Q5_0, Q4_K or Q6_K, [n_in, n_out, n_expert] (or a 2-D weight: one expert) in plain host memory
     // (not in a CPU repack buffer), n_in whole blocks
@@ -161,6 +186,11 @@ private:
     int64_t group_bytes() const; // of one packed row group
     // rows [0, rows) of the group at first_row, packed into `group` (rows past them compute zeros)
     void pack(const uint8_t * first_row, int64_t rows, uint8_t * group) const;
+    // row group g of expert e in the tiles' layout: packed from the file's rows into `buffer`,
+    // unpacked there from the repacked layout, or (repacked Q8_0) where it is stored
+    const uint8_t * stage(int64_t e, int64_t g, uint8_t * buffer) const;
+    // Bytes of one row group in the repacked layout.
+    static int64_t stored_group_bytes(ggml_type type, int64_t n_in, dg_lm_head_kernel kernel);
 
     dg_lm_head_kernel kernel_;
     const uint8_t *   data_;
@@ -171,6 +201,7 @@ private:
     int64_t           n_blocks_; // n_in / 32
     int64_t           group_;    // 16 for the VNNI layout, 8 for AVX2
     size_t            row_bytes_;
+    bool              repacked_ = false; // data_ in the repacked layout, not the file's
 };
 
 // ggml custom ops over a dg_experts (userdata): activations [n_in, rows] F32 -> quantized rows
@@ -185,3 +216,6 @@ void dg_experts_dense_op(ggml_tensor * dst, int ith, int nth, void * userdata);
 inline int64_t dg_lm_head_group_block_bytes(int64_t group) {
     return 2 * group + 2 * group + 32 * group;
 }
+
+// Whether `t` sits repacked in one of dg's expert buffers (diffusion-gemma-experts.cpp).
+bool dg_expert_tensor_repacked(const ggml_tensor * t);

@@ -147,7 +147,11 @@ double dg_peak_gmacs(int32_t kind, double seconds, char * name_out, int32_t name
     __builtin_cpu_init();
     const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     const bool avx512 = __builtin_cpu_supports("avx512f");
-    if (kind == DG_PEAK_INT8) {
+    if (kind == DG_PEAK_INT8_AVX2) {
+        if (avx2) {
+            chain = int8_avx2, name = "int8 AVX2 (vpmaddubsw + vpmaddwd)";
+        }
+    } else if (kind == DG_PEAK_INT8) {
         if (avx512 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni")) {
             chain = int8_avx512_vnni, name = "int8 AVX-512 VNNI (vpdpbusd zmm)";
         } else if (avx2 && __builtin_cpu_supports("avxvnni")) {

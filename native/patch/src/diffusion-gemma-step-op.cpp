@@ -25,10 +25,11 @@ bool dg_cuda_fused_step_wanted() {
 
 // The denoising step over the LM head's output, one row per canvas position (rows split over
 // the op's threads): softcap, / temperature, max, exp, entropy, argmax, top-k, inverse-CDF sample
-// (dg_step_row, shared with the host sampler). The row is transformed in place, so the step adds
-// no logits-sized buffer: values over the raw logits, then weights over the values unless the
-// caller wants the values, in which case the weights go to a per-thread row kept across steps. With
-// probs_scale the weights are then normalised in place: the row holds the next step's probabilities.
+// (dg_step_row, shared with the host sampler). The step adds no logits-sized buffer: values and then
+// weights go to a per-thread row kept across steps (so the logits are read from memory once and not
+// written back, half the traffic of transforming them in place), or, where the caller wants the
+// values, the values over the raw logits and the weights to that row. With probs_scale the weights,
+// normalised, are then written over the row: it holds the next step's probabilities.
 void dg_step_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const auto & p       = *(const ggml_dg_step_params *) userdata;
     ggml_tensor * logits = dst->src[0];                        // F32 [n_vocab, n_rows]
@@ -40,7 +41,7 @@ void dg_step_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     thread_local std::vector<float>   weights_row;
     thread_local std::vector<int32_t> ids;
     thread_local dg_topk_heap         heap;
-    if (p.keep_values && weights_row.size() < (size_t) n_vocab) {
+    if (weights_row.size() < (size_t) n_vocab) {
         weights_row.resize((size_t) n_vocab);
     }
     ids.resize((size_t) p.top_k);
@@ -50,8 +51,8 @@ void dg_step_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
 
         dg_row_in in   = {};
         in.logits      = row;
-        in.values      = row;
-        in.weights     = p.keep_values ? weights_row.data() : row;
+        in.values      = p.keep_values ? row : weights_row.data();
+        in.weights     = weights_row.data();
         in.n_vocab     = n_vocab;
         in.softcap     = p.softcap;
         in.exact_tanh  = p.exact_tanh != 0;
@@ -60,6 +61,7 @@ void dg_step_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
         in.top_k       = p.top_k;
         in.topk_ids    = ids.data();
         in.topk_probs  = record + DG_STEP_TOPK + p.top_k;
+        in.next_row    = r + nth < n_rows ? (const float *) ((char *) logits->data + (r + nth) * logits->nb[1]) : nullptr;
         dg_row_out out;
         if (!dg_step_row(in, out, heap)) {
             record[DG_STEP_ENTROPY] = NAN;
@@ -75,7 +77,7 @@ void dg_step_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
         if (p.probs_scale != 0.0f) {
             const float to_probs = (float) ((double) p.probs_scale / out.total);
             for (int32_t i = 0; i < n_vocab; ++i) {
-                row[i] *= to_probs;
+                row[i] = in.weights[i] * to_probs;
             }
         }
     }

@@ -17,7 +17,7 @@
 bool dg_cuda_fused_step_wanted();
 
 // dst = the step's record, F32 [dg_step_record_width(top_k), n_rows]; sources: the logits F32
-// [n_vocab, n_rows] (transformed in place), the temperatures F32 [1, n_rows], the uniforms F64 [n_rows];
+// [n_vocab, n_rows] (values or probabilities written over them where asked), the temperatures F32 [1, n_rows], the uniforms F64 [n_rows];
 // userdata: the graph's ggml_dg_step_params. A ggml_custom_op_t.
 void dg_step_op(ggml_tensor * dst, int ith, int nth, void * userdata);
 

@@ -38,6 +38,8 @@ struct dg_row_in {
     int32_t        top_k;       // 0: no top-k
     int32_t *      topk_ids;    // [top_k], most probable first (ties: the lower id)
     float *        topk_probs;  // [top_k]
+    const float *  next_row = nullptr; // the row this thread does next (nullable): fetched from memory
+                                       // while this one is worked on
 };
 
 struct dg_row_out {

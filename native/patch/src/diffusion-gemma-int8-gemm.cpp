@@ -1,4 +1,6 @@
-// The Q8_0 LM head on a repack of our own: see diffusion-gemma-lm-head.h.
+// dg's int8 GEMMs (the LM head, the dense projections, the MoE experts) on repacks of their own: see
+// diffusion-gemma-lm-head.h. The SIMD kernels per family are in diffusion-gemma-int8-kernels.inc, the
+// self-tests in diffusion-gemma-int8-selftest.inc.
 
 #include "diffusion-gemma-lm-head.h"
 #include "diffusion-gemma.h"
@@ -11,6 +13,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+
+#if defined(__unix__) || defined(__APPLE__)
+#    include <unistd.h>
+#endif
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #    include <immintrin.h>
@@ -25,11 +31,30 @@
 namespace {
 
 constexpr int64_t QK      = 32; // quants per Q8_0 block
-constexpr int64_t PANEL   = 64; // activation columns kept hot in L2 while the row groups stream past
+
+// Activation columns kept hot in L2 while the row groups stream past (dg_lm_head::gemm): as many as
+// fill half this core's L2 with one K chunk of their activations, in steps of 8 from 16 to 256 (a
+// 256-token canvas; 64 where the size is unknown). The weights stream from memory once per panel, so
+// the fewer panels the better while the columns stay in L2: on a 2 MiB L2 the LM head's whole canvas
+// is one panel.
+int64_t panel_columns(int64_t act_bytes) {
+    static const long l2 = [] {
+#if defined(_SC_LEVEL2_CACHE_SIZE)
+        return sysconf(_SC_LEVEL2_CACHE_SIZE);
+#else
+        return 0L;
+#endif
+    }();
+    if (l2 <= 0 || act_bytes <= 0) {
+        return 64;
+    }
+    return std::clamp<int64_t>(l2 / 2 / act_bytes / 8 * 8, 16, 256);
+}
+
 // Rows longer than 2 x this many blocks (the transposed embeddings: 8192 blocks) are multiplied a chunk of
 // this many blocks at a time, partial sums added: a group's chunk (16 rows: 144 KiB) and a panel's
-// activations for it (576 KiB) stay in L2, where a whole row group (4.5 MiB) and a column's activations
-// (288 KiB) would come from L3 for every tile.
+// activations for it (at most half of L2) stay in L2, where a whole row group (4.5 MiB) and a column's
+// activations (288 KiB) would come from L3 for every tile.
 constexpr int64_t K_CHUNK = 256;
 
 struct q8_0_block {
@@ -182,15 +207,22 @@ void pack_group_q6_K(const uint8_t * rows, size_t row_bytes, int64_t n_super, in
     }
 }
 
+// Activations against the VNNI Q6_K tile, per super-block: the Q8_K quants and d, then per 16-wide
+// sub-block -32 * (sum of its quants) as int32, the tile's starting value for the sub-block's dot
+// product of the unsigned quants 0..63 (which takes their -32 back).
+constexpr int64_t Q8_K_BYTES_SUMS16 = QK_K + 4 + 16 * 4;
+
 // Columns [c0, c1) of x (n_super * 256 values each) as ggml's quantize_row_q8_K_ref writes them
 // (per 256: the value of largest magnitude, first of equals, maps to -127; round-to-even), into
-// the layout above; `flip` 0x80 stores each quant + 128 as an unsigned byte (the Q6_K tile's operand).
+// the layout above; `flip` 0x80 stores each quant + 128 as an unsigned byte (the AVX2 Q6_K tile's
+// operand); `sums16` writes the VNNI Q6_K tile's layout instead (Q8_K_BYTES_SUMS16).
 void quantize_columns_q8_K(int64_t n_super, const float * x, int64_t ld_x, int64_t c0, int64_t c1, uint8_t * act,
-                          uint8_t flip = 0) {
+                          uint8_t flip = 0, bool sums16 = false) {
+    const int64_t bytes = sums16 ? Q8_K_BYTES_SUMS16 : Q8_K_BYTES;
     for (int64_t c = c0; c < c1; ++c) {
         for (int64_t s = 0; s < n_super; ++s) {
             const float * v = x + c * ld_x + s * QK_K;
-            uint8_t *     o = act + (c * n_super + s) * Q8_K_BYTES;
+            uint8_t *     o = act + (c * n_super + s) * bytes;
             float max = 0.0f, amax = 0.0f;
             for (int64_t k = 0; k < QK_K; ++k) {
                 if (std::fabs(v[k]) > amax) {
@@ -198,19 +230,28 @@ void quantize_columns_q8_K(int64_t n_super, const float * x, int64_t ld_x, int64
                     max  = v[k];
                 }
             }
-            float d = 0.0f, sums[8] = {};
+            float   d = 0.0f, sums[8] = {};
+            int32_t sums_16[16] = {};
             if (amax != 0.0f) {
                 const float iscale = -127.0f / max;
                 for (int64_t k = 0; k < QK_K; ++k) {
                     const int8_t q = (int8_t) std::min(127, (int) std::nearbyint(iscale * v[k]));
                     o[k] = (uint8_t) q ^ flip;
                     sums[k / QK] += q;
+                    sums_16[k / 16] += q;
                 }
                 d = 1.0f / iscale;
             } else {
                 std::memset(o, flip, QK_K);
             }
             std::memcpy(o + QK_K, &d, sizeof(d));
+            if (sums16) {
+                for (int j = 0; j < 16; ++j) {
+                    const int32_t start = -32 * sums_16[j];
+                    std::memcpy(o + QK_K + 4 + 4 * j, &start, sizeof(start));
+                }
+                continue;
+            }
             for (int j = 0; j < 8; ++j) {
                 const float b = d * sums[j];
                 std::memcpy(o + QK_K + 4 + 4 * j, &b, sizeof(b));
@@ -243,368 +284,11 @@ void pack_group(const uint8_t * rows, size_t row_bytes, ggml_type type, int64_t 
     }
 }
 
-typedef float    v16f __attribute__((vector_size(64)));
-typedef int32_t  v16i __attribute__((vector_size(64)));
-typedef int16_t  v16s __attribute__((vector_size(32)));
-typedef int8_t   v64s __attribute__((vector_size(64)));
-typedef uint8_t  v64u __attribute__((vector_size(64)));
-
-inline v16i dpbusd_portable(v16i acc, v64u a, v64s b) {
-    for (int lane = 0; lane < 16; ++lane) {
-        int32_t sum = 0;
-        for (int k = 0; k < 4; ++k) {
-            sum += (int32_t) a[4 * lane + k] * (int32_t) b[4 * lane + k];
-        }
-        acc[lane] += sum;
-    }
-    return acc;
-}
-
-inline v16f halves_portable(const uint8_t * p) {
-    v16f out;
-    for (int i = 0; i < 16; ++i) {
-        ggml_fp16_t h;
-        std::memcpy(&h, p + 2 * i, sizeof(h));
-        out[i] = ggml_fp16_to_fp32(h);
-    }
-    return out;
-}
-
-// the emulated kernel: the VNNI tile in portable code
-#define DG_LMH_TILE   tile_emulated
-#define DG_LMH_TARGET
-#define DG_LMH_DPBUSD dpbusd_portable
-#define DG_LMH_HALVES halves_portable
-#include "diffusion-gemma-lm-head-tile.inc"
-#undef DG_LMH_TILE
-#undef DG_LMH_TARGET
-#undef DG_LMH_DPBUSD
-#undef DG_LMH_HALVES
-
-#ifdef DG_LMH_X86
-#    define DG_LMH_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
-
-DG_LMH_VNNI_TARGET inline v16i dpbusd_vnni(v16i acc, v64u a, v64s b) {
-    return (v16i) _mm512_dpbusd_epi32((__m512i) acc, (__m512i) a, (__m512i) b);
-}
-
-DG_LMH_VNNI_TARGET inline v16f halves_vnni(const uint8_t * p) {
-    return (v16f) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) p));
-}
-
-#    define DG_LMH_TILE   tile_vnni
-#    define DG_LMH_TARGET DG_LMH_VNNI_TARGET
-#    define DG_LMH_DPBUSD dpbusd_vnni
-#    define DG_LMH_HALVES halves_vnni
-#    include "diffusion-gemma-lm-head-tile.inc"
-#    undef DG_LMH_TILE
-#    undef DG_LMH_TARGET
-#    undef DG_LMH_DPBUSD
-#    undef DG_LMH_HALVES
-
-// 8 rows x NC columns on AVX2: per 4 quants of the group, |quant| (u8) against the activation
-// with the quant's sign (s8) in vpmaddubsw (the pair sums stay below 2^15), vpmaddwd to 32 bits.
-template <int NC>
-__attribute__((target("avx2,fma,f16c"))) void tile_avx2(const uint8_t * group, const uint8_t * act, int64_t act_bytes,
-                                                         int64_t n_blocks, float * out, int64_t ld_out) {
-    constexpr int64_t G   = 8;
-    constexpr int64_t GBB = 36 * G;
-    const __m256i     ones = _mm256_set1_epi16(1);
-
-    __m256 acc[NC];
-    _Pragma("GCC unroll 8") for (int j = 0; j < NC; ++j) {
-        acc[j] = _mm256_setzero_ps();
-    }
-    for (int64_t b = 0; b < n_blocks; ++b) {
-        const uint8_t * w  = group + b * GBB;
-        const __m256    dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) w));
-        __m256i         dot[NC];
-        _Pragma("GCC unroll 8") for (int j = 0; j < NC; ++j) {
-            dot[j] = _mm256_setzero_si256();
-        }
-        for (int q = 0; q < 8; ++q) {
-            const __m256i quants = _mm256_loadu_si256((const __m256i *) (w + 4 * G + q * 4 * G));
-            const __m256i mags   = _mm256_sign_epi8(quants, quants);
-            _Pragma("GCC unroll 8") for (int j = 0; j < NC; ++j) {
-                int32_t four;
-                std::memcpy(&four, act + j * act_bytes + b * QK + 4 * q, sizeof(four));
-                const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(four), quants);
-                dot[j] = _mm256_add_epi32(dot[j], _mm256_madd_epi16(_mm256_maddubs_epi16(mags, x), ones));
-            }
-        }
-        _Pragma("GCC unroll 8") for (int j = 0; j < NC; ++j) {
-            float scale;
-            std::memcpy(&scale, act + j * act_bytes + n_blocks * QK + b * 4, sizeof(scale));
-            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(scale)), _mm256_cvtepi32_ps(dot[j]), acc[j]);
-        }
-    }
-    _Pragma("GCC unroll 8") for (int j = 0; j < NC; ++j) {
-        _mm256_storeu_ps(out + j * ld_out, acc[j]);
-    }
-}
-
-// The 32 int8 quants of a Q8_0 or Q5_0 block (Q5_0: the nibbles, the fifth bits spread to bytes, minus 16).
-__attribute__((target("avx2"))) inline __m256i quants_avx2(const uint8_t * block, ggml_type type) {
-    if (type == GGML_TYPE_Q8_0) {
-        return _mm256_loadu_si256((const __m256i *) (block + 2));
-    }
-    const __m128i packed = _mm_loadu_si128((const __m128i *) (block + 6));
-    const __m256i nibbles =
-        _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0x0F));
-    uint32_t high;
-    std::memcpy(&high, block + 2, sizeof(high));
-    // byte j of the vector: byte j / 8 of `high`, then all ones where bit j % 8 of it is set
-    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int) high),
-                                               _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
-                                                                 0x0101010101010101, 0x0000000000000000));
-    const __m256i bits = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
-                                           _mm256_set1_epi64x(-1));
-    return _mm256_sub_epi8(_mm256_or_si256(nibbles, _mm256_and_si256(bits, _mm256_set1_epi8(0x10))),
-                           _mm256_set1_epi8(16));
-}
-
-// rows[i] holds 32 quants of row i: stored as 8 words of the tiles' layout, word q = quants
-// 4q..4q+3 of every row (an 8 x 8 transpose of 4-quant words)
-__attribute__((target("avx2"))) inline void store_interleaved_avx2(const __m256i * r, uint8_t * out) {
-    const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
-    const __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
-    const __m256i t4 = _mm256_unpacklo_epi32(r[4], r[5]), t5 = _mm256_unpackhi_epi32(r[4], r[5]);
-    const __m256i t6 = _mm256_unpacklo_epi32(r[6], r[7]), t7 = _mm256_unpackhi_epi32(r[6], r[7]);
-    const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
-    const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
-    const __m256i u4 = _mm256_unpacklo_epi64(t4, t6), u5 = _mm256_unpackhi_epi64(t4, t6);
-    const __m256i u6 = _mm256_unpacklo_epi64(t5, t7), u7 = _mm256_unpackhi_epi64(t5, t7);
-    // q < 4 from the low lanes, q >= 4 from the high ones
-    __m256i * words = (__m256i *) out;
-    const __m256i lo[4] = { u0, u1, u2, u3 }, hi[4] = { u4, u5, u6, u7 };
-    for (int q = 0; q < 4; ++q) {
-        _mm256_storeu_si256(words + q, _mm256_permute2x128_si256(lo[q], hi[q], 0x20));
-        _mm256_storeu_si256(words + q + 4, _mm256_permute2x128_si256(lo[q], hi[q], 0x31));
-    }
-}
-
-// pack_group for a whole 8-row group of the AVX2 layout, vectorized. The quant sums are left out:
-// the AVX2 tile does not read them.
-__attribute__((target("avx2"))) void pack_group_avx2(const uint8_t * rows, size_t row_bytes, ggml_type type,
-                                                      int64_t n_blocks, uint8_t * out) {
-    constexpr int64_t G   = 8;
-    const size_t      blk = ggml_type_size(type);
-    for (int64_t b = 0; b < n_blocks; ++b) {
-        uint8_t * o = out + b * 36 * G;
-        __m256i   r[G];
-        for (int64_t i = 0; i < G; ++i) {
-            const uint8_t * block = rows + i * row_bytes + b * blk;
-            std::memcpy(o + 2 * i, block, 2); // the fp16 scale
-            r[i] = quants_avx2(block, type);
-        }
-        store_interleaved_avx2(r, o + 4 * G);
-    }
-}
-
-// pack_group_q4_K for a whole group, the nibbles spread and interleaved in registers
-__attribute__((target("avx2"))) void pack_group_q4_K_avx2(const uint8_t * rows, size_t row_bytes, int64_t n_super,
-                                                            uint8_t * out) {
-    constexpr int64_t G = Q4_K_GROUP;
-    const __m256i     low = _mm256_set1_epi8(0x0F);
-    for (int64_t s = 0; s < n_super; ++s) {
-        uint8_t * o       = out + s * Q4_K_SB_BYTES;
-        float *   scales  = (float *) o;
-        float *   offsets = scales + 8 * G;
-        const q4_K_block * blk[G];
-        for (int64_t r = 0; r < G; ++r) {
-            blk[r] = (const q4_K_block *) (rows + r * row_bytes) + s;
-            const float d = ggml_fp16_to_fp32(blk[r]->d), dmin = ggml_fp16_to_fp32(blk[r]->dmin);
-            for (int j = 0; j < 8; ++j) {
-                int sc, m;
-                q4_K_scale_min(blk[r]->scales, j, sc, m);
-                scales[j * G + r]  = d * (float) sc;
-                offsets[j * G + r] = dmin * (float) m;
-            }
-        }
-        for (int j = 0; j < 8; ++j) {
-            __m256i q[G];
-            for (int64_t r = 0; r < G; ++r) {
-                const __m256i bytes = _mm256_loadu_si256((const __m256i *) (blk[r]->qs + (j / 2) * QK));
-                q[r] = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, low);
-            }
-            store_interleaved_avx2(q, o + 2 * 8 * G * 4 + j * 8 * 4 * G);
-        }
-    }
-}
-
-// 8 Q4_K rows x NC columns on AVX2: per 4 quants of the group, vpmaddubsw of the unsigned quants
-// against the activation's; a sub-block's 8 such pair sums stay within int16 (8 x 2 x 15 x 128),
-// then vpmaddwd, and per sub-block the scale and the offset times the activation's sum.
-template <int NC>
-__attribute__((target("avx2,fma"))) void tile_q4_K_avx2(const uint8_t * group, const uint8_t * act,
-                                                         int64_t act_bytes, int64_t n_blocks, float * out,
-                                                         int64_t ld_out) {
-    constexpr int64_t G       = Q4_K_GROUP;
-    const int64_t     n_super = n_blocks / 8;
-    const __m256i     ones    = _mm256_set1_epi16(1);
-
-    __m256 acc[NC];
-    _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
-        acc[c] = _mm256_setzero_ps();
-    }
-    for (int64_t s = 0; s < n_super; ++s) {
-        const uint8_t * w = group + s * Q4_K_SB_BYTES;
-        const uint8_t * a = act + s * Q8_K_BYTES;
-        for (int j = 0; j < 8; ++j) {
-            const uint8_t * quants = w + 2 * 8 * G * 4 + j * 8 * 4 * G;
-            __m256i         sum[NC];
-            _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
-                sum[c] = _mm256_setzero_si256();
-            }
-            _Pragma("GCC unroll 8") for (int q = 0; q < 8; ++q) {
-                const __m256i wq = _mm256_loadu_si256((const __m256i *) (quants + q * 4 * G));
-                _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
-                    int32_t four;
-                    std::memcpy(&four, a + c * act_bytes + j * QK + 4 * q, sizeof(four));
-                    sum[c] = _mm256_add_epi16(sum[c], _mm256_maddubs_epi16(wq, _mm256_set1_epi32(four)));
-                }
-            }
-            const __m256 scale  = _mm256_loadu_ps((const float *) w + j * G);
-            const __m256 offset = _mm256_loadu_ps((const float *) w + 8 * G + j * G);
-            _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
-                float d, b;
-                std::memcpy(&d, a + c * act_bytes + QK_K, sizeof(d));
-                std::memcpy(&b, a + c * act_bytes + QK_K + 4 + 4 * j, sizeof(b));
-                const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[c], ones));
-                acc[c] = _mm256_fmadd_ps(_mm256_mul_ps(scale, dot), _mm256_set1_ps(d), acc[c]);
-                acc[c] = _mm256_fnmadd_ps(offset, _mm256_set1_ps(b), acc[c]);
-            }
-        }
-    }
-    _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
-        _mm256_storeu_ps(out + c * ld_out, acc[c]);
-    }
-}
-
-// pack_group_q6_K for a whole group: the 6-bit quants assembled, the scales paired and the corrections
-// summed in registers
-__attribute__((target("avx2"))) void pack_group_q6_K_avx2(const uint8_t * rows, size_t row_bytes, int64_t n_super,
-                                                            uint8_t * out) {
-    constexpr int64_t G    = 8;
-    const __m256i     low  = _mm256_set1_epi8(0x0F), high = _mm256_set1_epi8(0x30), bias = _mm256_set1_epi8(32);
-    const __m256i     ones = _mm256_set1_epi8(1);
-    for (int64_t s = 0; s < n_super; ++s) {
-        uint8_t * o      = out + s * Q6_K_SB_BYTES;
-        float *   d      = (float *) o;
-        int32_t * corr   = (int32_t *) (o + 32);
-        uint8_t * quants = o + 64 + 16 * 32;
-        const q6_K_block * blk[G];
-        __m256i            pairs[2][G]; // per row, sub-blocks 0..7 and 8..15: the scale twice per int32
-        for (int64_t r = 0; r < G; ++r) {
-            blk[r] = (const q6_K_block *) (rows + r * row_bytes) + s;
-            d[r]   = ggml_fp16_to_fp32(blk[r]->d);
-            const __m128i sc = _mm_loadu_si128((const __m128i *) blk[r]->scales);
-            for (int half = 0; half < 2; ++half) {
-                const __m256i sc32 = _mm256_cvtepi8_epi32(half ? _mm_srli_si128(sc, 8) : sc);
-                pairs[half][r] = _mm256_or_si256(_mm256_and_si256(sc32, _mm256_set1_epi32(0xFFFF)),
-                                                 _mm256_slli_epi32(sc32, 16));
-            }
-        }
-        // the 8 x 8 transpose of 32-bit words that interleaves the quants puts sub-block j's pair of every
-        // row in one vector
-        store_interleaved_avx2(pairs[0], o + 64);
-        store_interleaved_avx2(pairs[1], o + 64 + 8 * 32);
-
-        __m256i weighted[G]; // per row: sum_j sc_j * (quants of sub-block j), in 8 partial lanes
-        for (int64_t r = 0; r < G; ++r) {
-            weighted[r] = _mm256_setzero_si256();
-        }
-        for (int h = 0; h < 2; ++h) {
-            __m256i q[4][G]; // quants 128h + 32k .. +31 of each row
-            for (int64_t r = 0; r < G; ++r) {
-                const __m256i l0 = _mm256_loadu_si256((const __m256i *) (blk[r]->ql + 64 * h));
-                const __m256i l1 = _mm256_loadu_si256((const __m256i *) (blk[r]->ql + 64 * h + 32));
-                const __m256i hb = _mm256_loadu_si256((const __m256i *) (blk[r]->qh + 32 * h));
-                q[0][r] = _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_and_si256(_mm256_slli_epi16(hb, 4), high));
-                q[1][r] = _mm256_or_si256(_mm256_and_si256(l1, low), _mm256_and_si256(_mm256_slli_epi16(hb, 2), high));
-                q[2][r] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low), _mm256_and_si256(hb, high));
-                q[3][r] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
-                                          _mm256_and_si256(_mm256_srli_epi16(hb, 2), high));
-                for (int k = 0; k < 4; ++k) {
-                    q[k][r] = _mm256_sub_epi8(q[k][r], bias);
-                    // sub-blocks j and j + 1 of these 32 quants: their pair sums, times each one's scale
-                    const int     j     = 8 * h + 2 * k;
-                    const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(blk[r]->scales[j + 1]),
-                                                           _mm_set1_epi16(blk[r]->scales[j]));
-                    weighted[r] = _mm256_add_epi32(weighted[r],
-                                                   _mm256_madd_epi16(_mm256_maddubs_epi16(ones, q[k][r]), scale));
-                }
-            }
-            for (int k = 0; k < 4; ++k) {
-                store_interleaved_avx2(q[k], quants + (32 * h + 8 * k) * 4 * G);
-            }
-        }
-        for (int64_t r = 0; r < G; ++r) {
-            int32_t lanes[8];
-            _mm256_storeu_si256((__m256i *) lanes, weighted[r]);
-            int32_t sum = 0;
-            for (int32_t lane : lanes) {
-                sum += lane;
-            }
-            corr[r] = 128 * sum;
-        }
-    }
-}
-
-// 8 Q6_K rows x NC columns on AVX2: per 4 quants, vpmaddubsw of the activation + 128 (unsigned) against
-// the quants minus 32; two such pair sums stay within int16 (2 x 2 x 255 x 32), then vpmaddwd by the
-// sub-block's scale into int32 over the super-block, less the row's correction for the +128.
-template <int NC>
-__attribute__((target("avx2,fma"))) void tile_q6_K_avx2(const uint8_t * group, const uint8_t * act,
-                                                         int64_t act_bytes, int64_t n_blocks, float * out,
-                                                         int64_t ld_out) {
-    constexpr int64_t G       = 8;
-    const int64_t     n_super = n_blocks / 8;
-
-    __m256 acc[NC];
-    _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
-        acc[c] = _mm256_setzero_ps();
-    }
-    for (int64_t s = 0; s < n_super; ++s) {
-        const uint8_t * w      = group + s * Q6_K_SB_BYTES;
-        const uint8_t * quants = w + 64 + 16 * 32;
-        const uint8_t * a      = act + s * Q8_K_BYTES;
-        __m256i         dot[NC];
-        _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
-            dot[c] = _mm256_setzero_si256();
-        }
-        for (int j = 0; j < 16; ++j) {
-            const __m256i scale = _mm256_loadu_si256((const __m256i *) (w + 64 + j * 32));
-            _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h) {
-                const int64_t word = 4 * j + 2 * h; // quants 4 * word ..
-                const __m256i w0   = _mm256_loadu_si256((const __m256i *) (quants + word * 4 * G));
-                const __m256i w1   = _mm256_loadu_si256((const __m256i *) (quants + (word + 1) * 4 * G));
-                _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
-                    int32_t a0, a1;
-                    std::memcpy(&a0, a + c * act_bytes + 4 * word, sizeof(a0));
-                    std::memcpy(&a1, a + c * act_bytes + 4 * word + 4, sizeof(a1));
-                    const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_set1_epi32(a0), w0),
-                                                          _mm256_maddubs_epi16(_mm256_set1_epi32(a1), w1));
-                    dot[c] = _mm256_add_epi32(dot[c], _mm256_madd_epi16(pair, scale));
-                }
-            }
-        }
-        const __m256  d    = _mm256_loadu_ps((const float *) w);
-        const __m256i corr = _mm256_loadu_si256((const __m256i *) (w + 32));
-        _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
-            float d8;
-            std::memcpy(&d8, a + c * act_bytes + QK_K, sizeof(d8));
-            acc[c] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(d8)),
-                                     _mm256_cvtepi32_ps(_mm256_sub_epi32(dot[c], corr)), acc[c]);
-        }
-    }
-    _Pragma("GCC unroll 8") for (int c = 0; c < NC; ++c) {
-        _mm256_storeu_ps(out + c * ld_out, acc[c]);
-    }
-}
-#endif
+#include "diffusion-gemma-int8-kernels.inc"
 
 typedef void (*tile_fn)(const uint8_t *, const uint8_t *, int64_t, int64_t, float *, int64_t);
+// (group, act, act bytes, n_blocks, b0, b1, out, ld_out): adds blocks [b0, b1)'s products to out
+typedef void (*span_tile_fn)(const uint8_t *, const uint8_t *, int64_t, int64_t, int64_t, int64_t, float *, int64_t);
 
 // tile functions for 1..8 columns
 #define DG_LMH_TILES(name)                                                                                   \
@@ -619,6 +303,14 @@ const tile_fn tile_q4_K_avx2_by_columns[5] = { nullptr, tile_q4_K_avx2<1>, tile_
                                               tile_q4_K_avx2<4> };
 const tile_fn tile_q6_K_avx2_by_columns[5] = { nullptr, tile_q6_K_avx2<1>, tile_q6_K_avx2<2>, tile_q6_K_avx2<3>,
                                               tile_q6_K_avx2<4> };
+// the repacked experts' VNNI tiles (spans of blocks, accumulating), by column count
+#    define DG_LMH_SPAN_TILES(name)                                                                         \
+        const span_tile_fn name##_by_columns[9] = { nullptr, name<1>, name<2>, name<3>, name<4>, name<5>, \
+                                                    name<6>, name<7>, name<8> };
+DG_LMH_SPAN_TILES(tile_q8_0_vnni)
+DG_LMH_SPAN_TILES(tile_q5_0_vnni)
+DG_LMH_SPAN_TILES(tile_q4_K_vnni)
+DG_LMH_SPAN_TILES(tile_q6_K_vnni)
 #endif
 
 bool cpu_has(const char * feature) {
@@ -747,13 +439,37 @@ const tile_fn * tiles_for(dg_lm_head_kernel kernel, int64_t * n_wide, ggml_type 
     return tile_emulated_by_columns;
 }
 
+// the repacked experts' span tiles of `type` by column count (VNNI; null: the staged AVX2 route)
+const span_tile_fn * span_tiles_for(dg_lm_head_kernel kernel, ggml_type type) {
+#ifdef DG_LMH_X86
+    if (kernel == dg_lm_head_kernel::avx512_vnni) {
+        switch (type) {
+            case GGML_TYPE_Q8_0: return tile_q8_0_vnni_by_columns;
+            case GGML_TYPE_Q5_0: return tile_q5_0_vnni_by_columns;
+            case GGML_TYPE_Q4_K: return tile_q4_K_vnni_by_columns;
+            case GGML_TYPE_Q6_K: return tile_q6_K_vnni_by_columns;
+            default:             break;
+        }
+    }
+#endif
+    (void) kernel;
+    (void) type;
+    return nullptr;
+}
+
 }  // namespace
 
 dg_lm_head_kernel dg_lm_head::kernel_for_cpu(const char * env_name) {
     const char * env = env_name ? std::getenv(env_name) : nullptr;
+    if (!env || !*env || !std::strcmp(env, "auto")) {
+        env = std::getenv("DG_CPU_KERNELS"); // the family for every component not named on its own
+    }
     if (env && *env && std::strcmp(env, "auto") != 0) {
         if (!std::strcmp(env, "avx2") && kernel_runs_here(dg_lm_head_kernel::avx2)) {
             return dg_lm_head_kernel::avx2;
+        }
+        if (!std::strcmp(env, "avx512-vnni") && kernel_runs_here(dg_lm_head_kernel::avx512_vnni)) {
+            return dg_lm_head_kernel::avx512_vnni;
         }
         if (!std::strcmp(env, "emulated")) {
             return dg_lm_head_kernel::emulated;
@@ -866,8 +582,9 @@ void dg_lm_head::gemm(const uint8_t * act, int64_t n_cols, float * out, int64_t 
     int64_t         n_wide; // columns per tile
     const tile_fn * tiles = tiles_for(kernel_, &n_wide);
     float partial[16 * 8]; // a tile computed aside: the last group's (a partial group), or a later chunk's
-    for (int64_t p0 = 0; p0 < n_cols; p0 += PANEL) {
-        const int64_t p1 = std::min(p0 + PANEL, n_cols);
+    const int64_t panel = panel_columns(ab * chunk / n_blocks_); // one chunk's activations per column
+    for (int64_t p0 = 0; p0 < n_cols; p0 += panel) {
+        const int64_t p1 = std::min(p0 + panel, n_cols);
         for (int64_t k0 = 0; k0 < n_blocks_; k0 += chunk) {
             const int64_t   nk    = std::min(chunk, n_blocks_ - k0);
             const uint8_t * act_k = act + k0 * (QK + 4); // the chunk's quants and scales (quantize)
@@ -917,14 +634,16 @@ bool is_k_quant(ggml_type type) {
     return type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K;
 }
 
-bool expert_type_fits(ggml_type type, int64_t n_in, dg_lm_head_kernel kernel) {
-    // DG_Q4_K_TILE=0 / DG_Q6_K_TILE=0 leave that type's weights to ggml (A/B runs), wherever they sit
+// DG_Q4_K_TILE=0 / DG_Q6_K_TILE=0 leave that type's weights to ggml (A/B runs), wherever they sit
+bool k_quant_switched_off(ggml_type type) {
     const char * off_switch = type == GGML_TYPE_Q4_K ? "DG_Q4_K_TILE" : type == GGML_TYPE_Q6_K ? "DG_Q6_K_TILE" : nullptr;
-    if (off_switch) {
-        const char * env = std::getenv(off_switch);
-        if (env && !std::strcmp(env, "0")) {
-            return false;
-        }
+    const char * env        = off_switch ? std::getenv(off_switch) : nullptr;
+    return env && !std::strcmp(env, "0");
+}
+
+bool expert_type_fits(ggml_type type, int64_t n_in, dg_lm_head_kernel kernel) {
+    if (k_quant_switched_off(type)) {
+        return false;
     }
     if (is_k_quant(type)) { // their tiles exist for AVX2 only
         return n_in % QK_K == 0 && kernel == dg_lm_head_kernel::avx2;
@@ -932,11 +651,176 @@ bool expert_type_fits(ggml_type type, int64_t n_in, dg_lm_head_kernel kernel) {
     return (type == GGML_TYPE_Q8_0 || type == GGML_TYPE_Q5_0) && n_in % QK == 0;
 }
 
+// The repacked layouts (described above the kernels), written from the file's rows: rows [0, n_rows) of
+// a group of G at `rows` (row r at rows + r * row_bytes) into `out`; rows past n_rows are zeros (their
+// scales 0, so they compute zeros).
+void repack_group_q5_0(const uint8_t * rows, size_t row_bytes, int64_t n_blocks, int64_t n_rows, int64_t G, bool vnni,
+                       uint8_t * out) {
+    for (int64_t b = 0; b < n_blocks; ++b) {
+        uint8_t * o = out + b * Q5_0_STORED * G;
+        std::memset(o, 0, (size_t) (Q5_0_STORED * G));
+        uint8_t * nibbles = o + 4 * G;
+        uint8_t * fifth   = o + 20 * G;
+        for (int64_t r = 0; r < n_rows; ++r) {
+            const q5_0_block & blk = ((const q5_0_block *) (rows + r * row_bytes))[b];
+            const q8_0_block   q8  = q8_0_of(blk);
+            int16_t            sum = 0;
+            for (int64_t k = 0; k < QK; ++k) {
+                sum = (int16_t) (sum + q8.qs[k]);
+            }
+            std::memcpy(o + 2 * r, &blk.d, 2);
+            std::memcpy(o + 2 * G + 2 * r, &sum, 2);
+            for (int64_t q = 0; q < 4; ++q) {
+                std::memcpy(nibbles + q * 4 * G + 4 * r, blk.qs + 4 * q, 4);
+            }
+            uint32_t high;
+            std::memcpy(&high, blk.qh, sizeof(high));
+            for (int64_t q = 0; q < 8; ++q) {
+                for (int64_t k = 0; k < 4; ++k) {
+                    const uint32_t bit = (high >> (4 * q + k)) & 1;
+                    if (vnni && !bit) { // mask q: the bytes 16 is taken from
+                        fifth[8 * q + (4 * r + k) / 8] |= (uint8_t) (1u << ((4 * r + k) % 8));
+                    } else if (!vnni) {
+                        fifth[4 * r + k] |= (uint8_t) (bit << q);
+                    }
+                }
+            }
+        }
+    }
+}
+
+void repack_group_q4_K(const uint8_t * rows, size_t row_bytes, int64_t n_super, int64_t n_rows, int64_t G,
+                       uint8_t * out) {
+    for (int64_t s = 0; s < n_super; ++s) {
+        uint8_t * o = out + s * Q4_K_STORED * G;
+        std::memset(o, 0, (size_t) (Q4_K_STORED * G));
+        for (int64_t r = 0; r < n_rows; ++r) {
+            const q4_K_block & blk = ((const q4_K_block *) (rows + r * row_bytes))[s];
+            std::memcpy(o + 2 * r, &blk.d, 2);
+            std::memcpy(o + 2 * G + 2 * r, &blk.dmin, 2);
+            for (int j = 0; j < 8; ++j) {
+                int sc, m;
+                q4_K_scale_min(blk.scales, j, sc, m);
+                o[4 * G + j * G + r]  = (uint8_t) sc;
+                o[12 * G + j * G + r] = (uint8_t) m;
+            }
+            for (int64_t v = 0; v < 32; ++v) { // pair v / 8, step v % 8: the file's bytes 32 (v / 8) + 4 (v % 8)
+                std::memcpy(o + 20 * G + v * 4 * G + 4 * r, blk.qs + 32 * (v / 8) + 4 * (v % 8), 4);
+            }
+        }
+    }
+}
+
+void repack_group_q6_K(const uint8_t * rows, size_t row_bytes, int64_t n_super, int64_t n_rows, int64_t G,
+                       bool correction, uint8_t * out) {
+    const int64_t stored = correction ? Q6_K_STORED_AVX2 : Q6_K_STORED;
+    const int64_t at_sc  = correction ? 6 * G : 2 * G;
+    for (int64_t s = 0; s < n_super; ++s) {
+        uint8_t * o = out + s * stored * G;
+        std::memset(o, 0, (size_t) (stored * G));
+        for (int64_t r = 0; r < n_rows; ++r) {
+            const q6_K_block & blk = ((const q6_K_block *) (rows + r * row_bytes))[s];
+            std::memcpy(o + 2 * r, &blk.d, 2);
+            if (correction) { // 128 x the row's scaled quant sums: the AVX2 tile's +128 on the activations
+                int32_t sum = 0;
+                for (int64_t i = 0; i < QK_K; ++i) {
+                    sum += blk.scales[i / 16] * q6_K_quant(blk, i);
+                }
+                const int32_t corr = 128 * sum;
+                std::memcpy(o + 2 * G + 4 * r, &corr, 4);
+            }
+            for (int64_t j = 0; j < 16; ++j) {
+                o[at_sc + j * G + r] = (uint8_t) blk.scales[j];
+            }
+            for (int64_t v = 0; v < 32; ++v) {
+                std::memcpy(o + at_sc + 16 * G + v * 4 * G + 4 * r, blk.ql + 4 * v, 4);
+            }
+            for (int64_t u = 0; u < 16; ++u) {
+                std::memcpy(o + at_sc + 144 * G + u * 4 * G + 4 * r, blk.qh + 4 * u, 4);
+            }
+        }
+    }
+}
+
 }  // namespace
 
 dg_lm_head_kernel dg_experts::kernel_for_cpu() {
     const dg_lm_head_kernel kernel = dg_lm_head::kernel_for_cpu("DG_EXPERT_GEMM");
     return kernel == dg_lm_head_kernel::avx512_vnni ? dg_lm_head_kernel::none : kernel;
+}
+
+dg_lm_head_kernel dg_experts::repack_kernel_for_cpu() {
+    const dg_lm_head_kernel kernel = dg_lm_head::kernel_for_cpu("DG_EXPERT_GEMM");
+    return kernel == dg_lm_head_kernel::avx2 || kernel == dg_lm_head_kernel::avx512_vnni ? kernel
+                                                                                         : dg_lm_head_kernel::none;
+}
+
+bool dg_experts::repack_takes(ggml_type type, int64_t n_in, dg_lm_head_kernel kernel) {
+    if ((kernel != dg_lm_head_kernel::avx2 && kernel != dg_lm_head_kernel::avx512_vnni) || !kernel_runs_here(kernel) ||
+        n_in <= 0) {
+        return false;
+    }
+    if (k_quant_switched_off(type)) {
+        return false;
+    }
+    if (is_k_quant(type)) {
+        return n_in % QK_K == 0;
+    }
+    return (type == GGML_TYPE_Q8_0 || type == GGML_TYPE_Q5_0) && n_in % QK == 0;
+}
+
+int64_t dg_experts::stored_group_bytes(ggml_type type, int64_t n_in, dg_lm_head_kernel kernel) {
+    const int64_t G = kernel == dg_lm_head_kernel::avx2 ? 8 : 16;
+    switch (type) {
+        case GGML_TYPE_Q8_0: return n_in / QK * dg_lm_head_group_block_bytes(G);
+        case GGML_TYPE_Q5_0: return n_in / QK * Q5_0_STORED * G;
+        case GGML_TYPE_Q4_K: return n_in / QK_K * Q4_K_STORED * G;
+        case GGML_TYPE_Q6_K:
+            return n_in / QK_K * (kernel == dg_lm_head_kernel::avx2 ? Q6_K_STORED_AVX2 : Q6_K_STORED) * G;
+        default: return 0;
+    }
+}
+
+size_t dg_experts::repacked_bytes(ggml_type type, int64_t n_in, int64_t n_out, int64_t n_expert,
+                                  dg_lm_head_kernel kernel) {
+    const int64_t G = kernel == dg_lm_head_kernel::avx2 ? 8 : 16;
+    return (size_t) (n_expert * ((n_out + G - 1) / G) * stored_group_bytes(type, n_in, kernel));
+}
+
+void dg_experts::repack(ggml_type type, int64_t n_in, int64_t n_out, int64_t e0, int64_t e1, dg_lm_head_kernel kernel,
+                        const void * src, void * dst) {
+    const int64_t G         = kernel == dg_lm_head_kernel::avx2 ? 8 : 16;
+    const int64_t n_groups  = (n_out + G - 1) / G;
+    const int64_t stored    = stored_group_bytes(type, n_in, kernel);
+    const size_t  row_bytes = ggml_row_size(type, n_in);
+    for (int64_t e = e0; e < e1; ++e) {
+        for (int64_t g = 0; g < n_groups; ++g) {
+            const uint8_t * rows   = (const uint8_t *) src + (e * n_out + g * G) * row_bytes;
+            const int64_t   n_rows = std::min(G, n_out - g * G);
+            uint8_t *       out    = (uint8_t *) dst + (e * n_groups + g) * stored;
+            switch (type) {
+                case GGML_TYPE_Q8_0: pack_group(rows, row_bytes, type, n_in / QK, n_rows, G, out); break;
+                case GGML_TYPE_Q5_0:
+                    repack_group_q5_0(rows, row_bytes, n_in / QK, n_rows, G, kernel != dg_lm_head_kernel::avx2, out);
+                    break;
+                case GGML_TYPE_Q4_K: repack_group_q4_K(rows, row_bytes, n_in / QK_K, n_rows, G, out); break;
+                case GGML_TYPE_Q6_K:
+                    repack_group_q6_K(rows, row_bytes, n_in / QK_K, n_rows, G, kernel == dg_lm_head_kernel::avx2, out);
+                    break;
+                default: GGML_ABORT("dg_experts::repack: type %s has no repacked layout", ggml_type_name(type));
+            }
+        }
+    }
+}
+
+std::unique_ptr<dg_experts> dg_experts::over_repacked(const void * data, ggml_type type, int64_t n_in, int64_t n_out,
+                                                      int64_t n_expert, dg_lm_head_kernel kernel) {
+    if (!data || !repack_takes(type, n_in, kernel) || n_out <= 0 || n_expert <= 0) {
+        return nullptr;
+    }
+    std::unique_ptr<dg_experts> experts(new dg_experts(kernel, data, type, n_in, n_out, n_expert));
+    experts->repacked_ = true;
+    return experts;
 }
 
 bool dg_experts::qualifies(const ggml_tensor * w) {
@@ -964,10 +848,16 @@ dg_experts::dg_experts(dg_lm_head_kernel kernel, const void * data, ggml_type ty
     n_blocks_(n_in / QK), group_(kernel == dg_lm_head_kernel::avx2 ? 8 : 16), row_bytes_(ggml_row_size(type, n_in)) {}
 
 int64_t dg_experts::act_bytes() const {
+    if (type_ == GGML_TYPE_Q6_K && kernel_ == dg_lm_head_kernel::avx512_vnni) {
+        return n_in_ / QK_K * Q8_K_BYTES_SUMS16;
+    }
     return is_k_quant(type_) ? n_in_ / QK_K * Q8_K_BYTES : n_blocks_ * (QK + 4);
 }
 
 int64_t dg_experts::group_bytes() const {
+    if (repacked_ && kernel_ == dg_lm_head_kernel::avx512_vnni) {
+        return 0; // its tiles read the repacked layout
+    }
     if (is_k_quant(type_)) {
         return n_in_ / QK_K * (type_ == GGML_TYPE_Q4_K ? Q4_K_SB_BYTES : Q6_K_SB_BYTES);
     }
@@ -975,7 +865,9 @@ int64_t dg_experts::group_bytes() const {
 }
 
 void dg_experts::quantize(const float * x, int64_t ld_x, int64_t r0, int64_t r1, uint8_t * act) const {
-    if (is_k_quant(type_)) {
+    if (type_ == GGML_TYPE_Q6_K && kernel_ == dg_lm_head_kernel::avx512_vnni) {
+        quantize_columns_q8_K(n_in_ / QK_K, x, ld_x, r0, r1, act, 0, /*sums16 =*/ true);
+    } else if (is_k_quant(type_)) {
         quantize_columns_q8_K(n_in_ / QK_K, x, ld_x, r0, r1, act, type_ == GGML_TYPE_Q6_K ? 0x80 : 0);
     } else {
         quantize_columns(kernel_, n_blocks_, x, ld_x, r0, r1, act);
@@ -1012,13 +904,37 @@ void dg_experts::pack(const uint8_t * first_row, int64_t rows, uint8_t * group) 
     pack_group(first_row, row_bytes_, type_, n_blocks_, rows, group_, group);
 }
 
+const uint8_t * dg_experts::stage(int64_t e, int64_t g, uint8_t * buffer) const {
+    const int64_t G = group_;
+    if (!repacked_) {
+        pack(data_ + (e * n_out_ + g * G) * row_bytes_, std::min(G, n_out_ - g * G), buffer);
+        return buffer;
+    }
+    const int64_t   n_groups = (n_out_ + G - 1) / G;
+    const uint8_t * stored   = data_ + (e * n_groups + g) * stored_group_bytes(type_, n_in_, kernel_);
+    if (type_ == GGML_TYPE_Q8_0 || kernel_ == dg_lm_head_kernel::avx512_vnni) {
+        return stored; // the tiles read it as it is
+    }
+#ifdef DG_LMH_X86
+    switch (type_) {
+        case GGML_TYPE_Q5_0: unpack_q5_0_avx2(stored, n_blocks_, buffer); return buffer;
+        case GGML_TYPE_Q4_K: unpack_q4_K_avx2(stored, n_in_ / QK_K, buffer); return buffer;
+        case GGML_TYPE_Q6_K: unpack_q6_K_avx2(stored, n_in_ / QK_K, buffer); return buffer;
+        default:             break;
+    }
+#endif
+    GGML_ABORT("dg_experts::stage: no repacked layout for %s", ggml_type_name(type_));
+}
+
 void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * ids, int64_t ld_ids, int64_t n_used,
                       int64_t n_tokens, char * out, size_t nb_slot, size_t nb_token, int ith, int nth) const {
     const int64_t G        = group_;
     const int64_t n_groups = (n_out_ + G - 1) / G;
     const int64_t ab       = act_bytes();
-    int64_t         n_wide;
-    const tile_fn * tiles  = tiles_for(kernel_, &n_wide, type_);
+    int64_t         n_wide     = 8;
+    // the repacked experts on VNNI: tiles over spans of blocks of the repacked layout itself
+    const span_tile_fn * spans = repacked_ ? span_tiles_for(kernel_, type_) : nullptr;
+    const tile_fn *      tiles = spans ? nullptr : tiles_for(kernel_, &n_wide, type_);
 
     // the (slot, token) pairs routed to each expert, in token order; every thread builds the same lists
     thread_local std::vector<int64_t> first, routed;
@@ -1044,9 +960,10 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
         }
     }
 
-    // This thread's share of the (expert, group) pairs, by cost: a group's packing costs about as
-    // much as running it against three columns.
-    constexpr int64_t PACK_COST = 3;
+    // This thread's share of the (expert, group) pairs, by cost: a group's packing from the file's
+    // layout costs about as much as running it against three columns, its unpacking from the repacked
+    // one about one (nothing where the tiles read it as stored: Q8_0, and every type on VNNI).
+    const int64_t PACK_COST = !repacked_ ? 3 : type_ == GGML_TYPE_Q8_0 || kernel_ == dg_lm_head_kernel::avx512_vnni ? 0 : 1;
     int64_t           total     = 0;
     for (int64_t e = 0; e < n_expert_; ++e) {
         const int64_t n = first[(size_t) e + 1] - first[(size_t) e];
@@ -1055,6 +972,7 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
     const int64_t lo = total * ith / nth, hi = total * (ith + 1) / nth;
 
     thread_local std::vector<uint8_t> packed, gathered;
+    thread_local std::vector<float>   sums;
     packed.resize((size_t) (group_bytes() + 64));
     uint8_t * group = (uint8_t *) (((uintptr_t) packed.data() + 63) & ~(uintptr_t) 63);
     float     tile_out[16 * 8];
@@ -1079,18 +997,40 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
             const int64_t u = pairs[j] % n_used, t = pairs[j] / n_used;
             std::memcpy(gathered.data() + j * ab, act + ((u % n_act_slots) + t * n_act_slots) * ab, (size_t) ab);
         }
-        const uint8_t * expert = data_ + e * n_out_ * row_bytes_;
+        // the columns in tiles of near-equal widths (19: 7 + 6 + 6, not 8 + 8 + 3: a narrow tile reloads
+        // the weights for few columns)
+        const int64_t n_tiles = (n + n_wide - 1) / n_wide;
         for (int64_t g = g0; g < g1; ++g) {
-            const int64_t rows = std::min(G, n_out_ - g * G);
-            pack(expert + g * G * row_bytes_, rows, group);
-            for (int64_t c = 0; c < n; c += n_wide) {
-                const int64_t nc = std::min(n_wide, n - c);
-                tiles[nc](group, gathered.data() + c * ab, ab, n_blocks_, tile_out, G);
+            const int64_t   rows   = std::min(G, n_out_ - g * G);
+            const uint8_t * staged = stage(e, g, group);
+            if (spans) {
+                // every column tile over a span of blocks (8: ~2.3-4.6 KB of weights, kept in L1) before the
+                // next span, so that the group's weights stream from memory once, without pauses
+                sums.assign((size_t) (n * G), 0.0f);
+                for (int64_t b0 = 0; b0 < n_blocks_; b0 += 8) {
+                    for (int64_t c = 0, tile = 0; c < n; ++tile) {
+                        const int64_t nc = n / n_tiles + (tile < n % n_tiles ? 1 : 0);
+                        spans[nc](staged, gathered.data() + c * ab, ab, n_blocks_, b0, std::min(b0 + 8, n_blocks_),
+                                  sums.data() + c * G, G);
+                        c += nc;
+                    }
+                }
+                for (int64_t j = 0; j < n; ++j) {
+                    const int64_t u = pairs[j] % n_used, t = pairs[j] / n_used;
+                    std::memcpy(out + u * nb_slot + t * nb_token + g * G * sizeof(float), sums.data() + j * G,
+                                (size_t) rows * sizeof(float));
+                }
+                continue;
+            }
+            for (int64_t c = 0, tile = 0; c < n; ++tile) {
+                const int64_t nc = n / n_tiles + (tile < n % n_tiles ? 1 : 0);
+                tiles[nc](staged, gathered.data() + c * ab, ab, n_blocks_, tile_out, G);
                 for (int64_t j = 0; j < nc; ++j) {
                     const int64_t u = pairs[c + j] % n_used, t = pairs[c + j] / n_used;
                     std::memcpy(out + u * nb_slot + t * nb_token + g * G * sizeof(float), tile_out + j * G,
                                 (size_t) rows * sizeof(float));
                 }
+                c += nc;
             }
         }
     }
@@ -1124,214 +1064,4 @@ void dg_experts_dense_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
                  ith, nth);
 }
 
-namespace {
-
-// random blocks of `type` for the self-tests: a positive fp16 scale, then random quant bytes (Q8_0:
-// -127..127, as ggml's quantizer writes them)
-std::vector<uint8_t> random_blocks(ggml_type type, int64_t n_blocks, std::mt19937 & rng) {
-    std::uniform_int_distribution<int>    byte(0, 255), q8(-127, 127);
-    std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
-    const size_t                          block_bytes = ggml_type_size(type);
-    std::vector<uint8_t>                  w((size_t) n_blocks * block_bytes);
-    for (size_t off = 0; off < w.size(); off += block_bytes) {
-        const ggml_fp16_t d = ggml_fp32_to_fp16(0.001f + 0.01f * std::fabs(unit(rng)));
-        std::memcpy(&w[off], &d, 2);
-        size_t first_quant = 2;
-        if (type == GGML_TYPE_Q4_K) { // and dmin, a positive fp16 too
-            const ggml_fp16_t dmin = ggml_fp32_to_fp16(0.001f + 0.01f * std::fabs(unit(rng)));
-            std::memcpy(&w[off + 2], &dmin, 2);
-            first_quant = 4;
-        }
-        for (size_t i = first_quant; i < block_bytes; ++i) {
-            w[off + i] = type == GGML_TYPE_Q8_0 ? (uint8_t) (int8_t) q8(rng) : (uint8_t) byte(rng);
-        }
-        if (type == GGML_TYPE_Q6_K) { // its scale is the block's last field: quants and int8 scales first
-            w[off] = (uint8_t) byte(rng);
-            w[off + 1] = (uint8_t) byte(rng);
-            std::memcpy(&w[off + block_bytes - 2], &d, 2);
-        }
-    }
-    return w;
-}
-
-// |got - the double-precision product of a decoded weight row and a quantized activation column|,
-// relative to the sum of its blocks' magnitudes (infinite if got is not finite); `column` in the Q8_K
-// sum += row . column over n_blocks blocks of a quantized column (its quants, then their scales), in
-// double; magnitude += the sum of |each block's product|
-void q8_0_dot(const float * row, const uint8_t * column, int64_t n_blocks, int8_t offset, double & sum,
-              double & magnitude) {
-    const float * scales = (const float *) (column + n_blocks * QK);
-    for (int64_t b = 0; b < n_blocks; ++b) {
-        double dot = 0.0;
-        for (int64_t i = 0; i < QK; ++i) {
-            dot += (double) row[b * QK + i] * (int8_t) (column[b * QK + i] ^ offset);
-        }
-        sum += scales[b] * dot;
-        magnitude += std::fabs(scales[b] * dot);
-    }
-}
-
-// layout of quantize_columns_q8_K when q8_K, else dg_lm_head's
-double relative_error(const float * row, const uint8_t * column, int64_t n_blocks, int8_t offset, float got,
-                      bool q8_K = false) {
-    if (q8_K) {
-        double sum = 0.0, magnitude = 0.0;
-        for (int64_t s = 0; s < n_blocks / 8; ++s) {
-            const uint8_t * block = column + s * Q8_K_BYTES;
-            float d;
-            std::memcpy(&d, block + QK_K, sizeof(d));
-            for (int64_t j = 0; j < 8; ++j) {
-                double dot = 0.0;
-                for (int64_t i = 0; i < QK; ++i) {
-                    dot += (double) row[s * QK_K + j * QK + i] * (int8_t) (block[j * QK + i] ^ offset);
-                }
-                sum += d * dot;
-                magnitude += std::fabs(d * dot);
-            }
-        }
-        const double err = std::fabs(sum - got) / (magnitude + 1e-30);
-        return std::isfinite(err) ? err : INFINITY;
-    }
-    double sum = 0.0, magnitude = 0.0;
-    q8_0_dot(row, column, n_blocks, offset, sum, magnitude);
-    const double err = std::fabs(sum - got) / (magnitude + 1e-30);
-    return std::isfinite(err) ? err : INFINITY;
-}
-
-}  // namespace
-
-// Checks a kernel against a double-precision sum over the same quantized operands, on random
-// weights of `weight_type` (GGML_TYPE_Q8_0 or GGML_TYPE_Q5_0) decoded by ggml's own dequantizer:
-// the largest error relative to the row's magnitude. 0: done, 1: the CPU lacks the kernel, -1: bad
-// arguments.
-int32_t dg_lm_head_selftest(int32_t kernel, int32_t weight_type, int64_t n_embd, int64_t n_vocab, int64_t n_cols,
-                            uint32_t seed, double * max_rel_error) {
-    const auto type = (ggml_type) weight_type;
-    if (n_embd <= 0 || n_embd % QK || n_vocab <= 0 || n_cols <= 0 || !max_rel_error || kernel < 1 || kernel > 3 ||
-        (type != GGML_TYPE_Q8_0 && type != GGML_TYPE_Q5_0)) {
-        return -1;
-    }
-    const auto k = (dg_lm_head_kernel) kernel;
-    if (!kernel_runs_here(k)) {
-        return 1;
-    }
-    const int64_t nb = n_embd / QK;
-    std::mt19937 rng(seed);
-    std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
-    const std::vector<uint8_t> w = random_blocks(type, n_vocab * nb, rng);
-    std::vector<float> decoded((size_t) (n_vocab * n_embd));
-    ggml_get_type_traits(type)->to_float(w.data(), decoded.data(), n_vocab * n_embd);
-
-    std::vector<float> x((size_t) (n_embd * n_cols));
-    for (auto & v : x) {
-        v = unit(rng) * 3.0f;
-    }
-    auto head = dg_lm_head::repack(w.data(), type, n_embd, n_vocab, k);
-    if (!head) {
-        return -1;
-    }
-    std::vector<uint8_t> act((size_t) (head->act_bytes() * n_cols));
-    head->quantize(x.data(), n_embd, 0, n_cols, act.data());
-    std::vector<float> out((size_t) (n_vocab * n_cols), NAN);
-    head->gemm(act.data(), n_cols, out.data(), n_vocab, 0, head->n_groups());
-
-    const int8_t  offset = k == dg_lm_head_kernel::avx2 ? 0 : -128;
-    const int64_t chunk  = head->chunk_blocks(); // long rows: quantized and multiplied a chunk at a time
-    // the quantization (vectorized where the CPU has AVX2) byte for byte as the portable loop's
-    std::vector<uint8_t> portable(act.size());
-    for (int64_t k0 = 0; k0 < nb; k0 += chunk) {
-        quantize_columns(k, std::min(chunk, nb - k0), x.data() + k0 * QK, n_embd, 0, n_cols,
-                         portable.data() + k0 * (QK + 4), head->act_bytes(), /*scalar =*/ true);
-    }
-    if (portable != act) {
-        *max_rel_error = INFINITY;
-        return 0;
-    }
-    double worst = 0.0;
-    for (int64_t c = 0; c < n_cols; ++c) {
-        for (int64_t v = 0; v < n_vocab; ++v) {
-            double sum = 0.0, magnitude = 0.0;
-            for (int64_t k0 = 0; k0 < nb; k0 += chunk) {
-                q8_0_dot(decoded.data() + v * n_embd + k0 * QK, act.data() + c * head->act_bytes() + k0 * (QK + 4),
-                         std::min(chunk, nb - k0), offset, sum, magnitude);
-            }
-            const double err = std::fabs(sum - out[(size_t) (c * n_vocab + v)]) / (magnitude + 1e-30);
-            worst = std::max(worst, std::isfinite(err) ? err : INFINITY);
-        }
-    }
-    *max_rel_error = worst;
-    return 0;
-}
-
-// The experts' GEMM of a kernel on random experts of `weight_type` and random routing, its work split
-// as `nth` threads split it (each share run in turn), against a double-precision sum of the same
-// quantized operands with ggml's dequantizer: *max_rel_error relative to each output's magnitude
-// (infinite if any output was left unwritten). 0: done, 1: the CPU lacks the kernel, -1: bad arguments.
-int32_t dg_experts_selftest(int32_t kernel, int32_t weight_type, int64_t n_in, int64_t n_out, int64_t n_expert,
-                            int64_t n_used, int64_t n_tokens, bool input_per_slot, int32_t nth, uint32_t seed,
-                            double * max_rel_error) {
-    const auto type = (ggml_type) weight_type;
-    if (n_in <= 0 || n_in % QK || n_out <= 0 || n_expert <= 0 || n_used <= 0 || n_used > n_expert || n_tokens <= 0 ||
-        nth <= 0 || !max_rel_error || kernel < 1 || kernel > 3 ||
-        (type != GGML_TYPE_Q8_0 && type != GGML_TYPE_Q5_0 && !is_k_quant(type)) ||
-        (is_k_quant(type) && n_in % QK_K)) {
-        return -1;
-    }
-    const auto k = (dg_lm_head_kernel) kernel;
-    if (!kernel_runs_here(k)) {
-        return 1;
-    }
-    const int64_t nb = n_in / QK;
-    std::mt19937 rng(seed);
-    std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
-    const std::vector<uint8_t> w = random_blocks(type, n_expert * n_out * n_in / ggml_blck_size(type), rng);
-    std::vector<float> decoded((size_t) (n_expert * n_out * n_in));
-    ggml_get_type_traits(type)->to_float(w.data(), decoded.data(), n_expert * n_out * n_in);
-
-    // each token's n_used distinct experts, drawn from the first half of them so that some stay unused
-    // and others get many tokens (uneven shares); all of them when n_used is more than half
-    std::vector<int32_t> ids((size_t) (n_used * n_tokens));
-    std::vector<int32_t> pool((size_t) n_expert);
-    for (int64_t t = 0; t < n_tokens; ++t) {
-        for (int64_t e = 0; e < n_expert; ++e) {
-            pool[(size_t) e] = (int32_t) e;
-        }
-        const int64_t span = std::max(n_used, n_expert / 2);
-        std::shuffle(pool.begin(), pool.begin() + span, rng);
-        std::copy(pool.begin(), pool.begin() + n_used, ids.begin() + t * n_used);
-    }
-    const int64_t n_act_slots = input_per_slot ? n_used : 1;
-    std::vector<float> x((size_t) (n_in * n_act_slots * n_tokens));
-    for (auto & v : x) {
-        v = unit(rng) * 3.0f;
-    }
-    auto experts = dg_experts::make(w.data(), type, n_in, n_out, n_expert, k);
-    if (!experts) {
-        return is_k_quant(type) ? 1 : -1; // Q4_K, Q6_K: AVX2's tiles only
-    }
-    const int64_t n_rows = n_act_slots * n_tokens;
-    std::vector<uint8_t> act((size_t) (experts->act_bytes() * n_rows));
-    experts->quantize(x.data(), n_in, 0, n_rows, act.data());
-    std::vector<float> out((size_t) (n_out * n_used * n_tokens), NAN);
-    for (int32_t ith = 0; ith < nth; ++ith) {
-        experts->gemm(act.data(), n_act_slots, ids.data(), n_used, n_used, n_tokens, (char *) out.data(),
-                      n_out * sizeof(float), n_out * n_used * sizeof(float), ith, nth);
-    }
-
-    // the activations' stored bias: the VNNI layout's and the Q6_K tile's operand is unsigned
-    const int8_t offset = (k == dg_lm_head_kernel::avx2 && type != GGML_TYPE_Q6_K) ? 0 : -128;
-    double worst = 0.0;
-    for (int64_t t = 0; t < n_tokens; ++t) {
-        for (int64_t u = 0; u < n_used; ++u) {
-            const uint8_t * column = act.data() + ((u % n_act_slots) + t * n_act_slots) * experts->act_bytes();
-            const int64_t   e      = ids[(size_t) (u + t * n_used)];
-            for (int64_t r = 0; r < n_out; ++r) {
-                worst = std::max(worst, relative_error(decoded.data() + (e * n_out + r) * n_in, column, nb, offset,
-                                                       out[(size_t) ((t * n_used + u) * n_out + r)],
-                                                       is_k_quant(type)));
-            }
-        }
-    }
-    *max_rel_error = worst;
-    return 0;
-}
+#include "diffusion-gemma-int8-selftest.inc"
