@@ -1,6 +1,6 @@
 // Native per-step pass of the DiffusionGemma sampler: see include/diffusion-gemma-sampler.h. The
 // row routine (dg_step_row, diffusion-gemma-step.h) also runs inside the decoder graph, as the
-// step op that follows the LM head (models/diffusion-gemma.cpp).
+// step op that follows the LM head (diffusion-gemma-step-op.cpp).
 //
 // Why native: the real model yields 256 x 262144 logits per denoising step; temperature, softmax
 // entropy, argmax and a multinomial draw over that in numpy take about as long as a small model's
