@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+from dgcli.engine.stops import held_back
 from dgcli.engine.thinking import THINK_CLOSE, THINK_OPEN, split_thinking
 
 REPLACEMENT_CHAR = "\ufffd"  # what detokenizing a cut UTF-8 sequence ends with
@@ -86,10 +87,4 @@ class AnswerStream:
         n = len(text) - len(text.rstrip(REPLACEMENT_CHAR))
         body = text[:len(text) - n]
         patterns = ([THINK_OPEN, THINK_CLOSE] if self.thinking else []) + self.stop
-        longest = 0
-        for pattern in patterns:
-            for k in range(min(len(pattern) - 1, len(body)), longest, -1):
-                if body.endswith(pattern[:k]):
-                    longest = k
-                    break
-        return n + longest
+        return n + held_back(body, patterns)
