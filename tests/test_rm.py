@@ -8,25 +8,12 @@ import os
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
+from cli_helpers import assert_one_line_error, run
 
-from dgcli import cli, hub
+from dgcli import hub
 
-runner = CliRunner()
 REPO = "org/tiny-GGUF"
 Q8, Q4 = b"GGUF" + bytes(3000), b"GGUF" + bytes(2000) + b"q4"
-
-
-def run(*args, input=None):
-    return runner.invoke(cli.app, [str(a) for a in args], input=input)
-
-
-def one_line_error(result, *fragments):
-    assert result.exit_code != 0, result.stdout
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    for f in fragments:
-        assert f in lines[0], lines[0]
 
 
 @pytest.fixture
@@ -84,18 +71,18 @@ def test_rm_takes_one_quant_and_leaves_the_other(pulled):
 
 
 def test_rm_asks_first_and_without_a_terminal_needs_yes(pulled):
-    one_line_error(run("rm", "tiny:Q8_0"), "needs a yes: pass --yes")
+    assert_one_line_error(run("rm", "tiny:Q8_0"), "needs a yes: pass --yes")
     assert on_disk()["Q8_0"]
 
 
 def test_rm_of_what_is_not_downloaded_or_not_a_download(pulled, tiny_gguf, monkeypatch):
     assert run("rm", "tiny:Q8_0", "--yes").exit_code == 0
-    one_line_error(run("rm", "tiny:Q8_0", "--yes"), "tiny:Q8_0 is not downloaded")
+    assert_one_line_error(run("rm", "tiny:Q8_0", "--yes"), "tiny:Q8_0 is not downloaded")
     monkeypatch.delenv("DG_REGISTRY")  # the shipped registry
-    one_line_error(run("rm", "demo", "--yes"), "demo is shipped with dg: nothing was downloaded to remove")
-    one_line_error(run("rm", tiny_gguf, "--yes"), "is a path: `dg rm` removes downloaded registry models")
+    assert_one_line_error(run("rm", "demo", "--yes"), "demo is shipped with dg: nothing was downloaded to remove")
+    assert_one_line_error(run("rm", tiny_gguf, "--yes"), "is a path: `dg rm` removes downloaded registry models")
     assert Path(tiny_gguf).exists()
-    one_line_error(run("rm", "nosuch", "--yes"), "unknown model 'nosuch'")
+    assert_one_line_error(run("rm", "nosuch", "--yes"), "unknown model 'nosuch'")
 
 
 def test_rm_takes_the_models_partial_download_too(pulled):
@@ -117,6 +104,6 @@ def test_rm_refuses_a_cache_whose_link_leads_outside_it(pulled, tmp_path):
     link = Path(hub.cached_path(REPO, "tiny-Q8_0.gguf"))
     link.unlink()
     link.symlink_to(outside)
-    one_line_error(run("rm", "tiny:Q8_0", "--yes"), "nothing removed", "refusing to write outside the huggingface-hub cache")
+    assert_one_line_error(run("rm", "tiny:Q8_0", "--yes"), "nothing removed", "refusing to write outside the huggingface-hub cache")
     assert outside.read_bytes() == b"mine" and os.path.lexists(link)
     assert hub.cached_path(REPO, "tiny-Q4_0.gguf") is not None
