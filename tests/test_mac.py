@@ -318,6 +318,9 @@ def test_our_patch_compiles_for_arm64(tmp_path):
     (tree / "ggml" / "src").mkdir()
     for header in (pristine / "ggml" / "src").glob("*.h"):  # ggml's own internal headers
         shutil.copy(header, tree / "ggml" / "src" / header.name)
+    # ggml-cpu's headers: dg's expert buffer type implements its extra buffer type interface
+    shutil.copytree(pristine / "ggml" / "src" / "ggml-cpu", tree / "ggml" / "src" / "ggml-cpu",
+                    ignore=lambda _dir, names: [n for n in names if not n.endswith((".h", ".hpp")) and "." in n])
     for rel, data in build.patched_contents(pristine, log).items():
         (tree / rel).parent.mkdir(parents=True, exist_ok=True)
         (tree / rel).write_bytes(data)
@@ -325,7 +328,7 @@ def test_our_patch_compiles_for_arm64(tmp_path):
     assert len(ours) >= 5
     for rel in ours:
         done = subprocess.run([cxx, "-std=c++17", "-march=armv8.2-a+dotprod+fp16", "-fsyntax-only", "-Iinclude",
-                               "-Iggml/include", "-Iggml/src", "-Isrc", rel], cwd=tree, capture_output=True, text=True,
+                               "-Iggml/include", "-Iggml/src", "-Iggml/src/ggml-cpu", "-Isrc", rel], cwd=tree, capture_output=True, text=True,
                               timeout=600)
         assert done.returncode == 0, f"{rel}:\n{done.stderr[-3000:]}"
 

@@ -145,6 +145,7 @@ def _kernels_under(env: dict[str, str]) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.subprocess
 def test_cpu_kernels_names_the_family_and_each_component_may_override_it():
     """DG_CPU_KERNELS picks the family of every component (experts, dense projections; the LM head reads
     the same way); a component's own variable wins; a family this CPU lacks means ggml's kernels."""
@@ -214,6 +215,7 @@ def _model(tmp_path, weights: str):
     return write_tiny_random_gguf(tmp_path / "q8_0.gguf", seed=8, outtype="q8_0")
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("weights", ["q8_0", "q4_k_m"])
 def test_a_models_experts_are_repacked_and_give_ggml_results(tmp_path, weights):
     """A model's expert tensors (every layer's gate+up and down) land in the family's buffer while loading
