@@ -60,7 +60,7 @@ def test_repacked_experts_give_ggml_mul_mat_id(family, weight_type, n_in, n_out,
     if not _runs_here(family):
         pytest.skip(f"this CPU lacks the {family} kernels' instructions")
     if weight_type in ("q4_K", "q6_K") and n_in % 256:
-        pytest.skip("K-quant rows are whole 256-wide super-blocks")
+        pytest.skip(f"no {weight_type} tensor has rows of {n_in}: K-quant rows are whole 256-wide super-blocks")
     diff = ctypes.c_double(-1.0)
     rc = _lib().dg_expert_buffer_selftest(FAMILIES[family], TYPES[weight_type], n_in, n_out, n_expert, n_used,
                                           n_tokens, per_slot, threads, 11, ctypes.byref(diff))
