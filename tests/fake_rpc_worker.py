@@ -25,24 +25,18 @@ HELLO_DG_KEEPALIVE = 0x01
 GIB = 1 << 30
 
 
-class FakeWorker:
-    """Serves one connection at a time, as a worker does. `silent_from`: the first command it reads
-    and never answers (it keeps the connection open and reads on); None: it answers all it knows."""
+class _LoopbackServer:
+    """A listener on a free loopback port, its accept loop on a thread from `with` on; each accepted
+    connection goes to `_accepted`. Leaving the `with` closes the listener and every connection kept in
+    `_open`."""
 
-    def __init__(self, *, device_count: int = 1, free: int = 8 * GIB, total: int = 16 * GIB,
-                 alignment: int = 32, max_size: int = (1 << 64) - 1, silent_from: int | None = None,
-                 keepalive: bool = False):
-        self.device_count, self.free, self.total = device_count, free, total
-        self.alignment, self.max_size = alignment, max_size
-        self.silent_from, self.keepalive = silent_from, keepalive
-        self.commands: list[int] = []  # every command received, in order, over all connections
+    def __init__(self):
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.endpoint = f"127.0.0.1:{self._listener.getsockname()[1]}"
-        self._thread = threading.Thread(target=self._serve, daemon=True)
         self._open: list[socket.socket] = []
 
-    def __enter__(self) -> "FakeWorker":
-        self._thread.start()
+    def __enter__(self):
+        threading.Thread(target=self._serve, daemon=True).start()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -56,13 +50,34 @@ class FakeWorker:
                 conn, _ = self._listener.accept()
             except OSError:
                 return
-            self._open.append(conn)
-            try:
-                self._client(conn)
-            except OSError:
-                pass
-            finally:
-                conn.close()
+            self._accepted(conn)
+
+    def _accepted(self, conn: socket.socket) -> None:
+        raise NotImplementedError
+
+
+class FakeWorker(_LoopbackServer):
+    """Serves one connection at a time, as a worker does. `silent_from`: the first command it reads
+    and never answers (it keeps the connection open and reads on); None: it answers all it knows."""
+
+    def __init__(self, *, device_count: int = 1, free: int = 8 * GIB, total: int = 16 * GIB,
+                 alignment: int = 32, max_size: int = (1 << 64) - 1, silent_from: int | None = None,
+                 keepalive: bool = False):
+        self.device_count, self.free, self.total = device_count, free, total
+        self.alignment, self.max_size = alignment, max_size
+        self.silent_from, self.keepalive = silent_from, keepalive
+        self.commands: list[int] = []  # every command received, in order, over all connections
+        super().__init__()
+
+    def _accepted(self, conn: socket.socket) -> None:
+        # one connection at a time, as a worker serves them
+        self._open.append(conn)
+        try:
+            self._client(conn)
+        except OSError:
+            pass
+        finally:
+            conn.close()
 
     def _client(self, conn: socket.socket) -> None:
         silent = False
@@ -106,36 +121,20 @@ def _recv(conn: socket.socket, n: int) -> bytes | None:
     return data
 
 
-class WithoutKeepalives:
+class WithoutKeepalives(_LoopbackServer):
     """A TCP proxy to a real worker that hides its offer of keepalive frames in the handshake: the worker
     as a client sees llama.cpp's own rpc-server (or a dg from before keepalives)."""
 
     def __init__(self, endpoint: str):
         host, _, port = endpoint.rpartition(":")
         self._target = (host, int(port))
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.endpoint = f"127.0.0.1:{self._listener.getsockname()[1]}"
-        self._open: list[socket.socket] = []
+        super().__init__()
 
-    def __enter__(self) -> "WithoutKeepalives":
-        threading.Thread(target=self._serve, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._listener.close()
-        for conn in self._open:
-            conn.close()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            worker = socket.create_connection(self._target)
-            self._open += [client, worker]
-            threading.Thread(target=_pump, args=(client, worker, None), daemon=True).start()
-            threading.Thread(target=_pump, args=(worker, client, _hide_keepalive_offer), daemon=True).start()
+    def _accepted(self, client: socket.socket) -> None:
+        worker = socket.create_connection(self._target)
+        self._open += [client, worker]
+        threading.Thread(target=_pump, args=(client, worker, None), daemon=True).start()
+        threading.Thread(target=_pump, args=(worker, client, _hide_keepalive_offer), daemon=True).start()
 
 
 def _hide_keepalive_offer(first: bytes) -> bytes:
