@@ -118,3 +118,14 @@ def small_q4_k_m_gguf(path: Path, seed: int = 0) -> Path:
                                 intermediate_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
                                 global_head_dim=128, num_global_key_value_heads=1, sliding_window=64, num_experts=8,
                                 top_k_experts=2, moe_intermediate_size=256, canvas_length=16)
+
+
+def small_gguf(path: Path, vocab_size: int) -> Path:
+    """A random two-layer DiffusionGemma at small widths (hidden 64, 4 experts top-2, 16-token canvas,
+    F32) with the given vocabulary: the shape the self-conditioning and step tests vary the vocabulary on."""
+    from dgcli.testing.tiny import write_synthetic_gguf
+
+    return write_synthetic_gguf(path, n_layer=2, vocab_size=vocab_size, hidden=64, outtype="f32",
+                                intermediate_size=96, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                global_head_dim=32, num_global_key_value_heads=1, sliding_window=8, num_experts=4,
+                                top_k_experts=2, moe_intermediate_size=32, canvas_length=16)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from dgcli.errors import DgError, InvalidParameter
-from native_helpers import requires_native
+from native_helpers import requires_native, small_gguf
 
 pytestmark = requires_native
 
@@ -242,13 +242,7 @@ def test_graph_step_checks_its_inputs(exact_model):
 @pytest.fixture(scope="module")
 def wide_vocab_gguf(tmp_path_factory):
     """Small widths, a 65536-token vocabulary: a [16, V] logits array is 4 MiB."""
-    from dgcli.testing.tiny import write_synthetic_gguf
-
-    return write_synthetic_gguf(tmp_path_factory.mktemp("wide") / "wide.gguf", n_layer=2, vocab_size=65536,
-                                hidden=64, outtype="f32", intermediate_size=96, num_attention_heads=2,
-                                num_key_value_heads=1, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
-                                sliding_window=8, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
-                                canvas_length=16)
+    return small_gguf(tmp_path_factory.mktemp("wide") / "wide.gguf", vocab_size=65536)
 
 
 def test_graph_step_moves_no_logits_to_the_host(wide_vocab_gguf):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from dgcli.errors import DgError, InvalidParameter
-from native_helpers import requires_native
+from native_helpers import requires_native, small_gguf
 
 pytestmark = requires_native
 
@@ -23,13 +23,7 @@ PROMPT = [2, 105, 40, 41, 42, 43, 44, 45, 46, 47, 48, 106, 107, 105, 60, 61]
 @pytest.fixture(scope="module")
 def blocks_gguf(tmp_path_factory):
     """Small widths, a 512-token vocabulary: whole Q8_0 blocks along E^T's rows."""
-    from dgcli.testing.tiny import write_synthetic_gguf
-
-    return write_synthetic_gguf(tmp_path_factory.mktemp("blocks") / "v512.gguf", n_layer=2, vocab_size=512,
-                                hidden=64, outtype="f32", intermediate_size=96, num_attention_heads=2,
-                                num_key_value_heads=1, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
-                                sliding_window=8, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
-                                canvas_length=16)
+    return small_gguf(tmp_path_factory.mktemp("blocks") / "v512.gguf", vocab_size=512)
 
 
 def _path(request, name: str):
