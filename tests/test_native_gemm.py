@@ -110,6 +110,30 @@ def test_lm_head_kernel_agrees_with_a_double_precision_sum(kernel, weight_type, 
     assert err.value < 1e-5
 
 
+@pytest.mark.parametrize("weight_type", sorted(WEIGHT_TYPES))
+@pytest.mark.parametrize("n_embd, n_vocab, n_cols", [(64, 500, 16), (2816, 1000, 70), (32 * 600, 40, 37),
+                                                    (96, 70, 256), (32 * 7, 33, 48)])
+def test_amx_tiles_agree_with_a_double_precision_sum(weight_type, n_embd, n_vocab, n_cols, monkeypatch):
+    """The VNNI layout's GEMM on AMX's tiles (16 columns a tile, the rest on VNNI's): whole and partial
+    groups and column tiles, even and odd block counts (the tiles take blocks two at a time), chunked
+    rows of 600 blocks; against the float64 sum as above, and the same with AMX switched off."""
+    import ctypes
+
+    from dgcli.runtime import native
+
+    lib = native.lib()._lib
+    if not lib.dg_amx_in_use():
+        pytest.skip("this CPU has no AMX-INT8 (or Linux does not grant its tile state)")
+    for amx in ("1", "0"):
+        monkeypatch.setenv("DG_AMX", amx)
+        assert lib.dg_amx_in_use() == (amx == "1")
+        err = ctypes.c_double()
+        rc = lib.dg_lm_head_selftest(KERNELS["avx512-vnni"], WEIGHT_TYPES[weight_type], n_embd, n_vocab, n_cols, 13,
+                                     ctypes.byref(err))
+        assert rc == 0
+        assert err.value < 1e-5
+
+
 def _logits_with_lm_head(path, lm_head: str, monkeypatch):
     """(LM head path, decode_canvas logits, a graph step) of a model loaded with DG_LM_HEAD=lm_head
     (read when the model's first graph is built)."""

@@ -193,6 +193,11 @@ LLAMA_API int32_t dg_expert_buffer_selftest(int32_t kernel, int32_t weight_type,
 
 LLAMA_API double dg_peak_gmacs(int32_t kind, double seconds, char * name_out, int32_t name_len);
 
+// Whether dg's int8 GEMM of the VNNI layout (Q8_0 / Q5_0 LM head, dense projections, transposed
+// embeddings) runs 16 columns at a time on AMX's tiles here (1): the CPU has AMX-INT8, Linux grants
+// the tile state, and DG_AMX is not 0.
+LLAMA_API int32_t dg_amx_in_use(void);
+
 // Per-node timing of graph computes (benchmarks/step_profile.py): pass dg_profile_eval as the
 // context's cb_eval with a dg_profile as its user data; while enabled, every node computed is
 // recorded (name, op, its and its first three sources' shapes [4][4], the first source's type,

@@ -19,8 +19,13 @@
 #endif
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#    include <cpuid.h>
 #    include <immintrin.h>
 #    define DG_LMH_X86 1
+#endif
+
+#if defined(__linux__)
+#    include <sys/syscall.h>
 #endif
 
 #if defined(__GNUC__) && !defined(__clang__)
@@ -48,7 +53,7 @@ int64_t panel_columns(int64_t act_bytes) {
     if (l2 <= 0 || act_bytes <= 0) {
         return 64;
     }
-    return std::clamp<int64_t>(l2 / 2 / act_bytes / 8 * 8, 16, 256);
+    return std::clamp<int64_t>(l2 / 2 / act_bytes / 16 * 16, 16, 256); // whole AMX tiles
 }
 
 // Rows longer than 2 x this many blocks (the transposed embeddings: 8192 blocks) are multiplied a chunk of
@@ -329,6 +334,32 @@ bool cpu_has(const char * feature) {
     return false;
 }
 
+// Whether this process may use AMX's int8 tiles: the CPU has them (CPUID leaf 7: AMX-TILE, AMX-INT8) and
+// Linux grants the tile state (ARCH_REQ_XCOMP_PERM for XTILEDATA, once per process).
+bool amx_usable() {
+    static const bool usable = [] {
+#if defined(DG_LMH_X86) && defined(__linux__)
+        unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+        if (!cpu_has("avx512vnni") || !__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !(edx & (1u << 24)) ||
+            !(edx & (1u << 25))) {
+            return false;
+        }
+        constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+        return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#else
+        return false;
+#endif
+    }();
+    return usable;
+}
+
+// The VNNI layout's GEMM takes AMX's tiles for 16 columns at a time where the process may use them,
+// unless DG_AMX=0 (A/B runs)
+bool amx_wanted() {
+    const char * env = std::getenv("DG_AMX");
+    return !(env && !std::strcmp(env, "0")) && amx_usable();
+}
+
 bool kernel_runs_here(dg_lm_head_kernel kernel) {
     switch (kernel) {
         case dg_lm_head_kernel::avx512_vnni: return cpu_has("avx512vnni");
@@ -497,7 +528,7 @@ const char * dg_lm_head::kernel_name(dg_lm_head_kernel kernel) {
 
 dg_lm_head::dg_lm_head(dg_lm_head_kernel kernel, int64_t n_embd, int64_t n_vocab) :
     kernel_(kernel), n_embd_(n_embd), n_vocab_(n_vocab), n_blocks_(n_embd / QK),
-    group_(kernel == dg_lm_head_kernel::avx2 ? 8 : 16) {}
+    group_(kernel == dg_lm_head_kernel::avx2 ? 8 : 16), amx_(kernel == dg_lm_head_kernel::avx512_vnni && amx_wanted()) {}
 
 bool dg_lm_head::qualifies(const ggml_tensor * w) {
     // tensor->extra is set by the CPU extra buffer types (repack, AMX): their own layout, not Q8_0
@@ -581,7 +612,15 @@ void dg_lm_head::gemm(const uint8_t * act, int64_t n_cols, float * out, int64_t 
     const int64_t chunk  = chunk_blocks();
     int64_t         n_wide; // columns per tile
     const tile_fn * tiles = tiles_for(kernel_, &n_wide);
-    float partial[16 * 8]; // a tile computed aside: the last group's (a partial group), or a later chunk's
+#ifdef DG_LMH_X86
+    const tile_fn amx = amx_ && n_cols >= 16 ? tile_amx : nullptr; // 16 columns a tile, the rest on VNNI's
+    if (amx) {
+        amx_configure();
+    }
+#else
+    const tile_fn amx = nullptr;
+#endif
+    float partial[16 * 16]; // a tile computed aside: the last group's (a partial group), or a later chunk's
     const int64_t panel = panel_columns(ab * chunk / n_blocks_); // one chunk's activations per column
     for (int64_t p0 = 0; p0 < n_cols; p0 += panel) {
         const int64_t p1 = std::min(p0 + panel, n_cols);
@@ -591,13 +630,14 @@ void dg_lm_head::gemm(const uint8_t * act, int64_t n_cols, float * out, int64_t 
             for (int64_t g = g0; g < g1; ++g) {
                 const uint8_t * group = base_ + (g * n_blocks_ + k0) * GBB;
                 const int64_t   rows  = std::min(G, n_vocab_ - g * G);
-                for (int64_t c = p0; c < p1; c += n_wide) {
-                    const int64_t nc = std::min(n_wide, p1 - c);
+                for (int64_t c = p0, nc; c < p1; c += nc) {
+                    nc                 = amx && p1 - c >= 16 ? 16 : std::min(n_wide, p1 - c);
+                    const tile_fn tile = nc == 16 ? amx : tiles[nc];
                     if (rows == G && k0 == 0) {
-                        tiles[nc](group, act_k + c * ab, ab, nk, out + c * ld_out + g * G, ld_out);
+                        tile(group, act_k + c * ab, ab, nk, out + c * ld_out + g * G, ld_out);
                         continue;
                     }
-                    tiles[nc](group, act_k + c * ab, ab, nk, partial, G);
+                    tile(group, act_k + c * ab, ab, nk, partial, G);
                     for (int64_t j = 0; j < nc; ++j) {
                         float * o = out + (c + j) * ld_out + g * G;
                         for (int64_t r = 0; r < rows; ++r) {
@@ -608,6 +648,11 @@ void dg_lm_head::gemm(const uint8_t * act, int64_t n_cols, float * out, int64_t 
             }
         }
     }
+#ifdef DG_LMH_X86
+    if (amx) {
+        amx_release();
+    }
+#endif
 }
 
 void dg_lm_head_quantize_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
@@ -624,6 +669,10 @@ void dg_lm_head_gemm_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const int64_t       ng   = head.n_groups();
     head.gemm((const uint8_t *) act->data, act->ne[1], (float *) dst->data, dst->nb[1] / sizeof(float),
               ith * ng / nth, (ith + 1) * ng / nth);
+}
+
+int32_t dg_amx_in_use(void) {
+    return amx_wanted() ? 1 : 0;
 }
 
 // ---- MoE experts --------------------------------------------------------------------------------

@@ -94,6 +94,7 @@ private:
     int64_t           n_vocab_;
     int64_t           n_blocks_; // n_embd / 32
     int64_t           group_;    // rows per group: 16 for the VNNI layout, 8 for AVX2
+    bool              amx_;      // the VNNI layout's 16-column tiles on AMX (amx_wanted)
     // per (group, block): group fp16 scales, group int16 quant sums, then 8 x (group x 4) quants
     std::vector<uint8_t, std::allocator<uint8_t>> data_;
     uint8_t * base_ = nullptr; // data_ aligned to 64 bytes
