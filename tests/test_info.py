@@ -163,10 +163,36 @@ def test_memory_fit_counts_the_kv_cache_of_the_context_asked_for(tiny_models, mo
     info.check_fits_memory(diff, n_ctx=0)  # the training context
     info.check_fits_memory(diff, n_ctx=100_000, n_seq=4)
     with pytest.raises(info.TooBigForMemory, match=r"with a context of 1000000000 tokens needs about .* of RAM "
-                                                   r"\(most of it the KV cache\).* use a smaller --ctx-size$"):
+                                                   r"\(most of it the KV cache and attention scores\).* use a smaller --ctx-size$"):
         info.check_fits_memory(diff, n_ctx=10**9)
     with pytest.raises(info.TooBigForMemory, match=r"with 64 sequences of 10000000 tokens .* or --parallel$"):
         info.check_fits_memory(diff, n_ctx=10**7, n_seq=64)
+
+
+def test_cpu_only_ram_need_counts_the_attention_scores_past_the_logits(tiny_models):
+    """Without a GPU dg runs without flash attention: a micro-batch's float scores against every cell of
+    the context, beside their softmax, share the compute buffer with the logits, so past a context where
+    they outgrow the logits they add to the need, and only then."""
+    header = info.read_header(tiny_models[0])
+    arch, heads = header.architecture, header.get(f"{header.architecture}.attention.head_count")
+    vocab, canvas = header.n_vocab, header.get("diffusion.canvas_length")
+    heads = max(heads) if isinstance(heads, list) else heads
+
+    def ram(n_ctx):
+        return info.header_plan(header, 0, 0, [], (n_ctx, 1))[1]
+
+    def kv(n_ctx):
+        return sum(info.kv_cache_bytes(header.get, arch, header.get(f"{arch}.block_count"), n_ctx))
+
+    scores = lambda n_ctx: 2 * max(info.N_UBATCH, canvas) * n_ctx * heads * 4  # noqa: E731
+    small = 64
+    assert scores(small) < info.logits_bytes(vocab, canvas)  # hidden under the logits
+    big = 4 * info.logits_bytes(vocab, canvas) // (2 * info.N_UBATCH * heads * 4)
+    assert ram(big) - kv(big) - (ram(small) - kv(small)) == scores(big) - info.logits_bytes(vocab, canvas)
+    # with a GPU the scores are the GPU's business: the RAM need has the KV cache's share only
+    gpu = [info.GpuMemory("test GPU", 64 * 1024**3, 64 * 1024**3)]
+    plan, ram_gpu, _ = info.header_plan(header, -1, 0, gpu, (big, 1))
+    assert ram_gpu < ram(big) - scores(big) + info.logits_bytes(vocab, canvas)
 
 
 @pytest.mark.parametrize("weights", ["q8_0", "q5_0"])

@@ -520,6 +520,30 @@ def _ops_for_a_canvas_and_one_token(path, threads: int, picked) -> tuple[set[str
         profiler.close()
 
 
+def test_cpu_contexts_run_attention_as_matmuls_without_flash_attention(tiny_gguf, monkeypatch):
+    """Without a GPU (dgcli.runtime.model.flash_attention_wanted) a canvas's and a token's attention run
+    as the scores' and their product with V's matmuls, not ggml's row-at-a-time FLASH_ATTN_EXT, which
+    DG_FLASH_ATTN=1 brings back; the canvas's logits agree to the F16 cache's rounding (ggml's CPU flash
+    attention also sums V in F16, the matmuls in F32: on the tiny model 0.05 from exact mode's logits against
+    0.09, at a largest logit of 16)."""
+    from dgcli.runtime import native
+    from dgcli.runtime.model import DiffusionModel
+
+    if native.gpu_devices():
+        pytest.skip("a GPU is in use here: llama.cpp keeps its flash attention")
+    attention = lambda n: n.op == "FLASH_ATTN_EXT" or (n.op == "MUL_MAT" and n.name.startswith("kq"))  # noqa: E731
+    logits = {}
+    for forced, op in (("", "MUL_MAT"), ("1", "FLASH_ATTN_EXT")):
+        monkeypatch.setenv("DG_FLASH_ATTN", forced)
+        assert _ops_for_a_canvas_and_one_token(tiny_gguf, 1, attention) == ({op}, {op})
+        with DiffusionModel(tiny_gguf, n_threads=1, n_ctx=128) as m:
+            m.prefill(PROMPT)
+            logits[op] = m.decode_canvas(_canvas(20, m.vocab_size))
+    scale = float(np.max(np.abs(logits["FLASH_ATTN_EXT"])))
+    assert float(np.std(logits["MUL_MAT"])) > 0.1
+    assert float(np.max(np.abs(logits["MUL_MAT"] - logits["FLASH_ATTN_EXT"]))) < 1e-2 * scale
+
+
 def test_experts_take_our_tiles_only_for_batches_that_pay_for_the_packing(tmp_path, monkeypatch):
     """Packing a row group costs about three columns of tile work: a canvas (16 tokens here, 4 experts
     top-2: 8 per expert) runs the experts on our tiles, a one-token decode (half a token per expert)

@@ -188,6 +188,16 @@ def memory_needed(weight_bytes: int, vocab: int = 0, canvas: int = 0) -> int:
     return int(weight_bytes * MEMORY_OVERHEAD_FACTOR) + logits_bytes(vocab, canvas) + PROCESS_BYTES
 
 
+def attention_scores_bytes(get, arch: str, n_ctx: int, canvas: int) -> int:
+    """A CPU-only context's attention scores (dgcli.runtime.model.flash_attention_wanted: no flash attention
+    there): one micro-batch's queries (the larger of a prompt chunk and a canvas) against n_ctx cells, every
+    head, float32, beside their softmax. `get(key)` reads a GGUF key."""
+    heads = get(f"{arch}.attention.head_count")
+    heads = max(heads) if isinstance(heads, list) and heads and all(isinstance(h, int) for h in heads) else heads
+    heads = heads if isinstance(heads, int) and 0 < heads <= 4096 else 1
+    return 2 * max(N_UBATCH, canvas) * n_ctx * heads * 4
+
+
 def _layer_values(value: Any, n_layer: int, default: int) -> list[int]:
     if isinstance(value, list) and len(value) == n_layer and all(isinstance(v, int) for v in value):
         return value
@@ -230,7 +240,12 @@ def memory_plan(get, tensors: list[tuple[str, int]], vocab: int, file_size: int,
     canvas = get("diffusion.canvas_length")
     canvas = canvas if isinstance(canvas, int) and canvas > 0 else 0
     if plan.gpu_weight_bytes == 0:
-        return plan, memory_needed(file_size, vocab, canvas) + (sum(kv) if context is not None else 0), 0
+        if context is None:
+            return plan, memory_needed(file_size, vocab, canvas), 0
+        # the context's KV cache, and its attention scores, which share the compute buffer with the logits
+        # (one or the other at a time: past the logits only the excess counts)
+        scores = max(0, attention_scores_bytes(get, arch, n_ctx, canvas) - logits_bytes(vocab, canvas))
+        return plan, memory_needed(file_size, vocab, canvas) + scores + sum(kv), 0
     start = n_layer + 1 - plan.gpu_layer_count
     kv_gpu = sum(kv[il] for il in range(max(start, 0), n_layer))
     gpu_need = plan.gpu_weight_bytes + kv_gpu + logits_bytes(vocab, canvas) + GPU_RUNTIME_BYTES
@@ -594,7 +609,7 @@ def check_fits_memory(path: Path | str, *, n_gpu_layers: int = 0, n_cpu_moe: int
         cells, n_seq = context
         asked = f"{n_seq} sequences of {cells} tokens" if n_seq > 1 else f"a context of {cells} tokens"
         raise TooBigForMemory(f"{name} with {asked} needs about {format_bytes(ram_need)} of RAM (most of it the KV "
-                              f"cache) but this machine has {format_bytes(total)}; use a smaller --ctx-size"
+                              f"cache and attention scores) but this machine has {format_bytes(total)}; use a smaller --ctx-size"
                               + (" or --parallel" if n_seq > 1 else ""))
     if ram_need > total:
         if any(g.metal for g in gpus):

@@ -62,6 +62,18 @@ ENCODE_CHUNK = 512
 INT32_MAX = 2**31 - 1
 
 
+def flash_attention_wanted(gpu_in_use: bool) -> bool:
+    """Whether a context keeps llama.cpp's flash attention (its default): where a GPU may run it. On a CPU
+    alone ggml's FLASH_ATTN_EXT takes a canvas's queries one row at a time (~14 G MAC/s), while without it
+    the scores and their product with V are two matmuls over all of them: the real-size step 0.86x
+    (docs/performance.md), for a [context x micro-batch x heads] float score buffer (info.py counts it).
+    DG_FLASH_ATTN=1 / 0 forces it on / off (A/B runs)."""
+    forced = os.environ.get("DG_FLASH_ATTN")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return gpu_in_use
+
+
 def check_gpu_layers(n_gpu_layers: Any) -> None:
     """-1 (all) or 0..INT32_MAX (any count above the model's layers offloads them all)."""
     if isinstance(n_gpu_layers, bool) or not isinstance(n_gpu_layers, int) or not -1 <= n_gpu_layers <= INT32_MAX:
@@ -176,6 +188,8 @@ class _LlamaModel:
             cparams.cb_eval, cparams.cb_eval_user_data = eval_callback
         if self.exact:
             cparams.type_k = cparams.type_v = native.GGML_TYPE_F32
+            cparams.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        elif not flash_attention_wanted(gpu_in_use):
             cparams.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
         native.clear_log()
         with native.collect_log() as context_log, native.deferred_interrupts():
