@@ -260,6 +260,34 @@ def test_k_quant_expert_gemm_agrees_with_a_double_precision_sum(weight_type, n_i
     assert err.value < 1e-5
 
 
+@pytest.mark.parametrize("n_in, n_out, n_expert, n_used, n_tokens, per_slot, nth", [
+    (2816, 1408, 1, 1, 256, False, 2),  # a dense canvas product at the real width (whole tiles of 16 columns)
+    (2816, 1408, 16, 8, 24, False, 3),  # experts of uneven token counts, most tiles partly zero columns
+    (256, 37, 5, 2, 9, True, 1),        # one super-block, a partial last row group (packed by scalar code)
+    (512, 100, 1, 1, 17, False, 4),     # one column past a whole tile
+])
+def test_q4_K_on_amx_tiles_agrees_with_a_double_precision_sum(n_in, n_out, n_expert, n_used, n_tokens, per_slot, nth,
+                                                              monkeypatch):
+    """Q4_K packed on the fly for the VNNI family runs on AMX's tiles (the route the VNNI family's dense
+    Q4_K weights take): against the same float64 sum as AVX2's tiles, split as `nth` threads split it; with
+    DG_AMX=0 there is no such route."""
+    import ctypes
+
+    from dgcli.runtime import native
+
+    lib = native.lib()._lib
+    if not lib.dg_amx_in_use():
+        pytest.skip("this CPU has no AMX-INT8 (or Linux does not grant its tile state)")
+    err = ctypes.c_double()
+    rc = lib.dg_experts_selftest(KERNELS["avx512-vnni"], K_QUANT_TYPES["q4_K"], n_in, n_out, n_expert, n_used,
+                                 n_tokens, per_slot, nth, 17, ctypes.byref(err))
+    assert rc == 0
+    assert err.value < 1e-5
+    monkeypatch.setenv("DG_AMX", "0")
+    assert lib.dg_experts_selftest(KERNELS["avx512-vnni"], K_QUANT_TYPES["q4_K"], n_in, n_out, n_expert, n_used,
+                                   n_tokens, per_slot, nth, 17, ctypes.byref(err)) == 1
+
+
 @pytest.mark.parametrize("weight_type", ["q4_K", "q6_K"])
 def test_k_quant_experts_have_no_tile_but_avx2s(weight_type):
     """The emulated (VNNI) layout has no Q4_K or Q6_K tile: the self-test says the kernel is missing, and
@@ -406,9 +434,11 @@ def _q8_k_dequantized(x: np.ndarray) -> np.ndarray:
     return (quants * scale[:, None]).reshape(x.shape)
 
 
-def test_k_quant_dense_weights_on_our_tiles_give_ggml_products(tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", ["avx2", "avx512-vnni"])
+def test_k_quant_dense_weights_on_our_tiles_give_ggml_products(tmp_path, monkeypatch, family):
     """A Q4_K_M file's dense Q4_K and Q6_K weights (attention, dense FFN, self-conditioning MLP, and the
-    Q6_K LM head) on the experts' K-quant tiles as one expert, kept out of the repack buffers for them.
+    Q6_K LM head) on the experts' K-quant tiles as one expert, kept out of the repack buffers for them:
+    AVX2's tiles take both types, the VNNI family's the Q4_K ones on AMX's tiles.
     Each such product of a self-conditioned canvas decode against float64 over what ggml multiplies: the weights as its
     dequantizer decodes them and the node's own input quantized as its Q8_K (so a last-bit difference
     upstream, which a requantization can turn into 1e-3, cannot hide or fake an error). Where the
@@ -439,6 +469,13 @@ def test_k_quant_dense_weights_on_our_tiles_give_ggml_products(tmp_path, monkeyp
         {"lm_head", "ffn_down-1"}
     assert all(t.tensor_type == gguf.GGMLQuantizationType.Q6_K for t in reader.tensors
                if t.name in ("token_embd.weight", "blk.1.ffn_down.weight"))
+    if family == "avx512-vnni":
+        if not native.lib()._lib.dg_amx_in_use():
+            pytest.skip("this CPU has no AMX-INT8: the VNNI family's dense K-quants stay on ggml's matmul")
+        q4_k = {t.name for t in reader.tensors if t.tensor_type == gguf.GGMLQuantizationType.Q4_K}
+        weights = {name: w for name, w in weights.items() if name in q4_k}
+        node_weight = {node: w for node, w in node_weight.items() if w in weights}
+        assert len(node_weight) >= 5  # Q4_K only: the Q6_K ones stay on ggml's matmul
     monkeypatch.setenv("DG_EXPERT_GEMM", "ggml")  # the experts' path the same in both runs
 
     def run(dense: str):
@@ -453,7 +490,7 @@ def test_k_quant_dense_weights_on_our_tiles_give_ggml_products(tmp_path, monkeyp
             m.decode_canvas(canvas, sc_topk=(sc_ids.astype(np.int32), np.full((16, 4), 0.25, dtype=np.float32)))
         return count, capture.order  # in graph order: each product's input precedes it
 
-    count, seen = run("avx2")  # AVX2's tiles, forced: an AVX-512 VNNI CPU's automatic choice differs
+    count, seen = run(family)  # forced: an AVX-512 VNNI CPU's automatic choice is its own family
     if count == 0:
         pytest.skip("this CPU has no AVX2 K-quant tiles for dense weights (it has no AVX2)")
     assert count == len(weights)  # the embedding's count is the LM head's
@@ -480,9 +517,9 @@ def test_k_quant_dense_weights_on_our_tiles_give_ggml_products(tmp_path, monkeyp
             assert float(np.max(np.abs(ours[name] - ref[name]))) <= 1e-5 * scale, name
 
     # which op runs: the tile for a canvas, ggml's MUL_MAT for one token
-    monkeypatch.setenv("DG_DENSE_GEMM", "avx2")
-    monkeypatch.setenv("DG_LM_HEAD", "avx2")
-    for node in ("Qcur-0", "ffn_down-1", "lm_head"):
+    monkeypatch.setenv("DG_DENSE_GEMM", family)
+    monkeypatch.setenv("DG_LM_HEAD", family)
+    for node in ("Qcur-0", "ffn_down-1", "lm_head") if family == "avx2" else ("Qcur-0", "ffn_gate-0"):
         canvas_ops, token_ops = _ops_for_a_canvas_and_one_token(
             path, 1, lambda n: n.name == node and n.op in ("CUSTOM", "MUL_MAT"))
         assert canvas_ops == {"CUSTOM"} and token_ops == {"MUL_MAT"}, node

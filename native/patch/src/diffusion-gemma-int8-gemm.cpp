@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <random>
@@ -166,6 +167,37 @@ void pack_group_q4_K(const uint8_t * rows, size_t row_bytes, int64_t n_super, in
         float * scales  = (float *) o;
         float * offsets = scales + 8 * G;
         uint8_t * quants = o + 2 * 8 * G * 4;
+        for (int64_t r = 0; r < n_rows; ++r) {
+            const q4_K_block & blk = ((const q4_K_block *) (rows + r * row_bytes))[s];
+            const float d = ggml_fp16_to_fp32(blk.d), dmin = ggml_fp16_to_fp32(blk.dmin);
+            for (int j = 0; j < 8; ++j) {
+                int sc, m;
+                q4_K_scale_min(blk.scales, j, sc, m);
+                scales[j * G + r]  = d * (float) sc;
+                offsets[j * G + r] = dmin * (float) m;
+                for (int k = 0; k < QK; ++k) {
+                    const uint8_t byte = blk.qs[(j / 2) * QK + k];
+                    quants[j * 8 * 4 * G + (k / 4) * 4 * G + 4 * r + k % 4] = j % 2 ? byte >> 4 : byte & 0x0F;
+                }
+            }
+        }
+    }
+}
+
+// A Q4_K row group of 16 for AMX's tiles, per super-block: the 8 sub-blocks' scales d * sc_j and offsets
+// dmin * m_j (float [sub-block][row] each), then per sub-block an AMX B tile: 8 steps x (16 rows x 4
+// quants), the quants as unsigned bytes.
+constexpr int64_t Q4_K_AMX_SB_BYTES = 2 * 8 * 16 * 4 + 8 * 8 * 16 * 4;
+
+// rows [0, n_rows) of a Q4_K group of 16 in that layout (portable: any n_rows; rows past it are zero)
+void pack_group_q4_K_amx(const uint8_t * rows, size_t row_bytes, int64_t n_super, int64_t n_rows, uint8_t * out) {
+    constexpr int64_t G = 16;
+    for (int64_t s = 0; s < n_super; ++s) {
+        uint8_t * o = out + s * Q4_K_AMX_SB_BYTES;
+        std::memset(o, 0, (size_t) Q4_K_AMX_SB_BYTES);
+        float *   scales  = (float *) o;
+        float *   offsets = scales + 8 * G;
+        uint8_t * quants  = o + 2 * 8 * G * 4;
         for (int64_t r = 0; r < n_rows; ++r) {
             const q4_K_block & blk = ((const q4_K_block *) (rows + r * row_bytes))[s];
             const float d = ggml_fp16_to_fp32(blk.d), dmin = ggml_fp16_to_fp32(blk.dmin);
@@ -694,8 +726,9 @@ bool expert_type_fits(ggml_type type, int64_t n_in, dg_lm_head_kernel kernel) {
     if (k_quant_switched_off(type)) {
         return false;
     }
-    if (is_k_quant(type)) { // their tiles exist for AVX2 only
-        return n_in % QK_K == 0 && kernel == dg_lm_head_kernel::avx2;
+    if (is_k_quant(type)) { // packed on the fly: AVX2's tiles, and Q4_K on AMX's (the VNNI family's form)
+        return n_in % QK_K == 0 && (kernel == dg_lm_head_kernel::avx2 ||
+                                    (kernel == dg_lm_head_kernel::avx512_vnni && type == GGML_TYPE_Q4_K && amx_wanted()));
     }
     return (type == GGML_TYPE_Q8_0 || type == GGML_TYPE_Q5_0) && n_in % QK == 0;
 }
@@ -907,6 +940,9 @@ int64_t dg_experts::group_bytes() const {
     if (repacked_ && kernel_ == dg_lm_head_kernel::avx512_vnni) {
         return 0; // its tiles read the repacked layout
     }
+    if (amx_q4_K()) {
+        return n_in_ / QK_K * Q4_K_AMX_SB_BYTES;
+    }
     if (is_k_quant(type_)) {
         return n_in_ / QK_K * (type_ == GGML_TYPE_Q4_K ? Q4_K_SB_BYTES : Q6_K_SB_BYTES);
     }
@@ -923,7 +959,21 @@ void dg_experts::quantize(const float * x, int64_t ld_x, int64_t r0, int64_t r1,
     }
 }
 
+bool dg_experts::amx_q4_K() const {
+    return type_ == GGML_TYPE_Q4_K && kernel_ == dg_lm_head_kernel::avx512_vnni && !repacked_;
+}
+
 void dg_experts::pack(const uint8_t * first_row, int64_t rows, uint8_t * group) const {
+    if (amx_q4_K()) {
+#ifdef DG_LMH_X86
+        if (rows == 16 && row_bytes_ * 15 <= INT32_MAX) {
+            pack_group_q4_K_amx16(first_row, (int32_t) row_bytes_, n_in_ / QK_K, group);
+            return;
+        }
+#endif
+        pack_group_q4_K_amx(first_row, row_bytes_, n_in_ / QK_K, rows, group);
+        return;
+    }
     if (type_ == GGML_TYPE_Q4_K) {
 #ifdef DG_LMH_X86
         if (rows == Q4_K_GROUP) {
@@ -983,7 +1033,8 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
     int64_t         n_wide     = 8;
     // the repacked experts on VNNI: tiles over spans of blocks of the repacked layout itself
     const span_tile_fn * spans = repacked_ ? span_tiles_for(kernel_, type_) : nullptr;
-    const tile_fn *      tiles = spans ? nullptr : tiles_for(kernel_, &n_wide, type_);
+    const bool           amx   = amx_q4_K(); // 16 columns a tile, the last tile's padded with zero columns
+    const tile_fn *      tiles = spans || amx ? nullptr : tiles_for(kernel_, &n_wide, type_);
 
     // the (slot, token) pairs routed to each expert, in token order; every thread builds the same lists
     thread_local std::vector<int64_t> first, routed;
@@ -1012,7 +1063,7 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
     // This thread's share of the (expert, group) pairs, by cost: a group's packing from the file's
     // layout costs about as much as running it against three columns, its unpacking from the repacked
     // one about one (nothing where the tiles read it as stored: Q8_0, and every type on VNNI).
-    const int64_t PACK_COST = !repacked_ ? 3 : type_ == GGML_TYPE_Q8_0 || kernel_ == dg_lm_head_kernel::avx512_vnni ? 0 : 1;
+    const int64_t PACK_COST = amx ? 16 : !repacked_ ? 3 : type_ == GGML_TYPE_Q8_0 || kernel_ == dg_lm_head_kernel::avx512_vnni ? 0 : 1;
     int64_t           total     = 0;
     for (int64_t e = 0; e < n_expert_; ++e) {
         const int64_t n = first[(size_t) e + 1] - first[(size_t) e];
@@ -1025,6 +1076,7 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
     packed.resize((size_t) (group_bytes() + 64));
     uint8_t * group = (uint8_t *) (((uintptr_t) packed.data() + 63) & ~(uintptr_t) 63);
     float     tile_out[16 * 8];
+    alignas(64) float amx_out[16 * 16];
 
     for (int64_t e = 0, start = 0; e < n_expert_ && start < hi; ++e) {
         const int64_t n = first[(size_t) e + 1] - first[(size_t) e];
@@ -1040,8 +1092,11 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
             continue;
         }
         const int64_t * pairs = routed.data() + first[(size_t) e];
-        // the expert's activation rows, contiguous for the tiles
-        gathered.resize((size_t) (n * ab));
+        // the expert's activation rows, contiguous for the tiles (AMX's: whole tiles of 16, zeros past n)
+        gathered.resize((size_t) ((amx ? (n + 15) / 16 * 16 : n) * ab));
+        if (amx) {
+            std::memset(gathered.data() + n * ab, 0, gathered.size() - (size_t) (n * ab));
+        }
         for (int64_t j = 0; j < n; ++j) {
             const int64_t u = pairs[j] % n_used, t = pairs[j] / n_used;
             std::memcpy(gathered.data() + j * ab, act + ((u % n_act_slots) + t * n_act_slots) * ab, (size_t) ab);
@@ -1071,6 +1126,21 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
                 }
                 continue;
             }
+#ifdef DG_LMH_X86
+            if (amx) {
+                amx_configure(); // Q4_K's sub-blocks are 32 wide: the tiles' shapes are the VNNI layout's
+                for (int64_t c = 0; c < n; c += 16) {
+                    tile_q4_K_amx(staged, gathered.data() + c * ab, ab, n_in_ / QK_K, amx_out, G);
+                    for (int64_t j = 0; j < std::min<int64_t>(16, n - c); ++j) {
+                        const int64_t u = pairs[c + j] % n_used, t = pairs[c + j] / n_used;
+                        std::memcpy(out + u * nb_slot + t * nb_token + g * G * sizeof(float), amx_out + j * G,
+                                    (size_t) rows * sizeof(float));
+                    }
+                }
+                amx_release();
+                continue;
+            }
+#endif
             for (int64_t c = 0, tile = 0; c < n; ++tile) {
                 const int64_t nc = n / n_tiles + (tile < n % n_tiles ? 1 : 0);
                 tiles[nc](staged, gathered.data() + c * ab, ab, n_blocks_, tile_out, G);

@@ -177,14 +177,16 @@ const dg_experts * llama_model_diffusion_gemma::experts(const ggml_tensor * w) c
 // The decoder's dense Q4_K and Q6_K weights (a Q4_K_M file's attention projections, dense FFN gate and
 // up, self-conditioning MLP, and its Q6_K LM head) on the experts' K-quant tiles as one expert that every
 // token is routed to, packed on the fly: a canvas's 256 columns pay for a group's packing many times
-// over, and ggml's repacked Q4_K / Q6_K GEMMs run at ~70% of the int8 rate here. AVX2 only (the tiles'
-// only form), not where a GPU is in use, and only outside ggml's CPU repack buffers, which the loader
-// keeps these tensors out of where this runs (dgcli.runtime.offload.tiled_weight_pattern).
-// DG_DENSE_GEMM=ggml keeps ggml's matmul.
+// over, and ggml's repacked Q4_K / Q6_K GEMMs run at ~70% of the int8 rate here. The AVX2 family's
+// tiles take both types; the VNNI family's take Q4_K on AMX's tiles where the CPU has them (ggml's Q4_K
+// matmul runs at ~25% of the VNNI rate there). Not where a GPU is in use, and only outside ggml's CPU
+// repack buffers, which the loader keeps these tensors out of where this runs on AVX2
+// (dgcli.runtime.offload.tiled_weight_pattern) and which are off on AMX CPUs. DG_DENSE_GEMM=ggml keeps
+// ggml's matmul.
 const dg_experts * llama_model_diffusion_gemma::dense_tiled(const ggml_tensor * w) const {
     std::call_once(dense_tiled_once, [this] {
         const dg_lm_head_kernel kernel = dg_lm_head::kernel_for_cpu("DG_DENSE_GEMM");
-        if (kernel != dg_lm_head_kernel::avx2 || uses_gpu()) {
+        if ((kernel != dg_lm_head_kernel::avx2 && kernel != dg_lm_head_kernel::avx512_vnni) || uses_gpu()) {
             return;
         }
         auto add = [&](const ggml_tensor * t) {
@@ -203,7 +205,8 @@ const dg_experts * llama_model_diffusion_gemma::dense_tiled(const ggml_tensor * 
         // the tied Q6_K LM head: ggml's CPU repack does not take it, so its copy is the mapped file's
         add(output);
         if (!dense_tiled_gemm.empty()) {
-            LLAMA_LOG_INFO("%s: %zu dense K-quant weights on the avx2 kernel\n", __func__, dense_tiled_gemm.size());
+            LLAMA_LOG_INFO("%s: %zu dense K-quant weights on the %s kernel%s\n", __func__, dense_tiled_gemm.size(),
+                           dg_lm_head::kernel_name(kernel), kernel == dg_lm_head_kernel::avx2 ? "" : " (AMX tiles)");
         }
     });
     const auto it = dense_tiled_gemm.find(w);

@@ -32,9 +32,9 @@ ggml_tensor * llama_model_diffusion_gemma::graph::build_mm(const llama_model_dif
     if (packed) {
         return build_repacked_mm(packed, cur);
     }
-    // as the experts: a group's packing costs about three columns, so a one-token decode keeps ggml's
+    // as the experts: a group's packing costs several columns, so a one-token decode keeps ggml's
     const dg_experts * tiled = no_lora ? model.dense_tiled(w) : nullptr;
-    if (tiled && ggml_n_dims(cur) == 2 && cur->ne[1] >= 4) {
+    if (tiled && ggml_n_dims(cur) == 2 && cur->ne[1] >= tiled->min_dense_tokens()) {
         return build_tiled_mm(tiled, cur);
     }
     return build_lora_mm(w, cur);
