@@ -101,8 +101,9 @@ LLAMA_API const char * dg_self_cond_path(const struct llama_model * model, bool 
 LLAMA_API int64_t dg_self_cond_bytes(const struct llama_model * model, bool exact);
 
 // Which kernel runs this model's LM head on the CPU: "avx512-vnni", "avx2" or "emulated" (our
-// repacked int8 GEMM, src/diffusion-gemma-lm-head.h) or "ggml" (ggml's matmul: no kernel for this
-// CPU, DG_LM_HEAD=ggml, a GPU in use, or output weights that are not Q8_0 or Q5_0 in host memory).
+// repacked int8 GEMM of Q8_0 / Q5_0 heads, src/diffusion-gemma-lm-head.h), "avx2 K-quant tile" or
+// "AMX K-quant tile" (a Q4_K / Q6_K head packed on the fly, DG_DENSE_GEMM's family), or "ggml" (ggml's
+// matmul: no kernel for this CPU, DG_LM_HEAD=ggml, a GPU in use, other types).
 LLAMA_API const char * dg_lm_head_path(const struct llama_model * model);
 
 // How many of the decoder's other dense weights (attention, dense FFN, self-conditioning MLP) run on
@@ -130,11 +131,12 @@ LLAMA_API int32_t dg_expert_kernel(void);
 
 // The same for the decoder's dense weights (DG_DENSE_GEMM; 2 avx512-vnni): on 1 (avx2) their Q4_K and
 // Q6_K ones (the LM head too) run on the experts' K-quant tiles, and must stay out of the CPU repack
-// buffers too.
+// buffers too (on 2 they run on AMX's tiles where the CPU has them, whose CPUs keep the repack off).
 LLAMA_API int32_t dg_dense_kernel(void);
 
 // How many dense weights run on the K-quant tiles: Q4_K and Q6_K ones, the LM head among them (0: none:
-// no such type, in a repack buffer, a GPU in use, no AVX2 kernel). Decides it if no graph has yet.
+// no such type, in a repack buffer, a GPU in use, neither AVX2's tiles nor AMX's). Decides it if no graph
+// has yet.
 LLAMA_API int32_t dg_dense_tiled_count(const struct llama_model * model);
 
 // A twin of ggml_backend_cpu_buffer_type() at another address, for tensor buffer-type overrides:

@@ -79,7 +79,10 @@ const char * dg_lm_head_path(const llama_model * model) {
     if (const dg_lm_head * head = dg->lm_head()) { // the kernel the model took when it repacked its head
         return dg_lm_head::kernel_name(head->kernel());
     }
-    return dg->dense_tiled(dg->output) ? "avx2 K-quant tile" : "ggml";
+    if (const dg_experts * tiled = dg->dense_tiled(dg->output)) {
+        return tiled->kernel() == dg_lm_head_kernel::avx2 ? "avx2 K-quant tile" : "AMX K-quant tile";
+    }
+    return "ggml";
 }
 
 const char * dg_self_cond_path(const llama_model * model, bool exact) {

@@ -215,6 +215,32 @@ void pack_group_q4_K_amx(const uint8_t * rows, size_t row_bytes, int64_t n_super
     }
 }
 
+// A Q6_K row group of 16 for AMX's tiles, per super-block: the 16 sub-blocks' scales d * sc_j (float
+// [sub-block][row]), then per sub-block an AMX B tile: 4 steps x (16 rows x 4 quants), the quants minus
+// 32 as signed bytes.
+constexpr int64_t Q6_K_AMX_SB_BYTES = 16 * 16 * 4 + 64 * 16 * 4;
+
+// rows [0, n_rows) of a Q6_K group of 16 in that layout (portable: any n_rows; rows past it are zero)
+void pack_group_q6_K_amx(const uint8_t * rows, size_t row_bytes, int64_t n_super, int64_t n_rows, uint8_t * out) {
+    constexpr int64_t G = 16;
+    for (int64_t s = 0; s < n_super; ++s) {
+        uint8_t * o = out + s * Q6_K_AMX_SB_BYTES;
+        std::memset(o, 0, (size_t) Q6_K_AMX_SB_BYTES);
+        float *  scales = (float *) o;
+        int8_t * quants = (int8_t *) (o + 16 * G * 4);
+        for (int64_t r = 0; r < n_rows; ++r) {
+            const q6_K_block & blk = ((const q6_K_block *) (rows + r * row_bytes))[s];
+            const float        d   = ggml_fp16_to_fp32(blk.d);
+            for (int64_t j = 0; j < 16; ++j) {
+                scales[j * G + r] = d * (float) blk.scales[j];
+            }
+            for (int64_t i = 0; i < QK_K; ++i) {
+                quants[(i / 4) * 4 * G + 4 * r + i % 4] = q6_K_quant(blk, i);
+            }
+        }
+    }
+}
+
 // rows [0, n_rows) of a Q6_K group in that layout; rows past n_rows are zero, so they compute zeros
 void pack_group_q6_K(const uint8_t * rows, size_t row_bytes, int64_t n_super, int64_t n_rows, uint8_t * out) {
     constexpr int64_t G = 8;
@@ -726,9 +752,9 @@ bool expert_type_fits(ggml_type type, int64_t n_in, dg_lm_head_kernel kernel) {
     if (k_quant_switched_off(type)) {
         return false;
     }
-    if (is_k_quant(type)) { // packed on the fly: AVX2's tiles, and Q4_K on AMX's (the VNNI family's form)
-        return n_in % QK_K == 0 && (kernel == dg_lm_head_kernel::avx2 ||
-                                    (kernel == dg_lm_head_kernel::avx512_vnni && type == GGML_TYPE_Q4_K && amx_wanted()));
+    if (is_k_quant(type)) { // packed on the fly: AVX2's tiles, and AMX's (the VNNI family's form)
+        return n_in % QK_K == 0 &&
+               (kernel == dg_lm_head_kernel::avx2 || (kernel == dg_lm_head_kernel::avx512_vnni && amx_wanted()));
     }
     return (type == GGML_TYPE_Q8_0 || type == GGML_TYPE_Q5_0) && n_in % QK == 0;
 }
@@ -930,7 +956,7 @@ dg_experts::dg_experts(dg_lm_head_kernel kernel, const void * data, ggml_type ty
     n_blocks_(n_in / QK), group_(kernel == dg_lm_head_kernel::avx2 ? 8 : 16), row_bytes_(ggml_row_size(type, n_in)) {}
 
 int64_t dg_experts::act_bytes() const {
-    if (type_ == GGML_TYPE_Q6_K && kernel_ == dg_lm_head_kernel::avx512_vnni) {
+    if (type_ == GGML_TYPE_Q6_K && kernel_ == dg_lm_head_kernel::avx512_vnni && !amx_k_quant()) {
         return n_in_ / QK_K * Q8_K_BYTES_SUMS16;
     }
     return is_k_quant(type_) ? n_in_ / QK_K * Q8_K_BYTES : n_blocks_ * (QK + 4);
@@ -940,8 +966,8 @@ int64_t dg_experts::group_bytes() const {
     if (repacked_ && kernel_ == dg_lm_head_kernel::avx512_vnni) {
         return 0; // its tiles read the repacked layout
     }
-    if (amx_q4_K()) {
-        return n_in_ / QK_K * Q4_K_AMX_SB_BYTES;
+    if (amx_k_quant()) {
+        return n_in_ / QK_K * (type_ == GGML_TYPE_Q4_K ? Q4_K_AMX_SB_BYTES : Q6_K_AMX_SB_BYTES);
     }
     if (is_k_quant(type_)) {
         return n_in_ / QK_K * (type_ == GGML_TYPE_Q4_K ? Q4_K_SB_BYTES : Q6_K_SB_BYTES);
@@ -950,28 +976,31 @@ int64_t dg_experts::group_bytes() const {
 }
 
 void dg_experts::quantize(const float * x, int64_t ld_x, int64_t r0, int64_t r1, uint8_t * act) const {
-    if (type_ == GGML_TYPE_Q6_K && kernel_ == dg_lm_head_kernel::avx512_vnni) {
+    if (type_ == GGML_TYPE_Q6_K && kernel_ == dg_lm_head_kernel::avx512_vnni && !amx_k_quant()) {
         quantize_columns_q8_K(n_in_ / QK_K, x, ld_x, r0, r1, act, 0, /*sums16 =*/ true);
     } else if (is_k_quant(type_)) {
-        quantize_columns_q8_K(n_in_ / QK_K, x, ld_x, r0, r1, act, type_ == GGML_TYPE_Q6_K ? 0x80 : 0);
+        // AVX2's Q6_K tile takes them + 128 (vpmaddubsw's unsigned operand); AMX's signed
+        quantize_columns_q8_K(n_in_ / QK_K, x, ld_x, r0, r1, act,
+                              type_ == GGML_TYPE_Q6_K && kernel_ == dg_lm_head_kernel::avx2 ? 0x80 : 0);
     } else {
         quantize_columns(kernel_, n_blocks_, x, ld_x, r0, r1, act);
     }
 }
 
-bool dg_experts::amx_q4_K() const {
-    return type_ == GGML_TYPE_Q4_K && kernel_ == dg_lm_head_kernel::avx512_vnni && !repacked_;
+bool dg_experts::amx_k_quant() const {
+    return is_k_quant(type_) && kernel_ == dg_lm_head_kernel::avx512_vnni && !repacked_;
 }
 
 void dg_experts::pack(const uint8_t * first_row, int64_t rows, uint8_t * group) const {
-    if (amx_q4_K()) {
+    if (amx_k_quant()) {
+        const bool q4_K = type_ == GGML_TYPE_Q4_K;
 #ifdef DG_LMH_X86
         if (rows == 16 && row_bytes_ * 15 <= INT32_MAX) {
-            pack_group_q4_K_amx16(first_row, (int32_t) row_bytes_, n_in_ / QK_K, group);
+            (q4_K ? pack_group_q4_K_amx16 : pack_group_q6_K_amx16)(first_row, (int32_t) row_bytes_, n_in_ / QK_K, group);
             return;
         }
 #endif
-        pack_group_q4_K_amx(first_row, row_bytes_, n_in_ / QK_K, rows, group);
+        (q4_K ? pack_group_q4_K_amx : pack_group_q6_K_amx)(first_row, row_bytes_, n_in_ / QK_K, rows, group);
         return;
     }
     if (type_ == GGML_TYPE_Q4_K) {
@@ -1033,7 +1062,7 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
     int64_t         n_wide     = 8;
     // the repacked experts on VNNI: tiles over spans of blocks of the repacked layout itself
     const span_tile_fn * spans = repacked_ ? span_tiles_for(kernel_, type_) : nullptr;
-    const bool           amx   = amx_q4_K(); // 16 columns a tile, the last tile's padded with zero columns
+    const bool           amx   = amx_k_quant(); // 16 columns a tile, the last tile's padded with zero columns
     const tile_fn *      tiles = spans || amx ? nullptr : tiles_for(kernel_, &n_wide, type_);
 
     // the (slot, token) pairs routed to each expert, in token order; every thread builds the same lists
@@ -1128,9 +1157,10 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
             }
 #ifdef DG_LMH_X86
             if (amx) {
-                amx_configure(); // Q4_K's sub-blocks are 32 wide: the tiles' shapes are the VNNI layout's
+                const bool q4_K = type_ == GGML_TYPE_Q4_K;
+                amx_configure(q4_K ? QK : 16); // the sub-blocks' width
                 for (int64_t c = 0; c < n; c += 16) {
-                    tile_q4_K_amx(staged, gathered.data() + c * ab, ab, n_in_ / QK_K, amx_out, G);
+                    (q4_K ? tile_q4_K_amx : tile_q6_K_amx)(staged, gathered.data() + c * ab, ab, n_in_ / QK_K, amx_out, G);
                     for (int64_t j = 0; j < std::min<int64_t>(16, n - c); ++j) {
                         const int64_t u = pairs[c + j] % n_used, t = pairs[c + j] / n_used;
                         std::memcpy(out + u * nb_slot + t * nb_token + g * G * sizeof(float), amx_out + j * G,

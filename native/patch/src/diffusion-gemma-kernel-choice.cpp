@@ -178,8 +178,8 @@ const dg_experts * llama_model_diffusion_gemma::experts(const ggml_tensor * w) c
 // up, self-conditioning MLP, and its Q6_K LM head) on the experts' K-quant tiles as one expert that every
 // token is routed to, packed on the fly: a canvas's 256 columns pay for a group's packing many times
 // over, and ggml's repacked Q4_K / Q6_K GEMMs run at ~70% of the int8 rate here. The AVX2 family's
-// tiles take both types; the VNNI family's take Q4_K on AMX's tiles where the CPU has them (ggml's Q4_K
-// matmul runs at ~25% of the VNNI rate there). Not where a GPU is in use, and only outside ggml's CPU
+// tiles take them; the VNNI family's take them on AMX's tiles where the CPU has them (ggml's Q4_K and
+// Q6_K matmuls run at ~25% of the VNNI rate there). Not where a GPU is in use, and only outside ggml's CPU
 // repack buffers, which the loader keeps these tensors out of where this runs on AVX2
 // (dgcli.runtime.offload.tiled_weight_pattern) and which are off on AMX CPUs. DG_DENSE_GEMM=ggml keeps
 // ggml's matmul.

@@ -170,7 +170,10 @@ public:
     int64_t           act_bytes() const; // of one quantized activation row
     // the fewest tokens a dense product should have to run here rather than on ggml's matmul: a
     // group's packing costs about 3 columns of AVX2 tile work, 16 of AMX's
-    int64_t           min_dense_tokens() const { return amx_q4_K() ? 16 : 4; }
+    int64_t           min_dense_tokens() const { return amx_k_quant() ? 16 : 4; }
+    // Q4_K and Q6_K packed on the fly for the VNNI family: the AMX tiles' route (expert_type_fits takes
+    // it only where AMX runs)
+    bool              amx_k_quant() const;
 
     // rows [r0, r1) of x (F32, row r at x + r * ld_x) quantized as dg_lm_head::quantize does
     void quantize(const float * x, int64_t ld_x, int64_t r0, int64_t r1, uint8_t * act) const;
@@ -188,9 +191,6 @@ private:
                int64_t n_expert);
 
     int64_t group_bytes() const; // of one packed row group
-    // Q4_K packed on the fly for the VNNI family: the AMX tiles' route (expert_type_fits takes it only
-    // where AMX runs)
-    bool    amx_q4_K() const;
     // rows [0, rows) of the group at first_row, packed into `group` (rows past them compute zeros)
     void pack(const uint8_t * first_row, int64_t rows, uint8_t * group) const;
     // row group g of expert e in the tiles' layout: packed from the file's rows into `buffer`,
