@@ -171,8 +171,8 @@ def test_memory_fit_counts_the_kv_cache_of_the_context_asked_for(tiny_models, mo
 
 def test_cpu_only_ram_need_counts_the_attention_scores_past_the_logits(tiny_models):
     """Without a GPU dg runs without flash attention: a micro-batch's float scores against every cell of
-    the context, beside their softmax, share the compute buffer with the logits, so past a context where
-    they outgrow the logits they add to the need, and only then."""
+    the context share the compute buffer with the logits, so past a context where they outgrow the logits
+    they add to the need, and only then."""
     header = info.read_header(tiny_models[0])
     arch, heads = header.architecture, header.get(f"{header.architecture}.attention.head_count")
     vocab, canvas = header.n_vocab, header.get("diffusion.canvas_length")
@@ -184,10 +184,10 @@ def test_cpu_only_ram_need_counts_the_attention_scores_past_the_logits(tiny_mode
     def kv(n_ctx):
         return sum(info.kv_cache_bytes(header.get, arch, header.get(f"{arch}.block_count"), n_ctx))
 
-    scores = lambda n_ctx: 2 * max(info.N_UBATCH, canvas) * n_ctx * heads * 4  # noqa: E731
+    scores = lambda n_ctx: max(info.N_UBATCH, canvas) * n_ctx * heads * 4  # noqa: E731
     small = 64
     assert scores(small) < info.logits_bytes(vocab, canvas)  # hidden under the logits
-    big = 4 * info.logits_bytes(vocab, canvas) // (2 * info.N_UBATCH * heads * 4)
+    big = 4 * info.logits_bytes(vocab, canvas) // (info.N_UBATCH * heads * 4)
     assert ram(big) - kv(big) - (ram(small) - kv(small)) == scores(big) - info.logits_bytes(vocab, canvas)
     # with a GPU the scores are the GPU's business: the RAM need has the KV cache's share only
     gpu = [info.GpuMemory("test GPU", 64 * 1024**3, 64 * 1024**3)]
