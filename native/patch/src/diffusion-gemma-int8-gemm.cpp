@@ -157,44 +157,17 @@ int8_t q6_K_quant(const q6_K_block & blk, int64_t i) {
 // at 2r and 2r + 1, for vpmaddwd); then the quants minus 32 as int8, 64 x (8 x 4).
 constexpr int64_t Q6_K_SB_BYTES = 8 * 4 + 8 * 4 + 16 * 32 + 64 * 32;
 
-// rows [0, n_rows) of a Q4_K group (row r at rows + r * row_bytes) in that layout; rows past n_rows
-// are zero (scales and offsets 0), so a partial last group computes zeros
-void pack_group_q4_K(const uint8_t * rows, size_t row_bytes, int64_t n_super, int64_t n_rows, uint8_t * out) {
-    constexpr int64_t G = Q4_K_GROUP;
-    for (int64_t s = 0; s < n_super; ++s) {
-        uint8_t * o = out + s * Q4_K_SB_BYTES;
-        std::memset(o, 0, (size_t) Q4_K_SB_BYTES);
-        float * scales  = (float *) o;
-        float * offsets = scales + 8 * G;
-        uint8_t * quants = o + 2 * 8 * G * 4;
-        for (int64_t r = 0; r < n_rows; ++r) {
-            const q4_K_block & blk = ((const q4_K_block *) (rows + r * row_bytes))[s];
-            const float d = ggml_fp16_to_fp32(blk.d), dmin = ggml_fp16_to_fp32(blk.dmin);
-            for (int j = 0; j < 8; ++j) {
-                int sc, m;
-                q4_K_scale_min(blk.scales, j, sc, m);
-                scales[j * G + r]  = d * (float) sc;
-                offsets[j * G + r] = dmin * (float) m;
-                for (int k = 0; k < QK; ++k) {
-                    const uint8_t byte = blk.qs[(j / 2) * QK + k];
-                    quants[j * 8 * 4 * G + (k / 4) * 4 * G + 4 * r + k % 4] = j % 2 ? byte >> 4 : byte & 0x0F;
-                }
-            }
-        }
-    }
-}
-
-// A Q4_K row group of 16 for AMX's tiles, per super-block: the 8 sub-blocks' scales d * sc_j and offsets
-// dmin * m_j (float [sub-block][row] each), then per sub-block an AMX B tile: 8 steps x (16 rows x 4
-// quants), the quants as unsigned bytes.
+// A Q4_K row group of 16 for AMX's tiles: the same layout at 16 rows, each sub-block's quants an AMX B
+// tile (8 steps x (16 rows x 4 quants)).
 constexpr int64_t Q4_K_AMX_SB_BYTES = 2 * 8 * 16 * 4 + 8 * 8 * 16 * 4;
 
-// rows [0, n_rows) of a Q4_K group of 16 in that layout (portable: any n_rows; rows past it are zero)
-void pack_group_q4_K_amx(const uint8_t * rows, size_t row_bytes, int64_t n_super, int64_t n_rows, uint8_t * out) {
-    constexpr int64_t G = 16;
+// rows [0, n_rows) of a Q4_K group of G rows (8: AVX2's tiles, 16: AMX's; row r at rows + r * row_bytes)
+// in that layout; rows past n_rows are zero (scales and offsets 0), so a partial last group computes zeros
+void pack_group_q4_K(const uint8_t * rows, size_t row_bytes, int64_t n_super, int64_t n_rows, int64_t G, uint8_t * out) {
+    const int64_t sb_bytes = (2 * 8 + 8 * 8) * G * 4;
     for (int64_t s = 0; s < n_super; ++s) {
-        uint8_t * o = out + s * Q4_K_AMX_SB_BYTES;
-        std::memset(o, 0, (size_t) Q4_K_AMX_SB_BYTES);
+        uint8_t * o = out + s * sb_bytes;
+        std::memset(o, 0, (size_t) sb_bytes);
         float *   scales  = (float *) o;
         float *   offsets = scales + 8 * G;
         uint8_t * quants  = o + 2 * 8 * G * 4;
@@ -1000,7 +973,11 @@ void dg_experts::pack(const uint8_t * first_row, int64_t rows, uint8_t * group) 
             return;
         }
 #endif
-        (q4_K ? pack_group_q4_K_amx : pack_group_q6_K_amx)(first_row, row_bytes_, n_in_ / QK_K, rows, group);
+        if (q4_K) {
+            pack_group_q4_K(first_row, row_bytes_, n_in_ / QK_K, rows, 16, group);
+        } else {
+            pack_group_q6_K_amx(first_row, row_bytes_, n_in_ / QK_K, rows, group);
+        }
         return;
     }
     if (type_ == GGML_TYPE_Q4_K) {
@@ -1010,7 +987,7 @@ void dg_experts::pack(const uint8_t * first_row, int64_t rows, uint8_t * group) 
             return;
         }
 #endif
-        pack_group_q4_K(first_row, row_bytes_, n_in_ / QK_K, rows, group);
+        pack_group_q4_K(first_row, row_bytes_, n_in_ / QK_K, rows, Q4_K_GROUP, group);
         return;
     }
     if (type_ == GGML_TYPE_Q6_K) {
