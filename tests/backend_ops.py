@@ -56,8 +56,10 @@ CUDA_SOURCES = ((CUDA_SOURCE, "static bool ggml_backend_cuda_device_supports_op(
                 ("ggml/src/ggml-cuda/common.cuh", "#if !defined(GGML_USE_HIP) && (defined(GGML_USE_MUSA) || CUDART_VERSION >= 11070)"))
 
 # The environment of the capture: ggml's matmuls everywhere (dg's CPU GEMMs are CPU-only custom ops
-# that a GPU never sees), weights outside the CPU's repack buffers.
-GPU_FORM_ENV = {"DG_LM_HEAD": "ggml", "DG_DENSE_GEMM": "ggml", "DG_EXPERT_GEMM": "ggml", "DG_CPU_REPACK": "0"}
+# that a GPU never sees), weights outside the CPU's repack buffers, flash attention on (as where a GPU
+# runs the context; a CPU-only one runs the attention as matmuls).
+GPU_FORM_ENV = {"DG_LM_HEAD": "ggml", "DG_DENSE_GEMM": "ggml", "DG_EXPERT_GEMM": "ggml", "DG_CPU_REPACK": "0",
+                "DG_FLASH_ATTN": "1"}
 
 
 def _load_build_module():
