@@ -251,9 +251,10 @@ constexpr int64_t Q8_K_BYTES_SUMS16 = QK_K + 4 + 16 * 4;
 // Columns [c0, c1) of x (n_super * 256 values each) as ggml's quantize_row_q8_K_ref writes them
 // (per 256: the value of largest magnitude, first of equals, maps to -127; round-to-even), into
 // the layout above; `flip` 0x80 stores each quant + 128 as an unsigned byte (the AVX2 Q6_K tile's
-// operand); `sums16` writes the VNNI Q6_K tile's layout instead (Q8_K_BYTES_SUMS16).
+// operand); `sums16` writes the VNNI Q6_K tile's layout instead (Q8_K_BYTES_SUMS16); `plain_sums` the
+// sub-blocks' quant sums without d (AMX's Q4_K tile applies d once per super-block).
 void quantize_columns_q8_K(int64_t n_super, const float * x, int64_t ld_x, int64_t c0, int64_t c1, uint8_t * act,
-                          uint8_t flip = 0, bool sums16 = false) {
+                          uint8_t flip = 0, bool sums16 = false, bool plain_sums = false) {
     const int64_t bytes = sums16 ? Q8_K_BYTES_SUMS16 : Q8_K_BYTES;
     for (int64_t c = c0; c < c1; ++c) {
         for (int64_t s = 0; s < n_super; ++s) {
@@ -289,7 +290,7 @@ void quantize_columns_q8_K(int64_t n_super, const float * x, int64_t ld_x, int64
                 continue;
             }
             for (int j = 0; j < 8; ++j) {
-                const float b = d * sums[j];
+                const float b = plain_sums ? sums[j] : d * sums[j];
                 std::memcpy(o + QK_K + 4 + 4 * j, &b, sizeof(b));
             }
         }
@@ -954,7 +955,8 @@ void dg_experts::quantize(const float * x, int64_t ld_x, int64_t r0, int64_t r1,
     } else if (is_k_quant(type_)) {
         // AVX2's Q6_K tile takes them + 128 (vpmaddubsw's unsigned operand); AMX's signed
         quantize_columns_q8_K(n_in_ / QK_K, x, ld_x, r0, r1, act,
-                              type_ == GGML_TYPE_Q6_K && kernel_ == dg_lm_head_kernel::avx2 ? 0x80 : 0);
+                              type_ == GGML_TYPE_Q6_K && kernel_ == dg_lm_head_kernel::avx2 ? 0x80 : 0, false,
+                              amx_k_quant());
     } else {
         quantize_columns(kernel_, n_blocks_, x, ld_x, r0, r1, act);
     }
