@@ -1043,6 +1043,12 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
     const span_tile_fn * spans = repacked_ ? span_tiles_for(kernel_, type_) : nullptr;
     const bool           amx   = amx_k_quant(); // 16 columns a tile, the last tile's padded with zero columns
     const tile_fn *      tiles = spans || amx ? nullptr : tiles_for(kernel_, &n_wide, type_);
+#ifdef DG_LMH_X86
+    const tile_fn amx_tile = !amx ? nullptr : type_ == GGML_TYPE_Q4_K ? tile_q4_K_amx : tile_q6_K_amx;
+    if (amx) {
+        amx_configure(type_ == GGML_TYPE_Q4_K ? QK : 16); // the sub-blocks' width; this thread's, for the call
+    }
+#endif
 
     // the (slot, token) pairs routed to each expert, in token order; every thread builds the same lists
     thread_local std::vector<int64_t> first, routed;
@@ -1136,17 +1142,14 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
             }
 #ifdef DG_LMH_X86
             if (amx) {
-                const bool q4_K = type_ == GGML_TYPE_Q4_K;
-                amx_configure(q4_K ? QK : 16); // the sub-blocks' width
                 for (int64_t c = 0; c < n; c += 16) {
-                    (q4_K ? tile_q4_K_amx : tile_q6_K_amx)(staged, gathered.data() + c * ab, ab, n_in_ / QK_K, amx_out, G);
+                    amx_tile(staged, gathered.data() + c * ab, ab, n_in_ / QK_K, amx_out, G);
                     for (int64_t j = 0; j < std::min<int64_t>(16, n - c); ++j) {
                         const int64_t u = pairs[c + j] % n_used, t = pairs[c + j] / n_used;
                         std::memcpy(out + u * nb_slot + t * nb_token + g * G * sizeof(float), amx_out + j * G,
                                     (size_t) rows * sizeof(float));
                     }
                 }
-                amx_release();
                 continue;
             }
 #endif
@@ -1162,6 +1165,11 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
             }
         }
     }
+#ifdef DG_LMH_X86
+    if (amx) {
+        amx_release();
+    }
+#endif
 }
 
 void dg_experts_quantize_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
