@@ -188,15 +188,13 @@ def memory_needed(weight_bytes: int, vocab: int = 0, canvas: int = 0) -> int:
     return int(weight_bytes * MEMORY_OVERHEAD_FACTOR) + logits_bytes(vocab, canvas) + PROCESS_BYTES
 
 
-def attention_scores_bytes(get, arch: str, n_ctx: int, canvas: int) -> int:
+def attention_scores_bytes(get, arch: str, n_layer: int, n_ctx: int, canvas: int) -> int:
     """A CPU-only context's attention scores (dgcli.runtime.model.flash_attention_wanted: no flash attention
     there): one micro-batch's queries (the larger of a prompt chunk and a canvas) against n_ctx cells, every
     head, float32 (their softmax takes their place: the demo at 32768 cells measured 322 MiB of compute
     buffer against 34 with flash attention, this 268 MB). `get(key)` reads a GGUF key."""
-    heads = get(f"{arch}.attention.head_count")
-    heads = max(heads) if isinstance(heads, list) and heads and all(isinstance(h, int) for h in heads) else heads
-    heads = heads if isinstance(heads, int) and 0 < heads <= 4096 else 1
-    return max(N_UBATCH, canvas) * n_ctx * heads * 4
+    heads = max(_layer_values(get(f"{arch}.attention.head_count"), max(n_layer, 1), 1))
+    return max(N_UBATCH, canvas) * n_ctx * min(max(heads, 1), 4096) * 4
 
 
 def _layer_values(value: Any, n_layer: int, default: int) -> list[int]:
@@ -245,7 +243,7 @@ def memory_plan(get, tensors: list[tuple[str, int]], vocab: int, file_size: int,
             return plan, memory_needed(file_size, vocab, canvas), 0
         # the context's KV cache, and its attention scores, which share the compute buffer with the logits
         # (one or the other at a time: past the logits only the excess counts)
-        scores = max(0, attention_scores_bytes(get, arch, n_ctx, canvas) - logits_bytes(vocab, canvas))
+        scores = max(0, attention_scores_bytes(get, arch, n_layer, n_ctx, canvas) - logits_bytes(vocab, canvas))
         return plan, memory_needed(file_size, vocab, canvas) + scores + sum(kv), 0
     start = n_layer + 1 - plan.gpu_layer_count
     kv_gpu = sum(kv[il] for il in range(max(start, 0), n_layer))
