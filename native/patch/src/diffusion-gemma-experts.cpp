@@ -21,11 +21,17 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <random>
 #include <thread>
 #include <vector>
+
+#if defined(__linux__)
+#    include <sys/mman.h>
+#endif
 
 namespace {
 
@@ -166,6 +172,28 @@ void buffer_set_tensor(ggml_backend_buffer_t buffer, ggml_tensor * tensor, const
     }
 }
 
+// Each step streams every selected expert's weights once, so the buffer is read start to end; on 4 KiB
+// pages that read takes a TLB miss per page and the hardware prefetchers stop at each page's end.
+// Transparent huge pages are asked for before the loader writes a byte (Linux's default "madvise"
+// mode gives them only where asked); DG_HUGE_PAGES=0 leaves the buffer on the system's default.
+void advise_huge_pages(void * base, size_t size) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    const char * env = getenv("DG_HUGE_PAGES");
+    if (env && strcmp(env, "0") == 0) {
+        return;
+    }
+    constexpr uintptr_t huge = (uintptr_t) 2 << 20;
+    const uintptr_t     from = ((uintptr_t) base + huge - 1) & ~(huge - 1);
+    const uintptr_t     to   = ((uintptr_t) base + size) & ~(huge - 1);
+    if (to > from) {
+        madvise((void *) from, to - from, MADV_HUGEPAGE); // advice only: a refusal leaves 4 KiB pages
+    }
+#else
+    (void) base;
+    (void) size;
+#endif
+}
+
 const char * buft_get_name(ggml_backend_buffer_type_t buft) {
     return owner_of(buft)->name;
 }
@@ -180,6 +208,7 @@ ggml_backend_buffer_t buft_alloc_buffer(ggml_backend_buffer_type_t buft, size_t 
     buffer->iface.set_tensor  = buffer_set_tensor;
     buffer->iface.get_tensor  = nullptr; // the repacked layout is not the tensor's type
     buffer->iface.cpy_tensor  = nullptr;
+    advise_huge_pages(ggml_backend_buffer_get_base(buffer), size);
     return buffer;
 }
 
