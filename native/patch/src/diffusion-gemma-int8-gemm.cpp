@@ -248,53 +248,133 @@ void pack_group_q6_K(const uint8_t * rows, size_t row_bytes, int64_t n_super, in
 // product of the unsigned quants 0..63 (which takes their -32 back).
 constexpr int64_t Q8_K_BYTES_SUMS16 = QK_K + 4 + 16 * 4;
 
+// the bytes after a super-block's quants: d, then per 32-wide sub-block its quant sum (times d unless
+// `plain_sums`), or with `sums16` per 16-wide one -32 x its quant sum as int32
+void store_q8_K_sums(uint8_t * o, float d, const int32_t * sums_32, const int32_t * sums_16, bool sums16, bool plain_sums) {
+    std::memcpy(o + QK_K, &d, sizeof(d));
+    if (sums16) {
+        for (int j = 0; j < 16; ++j) {
+            const int32_t start = -32 * sums_16[j];
+            std::memcpy(o + QK_K + 4 + 4 * j, &start, sizeof(start));
+        }
+        return;
+    }
+    for (int j = 0; j < 8; ++j) {
+        const float b = plain_sums ? (float) sums_32[j] : d * (float) sums_32[j];
+        std::memcpy(o + QK_K + 4 + 4 * j, &b, sizeof(b));
+    }
+}
+
+void quantize_super_block_q8_K(const float * v, uint8_t * o, uint8_t flip, bool sums16, bool plain_sums) {
+    float max = 0.0f, amax = 0.0f;
+    for (int64_t k = 0; k < QK_K; ++k) {
+        if (std::fabs(v[k]) > amax) {
+            amax = std::fabs(v[k]);
+            max  = v[k];
+        }
+    }
+    float   d = 0.0f;
+    int32_t sums_32[8] = {}, sums_16[16] = {};
+    if (amax != 0.0f) {
+        const float iscale = -127.0f / max;
+        for (int64_t k = 0; k < QK_K; ++k) {
+            const int8_t q = (int8_t) std::min(127, (int) std::nearbyint(iscale * v[k]));
+            o[k] = (uint8_t) q ^ flip;
+            sums_32[k / QK] += q;
+            sums_16[k / 16] += q;
+        }
+        d = 1.0f / iscale;
+    } else {
+        std::memset(o, flip, QK_K);
+    }
+    store_q8_K_sums(o, d, sums_32, sums_16, sums16, plain_sums);
+}
+
+#ifdef DG_LMH_X86
+__attribute__((target("avx2"))) inline int32_t sum_epi32_avx2(__m256i v) {
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    h         = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+    h         = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+    return _mm_cvtsi128_si32(h);
+}
+
+// The same, 8 lanes at a time, byte for byte: the same products, rounded by cvtps2dq under the default
+// rounding mode (to nearest even, as nearbyint), packed to bytes in order (the packs interleave
+// 4-byte groups, the permute puts them back). A super-block whose largest magnitude is not found
+// again (a NaN among the values) takes the scalar loop.
+__attribute__((target("avx2"))) void quantize_super_block_q8_K_avx2(const float * v, uint8_t * o, uint8_t flip,
+                                                                    bool sums16, bool plain_sums) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256       m    = _mm256_setzero_ps();
+    for (int i = 0; i < QK_K / 8; ++i) {
+        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + 8 * i)));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h        = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h        = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h);
+    if (amax == 0.0f) {
+        quantize_super_block_q8_K(v, o, flip, sums16, plain_sums);
+        return;
+    }
+    int64_t first = -1; // the first value of that magnitude: its sign maps to -127
+    for (int i = 0; i < QK_K / 8 && first < 0; ++i) {
+        const int hit = _mm256_movemask_ps(
+            _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(v + 8 * i)), _mm256_set1_ps(amax), _CMP_EQ_OQ));
+        if (hit) {
+            first = 8 * i + __builtin_ctz((unsigned) hit);
+        }
+    }
+    if (first < 0) {
+        quantize_super_block_q8_K(v, o, flip, sums16, plain_sums);
+        return;
+    }
+    const float   iscale = -127.0f / v[first];
+    const __m256  vis    = _mm256_set1_ps(iscale);
+    const __m256i top    = _mm256_set1_epi32(127);
+    int32_t       sums_32[8], sums_16[16];
+    for (int b = 0; b < QK_K / QK; ++b) {
+        __m256i q[4];
+        for (int i = 0; i < 4; ++i) {
+            q[i] = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + QK * b + 8 * i), vis)), top);
+        }
+        sums_16[2 * b]     = sum_epi32_avx2(_mm256_add_epi32(q[0], q[1]));
+        sums_16[2 * b + 1] = sum_epi32_avx2(_mm256_add_epi32(q[2], q[3]));
+        sums_32[b]         = sums_16[2 * b] + sums_16[2 * b + 1];
+        __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        bytes         = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *) (o + QK * b), _mm256_xor_si256(bytes, _mm256_set1_epi8((char) flip)));
+    }
+    store_q8_K_sums(o, 1.0f / iscale, sums_32, sums_16, sums16, plain_sums);
+}
+#endif
+
+bool cpu_has(const char * feature);
+
 // Columns [c0, c1) of x (n_super * 256 values each) as ggml's quantize_row_q8_K_ref writes them
 // (per 256: the value of largest magnitude, first of equals, maps to -127; round-to-even), into
 // the layout above; `flip` 0x80 stores each quant + 128 as an unsigned byte (the AVX2 Q6_K tile's
 // operand); `sums16` writes the VNNI Q6_K tile's layout instead (Q8_K_BYTES_SUMS16); `plain_sums` the
-// sub-blocks' quant sums without d (AMX's Q4_K tile applies d once per super-block).
+// sub-blocks' quant sums without d (AMX's Q4_K tile applies d once per super-block); `scalar`: the
+// portable loop even where the CPU has AVX2 (the self-test compares the two).
 void quantize_columns_q8_K(int64_t n_super, const float * x, int64_t ld_x, int64_t c0, int64_t c1, uint8_t * act,
-                          uint8_t flip = 0, bool sums16 = false, bool plain_sums = false) {
-    const int64_t bytes = sums16 ? Q8_K_BYTES_SUMS16 : Q8_K_BYTES;
+                          uint8_t flip = 0, bool sums16 = false, bool plain_sums = false, bool scalar = false) {
+    const int64_t     bytes = sums16 ? Q8_K_BYTES_SUMS16 : Q8_K_BYTES;
+    static const bool avx2  = cpu_has("avx2");
     for (int64_t c = c0; c < c1; ++c) {
         for (int64_t s = 0; s < n_super; ++s) {
             const float * v = x + c * ld_x + s * QK_K;
             uint8_t *     o = act + (c * n_super + s) * bytes;
-            float max = 0.0f, amax = 0.0f;
-            for (int64_t k = 0; k < QK_K; ++k) {
-                if (std::fabs(v[k]) > amax) {
-                    amax = std::fabs(v[k]);
-                    max  = v[k];
-                }
-            }
-            float   d = 0.0f, sums[8] = {};
-            int32_t sums_16[16] = {};
-            if (amax != 0.0f) {
-                const float iscale = -127.0f / max;
-                for (int64_t k = 0; k < QK_K; ++k) {
-                    const int8_t q = (int8_t) std::min(127, (int) std::nearbyint(iscale * v[k]));
-                    o[k] = (uint8_t) q ^ flip;
-                    sums[k / QK] += q;
-                    sums_16[k / 16] += q;
-                }
-                d = 1.0f / iscale;
-            } else {
-                std::memset(o, flip, QK_K);
-            }
-            std::memcpy(o + QK_K, &d, sizeof(d));
-            if (sums16) {
-                for (int j = 0; j < 16; ++j) {
-                    const int32_t start = -32 * sums_16[j];
-                    std::memcpy(o + QK_K + 4 + 4 * j, &start, sizeof(start));
-                }
+#ifdef DG_LMH_X86
+            if (avx2 && !scalar) {
+                quantize_super_block_q8_K_avx2(v, o, flip, sums16, plain_sums);
                 continue;
             }
-            for (int j = 0; j < 8; ++j) {
-                const float b = plain_sums ? sums[j] : d * sums[j];
-                std::memcpy(o + QK_K + 4 + 4 * j, &b, sizeof(b));
-            }
+#endif
+            quantize_super_block_q8_K(v, o, flip, sums16, plain_sums);
         }
     }
+    (void) avx2;
 }
 
 // rows [0, n_rows) of a group of G (row r at rows + r * row_bytes, `type` Q8_0 or Q5_0) in the tiles'
@@ -949,16 +1029,16 @@ int64_t dg_experts::group_bytes() const {
     return n_blocks_ * dg_lm_head_group_block_bytes(group_);
 }
 
-void dg_experts::quantize(const float * x, int64_t ld_x, int64_t r0, int64_t r1, uint8_t * act) const {
+void dg_experts::quantize(const float * x, int64_t ld_x, int64_t r0, int64_t r1, uint8_t * act, bool scalar) const {
     if (type_ == GGML_TYPE_Q6_K && kernel_ == dg_lm_head_kernel::avx512_vnni && !amx_k_quant()) {
-        quantize_columns_q8_K(n_in_ / QK_K, x, ld_x, r0, r1, act, 0, /*sums16 =*/ true);
+        quantize_columns_q8_K(n_in_ / QK_K, x, ld_x, r0, r1, act, 0, /*sums16 =*/ true, false, scalar);
     } else if (is_k_quant(type_)) {
         // AVX2's Q6_K tile takes them + 128 (vpmaddubsw's unsigned operand); AMX's signed
         quantize_columns_q8_K(n_in_ / QK_K, x, ld_x, r0, r1, act,
                               type_ == GGML_TYPE_Q6_K && kernel_ == dg_lm_head_kernel::avx2 ? 0x80 : 0, false,
-                              amx_k_quant());
+                              amx_k_quant(), scalar);
     } else {
-        quantize_columns(kernel_, n_blocks_, x, ld_x, r0, r1, act);
+        quantize_columns(kernel_, n_blocks_, x, ld_x, r0, r1, act, n_blocks_ * (QK + 4), scalar);
     }
 }
 

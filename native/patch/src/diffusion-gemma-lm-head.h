@@ -179,8 +179,9 @@ public:
     // it only where AMX runs)
     bool              amx_k_quant() const;
 
-    // rows [r0, r1) of x (F32, row r at x + r * ld_x) quantized as dg_lm_head::quantize does
-    void quantize(const float * x, int64_t ld_x, int64_t r0, int64_t r1, uint8_t * act) const;
+    // rows [r0, r1) of x (F32, row r at x + r * ld_x) quantized as dg_lm_head::quantize does; `scalar`:
+    // the portable loops even where the CPU has AVX2 (the self-test compares the two)
+    void quantize(const float * x, int64_t ld_x, int64_t r0, int64_t r1, uint8_t * act, bool scalar = false) const;
 
     // out(slot, token) = expert ids[slot + token * ld_ids] x activation row (slot % n_act_slots) +
     // token * n_act_slots of act, for every slot < n_used and token < n_tokens; out(slot, token) is
