@@ -28,11 +28,16 @@ WAIT_S = 180  # every wait below is bounded
 class Collector:
     """A request's sink: keeps its events; `done` is set by its RequestDone / RequestFailed."""
 
-    def __init__(self, stop_after_canvases: int | None = None):
+    def __init__(self, stop_after_canvases: int | None = None, hold_at_first_step: bool = False):
         self.events: list = []
         self.outcome = None
         self.done = threading.Event()
         self.stop_after = stop_after_canvases
+        # hold_at_first_step: the scheduler's thread waits in this sink at the request's first step until
+        # `release` is set, so that what the test does meanwhile happens while the request is mid-canvas
+        self.hold = hold_at_first_step
+        self.at_first_step = threading.Event()
+        self.release = threading.Event()
 
     def __call__(self, event):
         from dgcli.server.scheduler import RequestDone, RequestFailed
@@ -41,6 +46,9 @@ class Collector:
             self.outcome = event
             self.done.set()
             return None
+        if self.hold and isinstance(event, StepEvent) and not self.at_first_step.is_set():
+            self.at_first_step.set()
+            assert self.release.wait(WAIT_S), "the test never let the request go on"
         self.events.append(event)
         if isinstance(event, CanvasEvent) and self.stop_after is not None:
             if sum(isinstance(e, CanvasEvent) for e in self.events) >= self.stop_after:
@@ -67,26 +75,33 @@ def solo_results(path, jobs, self_cond_top_k=None, sampler="auto", exact=False):
         return [engine.generate(ids, params=params, max_new_tokens=n, seed=seed) for ids, params, n, seed in jobs]
 
 
-def run_jobs(scheduler, jobs, stagger_s=0.0, sinks=None):
+def run_jobs(scheduler, jobs, join_mid_run=False, sinks=None):
+    """Submits the jobs at once, or with join_mid_run each after the one before has taken its first step
+    (held there until the next is queued: it joins while that one is mid-canvas, on any machine's speed)."""
     from dgcli.server.scheduler import GenerationRequest
 
-    sinks = sinks or [Collector() for _ in jobs]
+    sinks = sinks or [Collector(hold_at_first_step=join_mid_run and k + 1 < len(jobs)) for k in range(len(jobs))]
     requests = []
+    before = None
     for (ids, params, n, seed), sink in zip(jobs, sinks):
         requests.append(scheduler.submit(GenerationRequest(prompt_ids=list(ids), params=params, max_new_tokens=n,
                                                            seed=seed, sink=sink, want_steps=True)))
-        time.sleep(stagger_s)
+        if before is not None:
+            before.release.set()
+        if sink.hold:
+            assert sink.at_first_step.wait(WAIT_S), "a request never took its first step"
+            before = sink
     deadline = time.monotonic() + WAIT_S
     for sink in sinks:
         assert sink.done.wait(max(0.0, deadline - time.monotonic())), "a request did not finish in time"
     return sinks, requests
 
 
-def run_batched(path, jobs, stagger_s=0.0, **open_kwargs):
+def run_batched(path, jobs, join_mid_run=False, **open_kwargs):
     """jobs through a fresh scheduler: (sinks, stats, the step backend it used), closed afterwards."""
     scheduler, model = open_scheduler(path, **open_kwargs)
     try:
-        sinks, _ = run_jobs(scheduler, jobs, stagger_s=stagger_s)
+        sinks, _ = run_jobs(scheduler, jobs, join_mid_run=join_mid_run)
         return sinks, scheduler.stats, scheduler.engine.step_backend
     finally:
         scheduler.close()
@@ -133,7 +148,7 @@ def test_multi_canvas_requests_joining_and_leaving_mid_run_equal_solo(tiny_gguf)
             for i, (ids, n) in enumerate(zip(prompts, (48, 16, 40, 32, 16)))]
     expected = solo_results(tiny_gguf, jobs)
     assert max(len(r.steps_per_canvas) for r in expected) >= 2  # the check needs commits
-    sinks, stats, _ = run_batched(tiny_gguf, jobs, stagger_s=0.02, slots=3)
+    sinks, stats, _ = run_batched(tiny_gguf, jobs, join_mid_run=True, slots=3)
     for sink, want in zip(sinks, expected):
         assert sink.outcome.result.token_ids == want.token_ids
         assert sink.outcome.result.steps_per_canvas == want.steps_per_canvas
@@ -149,7 +164,7 @@ def test_top_k_self_conditioning_batched_equals_solo(tiny_gguf):
     jobs = [(ids, DiffusionParams(max_denoising_steps=4), n, seed)
             for ids, n, seed in zip(prompts, (32, 16, 32), (7, 8, 9))]
     expected = solo_results(tiny_gguf, jobs, self_cond_top_k=8)
-    sinks, _, _ = run_batched(tiny_gguf, jobs, stagger_s=0.01, slots=3, self_cond_top_k=8)
+    sinks, _, _ = run_batched(tiny_gguf, jobs, join_mid_run=True, slots=3, self_cond_top_k=8)
     for sink, want in zip(sinks, expected):
         assert sink.outcome.result.token_ids == want.token_ids
     dropped = [e.sc_dropped_mass for e in sinks[0].events if isinstance(e, StepEvent)]
@@ -170,7 +185,7 @@ def test_batched_step_backend_equals_solo_on_the_other_backend(tiny_gguf, self_c
     jobs = [(ids, DiffusionParams(max_denoising_steps=3 + i), n, 20 + i)
             for i, (ids, n) in enumerate(zip(prompts, (32, 16, 32)))]
     expected = solo_results(tiny_gguf, jobs, self_cond_top_k=self_cond_top_k, sampler=solo, exact=True)
-    sinks, stats, backend = run_batched(tiny_gguf, jobs, stagger_s=0.01, slots=3, self_cond_top_k=self_cond_top_k,
+    sinks, stats, backend = run_batched(tiny_gguf, jobs, join_mid_run=True, slots=3, self_cond_top_k=self_cond_top_k,
                                         sampler=batched, exact=True)
     assert backend == batched
     for sink, want in zip(sinks, expected):
