@@ -298,16 +298,17 @@ __attribute__((target("avx2"))) inline int32_t sum_epi32_avx2(__m256i v) {
     return _mm_cvtsi128_si32(h);
 }
 
-// The same, 8 lanes at a time, byte for byte: the same products, rounded by cvtps2dq under the default
-// rounding mode (to nearest even, as nearbyint), packed to bytes in order (the packs interleave
-// 4-byte groups, the permute puts them back). A super-block whose largest magnitude is not found
-// again (a NaN among the values) takes the scalar loop.
+// The same, 8 lanes at a time, byte for byte: the largest magnitude found as the scalar loop finds it
+// (NaNs passed over), the same products, rounded by cvtps2dq under the default rounding mode (to
+// nearest even, as nearbyint), packed to bytes in order (the packs interleave 4-byte groups, the
+// permute puts them back). A NaN value's own quant differs from the scalar loop's, whose cast of a NaN
+// is undefined.
 __attribute__((target("avx2"))) void quantize_super_block_q8_K_avx2(const float * v, uint8_t * o, uint8_t flip,
                                                                     bool sums16, bool plain_sums) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256       m    = _mm256_setzero_ps();
     for (int i = 0; i < QK_K / 8; ++i) {
-        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + 8 * i)));
+        m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(v + 8 * i)), m); // a NaN lane keeps m
     }
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
     h        = _mm_max_ps(h, _mm_movehl_ps(h, h));
@@ -325,7 +326,7 @@ __attribute__((target("avx2"))) void quantize_super_block_q8_K_avx2(const float 
             first = 8 * i + __builtin_ctz((unsigned) hit);
         }
     }
-    if (first < 0) {
+    if (first < 0) { // not reached: amax is one of the values' magnitudes
         quantize_super_block_q8_K(v, o, flip, sums16, plain_sums);
         return;
     }
