@@ -1215,20 +1215,32 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
             const int64_t   rows   = std::min(G, n_out_ - g * G);
             const uint8_t * staged = stage(e, g, group);
             if (spans) {
+                // the expert's rows [g0 G, g1 G) of every column are summed here and copied out once the
+                // expert is done: one contiguous row per column, where a group's 64-byte piece per column
+                // would land in a line and page far from the last one (the result's rows are n_used x
+                // n_out floats apart)
+                const int64_t width = (g1 - g0) * G;
+                if (g == g0) {
+                    sums.assign((size_t) (n * width), 0.0f);
+                }
+                float * at = sums.data() + (g - g0) * G;
                 // every column tile over a span of blocks (8: ~2.3-4.6 KB of weights, kept in L1) before the
                 // next span, so that the group's weights stream from memory once, without pauses
-                sums.assign((size_t) (n * G), 0.0f);
                 for (int64_t b0 = 0; b0 < n_blocks_; b0 += 8) {
                     for (int64_t c = 0, tile = 0; c < n; ++tile) {
                         const int64_t nc = n / n_tiles + (tile < n % n_tiles ? 1 : 0);
                         spans[nc](staged, gathered.data() + c * ab, ab, n_blocks_, b0, std::min(b0 + 8, n_blocks_),
-                                  sums.data() + c * G, G);
+                                  at + c * width, width);
                         c += nc;
                     }
                 }
-                for (int64_t j = 0; j < n; ++j) {
-                    const int64_t u = pairs[j] % n_used, t = pairs[j] / n_used;
-                    copy_group_rows(out + u * nb_slot + t * nb_token + g * G * sizeof(float), sums.data() + j * G, rows);
+                if (g + 1 == g1) {
+                    const int64_t r0 = g0 * G, r1 = std::min(g1 * G, n_out_);
+                    for (int64_t j = 0; j < n; ++j) {
+                        const int64_t u = pairs[j] % n_used, t = pairs[j] / n_used;
+                        std::memcpy(out + u * nb_slot + t * nb_token + r0 * sizeof(float), sums.data() + j * width,
+                                    (size_t) (r1 - r0) * sizeof(float));
+                    }
                 }
                 continue;
             }
