@@ -3,7 +3,7 @@
 // per super-block of 16 rows d, dmin, 8 scales, 8 mins, then 32 vectors of 16 rows x 4 nibble bytes)
 // timed by parts with its operands in L1, then streamed from memory as a canvas step streams the
 // experts (128 experts x 1408 rows x 2816, 16 tokens each, two tiles of 8 columns over each span) on
-// 4 KiB and on 2 MiB pages. One thread, CPU time, best of 5 rounds. On an AVX-512 VNNI x86-64 Linux CPU:
+// 4 KiB and on 2 MiB pages, with the results kept or stored into a MUL_MAT_ID result as dg did and does. One thread, CPU time, best of 5 rounds. On an AVX-512 VNNI x86-64 Linux CPU:
 //
 //   g++ -O3 -o /tmp/expert_tile_probe benchmarks/expert_tile_probe.cpp && /tmp/expert_tile_probe
 //
@@ -142,8 +142,13 @@ template <int NC, part what> double in_l1(const uint8_t * w, const uint8_t * act
     });
 }
 
+// where each group's 16 x 16 results go: nowhere (the tile's own output), into the MUL_MAT_ID result
+// [1408, 8, 256] a group's 64 bytes per column (rows of one token 45 KB apart), or into the expert's own
+// rows, copied out whole once its last group is done
+enum class results { kept, stored_per_group, stored_per_expert };
+
 // the experts' stream: per group of 16 rows, per super-block, two tiles of 8 columns
-double streamed(bool huge_pages) {
+double streamed(bool huge_pages, results where = results::kept) {
     const int64_t n_super = 11, act_bytes = n_super * Q8_K_BYTES, group_bytes = n_super * Q4_K_STORED * G;
     const int64_t n_groups = 128 * 1408 / G;
     const size_t  huge     = (size_t) 2 << 20;
@@ -156,13 +161,29 @@ double streamed(bool huge_pages) {
     fill_weights(w, n_groups * n_super);
     std::vector<uint8_t> act((size_t) (16 * act_bytes), 2);
     alignas(64) static float out[16 * 16];
+    constexpr int64_t  n_out = 1408, n_used = 8, n_tokens = 256, groups_per_expert = n_out / G;
+    std::vector<float> result((size_t) (n_out * n_used * n_tokens)), rows((size_t) (16 * n_out));
     const double rate = best_rate([&] {
         for (int64_t g = 0; g < n_groups; ++g) {
             const uint8_t * group = w + g * group_bytes;
+            std::memset(out, 0, sizeof(out));
             for (int64_t s = 0; s < n_super; ++s) {
                 tile<8, part::whole>(group + s * Q4_K_STORED * G, act.data() + s * Q8_K_BYTES, act_bytes, 1, out);
                 tile<8, part::whole>(group + s * Q4_K_STORED * G, act.data() + 8 * act_bytes + s * Q8_K_BYTES, act_bytes,
                                      1, out + 8 * 16);
+            }
+            const int64_t e = g / groups_per_expert, in_expert = g % groups_per_expert;
+            for (int64_t c = 0; c < 16 && where != results::kept; ++c) {
+                const int64_t token = (2 * e + 16 * c) % n_tokens, slot = (e + c) % n_used; // 16 tokens an expert
+                float *       row   = result.data() + (token * n_used + slot) * n_out;
+                if (where == results::stored_per_group) {
+                    std::memcpy(row + in_expert * G, out + 16 * c, 16 * sizeof(float));
+                    continue;
+                }
+                std::memcpy(rows.data() + c * n_out + in_expert * G, out + 16 * c, 16 * sizeof(float));
+                if (in_expert + 1 == groups_per_expert) {
+                    std::memcpy(row, rows.data() + c * n_out, n_out * sizeof(float));
+                }
             }
         }
         return (double) n_groups * n_super * QK_K * G * 16;
@@ -194,6 +215,8 @@ int main() {
         const double small = streamed(false), large = streamed(true);
         std::printf("streamed, 16 columns: 4 KiB pages %.1f, 2 MiB pages %.1f (%.2f GB/s of weights)\n", small, large,
                     large / 16.0 * 0.578);
+        std::printf("  on 2 MiB pages, the results stored: a group's 64 bytes per column %.1f, whole rows per expert %.1f\n",
+                    streamed(true, results::stored_per_group), streamed(true, results::stored_per_expert));
     }
     return 0;
 }
