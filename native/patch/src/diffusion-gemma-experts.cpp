@@ -173,7 +173,8 @@ void buffer_set_tensor(ggml_backend_buffer_t buffer, ggml_tensor * tensor, const
 }
 
 // Each step streams every selected expert's weights once, so the buffer is read start to end; on 4 KiB
-// pages that read takes a TLB miss per page and the hardware prefetchers stop at each page's end.
+// pages that read takes a TLB miss per page (benchmarks/expert_tile_probe.cpp: the stream ran ~1.3x
+// faster on 2 MiB pages).
 // Transparent huge pages are asked for before the loader writes a byte (Linux's default "madvise"
 // mode gives them only where asked); DG_HUGE_PAGES=0 leaves the buffer on the system's default.
 void advise_huge_pages(void * base, size_t size) {
