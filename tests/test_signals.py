@@ -257,3 +257,51 @@ def test_a_terminal_that_hangs_up_ends_the_live_run_at_once(tiny_gguf, tmp_path)
         time.sleep(0.05)
     assert os.waitstatus_to_exitcode(status[1]) == 129
     assert list(out.iterdir()) == []  # neither the trace nor its temporary
+
+
+# Enters and leaves `deferred_interrupts` as fast as it can for a while, counting the Ctrl-Cs it caught
+# as KeyboardInterrupt (a Ctrl-C outside a block may land anywhere, so the loop itself is retried).
+DEFERRED_LOOP = """
+import sys, time
+from dgcli.runtime import native
+counts = {"blocks": 0, "interrupts": 0}
+end = time.monotonic() + float(sys.argv[1])
+def loop():
+    while time.monotonic() < end:
+        try:
+            with native.deferred_interrupts(check=False):
+                sum(range(2000))
+            counts["blocks"] += 1
+        except KeyboardInterrupt:
+            counts["interrupts"] += 1
+print("ready", flush=True)
+while True:
+    try:
+        loop()
+        break
+    except KeyboardInterrupt:
+        pass
+print(counts["blocks"], counts["interrupts"], flush=True)
+"""
+
+
+def test_ctrl_c_at_any_moment_of_a_deferred_block_never_leaves_the_next_one_stuck():
+    """A Ctrl-C that lands as a block hands SIGINT back to Python's default handler raises
+    KeyboardInterrupt wherever the block's exit is; none of those places may hold a lock (it stayed
+    held, and the engine's close hung: `dg compare` did not end after Ctrl-C)."""
+    sending_s, running_s = 2.0, 3.0
+    proc = subprocess.Popen([sys.executable, "-c", DEFERRED_LOOP, str(running_s)], stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parent.parent)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        end = time.monotonic() + sending_s
+        while time.monotonic() < end and proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.0005)
+        out, _ = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("the loop hung: a Ctrl-C left a deferred block's state locked")
+    assert proc.returncode == 0, out
+    blocks, interrupts = map(int, out.split())
+    assert interrupts >= 10 and blocks > interrupts  # the Ctrl-Cs landed in blocks, which went on after them

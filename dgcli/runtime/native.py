@@ -101,7 +101,10 @@ def _on_log(level: int, text: bytes, _user_data: Any) -> None:
                 sink.append(line.strip())
 
 
-_interrupt_pending = threading.Event()
+# Set by the SIGINT handler `deferred_interrupts` installs. A plain flag, not a threading.Event: the
+# default handler may raise KeyboardInterrupt between any two bytecodes of the block's exit, and one
+# raised inside an Event's `with lock:` leaves that lock held for good (the next block then hangs).
+_interrupt_pending = [False]
 # Run after every native call made in `deferred_interrupts()`, in the caller's thread: dgcli.runtime.rpc
 # adds one that raises WorkerLost when an RPC worker failed during the call (ggml's client then
 # completes the call with neutral values, which must not be used).
@@ -114,7 +117,7 @@ def check_calls() -> None:
 
 
 def _record_interrupt(_signum: int, _frame: Any) -> None:
-    _interrupt_pending.set()
+    _interrupt_pending[0] = True
 
 
 @contextlib.contextmanager
@@ -133,13 +136,15 @@ def deferred_interrupts(check: bool = True) -> Iterator[None]:
             if check:
                 check_calls()
         return
+    # reset on entry: a Ctrl-C that lands while the last block exited raised KeyboardInterrupt itself
+    _interrupt_pending[0] = False
     signal.signal(signal.SIGINT, _record_interrupt)
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        interrupted = _interrupt_pending.is_set()
-        _interrupt_pending.clear()
+        interrupted = _interrupt_pending[0]
+        _interrupt_pending[0] = False
         if check:
             check_calls()  # a lost worker first: it, not the Ctrl-C, is why the call returned early
         if interrupted:
