@@ -417,6 +417,8 @@ DG_LMH_TILES(tile_emulated)
 #ifdef DG_LMH_X86
 DG_LMH_TILES(tile_vnni)
 const tile_fn tile_avx2_by_columns[5] = { nullptr, tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4> };
+const tile_fn tile_q5_0_avx2_by_columns[5] = { nullptr, tile_q5_0_avx2<1>, tile_q5_0_avx2<2>, tile_q5_0_avx2<3>,
+                                              tile_q5_0_avx2<4> };
 const tile_fn tile_q4_K_avx2_by_columns[5] = { nullptr, tile_q4_K_avx2<1>, tile_q4_K_avx2<2>, tile_q4_K_avx2<3>,
                                               tile_q4_K_avx2<4> };
 const tile_fn tile_q6_K_avx2_by_columns[5] = { nullptr, tile_q6_K_avx2<1>, tile_q6_K_avx2<2>, tile_q6_K_avx2<3>,
@@ -533,10 +535,11 @@ __attribute__((target("avx2,f16c"))) void quantize_block_avx2(const float * x, u
 // Columns [c0, c1) of x, n_blocks blocks each, into act: column c at act + c * act_stride holds its
 // quants, then their scales (a chunked layout calls this once per chunk, act and x at the chunk's
 // start). `scalar`: the portable loop even where the CPU has AVX2 (the selftest compares the two).
+// `plus_128`: the activation + 128 for AVX2 too (its Q5_0 expert tile's unsigned operand).
 void quantize_columns(dg_lm_head_kernel kernel, int64_t n_blocks, const float * x, int64_t ld_x, int64_t c0, int64_t c1,
-                      uint8_t * act, int64_t act_stride, bool scalar = false) {
+                      uint8_t * act, int64_t act_stride, bool scalar = false, bool plus_128 = false) {
     // the VNNI layout's operand is unsigned: the activation + 128
-    const int8_t offset = kernel == dg_lm_head_kernel::avx2 ? 0 : -128;
+    const int8_t offset = kernel == dg_lm_head_kernel::avx2 && !plus_128 ? 0 : -128;
     static const bool avx2 = cpu_has("avx2");
     for (int64_t c = c0; c < c1; ++c) {
         const float * col    = x + c * ld_x;
@@ -581,6 +584,12 @@ const tile_fn * tiles_for(dg_lm_head_kernel kernel, int64_t * n_wide, ggml_type 
     }
 #endif
     return tile_emulated_by_columns;
+}
+
+// The experts' Q5_0 on AVX2 run tile_q5_0_avx2, against the activations + 128; the other staged types
+// their tiles_for's.
+bool q5_0_tile_avx2(ggml_type type, dg_lm_head_kernel kernel) {
+    return type == GGML_TYPE_Q5_0 && kernel == dg_lm_head_kernel::avx2;
 }
 
 // the repacked experts' span tiles of `type` by column count (VNNI; null: the staged AVX2 route)
@@ -1039,7 +1048,8 @@ void dg_experts::quantize(const float * x, int64_t ld_x, int64_t r0, int64_t r1,
                               type_ == GGML_TYPE_Q6_K && kernel_ == dg_lm_head_kernel::avx2 ? 0x80 : 0, false,
                               amx_k_quant(), scalar);
     } else {
-        quantize_columns(kernel_, n_blocks_, x, ld_x, r0, r1, act, n_blocks_ * (QK + 4), scalar);
+        quantize_columns(kernel_, n_blocks_, x, ld_x, r0, r1, act, n_blocks_ * (QK + 4), scalar,
+                         q5_0_tile_avx2(type_, kernel_));
     }
 }
 
@@ -1136,6 +1146,11 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
     const span_tile_fn * spans = repacked_ ? span_tiles_for(kernel_, type_) : nullptr;
     const bool           amx   = amx_k_quant(); // 16 columns a tile, the last tile's padded with zero columns
     const tile_fn *      tiles = spans || amx ? nullptr : tiles_for(kernel_, &n_wide, type_);
+#ifdef DG_LMH_X86
+    if (tiles && q5_0_tile_avx2(type_, kernel_)) {
+        tiles = tile_q5_0_avx2_by_columns;
+    }
+#endif
 #ifdef DG_LMH_X86
     const tile_fn amx_tile = !amx ? nullptr : type_ == GGML_TYPE_Q4_K ? tile_q4_K_amx : tile_q6_K_amx;
     if (amx) {
