@@ -278,12 +278,20 @@ def test_graph_step_moves_no_logits_to_the_host(wide_vocab_gguf):
 @pytest.mark.slow
 def test_engine_on_the_graph_step_generates_what_the_host_sampler_does(tiny_gguf, top_k):
     """`dg generate`'s loop: the graph step (the default where the model has one) and the forward +
-    host native sampler give the same generation, step by step."""
+    host native sampler give the same generation, step by step.
+
+    Top-k self-conditioning: both paths form the next step's input from the same top-k, so every step is
+    equal. Dense: the graph step forms the next soft embedding from its own probabilities (its exp, within
+    2 ulp of numpy's; its sum in another order), the host path from numpy's softmax of the processed
+    logits, ~1e-6 of the entropy apart at the first self-conditioned step. This random model feeds that
+    back and amplifies it 3-10x a step (measured on an AVX2 EPYC: 1.2e-6, 1.5e-6, 1.3e-5, ... 4.8e-2 by
+    the eighth step, where a sampled token flipped), so the dense run stops each canvas after 3 steps,
+    where the two stayed within 7.8e-6 there: equal tokens then do not depend on how a machine rounds."""
     from dgcli.engine.diffusion import DiffusionEngine
     from dgcli.params import DiffusionParams
     from dgcli.runtime.model import DiffusionModel
 
-    params = DiffusionParams(max_denoising_steps=8)
+    params = DiffusionParams(max_denoising_steps=8 if top_k else 3)
     runs = {}
     with DiffusionModel(tiny_gguf, n_threads=2, exact=True, n_ctx=256) as m:
         for backend in ("auto", "native"):
@@ -295,17 +303,12 @@ def test_engine_on_the_graph_step_generates_what_the_host_sampler_does(tiny_gguf
     (graph, graph_steps), (host, host_steps) = runs["graph"], runs["native"]
     assert graph.token_ids == host.token_ids
     assert graph.steps_per_canvas == host.steps_per_canvas
+    assert len(graph.steps_per_canvas) >= 2  # canvases after the first start from the committed tokens
     graph_entropy, host_entropy = [e.mean_entropy for e in graph_steps], [e.mean_entropy for e in host_steps]
     if top_k:
         assert graph_entropy == host_entropy
     else:
-        # dense: the graph step forms the next soft embedding from its own probabilities (its exp, within
-        # 2 ulp of numpy's; its sum in another order), the host path from numpy's softmax of the processed
-        # logits. The first self-conditioned step (the second) shows that difference alone (~1e-7); this
-        # random model then feeds it back step after step, where a change of summation order moves the
-        # eighth step's entropy by up to 6e-3
-        np.testing.assert_allclose(graph_entropy[:2], host_entropy[:2], rtol=1e-5)
-        np.testing.assert_allclose(graph_entropy, host_entropy, rtol=1e-2)
+        np.testing.assert_allclose(graph_entropy, host_entropy, rtol=1e-4)
     assert [e.accepted_mask.tolist() for e in graph_steps] == [e.accepted_mask.tolist() for e in host_steps]
 
 
