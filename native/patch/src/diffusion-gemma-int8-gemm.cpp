@@ -1150,8 +1150,6 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
     if (tiles && q5_0_tile_avx2(type_, kernel_)) {
         tiles = tile_q5_0_avx2_by_columns;
     }
-#endif
-#ifdef DG_LMH_X86
     const tile_fn amx_tile = !amx ? nullptr : type_ == GGML_TYPE_Q4_K ? tile_q4_K_amx : tile_q6_K_amx;
     if (amx) {
         amx_configure(type_ == GGML_TYPE_Q4_K ? QK : 16); // the sub-blocks' width; this thread's, for the call
