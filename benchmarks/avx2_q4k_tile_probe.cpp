@@ -16,21 +16,16 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <ctime>
 #include <algorithm>
 #include <vector>
+
+#include "probe_timing.h"
 
 namespace {
 
 constexpr int64_t G = 8, QK = 32, QK_K = 256;
 constexpr int64_t Q8_K_BYTES = QK_K + 4 + 8 * 4;
 constexpr int64_t SB_BYTES   = 2 * 8 * G * 4 + 8 * 8 * G * 4;
-
-double cpu_now_s() {
-    timespec ts;
-    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-    return (double) ts.tv_sec + 1e-9 * (double) ts.tv_nsec;
-}
 
 // per_sub_block: the activation's d applied to every sub-block's product (dg's tile); folded: d applied
 // once per super-block to the sum of the sub-blocks' scaled products (tried: docs/performance.md); no_offset:
@@ -109,16 +104,6 @@ PROBE_AVX2 void tile(const uint8_t * group, const uint8_t * act, int64_t act_byt
     for (int c = 0; c < NC; ++c) {
         _mm256_storeu_ps(out + c * G, acc[c]);
     }
-}
-
-template <typename Run> double best_rate(Run run) {
-    double best = 0.0;
-    for (int round = 0; round < 5; ++round) {
-        const double t0 = cpu_now_s();
-        const double macs = run();
-        best = std::max(best, macs / (cpu_now_s() - t0) / 1e9);
-    }
-    return best;
 }
 
 // one group against n_cols columns in tiles of NC, `reps` times: its weights and the columns in L1/L2

@@ -16,20 +16,15 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <ctime>
 #include <vector>
+
+#include "probe_timing.h"
 
 namespace {
 
 constexpr int64_t G = 16, QK = 32, QK_K = 256;
 constexpr int64_t Q8_K_BYTES = QK_K + 4 + 8 * 4; // quants, d, 8 sub-block sums times d
 constexpr int64_t Q4_K_STORED = 148;              // per row and super-block, as the repacked layout
-
-double cpu_now_s() {
-    timespec ts;
-    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-    return (double) ts.tv_sec + 1e-9 * (double) ts.tv_nsec;
-}
 
 enum class part { whole, no_scaling, no_unpacking };
 
@@ -118,17 +113,6 @@ void fill_weights(uint8_t * w, int64_t n_super_total) {
     for (int64_t s = 0; s < n_super_total; ++s) {
         std::memset(w + s * Q4_K_STORED * G, 0, 4 * G);
     }
-}
-
-// best G MAC/s of `run()` (returning multiply-adds) over 5 rounds
-template <typename Run> double best_rate(Run run) {
-    double best = 0.0;
-    for (int round = 0; round < 5; ++round) {
-        const double t0   = cpu_now_s();
-        const double macs = run();
-        best              = std::max(best, macs / (cpu_now_s() - t0) / 1e9);
-    }
-    return best;
 }
 
 template <int NC, part what> double in_l1(const uint8_t * w, const uint8_t * act, int64_t act_bytes, int64_t n_super) {
