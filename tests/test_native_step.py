@@ -303,7 +303,6 @@ def test_engine_on_the_graph_step_generates_what_the_host_sampler_does(tiny_gguf
     (graph, graph_steps), (host, host_steps) = runs["graph"], runs["native"]
     assert graph.token_ids == host.token_ids
     assert graph.steps_per_canvas == host.steps_per_canvas
-    assert len(graph.steps_per_canvas) >= 2  # canvases after the first start from the committed tokens
     graph_entropy, host_entropy = [e.mean_entropy for e in graph_steps], [e.mean_entropy for e in host_steps]
     if top_k:
         assert graph_entropy == host_entropy
