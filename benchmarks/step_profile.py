@@ -112,7 +112,7 @@ def group_of(node, n_vocab: int, n_embd: int) -> str:
         return "MoE down (MUL_MAT_ID)" if node.shapes[1][1] == n_embd else "MoE gate+up (MUL_MAT_ID)"
     if node.op == "CUSTOM" and base in EXPERT_GEMMS:  # the down product's name sits on its scale's MUL
         return ("MoE gate+up" if base == "ffn_moe_gate_up" else "MoE down") + " (experts on our tiles)"
-    if node.op == "CUSTOM" and base == "lm_head" and node.shapes[1][0] % 36:  # Q8_K activations: a K-quant head
+    if node.op == "CUSTOM" and base == "lm_head" and node.shapes[1][0] != n_embd // 32 * 36:  # Q8_K activations
         return "LM head (K-quant tile)"
     if (node.op, base) in NAMED_GROUPS:
         return NAMED_GROUPS[(node.op, base)]

@@ -267,26 +267,28 @@ def test_k_quant_expert_gemm_agrees_with_a_double_precision_sum(weight_type, n_i
     (512, 100, 1, 1, 17, False, 4),     # one column past a whole tile
 ])
 @pytest.mark.parametrize("weight_type", ["q4_K", "q6_K"])
-def test_k_quants_on_amx_tiles_agree_with_a_double_precision_sum(weight_type, n_in, n_out, n_expert, n_used, n_tokens,
-                                                                 per_slot, nth, monkeypatch):
-    """Q4_K and Q6_K packed on the fly for the VNNI family run on AMX's tiles (the route the VNNI family's
-    dense K-quant weights take): against the same float64 sum as AVX2's tiles, split as `nth` threads
-    split it; with DG_AMX=0 there is no such route."""
+@pytest.mark.parametrize("amx", ["1", "0"], ids=["amx", "span-tiles"])
+def test_vnni_k_quants_packed_on_the_fly_agree_with_a_double_precision_sum(weight_type, n_in, n_out, n_expert, n_used,
+                                                                           n_tokens, per_slot, nth, amx, monkeypatch):
+    """Q4_K and Q6_K packed on the fly for the VNNI family (the route its dense K-quant weights take): on
+    AMX's tiles where AMX runs, else each group repacked for the repacked experts' span tiles (DG_AMX=0
+    forces that route on an AMX CPU); against the same float64 sum as AVX2's tiles, split as `nth` threads
+    split it."""
     import ctypes
 
     from dgcli.runtime import native
 
     lib = native.lib()._lib
-    if not lib.dg_amx_in_use():
+    if amx == "1" and not lib.dg_amx_in_use():
         pytest.skip("this CPU has no AMX-INT8 (or Linux does not grant its tile state)")
+    monkeypatch.setenv("DG_AMX", amx)
     err = ctypes.c_double()
     rc = lib.dg_experts_selftest(KERNELS["avx512-vnni"], K_QUANT_TYPES[weight_type], n_in, n_out, n_expert, n_used,
                                  n_tokens, per_slot, nth, 17, ctypes.byref(err))
+    if rc == 1:
+        pytest.skip("this CPU lacks AVX-512 VNNI")
     assert rc == 0
     assert err.value < 1e-5
-    monkeypatch.setenv("DG_AMX", "0")
-    assert lib.dg_experts_selftest(KERNELS["avx512-vnni"], K_QUANT_TYPES[weight_type], n_in, n_out, n_expert, n_used,
-                                   n_tokens, per_slot, nth, 17, ctypes.byref(err)) == 1
 
 
 @pytest.mark.parametrize("weight_type", ["q4_K", "q6_K"])
@@ -439,7 +441,8 @@ def _q8_k_dequantized(x: np.ndarray) -> np.ndarray:
 def test_k_quant_dense_weights_on_our_tiles_give_ggml_products(tmp_path, monkeypatch, family):
     """A Q4_K_M file's dense Q4_K and Q6_K weights (attention, dense FFN, self-conditioning MLP, and the
     Q6_K LM head) on the experts' K-quant tiles as one expert, kept out of the repack buffers for them:
-    AVX2's tiles, or the VNNI family's on AMX's tiles.
+    AVX2's tiles, or the VNNI family's (AMX's tiles where the CPU has them, else the span tiles of the
+    repacked experts, each group repacked on the fly).
     Each such product of a self-conditioned canvas decode against float64 over what ggml multiplies: the weights as its
     dequantizer decodes them and the node's own input quantized as its Q8_K (so a last-bit difference
     upstream, which a requantization can turn into 1e-3, cannot hide or fake an error). Where the
@@ -470,8 +473,6 @@ def test_k_quant_dense_weights_on_our_tiles_give_ggml_products(tmp_path, monkeyp
         {"lm_head", "ffn_down-1"}
     assert all(t.tensor_type == gguf.GGMLQuantizationType.Q6_K for t in reader.tensors
                if t.name in ("token_embd.weight", "blk.1.ffn_down.weight"))
-    if family == "avx512-vnni" and not native.lib()._lib.dg_amx_in_use():
-        pytest.skip("this CPU has no AMX-INT8: the VNNI family's dense K-quants stay on ggml's matmul")
     monkeypatch.setenv("DG_EXPERT_GEMM", "ggml")  # the experts' path the same in both runs
 
     def run(dense: str):
@@ -479,17 +480,20 @@ def test_k_quant_dense_weights_on_our_tiles_give_ggml_products(tmp_path, monkeyp
         capture = _NodeCapture(set(node_weight) | {"tiled_in"})
         with DiffusionModel(path, n_threads=2, n_ctx=128, eval_callback=capture.callback) as m:
             count = native.lib()._lib.dg_dense_tiled_count(m._model)
+            head_path = native.lib()._lib.dg_lm_head_path(m._model).decode()
             m.prefill(PROMPT)
             canvas = _canvas(20, m.vocab_size)
             sc_ids = np.stack([np.random.default_rng(i).choice(m.vocab_size, 4, replace=False) for i in range(16)])
             capture.order.clear()
             m.decode_canvas(canvas, sc_topk=(sc_ids.astype(np.int32), np.full((16, 4), 0.25, dtype=np.float32)))
-        return count, capture.order  # in graph order: each product's input precedes it
+        return count, head_path, capture.order  # in graph order: each product's input precedes it
 
-    count, seen = run(family)  # forced: an AVX-512 VNNI CPU's automatic choice is its own family
+    count, head_path, seen = run(family)  # forced: an AVX-512 VNNI CPU's automatic choice is its own family
     if count == 0:
-        pytest.skip("this CPU has no AVX2 K-quant tiles for dense weights (it has no AVX2)")
+        pytest.skip(f"this CPU has no {family} K-quant tiles for dense weights (it lacks {family})")
     assert count == len(weights)  # the embedding's count is the LM head's
+    amx = native.lib()._lib.dg_amx_in_use()
+    assert head_path == ("avx2" if family == "avx2" else "AMX" if amx else "avx512-vnni") + " K-quant tile"
     checked = set()
     for k, (name, out) in enumerate(seen):
         if name not in node_weight:
@@ -504,7 +508,7 @@ def test_k_quant_dense_weights_on_our_tiles_give_ggml_products(tmp_path, monkeyp
         checked.add(name)
     assert checked == set(node_weight)
 
-    _, ref_seen = run("ggml")
+    _, _, ref_seen = run("ggml")
     ours, ref = dict(seen), dict(ref_seen)
     assert "tiled_in" not in ref
     for name in ("Qcur-0", "Kcur-0", "Vcur-0", "sc_ffn_gate", "sc_ffn_up"):

@@ -110,9 +110,9 @@ def test_ar_model_takes_the_same_override(tiny_ar_gguf):
 
 def test_k_quant_weights_are_kept_out_of_the_repack_buffers_only_where_our_tiles_take_them(tmp_path, tiny_gguf,
                                                                                            tiny_ar_gguf, monkeypatch):
-    """Only a diffusion-gemma file's Q4_K / Q6_K experts and dense Q4_K / Q6_K weights, each on the AVX2
-    tiles (kernel 1: the experts' and the dense weights' kernels apart), with no GPU or RPC worker in
-    use: elsewhere llama.cpp's repacked matmuls (or the GPU) are the faster path; other types keep their
+    """Only a diffusion-gemma file's Q4_K / Q6_K experts on the AVX2 tiles (kernel 1) and dense Q4_K / Q6_K
+    weights on the AVX2 or VNNI tiles (kernel 1 or 2; the experts' and the dense weights' kernels apart),
+    with no GPU or RPC worker in use: elsewhere llama.cpp's repacked matmuls (or the GPU) are the faster path; other types keep their
     home. The embedding never: llama.cpp's CPU repack does not take the tied Q6_K LM head anyway.
     DG_Q6_K_TILE=0 leaves the Q6_K ones out."""
     from dgcli.modelfile.header import read_header
@@ -131,8 +131,9 @@ def test_k_quant_weights_are_kept_out_of_the_repack_buffers_only_where_our_tiles
     assert types["blk.1.ffn_down.weight"] == "Q6_K" and types["token_embd.weight"] == "Q6_K"
     assert kept(1, 1) == experts | dense
     assert kept(1, 0) == experts and kept(0, 1) == dense and kept(2, 1) == dense
-    assert kept(1, 1, gpu_in_use=True) == set()
-    for kernel in (0, 2, 3):  # ggml's, VNNI (never for experts; no Q4_K tile), emulated: no Q4_K tile
+    assert kept(2, 2) == dense  # VNNI's experts are repacked while loading (their own buffer), never here
+    assert kept(1, 1, gpu_in_use=True) == set() and kept(2, 2, gpu_in_use=True) == set()
+    for kernel in (0, 3):  # ggml's, emulated: no K-quant tile
         assert kept(kernel, kernel) == set()
     for other in (tiny_gguf, tiny_ar_gguf):  # F32 weights; the AR twin
         assert tiled_weight_pattern(read_header(other), 1, 1, gpu_in_use=False) is None

@@ -61,7 +61,8 @@ TILED_TYPES = ("Q4_K", "Q6_K")
 def tiled_weight_pattern(header, expert_kernel: int, dense_kernel: int, gpu_in_use: bool) -> str | None:
     """The override pattern keeping a diffusion-gemma file's Q4_K and Q6_K weights that dg's own K-quant
     tiles run out of llama.cpp's CPU repack buffers, or None: the tiles read the file's layout, which a
-    repack buffer changes. They run (AVX2 only: kernel 1) where no GPU is in use, on the weights where
+    repack buffer changes. They run where no GPU is in use (the experts on AVX2's kernel 1, the dense
+    weights on AVX2's or AVX-512 VNNI's, kernel 1 or 2), on the weights where
     they are measured faster than ggml's repacked kernels (docs/performance.md): the experts (native
     `dg_expert_kernel()`; ggml's repacked MUL_MAT_ID runs a canvas's experts one token at a time) and
     the dense weights (`dg_dense_kernel()`).
@@ -74,7 +75,7 @@ def tiled_weight_pattern(header, expert_kernel: int, dense_kernel: int, gpu_in_u
     parts = []
     if expert_kernel == 1 and any(re.search(EXPERT_TENSORS, name) for name in tiled):
         parts.append(EXPERT_TENSORS)
-    if dense_kernel == 1:
+    if dense_kernel in (1, 2):
         # by name, these types only (a repack buffer stays the faster home of any other type it takes),
         # one alternation of layers per weight: llama.cpp compiles the pattern anew for every tensor
         layers: dict[str, list[str]] = {}

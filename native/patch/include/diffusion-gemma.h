@@ -101,8 +101,9 @@ LLAMA_API const char * dg_self_cond_path(const struct llama_model * model, bool 
 LLAMA_API int64_t dg_self_cond_bytes(const struct llama_model * model, bool exact);
 
 // Which kernel runs this model's LM head on the CPU: "avx512-vnni", "avx2" or "emulated" (our
-// repacked int8 GEMM of Q8_0 / Q5_0 heads, src/diffusion-gemma-lm-head.h), "avx2 K-quant tile" or
-// "AMX K-quant tile" (a Q4_K / Q6_K head packed on the fly, DG_DENSE_GEMM's family), or "ggml" (ggml's
+// repacked int8 GEMM of Q8_0 / Q5_0 heads, src/diffusion-gemma-lm-head.h), "avx2 K-quant tile",
+// "AMX K-quant tile" or "avx512-vnni K-quant tile" (a Q4_K / Q6_K head packed on the fly, DG_DENSE_GEMM's
+// family; the last where the CPU has no AMX: the repacked experts' span tiles), or "ggml" (ggml's
 // matmul: no kernel for this CPU, DG_LM_HEAD=ggml, a GPU in use, other types).
 LLAMA_API const char * dg_lm_head_path(const struct llama_model * model);
 

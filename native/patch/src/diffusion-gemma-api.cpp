@@ -80,7 +80,9 @@ const char * dg_lm_head_path(const llama_model * model) {
         return dg_lm_head::kernel_name(head->kernel());
     }
     if (const dg_experts * tiled = dg->dense_tiled(dg->output)) {
-        return tiled->kernel() == dg_lm_head_kernel::avx2 ? "avx2 K-quant tile" : "AMX K-quant tile";
+        return tiled->kernel() == dg_lm_head_kernel::avx2 ? "avx2 K-quant tile"
+               : tiled->amx_k_quant()                     ? "AMX K-quant tile"
+                                                          : "avx512-vnni K-quant tile";
     }
     return "ggml";
 }

@@ -816,9 +816,8 @@ bool expert_type_fits(ggml_type type, int64_t n_in, dg_lm_head_kernel kernel) {
     if (k_quant_switched_off(type)) {
         return false;
     }
-    if (is_k_quant(type)) { // packed on the fly: AVX2's tiles, and AMX's (the VNNI family's form)
-        return n_in % QK_K == 0 &&
-               (kernel == dg_lm_head_kernel::avx2 || (kernel == dg_lm_head_kernel::avx512_vnni && amx_wanted()));
+    if (is_k_quant(type)) { // packed on the fly: AVX2's tiles; the VNNI family's AMX tiles, else its span tiles
+        return n_in % QK_K == 0 && (kernel == dg_lm_head_kernel::avx2 || kernel == dg_lm_head_kernel::avx512_vnni);
     }
     return (type == GGML_TYPE_Q8_0 || type == GGML_TYPE_Q5_0) && n_in % QK == 0;
 }
@@ -1033,6 +1032,9 @@ int64_t dg_experts::group_bytes() const {
     if (amx_k_quant()) {
         return n_in_ / QK_K * (type_ == GGML_TYPE_Q4_K ? Q4_K_AMX_SB_BYTES : Q6_K_AMX_SB_BYTES);
     }
+    if (vnni_k_quant_on_the_fly()) {
+        return stored_group_bytes(type_, n_in_, kernel_);
+    }
     if (is_k_quant(type_)) {
         return n_in_ / QK_K * (type_ == GGML_TYPE_Q4_K ? Q4_K_SB_BYTES : Q6_K_SB_BYTES);
     }
@@ -1054,10 +1056,22 @@ void dg_experts::quantize(const float * x, int64_t ld_x, int64_t r0, int64_t r1,
 }
 
 bool dg_experts::amx_k_quant() const {
-    return is_k_quant(type_) && kernel_ == dg_lm_head_kernel::avx512_vnni && !repacked_;
+    return is_k_quant(type_) && kernel_ == dg_lm_head_kernel::avx512_vnni && !repacked_ && amx_wanted();
+}
+
+bool dg_experts::vnni_k_quant_on_the_fly() const {
+    return is_k_quant(type_) && kernel_ == dg_lm_head_kernel::avx512_vnni && !repacked_ && !amx_wanted();
 }
 
 void dg_experts::pack(const uint8_t * first_row, int64_t rows, uint8_t * group) const {
+    if (vnni_k_quant_on_the_fly()) { // the repacked layout, which the span tiles read
+        if (type_ == GGML_TYPE_Q4_K) {
+            repack_group_q4_K(first_row, row_bytes_, n_in_ / QK_K, rows, 16, group);
+        } else {
+            repack_group_q6_K(first_row, row_bytes_, n_in_ / QK_K, rows, 16, false, group);
+        }
+        return;
+    }
     if (amx_k_quant()) {
         const bool q4_K = type_ == GGML_TYPE_Q4_K;
 #ifdef DG_LMH_X86
@@ -1142,8 +1156,9 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
     const int64_t n_groups = (n_out_ + G - 1) / G;
     const int64_t ab       = act_bytes();
     int64_t         n_wide     = 8;
-    // the repacked experts on VNNI: tiles over spans of blocks of the repacked layout itself
-    const span_tile_fn * spans = repacked_ ? span_tiles_for(kernel_, type_) : nullptr;
+    // the repacked experts on VNNI, and its K-quants packed on the fly into that layout where AMX does not
+    // run: tiles over spans of blocks of the repacked layout itself
+    const span_tile_fn * spans = repacked_ || vnni_k_quant_on_the_fly() ? span_tiles_for(kernel_, type_) : nullptr;
     const bool           amx   = amx_k_quant(); // 16 columns a tile, the last tile's padded with zero columns
     const tile_fn *      tiles = spans || amx ? nullptr : tiles_for(kernel_, &n_wide, type_);
 #ifdef DG_LMH_X86
@@ -1181,9 +1196,14 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
     }
 
     // This thread's share of the (expert, group) pairs, by cost: a group's packing from the file's
-    // layout costs about as much as running it against three columns, its unpacking from the repacked
-    // one about one (nothing where the tiles read it as stored: Q8_0, and every type on VNNI).
-    const int64_t PACK_COST = amx ? 16 : !repacked_ ? 3 : type_ == GGML_TYPE_Q8_0 || kernel_ == dg_lm_head_kernel::avx512_vnni ? 0 : 1;
+    // layout costs about as much as running it against three columns (AMX's sixteen, a K-quant's repacking
+    // for VNNI's span tiles eight), its unpacking from the repacked one about one (nothing where the tiles
+    // read it as stored: Q8_0, and every type on VNNI).
+    const int64_t PACK_COST = amx                         ? 16
+                              : vnni_k_quant_on_the_fly() ? 8
+                              : !repacked_                ? 3
+                              : type_ == GGML_TYPE_Q8_0 || kernel_ == dg_lm_head_kernel::avx512_vnni ? 0
+                                                                                                      : 1;
     int64_t           total     = 0;
     for (int64_t e = 0; e < n_expert_; ++e) {
         const int64_t n = first[(size_t) e + 1] - first[(size_t) e];
@@ -1227,6 +1247,20 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
         for (int64_t g = g0; g < g1; ++g) {
             const int64_t   rows   = std::min(G, n_out_ - g * G);
             const uint8_t * staged = stage(e, g, group);
+            if (spans && !repacked_) {
+                // a group packed here: each column tile over all its blocks (their weights stay in L1)
+                for (int64_t c = 0, tile = 0; c < n; ++tile) {
+                    const int64_t nc = n / n_tiles + (tile < n % n_tiles ? 1 : 0);
+                    std::memset(tile_out, 0, sizeof(tile_out));
+                    spans[nc](staged, gathered.data() + c * ab, ab, n_blocks_, 0, n_blocks_, tile_out, G);
+                    for (int64_t j = 0; j < nc; ++j) {
+                        const int64_t u = pairs[c + j] % n_used, t = pairs[c + j] / n_used;
+                        copy_group_rows(out + u * nb_slot + t * nb_token + g * G * sizeof(float), tile_out + j * G, rows);
+                    }
+                    c += nc;
+                }
+                continue;
+            }
             if (spans) {
                 // the expert's rows [g0 G, g1 G) of every column are summed here and copied out once the
                 // expert is done: one contiguous row per column, where a group's 64-byte piece per column

@@ -179,10 +179,10 @@ const dg_experts * llama_model_diffusion_gemma::experts(const ggml_tensor * w) c
 // token is routed to, packed on the fly: a canvas's 256 columns pay for a group's packing many times
 // over, and ggml's repacked Q4_K / Q6_K GEMMs run at ~70% of the int8 rate here. The AVX2 family's
 // tiles take them; the VNNI family's take them on AMX's tiles where the CPU has them (ggml's Q4_K and
-// Q6_K matmuls run at ~25% of the VNNI rate there). Not where a GPU is in use, and only outside ggml's CPU
-// repack buffers, which the loader keeps these tensors out of where this runs on AVX2
-// (dgcli.runtime.offload.tiled_weight_pattern) and which are off on AMX CPUs. DG_DENSE_GEMM=ggml keeps
-// ggml's matmul.
+// Q6_K matmuls run at ~25% of the VNNI rate there), else each group repacked on the fly for the span
+// tiles of the repacked experts. Not where a GPU is in use, and only outside ggml's CPU repack buffers,
+// which the loader keeps these tensors out of (dgcli.runtime.offload.tiled_weight_pattern) and which are
+// off on AMX CPUs. DG_DENSE_GEMM=ggml keeps ggml's matmul.
 const dg_experts * llama_model_diffusion_gemma::dense_tiled(const ggml_tensor * w) const {
     std::call_once(dense_tiled_once, [this] {
         const dg_lm_head_kernel kernel = dg_lm_head::kernel_for_cpu("DG_DENSE_GEMM");
@@ -206,7 +206,8 @@ const dg_experts * llama_model_diffusion_gemma::dense_tiled(const ggml_tensor * 
         add(output);
         if (!dense_tiled_gemm.empty()) {
             LLAMA_LOG_INFO("%s: %zu dense K-quant weights on the %s kernel%s\n", __func__, dense_tiled_gemm.size(),
-                           dg_lm_head::kernel_name(kernel), kernel == dg_lm_head_kernel::avx2 ? "" : " (AMX tiles)");
+                           dg_lm_head::kernel_name(kernel),
+                           dense_tiled_gemm.begin()->second->amx_k_quant() ? " (AMX tiles)" : "");
         }
     });
     const auto it = dense_tiled_gemm.find(w);

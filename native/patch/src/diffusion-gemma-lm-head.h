@@ -173,11 +173,12 @@ public:
     int64_t           n_expert() const { return n_expert_; }
     int64_t           act_bytes() const; // of one quantized activation row
     // the fewest tokens a dense product should have to run here rather than on ggml's matmul: a
-    // group's packing costs about 3 columns of AVX2 tile work, 16 of AMX's
-    int64_t           min_dense_tokens() const { return amx_k_quant() ? 16 : 4; }
-    // Q4_K and Q6_K packed on the fly for the VNNI family: the AMX tiles' route (expert_type_fits takes
-    // it only where AMX runs)
+    // group's packing costs about 3 columns of AVX2 tile work, 16 of AMX's, 8 of VNNI's span tiles
+    int64_t           min_dense_tokens() const { return amx_k_quant() || vnni_k_quant_on_the_fly() ? 16 : 4; }
+    // Q4_K and Q6_K packed on the fly for the VNNI family: on AMX's tiles where AMX runs, else into the
+    // repacked layout for the span tiles
     bool              amx_k_quant() const;
+    bool              vnni_k_quant_on_the_fly() const;
 
     // rows [r0, r1) of x (F32, row r at x + r * ld_x) quantized as dg_lm_head::quantize does; `scalar`:
     // the portable loops even where the CPU has AVX2 (the self-test compares the two)
