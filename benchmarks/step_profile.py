@@ -88,6 +88,7 @@ NAMED_GROUPS = {
     ("CUSTOM", "sc_dense_product"): "dense self-conditioning product E^T x p (repacked int8 GEMM)",
     ("MUL_MAT", "sc_dense_product"): "dense self-conditioning product E^T x p (MUL_MAT)",
     ("MUL_MAT", "sc_topk_product"): "top-k self-conditioning: k rows x p (MUL_MAT)",
+    ("OUT_PROD", "sc_topk_product"): "top-k self-conditioning: k rows x p (OUT_PROD)",
     ("GET_ROWS", "sc_rows"): "top-k self-conditioning: gather k rows of E",
     ("CONT", "sc_rows_t"): "top-k self-conditioning: transpose the rows",
 }
@@ -151,9 +152,33 @@ def floor_peak(node, peaks: dict) -> float:
     return peaks["int8"][0] if quantized else peaks["bf16"][0]
 
 
-def in_layer(node) -> bool:
-    """Whether a node belongs to a layer (llama.cpp names a layer's nodes name-<layer>)."""
-    return re.search(r"-\d+$", node.name) is not None
+LAYER_NAME = re.compile(r"-\d+$")  # llama.cpp names a layer's nodes name-<layer>
+
+
+def unnamed(node) -> bool:
+    """A node no callback named (ggml's node_<i>, or empty): e.g. the MoE down projection's MUL_MAT_ID,
+    whose names go to the per-expert scale's MUL after it."""
+    return not node.name or node.name.startswith("node_")
+
+
+def layer_nodes(nodes: list) -> list[bool]:
+    """Whether each node (in graph order) belongs to a layer: named name-<layer>, or unnamed between two
+    nodes of the same layer."""
+    named = [None if unnamed(n) else LAYER_NAME.search(n.name) for n in nodes]
+    layer_of = [m.group() if m else "" for m in named]
+    before, after = [""] * len(nodes), [""] * len(nodes)
+    last = ""
+    for i, n in enumerate(nodes):
+        before[i] = last
+        if not unnamed(n):
+            last = layer_of[i]
+    last = ""
+    for i in range(len(nodes) - 1, -1, -1):
+        after[i] = last
+        if not unnamed(nodes[i]):
+            last = layer_of[i]
+    return [bool(layer_of[i]) if not unnamed(n) else bool(before[i]) and before[i] == after[i]
+            for i, n in enumerate(nodes)]
 
 
 # what each family's int8 work is measured against (dg_peak_gmacs kinds, dgcli.runtime.native)
@@ -227,11 +252,11 @@ def profile_groups(profiled: list, peaks: dict, n_vocab: int, n_embd: int, layer
     groups: dict[str, dict] = {}
     for nodes in profiled:
         sums: dict[str, list] = defaultdict(lambda: [0.0, 0.0, 0, 0.0, 0.0, 0.0])
-        for node in nodes:
+        for node, layered in zip(nodes, layer_nodes(nodes)):
             g = sums[group_of(node, n_vocab, n_embd)]
             macs = multiply_adds(node, n_embd)
             floor = macs / floor_peak(node, peaks) / 1e9 if macs else 0.0
-            scale = layer_scale if in_layer(node) else 1.0
+            scale = layer_scale if layered else 1.0
             g[0] += node.cpu_seconds
             g[1] += node.seconds
             g[2] += macs

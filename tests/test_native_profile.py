@@ -101,19 +101,25 @@ def test_step_profile_counts_the_repacked_experts_and_the_k_quant_head(tmp_path,
 
 
 def test_step_profile_predicts_the_real_depth_from_the_layer_nodes():
-    """The real model's step from a shallow file's profile: a layer's nodes (named name-<layer>) scaled
-    by real / profiled layers, the others (LM head, the sampler's op) once; the floor the same way."""
+    """The real model's step from a shallow file's profile: a layer's nodes (named name-<layer>, or
+    unnamed between two nodes of one layer, as the MoE down projection's MUL_MAT_ID) scaled by real /
+    profiled layers, the others (LM head, the sampler's op, an unnamed node between layers) once; the
+    floor the same way."""
     from dgcli.runtime.profile import NodeTime
 
     sp = _step_profile()
     zero = ((0, 0, 0, 0),) * 4
     q8 = ((100, 4, 1, 1), (32, 100, 1, 1), (32, 4, 1, 1), (0, 0, 0, 0))  # 32 x 100 x 4 multiply-adds
-    nodes = [NodeTime("ffn_moe_down-0", "ADD", "f32", zero, 1.0, 1.0),
+    nodes = [NodeTime("ffn_moe_geglu-0", "GEGLU", "f32", zero, 0.25, 0.25),
+             NodeTime("node_17", "MUL_MAT_ID", "f32", zero, 0.125, 0.125),
+             NodeTime("ffn_moe_down-0", "ADD", "f32", zero, 1.0, 1.0),
+             NodeTime("node_30", "ADD", "f32", zero, 8.0, 8.0),  # between layer 0 and layer 1
              NodeTime("ffn_moe_down-1", "ADD", "f32", zero, 2.0, 2.0),
              NodeTime("result_output", "MUL_MAT", "q8_0", q8, 4.0, 4.0),
              NodeTime("dg_step", "CUSTOM", "f32", zero, 0.5, 0.5)]
+    assert sp.layer_nodes(nodes) == [True, True, True, False, True, False, False]
     peaks = {"int8": (6400.0, "x"), "bf16": (1.0, "y")}
     report = sp.profile_groups([nodes], peaks, n_vocab=100, n_embd=32, layer_scale=30 / 2)
-    assert report["profiled_cpu_s"] == 7.5
-    assert report["real_cpu_s"] == (1.0 + 2.0) * 15 + 4.0 + 0.5
+    assert report["profiled_cpu_s"] == 15.875
+    assert report["real_cpu_s"] == (0.25 + 0.125 + 1.0 + 2.0) * 15 + 8.0 + 4.0 + 0.5
     assert report["floor_cpu_s"] == report["real_floor_cpu_s"] == 32 * 100 * 4 / 6400 / 1e9
