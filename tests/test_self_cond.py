@@ -158,9 +158,10 @@ def test_self_conditioning_inputs_are_checked(blocks_gguf):
 
 @pytest.mark.parametrize("portable", [False, True], ids=["step-op", "portable-ops"])
 def test_the_self_conditioned_step_is_made_of_ops_every_backend_has(blocks_gguf, monkeypatch, portable):
-    """With ggml's matmuls (the form a GPU backend runs): no OUT_PROD, which ggml-metal's supports_op
-    lacks (the top-k contraction was one, and ran on the CPU there), and the dense product is one
-    MUL_MAT of E^T [V, n_embd] and the probabilities [V, C], input and next-step forms alike."""
+    """With ggml's matmuls and the portable ops (the form a GPU backend runs): no OUT_PROD, which
+    ggml-metal's supports_op lacks (the top-k contraction is one only on a CPU with no GPU in use, where
+    it spares the gathered rows' transposed copy), and the dense product is one MUL_MAT of E^T
+    [V, n_embd] and the probabilities [V, C], input and next-step forms alike."""
     from dgcli.runtime.model import DiffusionModel
     from dgcli.runtime.profile import NodeProfiler
 
@@ -183,7 +184,9 @@ def test_the_self_conditioned_step_is_made_of_ops_every_backend_has(blocks_gguf,
     finally:
         profiler.close()
     ops = {n.op for n in nodes}
-    assert "MUL_MAT" in ops and "OUT_PROD" not in ops
+    [topk] = [n for n in nodes if n.name == "sc_topk_product"]
+    assert topk.op == ("MUL_MAT" if portable else "OUT_PROD")
+    assert "MUL_MAT" in ops and ("OUT_PROD" not in ops) == portable
     products = [n for n in nodes if n.name == "sc_dense_product"]
     assert len(products) == 3  # the dense input's, and each dense step's next one
     for n in products:

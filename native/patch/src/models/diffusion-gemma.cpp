@@ -372,9 +372,10 @@ ggml_tensor * llama_model_diffusion_gemma::graph::build_soft_embd_dense(const ll
 }
 
 // The top-k form: soft[:, c] = sum_j probs[j, c] * E[:, ids[j, c]] * sqrt(n_embd), the k rows of E of
-// each position gathered and contracted over k. MUL_MAT contracts along rows, so the gathered rows
-// [n_embd, k, C] are transposed to [k, n_embd, C] first (a copy of k x C x n_embd floats, far less than
-// the product of the dense form).
+// each position gathered and contracted over k. On the CPU an OUT_PROD contracts the gathered rows
+// [n_embd, k, C] over k as they lie (each row added times its probability); other backends (the
+// portable ops' form) get a MUL_MAT, which contracts along rows, over the rows transposed to
+// [k, n_embd, C] (a copy of k x C x n_embd floats: on a CPU twice the gather's time).
 // The rows come from the tied output copy where it sits in a device's memory: llama.cpp keeps
 // tok_embd in host memory, and the gathered rows (k x C x n_embd floats: 176 MiB for a real
 // canvas at k = 64) then crossed to the GPU every step, 40% of an H200's step. Not from a host
@@ -395,10 +396,15 @@ ggml_tensor * llama_model_diffusion_gemma::graph::build_soft_embd_topk(const lla
     }
     cb(rows, "sc_rows", -1);                                                     // [n_embd, k*C]
     rows = ggml_reshape_3d(ctx0, rows, n_embd, k, n_tokens);
-    rows = ggml_cont(ctx0, ggml_permute(ctx0, rows, 1, 0, 2, 3));                // [k, n_embd, C]
-    cb(rows, "sc_rows_t", -1);
-    ggml_tensor * weights = ggml_reshape_3d(ctx0, probs, k, 1, n_tokens);        // [k, 1, C]
-    ggml_tensor * soft    = ggml_mul_mat(ctx0, rows, weights);                   // [n_embd, 1, C]
+    ggml_tensor * soft = nullptr;
+    const dg_step_request & step = dg_active_request()->step;
+    if (!model.uses_gpu() && !(step.active && step.portable)) { // the graph key holds both
+        soft = ggml_out_prod(ctx0, rows, ggml_reshape_3d(ctx0, probs, 1, k, n_tokens)); // [n_embd, 1, C]
+    } else {
+        rows = ggml_cont(ctx0, ggml_permute(ctx0, rows, 1, 0, 2, 3));            // [k, n_embd, C]
+        cb(rows, "sc_rows_t", -1);
+        soft = ggml_mul_mat(ctx0, rows, ggml_reshape_3d(ctx0, probs, k, 1, n_tokens)); // [n_embd, 1, C]
+    }
     cb(soft, "sc_topk_product", -1);
     soft = ggml_reshape_2d(ctx0, soft, n_embd, n_tokens);
     return ggml_scale(ctx0, soft, sqrtf((float) n_embd));
