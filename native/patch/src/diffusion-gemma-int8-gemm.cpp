@@ -1065,6 +1065,13 @@ bool dg_experts::vnni_k_quant_on_the_fly() const {
 
 void dg_experts::pack(const uint8_t * first_row, int64_t rows, uint8_t * group) const {
     if (vnni_k_quant_on_the_fly()) { // the repacked layout, which the span tiles read
+#ifdef DG_LMH_X86
+        if (rows == 16 && row_bytes_ * 15 <= INT32_MAX) {
+            (type_ == GGML_TYPE_Q4_K ? repack_group_q4_K_vnni16 : repack_group_q6_K_vnni16)(first_row, (int32_t) row_bytes_,
+                                                                                        n_in_ / QK_K, group);
+            return;
+        }
+#endif
         if (type_ == GGML_TYPE_Q4_K) {
             repack_group_q4_K(first_row, row_bytes_, n_in_ / QK_K, rows, 16, group);
         } else {
