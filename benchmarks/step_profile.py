@@ -120,7 +120,9 @@ def group_of(node, n_vocab: int, n_embd: int) -> str:
     if node.op in ("MUL_MAT", "CUSTOM") and base in DENSE_GROUPS:
         if node.op == "MUL_MAT":
             return DENSE_GROUPS[base] + " (MUL_MAT)"
-        return DENSE_GROUPS[base] + (" (repacked int8 GEMM)" if node.shapes[1][0] % 36 == 0 else " (K-quant tile)")
+        # per 256 inputs the repacked GEMM's activations take 288 bytes (Q8_0), the K-quant tiles' 292 or
+        # 324 (Q8_K, with the sub-blocks' sums as floats or int16 pairs)
+        return DENSE_GROUPS[base] + (" (repacked int8 GEMM)" if node.shapes[1][0] % 288 == 0 else " (K-quant tile)")
     if node.op == "FLASH_ATTN_EXT":
         return "attention (FLASH_ATTN_EXT)"
     if not base or base.startswith(("node_", "leaf_")) or " (" in base:

@@ -123,3 +123,20 @@ def test_step_profile_predicts_the_real_depth_from_the_layer_nodes():
     assert report["profiled_cpu_s"] == 15.875
     assert report["real_cpu_s"] == (0.25 + 0.125 + 1.0 + 2.0) * 15 + 8.0 + 4.0 + 0.5
     assert report["floor_cpu_s"] == report["real_floor_cpu_s"] == 32 * 100 * 4 / 6400 / 1e9
+
+
+def test_step_profile_tells_the_dense_gemms_apart_by_their_activations():
+    """A dense product's custom op is the repacked int8 GEMM (Q8_0 activations, 288 bytes per 256 inputs)
+    or a K-quant tile (Q8_K: 292, or 324 with the Q6_K tile's int16 sums, a multiple of 36 too)."""
+    from dgcli.runtime.profile import NodeTime
+
+    sp = _step_profile()
+
+    def gemm(act_bytes: int) -> NodeTime:
+        return NodeTime("Vcur-3", "CUSTOM", "i8", ((512, 256, 1, 1), (act_bytes, 256, 1, 1)) + ((0, 0, 0, 0),) * 2,
+                        1.0, 1.0)
+
+    n_super = 2816 // 256
+    assert sp.group_of(gemm(288 * n_super), 1000, 2816) == "attention projections (repacked int8 GEMM)"
+    assert sp.group_of(gemm(292 * n_super), 1000, 2816) == "attention projections (K-quant tile)"
+    assert sp.group_of(gemm(324 * n_super), 1000, 2816) == "attention projections (K-quant tile)"
