@@ -68,12 +68,15 @@ def test_repacked_experts_give_ggml_mul_mat_id(family, weight_type, n_in, n_out,
     assert diff.value < 2e-6
 
 
+@pytest.mark.parametrize("prefetch", ["0", "1"], ids=["no-prefetch", "prefetch"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("weight_type", sorted(TYPES))
-def test_repacked_tiles_agree_with_a_double_precision_sum(family, weight_type):
+def test_repacked_tiles_agree_with_a_double_precision_sum(family, weight_type, prefetch, monkeypatch):
     """The repacked GEMM's arithmetic against a float64 sum over the same quantized activations and the
     experts as ggml's dequantizer decodes them (random blocks over the types' whole ranges: Q4_K's 6-bit
-    scales and mins, Q6_K's int8 scales, Q5_0's fifth bits), uneven routing, the work split over 3 threads."""
+    scales and mins, Q6_K's int8 scales, Q5_0's fifth bits), uneven routing, the work split over 3 threads;
+    with and without the next group's prefetch (DG_EXPERT_PREFETCH; AMD CPUs have it by default)."""
+    monkeypatch.setenv("DG_EXPERT_PREFETCH", prefetch)
     if not _runs_here(family):
         pytest.skip(f"this CPU lacks the {family} kernels' instructions")
     err = ctypes.c_double(-1.0)

@@ -475,6 +475,23 @@ bool amx_wanted() {
     return !(env && !std::strcmp(env, "0")) && amx_usable();
 }
 
+// Whether the repacked experts' GEMM prefetches the next row group's weights span by span: on AMD's
+// cores the hardware prefetcher left the span tiles waiting on memory (a streamed model of them 140 ->
+// 300 G MAC/s, benchmarks/expert_tile_probe.cpp); on Sapphire Rapids a prefetch of the same stream made
+// it slower. DG_EXPERT_PREFETCH=1 / 0 forces it (A/B runs).
+bool expert_prefetch_wanted() {
+    const char * env = std::getenv("DG_EXPERT_PREFETCH");
+    if (env && (!std::strcmp(env, "0") || !std::strcmp(env, "1"))) {
+        return env[0] == '1';
+    }
+#ifdef DG_LMH_X86
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd");
+#else
+    return false;
+#endif
+}
+
 bool kernel_runs_here(dg_lm_head_kernel kernel) {
     switch (kernel) {
         case dg_lm_head_kernel::avx512_vnni: return cpu_has("avx512vnni");
@@ -1220,6 +1237,8 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
 
     thread_local std::vector<uint8_t> packed, gathered;
     thread_local std::vector<float>   sums;
+    const bool        prefetch     = repacked_ && expert_prefetch_wanted();
+    const int64_t     stored_bytes = repacked_ ? stored_group_bytes(type_, n_in_, kernel_) : 0;
     packed.resize((size_t) (group_bytes() + 64));
     uint8_t * group = (uint8_t *) (((uintptr_t) packed.data() + 63) & ~(uintptr_t) 63);
     float     tile_out[16 * 8];
@@ -1279,8 +1298,17 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
                 }
                 float * at = sums.data() + (g - g0) * G;
                 // every column tile over a span of blocks (8: ~2.3-4.6 KB of weights, kept in L1) before the
-                // next span, so that the group's weights stream from memory once, without pauses
+                // next span, so that the group's weights stream from memory once, without pauses; where
+                // wanted, the next group's same span is prefetched meanwhile
+                const uint8_t * next = prefetch && g + 1 < g1 ? staged + stored_bytes : nullptr;
                 for (int64_t b0 = 0; b0 < n_blocks_; b0 += 8) {
+                    if (next) {
+                        const int64_t from = b0 * stored_bytes / n_blocks_;
+                        const int64_t to   = std::min(b0 + 8, n_blocks_) * stored_bytes / n_blocks_;
+                        for (int64_t i = from; i < to; i += 64) {
+                            __builtin_prefetch(next + i, 0, 3);
+                        }
+                    }
                     for (int64_t c = 0, tile = 0; c < n; ++tile) {
                         const int64_t nc = n / n_tiles + (tile < n % n_tiles ? 1 : 0);
                         spans[nc](staged, gathered.data() + c * ab, ab, n_blocks_, b0, std::min(b0 + 8, n_blocks_),
