@@ -1338,9 +1338,15 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
                 continue;
             }
 #endif
+            // the repacked groups unpacked here (AVX2): the next group's stored bytes prefetched where wanted,
+            // a share after each column tile
+            const uint8_t * next = prefetch && g + 1 < g1 ? data_ + (e * n_groups + g + 1) * stored_bytes : nullptr;
             for (int64_t c = 0, tile = 0; c < n; ++tile) {
                 const int64_t nc = n / n_tiles + (tile < n % n_tiles ? 1 : 0);
                 tiles[nc](staged, gathered.data() + c * ab, ab, n_blocks_, tile_out, G);
+                for (int64_t i = stored_bytes * tile / n_tiles; next && i < stored_bytes * (tile + 1) / n_tiles; i += 64) {
+                    __builtin_prefetch(next + i, 0, 3);
+                }
                 for (int64_t j = 0; j < nc; ++j) {
                     const int64_t u = pairs[c + j] % n_used, t = pairs[c + j] / n_used;
                     copy_group_rows(out + u * nb_slot + t * nb_token + g * G * sizeof(float), tile_out + j * G, rows);
