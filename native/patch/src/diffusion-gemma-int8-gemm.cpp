@@ -1033,7 +1033,8 @@ std::unique_ptr<dg_experts> dg_experts::make(const void * data, ggml_type type, 
 dg_experts::dg_experts(dg_lm_head_kernel kernel, const void * data, ggml_type type, int64_t n_in, int64_t n_out,
                        int64_t n_expert) :
     kernel_(kernel), data_((const uint8_t *) data), type_(type), n_in_(n_in), n_out_(n_out), n_expert_(n_expert),
-    n_blocks_(n_in / QK), group_(kernel == dg_lm_head_kernel::avx2 ? 8 : 16), row_bytes_(ggml_row_size(type, n_in)) {}
+    n_blocks_(n_in / QK), group_(kernel == dg_lm_head_kernel::avx2 ? 8 : 16), row_bytes_(ggml_row_size(type, n_in)),
+    amx_(amx_wanted()) {}
 
 int64_t dg_experts::act_bytes() const {
     if (type_ == GGML_TYPE_Q6_K && kernel_ == dg_lm_head_kernel::avx512_vnni && !amx_k_quant()) {
@@ -1073,11 +1074,11 @@ void dg_experts::quantize(const float * x, int64_t ld_x, int64_t r0, int64_t r1,
 }
 
 bool dg_experts::amx_k_quant() const {
-    return is_k_quant(type_) && kernel_ == dg_lm_head_kernel::avx512_vnni && !repacked_ && amx_wanted();
+    return is_k_quant(type_) && kernel_ == dg_lm_head_kernel::avx512_vnni && !repacked_ && amx_;
 }
 
 bool dg_experts::vnni_k_quant_on_the_fly() const {
-    return is_k_quant(type_) && kernel_ == dg_lm_head_kernel::avx512_vnni && !repacked_ && !amx_wanted();
+    return is_k_quant(type_) && kernel_ == dg_lm_head_kernel::avx512_vnni && !repacked_ && !amx_;
 }
 
 void dg_experts::pack(const uint8_t * first_row, int64_t rows, uint8_t * group) const {

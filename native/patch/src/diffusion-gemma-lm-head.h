@@ -215,6 +215,7 @@ private:
     int64_t           group_;    // 16 for the VNNI layout, 8 for AVX2
     size_t            row_bytes_;
     bool              repacked_ = false; // data_ in the repacked layout, not the file's
+    bool              amx_;              // AMX's tiles wanted when this was made (amx_k_quant)
 };
 
 // ggml custom ops over a dg_experts (userdata): activations [n_in, rows] F32 -> quantized rows
