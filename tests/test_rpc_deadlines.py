@@ -145,7 +145,8 @@ def slow_gguf(tmp_path_factory):
 
 def test_a_worker_busy_for_longer_than_the_deadline_is_not_taken_for_a_frozen_one(slow_gguf):
     # a graph computation sends nothing until it is done: a long prompt's prefill on one worker thread
-    # is seconds of silence, here against a deadline of 1 s
+    # is about a second of silence, here against a deadline of 0.25 s (the keepalive frames then come
+    # every 50 ms, the shortest interval a client asks for)
     from dgcli.runtime.rpc import WORKER_LOST_EXIT
 
     prompt = " ".join(["hello world reverse sort"] * 80)  # ~1450 tokens
@@ -155,14 +156,14 @@ def test_a_worker_busy_for_longer_than_the_deadline_is_not_taken_for_a_frozen_on
         # the same worker without its keepalive frames (as llama.cpp's rpc-server): the forward's silence
         # is then past the deadline, which is what this test needs to mean anything
         with WithoutKeepalives(worker.endpoint) as plain:
-            unaided = dg(*args, plain.endpoint, DG_RPC_TIMEOUT="1")
+            unaided = dg(*args, plain.endpoint, DG_RPC_TIMEOUT="0.25")
         if unaided.returncode == 0:
-            pytest.skip("the forward took less than 1 s on this machine: no silence to bridge")
+            pytest.skip("the forward took less than 0.25 s on this machine: no silence to bridge")
         assert unaided.returncode == WORKER_LOST_EXIT, unaided.stderr[-2000:]
         assert unaided.stderr.splitlines()[-1].startswith(
-            f"error: lost RPC worker {plain.endpoint} mid-run: it sent nothing for 1 s and sends no keepalive frames "
+            f"error: lost RPC worker {plain.endpoint} mid-run: it sent nothing for 0.25 s and sends no keepalive frames "
             "(llama.cpp's rpc-server, or an older dg): a forward longer than DG_RPC_TIMEOUT looks the same")
-        kept_alive = dg(*args, worker.endpoint, DG_RPC_TIMEOUT="1")
+        kept_alive = dg(*args, worker.endpoint, DG_RPC_TIMEOUT="0.25")
     finally:
         worker.kill()
     assert kept_alive.returncode == 0, kept_alive.stderr[-2000:]
