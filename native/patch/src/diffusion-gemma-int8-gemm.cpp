@@ -1239,6 +1239,7 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
     thread_local std::vector<uint8_t> packed, gathered;
     thread_local std::vector<float>   sums;
     const bool        prefetch     = repacked_ && expert_prefetch_wanted();
+    const bool        file_prefetch = !repacked_ && !amx && expert_prefetch_wanted(); // groups packed from the file
     const int64_t     stored_bytes = repacked_ ? stored_group_bytes(type_, n_in_, kernel_) : 0;
     packed.resize((size_t) (group_bytes() + 64));
     uint8_t * group = (uint8_t *) (((uintptr_t) packed.data() + 63) & ~(uintptr_t) 63);
@@ -1275,11 +1276,17 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
             const int64_t   rows   = std::min(G, n_out_ - g * G);
             const uint8_t * staged = stage(e, g, group);
             if (spans && !repacked_) {
-                // a group packed here: each column tile over all its blocks (their weights stay in L1)
+                // a group packed here: each column tile over all its blocks (their weights stay in L1); the
+                // next group's rows in the file prefetched meanwhile, a share after each tile
+                const int64_t   rows_bytes = G * (int64_t) row_bytes_;
+                const uint8_t * next = file_prefetch && g + 1 < g1 ? data_ + (e * n_out_ + (g + 1) * G) * row_bytes_ : nullptr;
                 for (int64_t c = 0, tile = 0; c < n; ++tile) {
                     const int64_t nc = n / n_tiles + (tile < n % n_tiles ? 1 : 0);
                     std::memset(tile_out, 0, sizeof(tile_out));
                     spans[nc](staged, gathered.data() + c * ab, ab, n_blocks_, 0, n_blocks_, tile_out, G);
+                    for (int64_t i = rows_bytes * tile / n_tiles; next && i < rows_bytes * (tile + 1) / n_tiles; i += 64) {
+                        __builtin_prefetch(next + i, 0, 3);
+                    }
                     for (int64_t j = 0; j < nc; ++j) {
                         const int64_t u = pairs[c + j] % n_used, t = pairs[c + j] / n_used;
                         copy_group_rows(out + u * nb_slot + t * nb_token + g * G * sizeof(float), tile_out + j * G, rows);
@@ -1339,13 +1346,17 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
                 continue;
             }
 #endif
-            // the repacked groups unpacked here (AVX2): the next group's stored bytes prefetched where wanted,
-            // a share after each column tile
-            const uint8_t * next = prefetch && g + 1 < g1 ? data_ + (e * n_groups + g + 1) * stored_bytes : nullptr;
+            // the groups unpacked or packed here (AVX2): the next group's stored bytes or file rows prefetched
+            // where wanted, a share after each column tile
+            const int64_t   next_bytes = repacked_ ? stored_bytes : G * (int64_t) row_bytes_;
+            const uint8_t * next       = g + 1 >= g1                 ? nullptr
+                                         : prefetch                  ? data_ + (e * n_groups + g + 1) * stored_bytes
+                                         : file_prefetch             ? data_ + (e * n_out_ + (g + 1) * G) * row_bytes_
+                                                                     : nullptr;
             for (int64_t c = 0, tile = 0; c < n; ++tile) {
                 const int64_t nc = n / n_tiles + (tile < n % n_tiles ? 1 : 0);
                 tiles[nc](staged, gathered.data() + c * ab, ab, n_blocks_, tile_out, G);
-                for (int64_t i = stored_bytes * tile / n_tiles; next && i < stored_bytes * (tile + 1) / n_tiles; i += 64) {
+                for (int64_t i = next_bytes * tile / n_tiles; next && i < next_bytes * (tile + 1) / n_tiles; i += 64) {
                     __builtin_prefetch(next + i, 0, 3);
                 }
                 for (int64_t j = 0; j < nc; ++j) {
