@@ -54,7 +54,7 @@ def expert_override_pattern(n_cpu_moe: int, n_layer: int) -> str | None:
 
 # the decoder's dense weights dg's GEMMs take (native: dense() and dense_tiled() in the graph)
 _DENSE_WEIGHT = re.compile(r"^blk\.(\d+)\.(attn_(q|k|v|output)|ffn_(gate|up|down))\.weight$|^self_cond_(gate|up|down)\.weight$")
-# the weight types dg's K-quant tiles run (AVX2)
+# the weight types dg's K-quant tiles run (AVX2, and AVX-512 VNNI's dense weights)
 TILED_TYPES = ("Q4_K", "Q6_K")
 
 
