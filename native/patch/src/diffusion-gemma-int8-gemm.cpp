@@ -1175,6 +1175,13 @@ static inline void copy_group_rows(char * dst, const float * src, int64_t rows) 
     }
 }
 
+// bytes [from, to) of p prefetched into the caches (p null: none); addresses past a tensor's end do not fault
+static inline void prefetch_range(const uint8_t * p, int64_t from, int64_t to) {
+    for (int64_t i = from; p && i < to; i += 64) {
+        __builtin_prefetch(p + i, 0, 3);
+    }
+}
+
 void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * ids, int64_t ld_ids, int64_t n_used,
                       int64_t n_tokens, char * out, size_t nb_slot, size_t nb_token, int ith, int nth) const {
     const int64_t G        = group_;
@@ -1284,9 +1291,7 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
                     const int64_t nc = n / n_tiles + (tile < n % n_tiles ? 1 : 0);
                     std::memset(tile_out, 0, sizeof(tile_out));
                     spans[nc](staged, gathered.data() + c * ab, ab, n_blocks_, 0, n_blocks_, tile_out, G);
-                    for (int64_t i = rows_bytes * tile / n_tiles; next && i < rows_bytes * (tile + 1) / n_tiles; i += 64) {
-                        __builtin_prefetch(next + i, 0, 3);
-                    }
+                    prefetch_range(next, rows_bytes * tile / n_tiles, rows_bytes * (tile + 1) / n_tiles);
                     for (int64_t j = 0; j < nc; ++j) {
                         const int64_t u = pairs[c + j] % n_used, t = pairs[c + j] / n_used;
                         copy_group_rows(out + u * nb_slot + t * nb_token + g * G * sizeof(float), tile_out + j * G, rows);
@@ -1310,13 +1315,7 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
                 // wanted, the next group's same span is prefetched meanwhile
                 const uint8_t * next = prefetch && g + 1 < g1 ? staged + stored_bytes : nullptr;
                 for (int64_t b0 = 0; b0 < n_blocks_; b0 += 8) {
-                    if (next) {
-                        const int64_t from = b0 * stored_bytes / n_blocks_;
-                        const int64_t to   = std::min(b0 + 8, n_blocks_) * stored_bytes / n_blocks_;
-                        for (int64_t i = from; i < to; i += 64) {
-                            __builtin_prefetch(next + i, 0, 3);
-                        }
-                    }
+                    prefetch_range(next, b0 * stored_bytes / n_blocks_, std::min(b0 + 8, n_blocks_) * stored_bytes / n_blocks_);
                     for (int64_t c = 0, tile = 0; c < n; ++tile) {
                         const int64_t nc = n / n_tiles + (tile < n % n_tiles ? 1 : 0);
                         spans[nc](staged, gathered.data() + c * ab, ab, n_blocks_, b0, std::min(b0 + 8, n_blocks_),
@@ -1356,9 +1355,7 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
             for (int64_t c = 0, tile = 0; c < n; ++tile) {
                 const int64_t nc = n / n_tiles + (tile < n % n_tiles ? 1 : 0);
                 tiles[nc](staged, gathered.data() + c * ab, ab, n_blocks_, tile_out, G);
-                for (int64_t i = next_bytes * tile / n_tiles; next && i < next_bytes * (tile + 1) / n_tiles; i += 64) {
-                    __builtin_prefetch(next + i, 0, 3);
-                }
+                prefetch_range(next, next_bytes * tile / n_tiles, next_bytes * (tile + 1) / n_tiles);
                 for (int64_t j = 0; j < nc; ++j) {
                     const int64_t u = pairs[c + j] % n_used, t = pairs[c + j] / n_used;
                     copy_group_rows(out + u * nb_slot + t * nb_token + g * G * sizeof(float), tile_out + j * G, rows);
