@@ -2,7 +2,7 @@
 // measured by: one thread, operands in L1, CPU time, each rate the best of 5 rounds, the variants
 // interleaved. Run on an x86-64 Linux CPU with AMX (Sapphire Rapids and later):
 //
-//   g++ -O2 -o /tmp/amx_probe benchmarks/amx_probe.cpp && /tmp/amx_probe
+//   g++ -O2 -Ibenchmarks -o /tmp/amx_probe benchmarks/amx_probe.cpp && /tmp/amx_probe
 //
 // Rows: the vpdpbusd zmm chain (dg_peak_gmacs's int8 peak); TDPBUSD over 2 x 2 tiles of 16 x 16 int32
 // with K = 64 (one instruction per 16 x 16 x 64) and K = 32 (a K-quant sub-block or a Q8_0 block per
@@ -15,18 +15,14 @@
 
 #include <cstdint>
 #include <cstdio>
-#include <ctime>
+
+#include "probe_timing.h"
 
 namespace {
 
-double cpu_now_s() {
-    timespec ts;
-    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-    return (double) ts.tv_sec + 1e-9 * (double) ts.tv_nsec;
-}
-
-// best multiply-add rate (G MAC/s) of `run(iters)` (returning multiply-adds) over rounds of ~0.2 s
-template <typename Run> double best_rate(Run run) {
+// best multiply-add rate (G MAC/s) of `run(iters)` (returning multiply-adds) over rounds of ~0.2 s,
+// iters doubled until a round lasts that long
+template <typename Run> double best_rate_of_iterations(Run run) {
     double best = 0.0;
     for (int round = 0; round < 5; ++round) {
         long   iters = 256;
@@ -160,7 +156,7 @@ int main() {
     double best[4]         = {};
     for (int rep = 0; rep < 3; ++rep) { // interleaved
         for (int v = 0; v < 4; ++v) {
-            const double r = best_rate(runs[v]);
+            const double r = best_rate_of_iterations(runs[v]);
             best[v]        = r > best[v] ? r : best[v];
         }
     }

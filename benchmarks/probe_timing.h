@@ -1,5 +1,5 @@
-// Timing shared by the standalone kernel probes (expert_tile_probe.cpp, avx2_q4k_tile_probe.cpp): the
-// calling thread's CPU time, so that a wait for a core on a shared machine is left out.
+// Timing shared by the standalone kernel probes (expert_tile_probe.cpp, avx2_q4k_tile_probe.cpp,
+// amx_probe.cpp): the calling thread's CPU time, so that a wait for a core on a shared machine is left out.
 #pragma once
 
 #include <algorithm>
