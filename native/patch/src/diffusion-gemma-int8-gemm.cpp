@@ -188,27 +188,32 @@ void pack_group_q4_K(const uint8_t * rows, size_t row_bytes, int64_t n_super, in
     }
 }
 
-// A Q6_K row group of 16 for AMX's tiles, per super-block: the 16 sub-blocks' scales d * sc_j (float
-// [sub-block][row]), then per sub-block an AMX B tile: 4 steps x (16 rows x 4 quants), the quants minus
-// 32 as signed bytes.
-constexpr int64_t Q6_K_AMX_SB_BYTES = 16 * 16 * 4 + 64 * 16 * 4;
+// A Q6_K row group of 16 for AMX's tiles, per super-block: the rows' d (float [row]), then per 64 quants
+// two AMX B tiles (16 steps x (16 rows x 4)): the high and the low byte of each weight's sc_j * (q - 32),
+// w = 256 hi + lo with lo the signed low byte (|w| <= 4096, so hi is within +-16). The scales inside the
+// integers let one TDPBSSD take 64 quants, where a float scale per 16-wide sub-block would cap it at 16
+// (a TDP costs the same at any K), and the super-block's products need one float step, not sixteen.
+constexpr int64_t Q6_K_AMX_SB_BYTES = 16 * 4 + 4 * 2 * 16 * 16 * 4;
+
+// where quant i's high byte lies in a super-block of that layout (its low byte 1 KB further)
+constexpr int64_t q6_K_amx_high_byte(int64_t i, int64_t r) {
+    return 16 * 4 + (i / 64) * 2 * 1024 + ((i % 64) / 4) * 64 + 4 * r + i % 4;
+}
 
 // rows [0, n_rows) of a Q6_K group of 16 in that layout (portable: any n_rows; rows past it are zero)
 void pack_group_q6_K_amx(const uint8_t * rows, size_t row_bytes, int64_t n_super, int64_t n_rows, uint8_t * out) {
-    constexpr int64_t G = 16;
     for (int64_t s = 0; s < n_super; ++s) {
         uint8_t * o = out + s * Q6_K_AMX_SB_BYTES;
         std::memset(o, 0, (size_t) Q6_K_AMX_SB_BYTES);
-        float *  scales = (float *) o;
-        int8_t * quants = (int8_t *) (o + 16 * G * 4);
+        float * d = (float *) o;
         for (int64_t r = 0; r < n_rows; ++r) {
             const q6_K_block & blk = ((const q6_K_block *) (rows + r * row_bytes))[s];
-            const float        d   = ggml_fp16_to_fp32(blk.d);
-            for (int64_t j = 0; j < 16; ++j) {
-                scales[j * G + r] = d * (float) blk.scales[j];
-            }
+            d[r] = ggml_fp16_to_fp32(blk.d);
             for (int64_t i = 0; i < QK_K; ++i) {
-                quants[(i / 4) * 4 * G + 4 * r + i % 4] = q6_K_quant(blk, i);
+                const int32_t w  = blk.scales[i / 16] * q6_K_quant(blk, i);
+                const int8_t  lo = (int8_t) (uint8_t) (w & 0xFF);
+                o[q6_K_amx_high_byte(i, r)]        = (uint8_t) (int8_t) ((w - lo) / 256);
+                o[q6_K_amx_high_byte(i, r) + 1024] = (uint8_t) lo;
             }
         }
     }
@@ -403,6 +408,11 @@ void pack_group(const uint8_t * rows, size_t row_bytes, ggml_type type, int64_t 
 }
 
 #include "diffusion-gemma-int8-kernels.inc"
+
+// the first 64-byte boundary at or after p (buffers sized 64 bytes over what they hold)
+inline uint8_t * align_64(uint8_t * p) {
+    return (uint8_t *) (((uintptr_t) p + 63) & ~(uintptr_t) 63);
+}
 
 typedef void (*tile_fn)(const uint8_t *, const uint8_t *, int64_t, int64_t, float *, int64_t);
 // (group, act, act bytes, n_blocks, b0, b1, out, ld_out): adds blocks [b0, b1)'s products to out
@@ -1197,9 +1207,8 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
     if (tiles && q5_0_tile_avx2(type_, kernel_)) {
         tiles = tile_q5_0_avx2_by_columns;
     }
-    const tile_fn amx_tile = !amx ? nullptr : type_ == GGML_TYPE_Q4_K ? tile_q4_K_amx : tile_q6_K_amx;
     if (amx) {
-        amx_configure(type_ == GGML_TYPE_Q4_K ? QK : 16); // the sub-blocks' width; this thread's, for the call
+        amx_configure(type_ == GGML_TYPE_Q4_K ? QK : 64); // the quants a TDP takes; this thread's, for the call
     }
 #endif
 
@@ -1249,7 +1258,7 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
     const bool        file_prefetch = !repacked_ && !amx && expert_prefetch_wanted(); // groups packed from the file
     const int64_t     stored_bytes = repacked_ ? stored_group_bytes(type_, n_in_, kernel_) : 0;
     packed.resize((size_t) (group_bytes() + 64));
-    uint8_t * group = (uint8_t *) (((uintptr_t) packed.data() + 63) & ~(uintptr_t) 63);
+    uint8_t * group = align_64(packed.data());
     float     tile_out[16 * 8];
     alignas(64) float amx_out[16 * 16];
 
@@ -1334,9 +1343,25 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
                 continue;
             }
 #ifdef DG_LMH_X86
-            if (amx) {
+            if (amx && type_ == GGML_TYPE_Q6_K) {
+                const int64_t n_cols = (n + 15) / 16 * 16, n_super = n_in_ / QK_K;
+                thread_local std::vector<float>   columns;
+                thread_local std::vector<uint8_t> tiled;
+                columns.resize((size_t) (n_cols * 16));
+                if (g == g0) { // the expert's activations, once
+                    tiled.resize((size_t) (n_cols / 16 * n_super * Q6_K_AMX_ACT_BYTES + 64));
+                    tile_activations_q6_K_amx(gathered.data(), ab, n_super, n_cols, align_64(tiled.data()));
+                }
+                gemm_q6_K_amx(staged, align_64(tiled.data()), n_super, n_cols, columns.data());
+                for (int64_t j = 0; j < n; ++j) {
+                    const int64_t u = pairs[j] % n_used, t = pairs[j] / n_used;
+                    copy_group_rows(out + u * nb_slot + t * nb_token + g * G * sizeof(float), columns.data() + j * G, rows);
+                }
+                continue;
+            }
+            if (amx) { // Q4_K
                 for (int64_t c = 0; c < n; c += 16) {
-                    amx_tile(staged, gathered.data() + c * ab, ab, n_in_ / QK_K, amx_out, G);
+                    tile_q4_K_amx(staged, gathered.data() + c * ab, ab, n_in_ / QK_K, amx_out, G);
                     for (int64_t j = 0; j < std::min<int64_t>(16, n - c); ++j) {
                         const int64_t u = pairs[c + j] % n_used, t = pairs[c + j] / n_used;
                         copy_group_rows(out + u * nb_slot + t * nb_token + g * G * sizeof(float), amx_out + j * G, rows);
