@@ -7,11 +7,21 @@ import http.server
 import json
 import signal
 import socket
+import sys
 import threading
 import time
 import urllib.parse
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+class _QuietServer(http.server.ThreadingHTTPServer):
+    """Says nothing when a client drops the connection: the tests' clients do so on purpose (a listing
+    refused past its size limit, a download interrupted); any other error is printed as usual."""
+
+    def handle_error(self, request, client_address):
+        if not isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
+            super().handle_error(request, client_address)
 
 
 class FakeHub:
@@ -195,7 +205,7 @@ class FakeHub:
                 self._headers(headers_for, 200, len(data))
                 self._send(data)
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = _QuietServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
