@@ -157,12 +157,8 @@ int8_t q6_K_quant(const q6_K_block & blk, int64_t i) {
 // at 2r and 2r + 1, for vpmaddwd); then the quants minus 32 as int8, 64 x (8 x 4).
 constexpr int64_t Q6_K_SB_BYTES = 8 * 4 + 8 * 4 + 16 * 32 + 64 * 32;
 
-// A Q4_K row group of 16 for AMX's tiles: the same layout at 16 rows, each sub-block's quants an AMX B
-// tile (8 steps x (16 rows x 4 quants)).
-constexpr int64_t Q4_K_AMX_SB_BYTES = 2 * 8 * 16 * 4 + 8 * 8 * 16 * 4;
-
-// rows [0, n_rows) of a Q4_K group of G rows (8: AVX2's tiles, 16: AMX's; row r at rows + r * row_bytes)
-// in that layout; rows past n_rows are zero (scales and offsets 0), so a partial last group computes zeros
+// rows [0, n_rows) of a Q4_K group of G rows (row r at rows + r * row_bytes) in that layout; rows past
+// n_rows are zero (scales and offsets 0), so a partial last group computes zeros
 void pack_group_q4_K(const uint8_t * rows, size_t row_bytes, int64_t n_super, int64_t n_rows, int64_t G, uint8_t * out) {
     const int64_t sb_bytes = (2 * 8 + 8 * 8) * G * 4;
     for (int64_t s = 0; s < n_super; ++s) {
@@ -219,6 +215,43 @@ void pack_group_q6_K_amx(const uint8_t * rows, size_t row_bytes, int64_t n_super
     }
 }
 
+// A Q4_K row group of 16 for AMX's tiles, per super-block: the rows' d and their offsets dmin * m_j
+// (float [row], [sub-block][row]), then per 64 quants (sub-blocks 2k and 2k + 1) two AMX B tiles (16 steps
+// x (16 rows x 4)): the high and the low byte of each weight's sc_j * q (0..945, both unsigned), as Q6_K's
+// layout above splits its weights.
+constexpr int64_t Q4_K_AMX_SB_BYTES = 16 * 4 + 8 * 16 * 4 + 4 * 2 * 16 * 16 * 4;
+
+// where quant i's high byte lies in a super-block of that layout (its low byte 1 KB further)
+constexpr int64_t q4_K_amx_high_byte(int64_t i, int64_t r) {
+    return 16 * 4 + 8 * 16 * 4 + (i / 64) * 2 * 1024 + ((i % 64) / 4) * 64 + 4 * r + i % 4;
+}
+
+// rows [0, n_rows) of a Q4_K group of 16 in that layout (portable: any n_rows; rows past it are zero)
+void pack_group_q4_K_amx(const uint8_t * rows, size_t row_bytes, int64_t n_super, int64_t n_rows, uint8_t * out) {
+    for (int64_t s = 0; s < n_super; ++s) {
+        uint8_t * o = out + s * Q4_K_AMX_SB_BYTES;
+        std::memset(o, 0, (size_t) Q4_K_AMX_SB_BYTES);
+        float * d       = (float *) o;
+        float * offsets = d + 16;
+        for (int64_t r = 0; r < n_rows; ++r) {
+            const q4_K_block & blk = ((const q4_K_block *) (rows + r * row_bytes))[s];
+            d[r]                   = ggml_fp16_to_fp32(blk.d);
+            for (int j = 0; j < 8; ++j) {
+                int sc, m;
+                q4_K_scale_min(blk.scales, j, sc, m);
+                offsets[j * 16 + r] = ggml_fp16_to_fp32(blk.dmin) * (float) m;
+                for (int k = 0; k < QK; ++k) {
+                    const uint8_t byte = blk.qs[(j / 2) * QK + k];
+                    const int     w    = sc * (j % 2 ? byte >> 4 : byte & 0x0F);
+                    const int64_t i    = j * QK + k;
+                    o[q4_K_amx_high_byte(i, r)]        = (uint8_t) (w >> 8);
+                    o[q4_K_amx_high_byte(i, r) + 1024] = (uint8_t) (w & 0xFF);
+                }
+            }
+        }
+    }
+}
+
 // rows [0, n_rows) of a Q6_K group in that layout; rows past n_rows are zero, so they compute zeros
 void pack_group_q6_K(const uint8_t * rows, size_t row_bytes, int64_t n_super, int64_t n_rows, uint8_t * out) {
     constexpr int64_t G = 8;
@@ -253,9 +286,9 @@ void pack_group_q6_K(const uint8_t * rows, size_t row_bytes, int64_t n_super, in
 // product of the unsigned quants 0..63 (which takes their -32 back).
 constexpr int64_t Q8_K_BYTES_SUMS16 = QK_K + 4 + 16 * 4;
 
-// the bytes after a super-block's quants: d, then per 32-wide sub-block its quant sum (times d unless
-// `plain_sums`), or with `sums16` per 16-wide one -32 x its quant sum as int32
-void store_q8_K_sums(uint8_t * o, float d, const int32_t * sums_32, const int32_t * sums_16, bool sums16, bool plain_sums) {
+// the bytes after a super-block's quants: d, then per 32-wide sub-block d x its quant sum, or with
+// `sums16` per 16-wide one -32 x its quant sum as int32
+void store_q8_K_sums(uint8_t * o, float d, const int32_t * sums_32, const int32_t * sums_16, bool sums16) {
     std::memcpy(o + QK_K, &d, sizeof(d));
     if (sums16) {
         for (int j = 0; j < 16; ++j) {
@@ -265,12 +298,12 @@ void store_q8_K_sums(uint8_t * o, float d, const int32_t * sums_32, const int32_
         return;
     }
     for (int j = 0; j < 8; ++j) {
-        const float b = plain_sums ? (float) sums_32[j] : d * (float) sums_32[j];
+        const float b = d * (float) sums_32[j];
         std::memcpy(o + QK_K + 4 + 4 * j, &b, sizeof(b));
     }
 }
 
-void quantize_super_block_q8_K(const float * v, uint8_t * o, uint8_t flip, bool sums16, bool plain_sums) {
+void quantize_super_block_q8_K(const float * v, uint8_t * o, uint8_t flip, bool sums16) {
     float max = 0.0f, amax = 0.0f;
     for (int64_t k = 0; k < QK_K; ++k) {
         if (std::fabs(v[k]) > amax) {
@@ -292,7 +325,7 @@ void quantize_super_block_q8_K(const float * v, uint8_t * o, uint8_t flip, bool 
     } else {
         std::memset(o, flip, QK_K);
     }
-    store_q8_K_sums(o, d, sums_32, sums_16, sums16, plain_sums);
+    store_q8_K_sums(o, d, sums_32, sums_16, sums16);
 }
 
 #ifdef DG_LMH_X86
@@ -309,7 +342,7 @@ __attribute__((target("avx2"))) inline int32_t sum_epi32_avx2(__m256i v) {
 // permute puts them back). A NaN value's own quant differs from the scalar loop's, whose cast of a NaN
 // is undefined.
 __attribute__((target("avx2"))) void quantize_super_block_q8_K_avx2(const float * v, uint8_t * o, uint8_t flip,
-                                                                    bool sums16, bool plain_sums) {
+                                                                    bool sums16) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256       m    = _mm256_setzero_ps();
     for (int i = 0; i < QK_K / 8; ++i) {
@@ -320,7 +353,7 @@ __attribute__((target("avx2"))) void quantize_super_block_q8_K_avx2(const float 
     h        = _mm_max_ss(h, _mm_movehdup_ps(h));
     const float amax = _mm_cvtss_f32(h);
     if (amax == 0.0f) {
-        quantize_super_block_q8_K(v, o, flip, sums16, plain_sums);
+        quantize_super_block_q8_K(v, o, flip, sums16);
         return;
     }
     int64_t first = -1; // the first value of that magnitude: its sign maps to -127
@@ -332,7 +365,7 @@ __attribute__((target("avx2"))) void quantize_super_block_q8_K_avx2(const float 
         }
     }
     if (first < 0) { // not reached: amax is one of the values' magnitudes
-        quantize_super_block_q8_K(v, o, flip, sums16, plain_sums);
+        quantize_super_block_q8_K(v, o, flip, sums16);
         return;
     }
     const float   iscale = -127.0f / v[first];
@@ -351,7 +384,7 @@ __attribute__((target("avx2"))) void quantize_super_block_q8_K_avx2(const float 
         bytes         = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256((__m256i *) (o + QK * b), _mm256_xor_si256(bytes, _mm256_set1_epi8((char) flip)));
     }
-    store_q8_K_sums(o, 1.0f / iscale, sums_32, sums_16, sums16, plain_sums);
+    store_q8_K_sums(o, 1.0f / iscale, sums_32, sums_16, sums16);
 }
 #endif
 
@@ -360,11 +393,10 @@ bool cpu_has(const char * feature);
 // Columns [c0, c1) of x (n_super * 256 values each) as ggml's quantize_row_q8_K_ref writes them
 // (per 256: the value of largest magnitude, first of equals, maps to -127; round-to-even), into
 // the layout above; `flip` 0x80 stores each quant + 128 as an unsigned byte (the AVX2 Q6_K tile's
-// operand); `sums16` writes the VNNI Q6_K tile's layout instead (Q8_K_BYTES_SUMS16); `plain_sums` the
-// sub-blocks' quant sums without d (AMX's Q4_K tile applies d once per super-block); `scalar`: the
+// operand); `sums16` writes the VNNI Q6_K tile's layout instead (Q8_K_BYTES_SUMS16); `scalar`: the
 // portable loop even where the CPU has AVX2 (the self-test compares the two).
 void quantize_columns_q8_K(int64_t n_super, const float * x, int64_t ld_x, int64_t c0, int64_t c1, uint8_t * act,
-                          uint8_t flip = 0, bool sums16 = false, bool plain_sums = false, bool scalar = false) {
+                          uint8_t flip = 0, bool sums16 = false, bool scalar = false) {
     const int64_t     bytes = sums16 ? Q8_K_BYTES_SUMS16 : Q8_K_BYTES;
     static const bool avx2  = cpu_has("avx2");
     for (int64_t c = c0; c < c1; ++c) {
@@ -373,11 +405,11 @@ void quantize_columns_q8_K(int64_t n_super, const float * x, int64_t ld_x, int64
             uint8_t *     o = act + (c * n_super + s) * bytes;
 #ifdef DG_LMH_X86
             if (avx2 && !scalar) {
-                quantize_super_block_q8_K_avx2(v, o, flip, sums16, plain_sums);
+                quantize_super_block_q8_K_avx2(v, o, flip, sums16);
                 continue;
             }
 #endif
-            quantize_super_block_q8_K(v, o, flip, sums16, plain_sums);
+            quantize_super_block_q8_K(v, o, flip, sums16);
         }
     }
     (void) avx2;
@@ -1071,12 +1103,11 @@ int64_t dg_experts::group_bytes() const {
 
 void dg_experts::quantize(const float * x, int64_t ld_x, int64_t r0, int64_t r1, uint8_t * act, bool scalar) const {
     if (type_ == GGML_TYPE_Q6_K && kernel_ == dg_lm_head_kernel::avx512_vnni && !amx_k_quant()) {
-        quantize_columns_q8_K(n_in_ / QK_K, x, ld_x, r0, r1, act, 0, /*sums16 =*/ true, false, scalar);
+        quantize_columns_q8_K(n_in_ / QK_K, x, ld_x, r0, r1, act, 0, /*sums16 =*/ true, scalar);
     } else if (is_k_quant(type_)) {
         // AVX2's Q6_K tile takes them + 128 (vpmaddubsw's unsigned operand); AMX's signed
         quantize_columns_q8_K(n_in_ / QK_K, x, ld_x, r0, r1, act,
-                              type_ == GGML_TYPE_Q6_K && kernel_ == dg_lm_head_kernel::avx2 ? 0x80 : 0, false,
-                              amx_k_quant(), scalar);
+                              type_ == GGML_TYPE_Q6_K && kernel_ == dg_lm_head_kernel::avx2 ? 0x80 : 0, false, scalar);
     } else {
         quantize_columns(kernel_, n_blocks_, x, ld_x, r0, r1, act, n_blocks_ * (QK + 4), scalar,
                          q5_0_tile_avx2(type_, kernel_));
@@ -1110,13 +1141,14 @@ void dg_experts::pack(const uint8_t * first_row, int64_t rows, uint8_t * group) 
     if (amx_k_quant()) {
         const bool q4_K = type_ == GGML_TYPE_Q4_K;
 #ifdef DG_LMH_X86
-        if (rows == 16 && row_bytes_ * 15 <= INT32_MAX) {
+        static const bool vbmi = __builtin_cpu_supports("avx512vbmi"); // Q4_K's vector packer
+        if (rows == 16 && row_bytes_ * 15 <= INT32_MAX && (vbmi || !q4_K)) {
             (q4_K ? pack_group_q4_K_amx16 : pack_group_q6_K_amx16)(first_row, (int32_t) row_bytes_, n_in_ / QK_K, group);
             return;
         }
 #endif
         if (q4_K) {
-            pack_group_q4_K(first_row, row_bytes_, n_in_ / QK_K, rows, 16, group);
+            pack_group_q4_K_amx(first_row, row_bytes_, n_in_ / QK_K, rows, group);
         } else {
             pack_group_q6_K_amx(first_row, row_bytes_, n_in_ / QK_K, rows, group);
         }
@@ -1208,7 +1240,7 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
         tiles = tile_q5_0_avx2_by_columns;
     }
     if (amx) {
-        amx_configure(type_ == GGML_TYPE_Q4_K ? QK : 64); // the quants a TDP takes; this thread's, for the call
+        amx_configure(64); // the quants a TDP takes; this thread's, for the call
     }
 #endif
 
@@ -1260,7 +1292,6 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
     packed.resize((size_t) (group_bytes() + 64));
     uint8_t * group = align_64(packed.data());
     float     tile_out[16 * 8];
-    alignas(64) float amx_out[16 * 16];
 
     for (int64_t e = 0, start = 0; e < n_expert_ && start < hi; ++e) {
         const int64_t n = first[(size_t) e + 1] - first[(size_t) e];
@@ -1343,29 +1374,20 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
                 continue;
             }
 #ifdef DG_LMH_X86
-            if (amx && type_ == GGML_TYPE_Q6_K) {
+            if (amx) {
                 const int64_t n_cols = (n + 15) / 16 * 16, n_super = n_in_ / QK_K;
                 thread_local std::vector<float>   columns;
                 thread_local std::vector<uint8_t> tiled;
                 columns.resize((size_t) (n_cols * 16));
                 if (g == g0) { // the expert's activations, once
-                    tiled.resize((size_t) (n_cols / 16 * n_super * Q6_K_AMX_ACT_BYTES + 64));
-                    tile_activations_q6_K_amx(gathered.data(), ab, n_super, n_cols, align_64(tiled.data()));
+                    tiled.resize((size_t) (n_cols / 16 * n_super * K_QUANT_AMX_ACT_BYTES + 64));
+                    tile_activations_amx(gathered.data(), ab, n_super, n_cols, align_64(tiled.data()));
                 }
-                gemm_q6_K_amx(staged, align_64(tiled.data()), n_super, n_cols, columns.data());
+                (type_ == GGML_TYPE_Q4_K ? gemm_split_amx<true> : gemm_split_amx<false>)(staged, align_64(tiled.data()), n_super,
+                                                                                         n_cols, columns.data());
                 for (int64_t j = 0; j < n; ++j) {
                     const int64_t u = pairs[j] % n_used, t = pairs[j] / n_used;
                     copy_group_rows(out + u * nb_slot + t * nb_token + g * G * sizeof(float), columns.data() + j * G, rows);
-                }
-                continue;
-            }
-            if (amx) { // Q4_K
-                for (int64_t c = 0; c < n; c += 16) {
-                    tile_q4_K_amx(staged, gathered.data() + c * ab, ab, n_in_ / QK_K, amx_out, G);
-                    for (int64_t j = 0; j < std::min<int64_t>(16, n - c); ++j) {
-                        const int64_t u = pairs[c + j] % n_used, t = pairs[c + j] / n_used;
-                        copy_group_rows(out + u * nb_slot + t * nb_token + g * G * sizeof(float), amx_out + j * G, rows);
-                    }
                 }
                 continue;
             }

@@ -122,9 +122,9 @@ void dg_lm_head_gemm_op(ggml_tensor * dst, int ith, int nth, void * userdata);
 // per row a correction; the activations (Q8_K, as ggml quantizes them for Q6_K) are stored + 128, the
 // unsigned operand of vpmaddubsw, and the correction (128 x the row's scaled quant sums) takes that back.
 // Packed on the fly for the VNNI family where the CPU has AMX (amx_k_quant(): the route its dense Q4_K and
-// Q6_K weights take), 16-row groups of AMX B tiles per sub-block: Q4_K's unsigned quants with the same
-// float scales and offsets, Q6_K's quants minus 32 as int8 with d * sc as floats; the activations are the
-// signed Q8_K quants (Q4_K's sub-block sums without d).
+// Q6_K weights take), 16-row groups of AMX B tiles per 64 quants: each weight's sc * q (Q4_K, unsigned) or
+// sc * (q - 32) (Q6_K, signed) split into a high and a low byte, the rows' d (and Q4_K's offsets dmin * m)
+// as floats; the activations are the signed Q8_K quants.
 // The values are the same quantized products as ggml's (its activation quantization, the file's
 // quants and scales); only the float summation order differs.
 //
