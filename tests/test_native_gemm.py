@@ -89,18 +89,24 @@ K_QUANT_TYPES = {"q4_K": 12, "q6_K": 14}  # ggml_type: the types with tiles of t
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 @pytest.mark.parametrize("weight_type", sorted(WEIGHT_TYPES))
-@pytest.mark.parametrize("n_embd, n_vocab, n_cols", [(64, 500, 16), (128, 37, 9), (2816, 1000, 70),
-                                                    (32 * 600, 40, 9)])
-def test_lm_head_kernel_agrees_with_a_double_precision_sum(kernel, weight_type, n_embd, n_vocab, n_cols):
+@pytest.mark.parametrize("n_embd, n_vocab, n_cols, stream", [
+    (64, 500, 16, "0"), (128, 37, 9, "0"), (2816, 1000, 70, "0"), (32 * 600, 40, 9, "0"),
+    (96, 512, 37, "1"),  # whole row groups, each column's 16 results streamed into the logits
+])
+def test_lm_head_kernel_agrees_with_a_double_precision_sum(kernel, weight_type, n_embd, n_vocab, n_cols, stream,
+                                                           monkeypatch):
     """Each kernel on random Q8_0 or Q5_0 weights (a partial last row group, a partial column tile)
     against a float64 sum of the same quantized activations and the weights as ggml's dequantizer
     decodes them: float32 rounding only, so the Q5_0 -> int8 repack loses nothing. Rows of 600 blocks
     (as the transposed embeddings' 8192) are multiplied in chunks of 256, the last one shorter; the
-    vectorized quantization equals the portable loop byte for byte."""
+    vectorized quantization equals the portable loop byte for byte. DG_STREAM_RESULTS=1 writes the
+    results with streaming stores wherever a group's rows are whole (the VNNI family's 16-row groups;
+    the default does so for results of over 64 MB only)."""
     import ctypes
 
     from dgcli.runtime import native
 
+    monkeypatch.setenv("DG_STREAM_RESULTS", stream)
     err = ctypes.c_double()
     rc = native.lib()._lib.dg_lm_head_selftest(KERNELS[kernel], WEIGHT_TYPES[weight_type], n_embd, n_vocab, n_cols,
                                                11, ctypes.byref(err))
@@ -111,16 +117,20 @@ def test_lm_head_kernel_agrees_with_a_double_precision_sum(kernel, weight_type, 
 
 
 @pytest.mark.parametrize("weight_type", sorted(WEIGHT_TYPES))
-@pytest.mark.parametrize("n_embd, n_vocab, n_cols", [(64, 500, 16), (2816, 1000, 70), (32 * 600, 40, 37),
-                                                    (96, 70, 256), (32 * 7, 33, 48)])
-def test_amx_tiles_agree_with_a_double_precision_sum(weight_type, n_embd, n_vocab, n_cols, monkeypatch):
+@pytest.mark.parametrize("n_embd, n_vocab, n_cols, stream", [
+    (64, 500, 16, "0"), (2816, 1000, 70, "0"), (32 * 600, 40, 37, "0"), (96, 70, 256, "0"), (32 * 7, 33, 48, "0"),
+    (96, 512, 40, "1"),  # whole groups streamed: two AMX column tiles and 8 columns on VNNI's
+])
+def test_amx_tiles_agree_with_a_double_precision_sum(weight_type, n_embd, n_vocab, n_cols, stream, monkeypatch):
     """The VNNI layout's GEMM on AMX's tiles (16 columns a tile, the rest on VNNI's): whole and partial
     groups and column tiles, even and odd block counts (the tiles take blocks two at a time), chunked
-    rows of 600 blocks; against the float64 sum as above, and the same with AMX switched off."""
+    rows of 600 blocks, the results streamed where asked; against the float64 sum as above, and the
+    same with AMX switched off."""
     import ctypes
 
     from dgcli.runtime import native
 
+    monkeypatch.setenv("DG_STREAM_RESULTS", stream)
     lib = native.lib()._lib
     if not lib.dg_amx_in_use():
         pytest.skip("this CPU has no AMX-INT8 (or Linux does not grant its tile state)")
@@ -260,20 +270,23 @@ def test_k_quant_expert_gemm_agrees_with_a_double_precision_sum(weight_type, n_i
     assert err.value < 1e-5
 
 
-@pytest.mark.parametrize("n_in, n_out, n_expert, n_used, n_tokens, per_slot, nth", [
-    (2816, 1408, 1, 1, 256, False, 2),  # a dense canvas product at the real width (whole tiles of 16 columns)
-    (2816, 1408, 16, 8, 24, False, 3),  # experts of uneven token counts, most tiles partly zero columns
-    (256, 37, 5, 2, 9, True, 1),        # one super-block, a partial last row group (packed by scalar code)
-    (512, 100, 1, 1, 17, False, 4),     # one column past a whole tile
+@pytest.mark.parametrize("n_in, n_out, n_expert, n_used, n_tokens, per_slot, nth, stream", [
+    (2816, 1408, 1, 1, 256, False, 2, "0"),  # a dense canvas product at the real width (whole tiles of 16 columns)
+    (2816, 1408, 16, 8, 24, False, 3, "0"),  # experts of uneven token counts, most tiles partly zero columns
+    (256, 37, 5, 2, 9, True, 1, "0"),        # one super-block, a partial last row group (packed by scalar code)
+    (512, 100, 1, 1, 17, False, 4, "0"),     # one column past a whole tile
+    (512, 96, 1, 1, 40, False, 2, "1"),      # each group's results streamed into the result's rows (AMX's route)
+    (256, 64, 6, 3, 11, True, 2, "1"),       # the same into rows of (token, slot) pairs
 ])
 @pytest.mark.parametrize("weight_type", ["q4_K", "q6_K"])
 @pytest.mark.parametrize("amx", ["1", "0"], ids=["amx", "span-tiles"])
 def test_vnni_k_quants_packed_on_the_fly_agree_with_a_double_precision_sum(weight_type, n_in, n_out, n_expert, n_used,
-                                                                           n_tokens, per_slot, nth, amx, monkeypatch):
+                                                                           n_tokens, per_slot, nth, stream, amx,
+                                                                           monkeypatch):
     """Q4_K and Q6_K packed on the fly for the VNNI family (the route its dense K-quant weights take): on
     AMX's tiles where AMX runs, else each group repacked for the repacked experts' span tiles (DG_AMX=0
     forces that route on an AMX CPU); against the same float64 sum as AVX2's tiles, split as `nth` threads
-    split it."""
+    split it. DG_STREAM_RESULTS=1: AMX's results written with streaming stores at any size."""
     import ctypes
 
     from dgcli.runtime import native
@@ -282,6 +295,7 @@ def test_vnni_k_quants_packed_on_the_fly_agree_with_a_double_precision_sum(weigh
     if amx == "1" and not lib.dg_amx_in_use():
         pytest.skip("this CPU has no AMX-INT8 (or Linux does not grant its tile state)")
     monkeypatch.setenv("DG_AMX", amx)
+    monkeypatch.setenv("DG_STREAM_RESULTS", stream)
     err = ctypes.c_double()
     rc = lib.dg_experts_selftest(KERNELS["avx512-vnni"], K_QUANT_TYPES[weight_type], n_in, n_out, n_expert, n_used,
                                  n_tokens, per_slot, nth, 17, ctypes.byref(err))

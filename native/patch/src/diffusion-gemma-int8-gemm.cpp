@@ -785,6 +785,45 @@ void dg_lm_head::quantize(const float * x, int64_t ld_x, int64_t c0, int64_t c1,
     }
 }
 
+#ifdef DG_LMH_X86
+// A group's 16 rows of n columns (src, 16 floats each) into the result, column j's at dst(j) (64-byte
+// aligned), with streaming stores: for a result far larger than the caches (the LM head's logits, 1 MB a
+// column) each 64-byte piece would otherwise read its line in first and push out one the next group
+// needs. The caller fences (_mm_sfence) before the result is read.
+template <typename Destination>
+static __attribute__((target("avx512f"))) void stream_group_rows(int64_t n, const float * src, Destination dst) {
+    for (int64_t j = 0; j < n; ++j) {
+        _mm512_stream_ps(dst(j), _mm512_loadu_ps(src + j * 16));
+    }
+}
+#else
+template <typename Destination> static void stream_group_rows(int64_t n, const float * src, Destination dst) {
+    for (int64_t j = 0; j < n; ++j) {
+        std::memcpy(dst(j), src + j * 16, 16 * sizeof(float));
+    }
+}
+#endif
+
+// whether a GEMM's result of this many bytes is written with streaming stores (x86-64: AVX-512's): one
+// larger than a server CPU's last-level cache, where it cannot be read back from there anyway.
+// DG_STREAM_RESULTS=0 turns them off, =1 on at any size (tests); read per call, for A/B runs within one
+// process.
+static bool streamed_result(double bytes) {
+#ifdef DG_LMH_X86
+    static const bool avx512 = __builtin_cpu_supports("avx512f"); // the stores' (the portable kernel runs anywhere)
+    if (!avx512) {
+        return false;
+    }
+    const char * env = std::getenv("DG_STREAM_RESULTS");
+    if (env && (!std::strcmp(env, "0") || !std::strcmp(env, "1"))) {
+        return env[0] == '1';
+    }
+    return bytes > 64e6;
+#else
+    (void) bytes;
+    return false;
+#endif
+}
 
 void dg_lm_head::gemm(const uint8_t * act, int64_t n_cols, float * out, int64_t ld_out, int64_t g0, int64_t g1) const {
     const int64_t G      = group_;
@@ -801,7 +840,11 @@ void dg_lm_head::gemm(const uint8_t * act, int64_t n_cols, float * out, int64_t 
 #else
     const tile_fn amx = nullptr;
 #endif
-    float partial[16 * 16]; // a tile computed aside: the last group's (a partial group), or a later chunk's
+    alignas(64) float partial[16 * 16]; // a tile computed aside: the last group's (a partial group), a later
+                                        // chunk's, or one streamed to the result
+    // whole groups into 64-byte aligned pieces of a result larger than this machine's caches, in one chunk
+    const bool stream_out = G == 16 && chunk == n_blocks_ && (uintptr_t) out % 64 == 0 && ld_out % 16 == 0 &&
+                            streamed_result((double) n_vocab_ * n_cols * sizeof(float));
     const int64_t panel = panel_columns(ab * chunk / n_blocks_); // one chunk's activations per column
     for (int64_t p0 = 0; p0 < n_cols; p0 += panel) {
         const int64_t p1 = std::min(p0 + panel, n_cols);
@@ -814,6 +857,11 @@ void dg_lm_head::gemm(const uint8_t * act, int64_t n_cols, float * out, int64_t 
                 for (int64_t c = p0, nc; c < p1; c += nc) {
                     nc                 = amx && p1 - c >= 16 ? 16 : std::min(n_wide, p1 - c);
                     const tile_fn tile = nc == 16 ? amx : tiles[nc];
+                    if (rows == G && k0 == 0 && stream_out) {
+                        tile(group, act_k + c * ab, ab, nk, partial, G);
+                        stream_group_rows(nc, partial, [&](int64_t j) { return out + (c + j) * ld_out + g * G; });
+                        continue;
+                    }
                     if (rows == G && k0 == 0) {
                         tile(group, act_k + c * ab, ab, nk, out + c * ld_out + g * G, ld_out);
                         continue;
@@ -832,6 +880,9 @@ void dg_lm_head::gemm(const uint8_t * act, int64_t n_cols, float * out, int64_t 
 #ifdef DG_LMH_X86
     if (amx) {
         amx_release();
+    }
+    if (stream_out) {
+        _mm_sfence();
     }
 #endif
 }
@@ -1234,6 +1285,9 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
     // run: tiles over spans of blocks of the repacked layout itself
     const span_tile_fn * spans = repacked_ || vnni_k_quant_on_the_fly() ? span_tiles_for(kernel_, type_) : nullptr;
     const bool           amx   = amx_k_quant(); // 16 columns a tile, the last tile's padded with zero columns
+    // whole 16-row groups into 64-byte aligned pieces of a result larger than this machine's caches
+    const bool stream_out = amx && n_out_ % 16 == 0 && (uintptr_t) out % 64 == 0 && nb_slot % 64 == 0 &&
+                            nb_token % 64 == 0 && streamed_result((double) n_out_ * n_used * n_tokens * sizeof(float));
     const tile_fn *      tiles = spans || amx ? nullptr : tiles_for(kernel_, &n_wide, type_);
 #ifdef DG_LMH_X86
     if (tiles && q5_0_tile_avx2(type_, kernel_)) {
@@ -1385,6 +1439,13 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
                 }
                 (type_ == GGML_TYPE_Q4_K ? gemm_split_amx<true> : gemm_split_amx<false>)(staged, align_64(tiled.data()), n_super,
                                                                                          n_cols, columns.data());
+                if (stream_out) {
+                    stream_group_rows(n, columns.data(), [&](int64_t j) {
+                        const int64_t u = pairs[j] % n_used, t = pairs[j] / n_used;
+                        return (float *) (out + u * nb_slot + t * nb_token + g * G * sizeof(float));
+                    });
+                    continue;
+                }
                 for (int64_t j = 0; j < n; ++j) {
                     const int64_t u = pairs[j] % n_used, t = pairs[j] / n_used;
                     copy_group_rows(out + u * nb_slot + t * nb_token + g * G * sizeof(float), columns.data() + j * G, rows);
@@ -1414,6 +1475,9 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
 #ifdef DG_LMH_X86
     if (amx) {
         amx_release();
+    }
+    if (stream_out) {
+        _mm_sfence(); // the streamed stores ordered before the graph's barrier releases the result
     }
 #endif
 }
