@@ -595,6 +595,47 @@ def test_cpu_contexts_run_attention_as_matmuls_without_flash_attention(tiny_gguf
     assert float(np.max(np.abs(logits["MUL_MAT"] - logits["FLASH_ATTN_EXT"]))) < 1e-2 * scale
 
 
+@pytest.mark.parametrize("m, n, k, heads, heads_kv, permuted, nth", [
+    (320, 256, 256, 4, 2, True, 2),   # scores of a canvas: permuted queries, grouped key heads
+    (256, 64, 512, 2, 2, False, 1),   # values x probabilities, contiguous
+    (37, 17, 41, 3, 1, False, 3),     # partial panels, tiles and k steps
+    (100, 20, 1100, 1, 1, True, 2),   # k in three chunks, the later ones added to the first
+    (40, 600, 70, 1, 1, False, 5),    # column blocks (more than 256 columns, more threads than panels)
+])
+def test_f16_matmul_agrees_with_a_double_precision_sum(m, n, k, heads, heads_kv, permuted, nth, monkeypatch):
+    """ggml-cpu's F16 x F32 MUL_MAT (the attention's products without flash attention) through a CPU graph:
+    on dg's AVX-512 kernel the F32 operand is used as it is, so the result is within float32 rounding of a
+    float64 sum; ggml's own (DG_F16_GEMM=0) rounds that operand to F16 first, 1e-4 off, which tells the
+    two apart."""
+    import ctypes
+
+    from dgcli.runtime import native
+
+    lib = native.lib()._lib
+
+    def error() -> float:
+        err = ctypes.c_double()
+        assert lib.dg_f16_matmul_selftest(m, n, k, heads, heads_kv, permuted, nth, 23, ctypes.byref(err)) == 0
+        return err.value
+
+    monkeypatch.setenv("DG_F16_GEMM", "0")
+    assert not lib.dg_f16_gemm_runs(m, n, k)
+    assert 1e-5 < error() < 1e-3
+    monkeypatch.delenv("DG_F16_GEMM")
+    if not lib.dg_f16_gemm_runs(m, n, k):
+        pytest.skip("this CPU has no AVX-512: its F16 products stay on ggml's kernel (checked above)")
+    assert error() < 2e-6
+
+
+def test_f16_matmul_leaves_a_decode_to_ggml():
+    """A one-token decode's products (one column) and small batches keep ggml's vector dot products."""
+    from dgcli.runtime import native
+
+    lib = native.lib()._lib
+    assert not lib.dg_f16_gemm_runs(512, 1, 256)
+    assert not lib.dg_f16_gemm_runs(512, 15, 256)
+
+
 def test_experts_take_our_tiles_only_for_batches_that_pay_for_the_packing(tmp_path, monkeypatch):
     """Packing a row group costs about three columns of tile work: a canvas (16 tokens here, 4 experts
     top-2: 8 per expert) runs the experts on our tiles, a one-token decode (half a token per expert)

@@ -227,6 +227,11 @@ def _declare(lib_mod: Any) -> None:
         "dg_expert_buffer_selftest": ([ctypes.c_int32, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                        ctypes.c_int64, ctypes.c_int64, ctypes.c_bool, ctypes.c_int32, ctypes.c_uint32,
                                        ctypes.POINTER(ctypes.c_double)], ctypes.c_int32),
+        # (m, n, k, heads, heads_kv, permuted, n_threads, seed, max_rel_err out)
+        "dg_f16_matmul_selftest": ([ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                    ctypes.c_bool, ctypes.c_int32, ctypes.c_uint32, ctypes.POINTER(ctypes.c_double)],
+                                   ctypes.c_int32),
+        "dg_f16_gemm_runs": ([ctypes.c_int64, ctypes.c_int64, ctypes.c_int64], ctypes.c_bool),
         "dg_peak_gmacs": ([ctypes.c_int32, ctypes.c_double, ctypes.c_char_p, ctypes.c_int32], ctypes.c_double),
         "dg_profile_new": ([], ctypes.c_void_p),
         "dg_profile_free": ([ctypes.c_void_p], None),
