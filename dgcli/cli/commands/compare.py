@@ -46,6 +46,8 @@ def compare(
     no_live: bool = typer.Option(False, "--no-live", help="No live panels (automatic when stdout is not a terminal)."),
     json_out: bool = typer.Option(False, "--json", help=f"Print both results and the comparison as JSON ({COMPARE_SCHEMA})."),
     parse_special: bool = _options.ParseSpecialOpt,
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Both sides keep generating past end tokens, up to "
+                                                                 "--max-new-tokens (as llama.cpp's --ignore-eos)."),
     yes: bool = _options.YesOpt,
 ) -> None:
     """Diffusion vs its autoregressive pair on the same prompt: two panels, then a table and the speedup.
@@ -92,13 +94,15 @@ def compare(
                     _prompt.check_prompt_fits(engine, len(ids), ctx_size)
                     if not live:
                         _output.notice(diff_title)
-                    view = _display.diffusion_view(engine.model, title=diff_title, thinking=thinking)
+                    view = _display.diffusion_view(engine.model, title=diff_title, thinking=thinking,
+                                                   ignore_eos=ignore_eos)
                     if side is not None:
                         side.left = view
                     d = _display.run_diffusion(engine, ids, params=params, seed=run_seed,
                                              max_new_tokens=_options.answer_limit(max_new_tokens, engine.model, len(ids)),
                                              live=live, thinking=thinking, live_obj=lv, view=view, pace=pace,
-                                             status=status, status_prefix="diffusion: ", tick=False)
+                                             status=status, status_prefix="diffusion: ", tick=False,
+                                             ignore_eos=ignore_eos)
                 finally:
                     engine.close()
             a = ar_rss = ar_placement = None
@@ -110,14 +114,15 @@ def compare(
                                          engine_options=dict(threads=threads, gpu_layers=gpu_layers,
                                                              n_cpu_moe=n_cpu_moe, **_options.rpc_option(rpc_servers),
                                                              ctx_size=ctx_size, verbose=verbose),
-                                         max_new_tokens=max_new_tokens, seed=run_seed, temperature=temp or 0.0)
+                                         max_new_tokens=max_new_tokens, seed=run_seed, temperature=temp or 0.0,
+                                         ignore_eos=ignore_eos)
                 except KeyboardInterrupt:  # while the AR model loaded: the diffusion side is kept
                     pass
 
         def json_doc() -> str:
             return json.dumps(dict(
                 schema=COMPARE_SCHEMA, prompt=text, system=system, raw=raw, params=params.__dict__,
-                max_new_tokens=max_new_tokens, seed=run_seed,
+                max_new_tokens=max_new_tokens, seed=run_seed, ignore_eos=ignore_eos,
                 diffusion=dict(model=diff_res.display_name, path=str(diff_path), peak_rss=diff_rss.peak,
                                placement=diff_placement, result=d.to_json()),
                 autoregressive=None if a is None else dict(model=ar_res.display_name, path=str(ar_path),
@@ -169,7 +174,7 @@ def compare(
 
 def _run_ar_side(path: Path, name: str, text: str, view: render.AutoregressiveLiveView, live_obj,
                  status: _status.StatusLine, *, system: Optional[str], raw: bool, parse_special: bool, pace: float,
-                 engine_options: dict, max_new_tokens: int, seed: int, temperature: float):
+                 engine_options: dict, max_new_tokens: int, seed: int, temperature: float, ignore_eos: bool):
     """The autoregressive pair on the same prompt (its own tokenizer and template), drawn in `view` (or
     said by `status`), each token held `pace` seconds as the diffusion side's steps; with where its
     weights went (_models.placement_of)."""
@@ -197,7 +202,7 @@ def _run_ar_side(path: Path, name: str, text: str, view: render.AutoregressiveLi
 
         result = engine.generate(ids, max_new_tokens=_options.answer_limit(max_new_tokens, engine.model, len(ids)),
                                  seed=seed, on_event=on_token,
-                                 temperature=temperature)
+                                 temperature=temperature, ignore_eos=ignore_eos)
         view.busy_since = None
         return result, _models.placement_of(engine.model)
     finally:
