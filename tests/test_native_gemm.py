@@ -595,6 +595,9 @@ def test_cpu_contexts_run_attention_as_matmuls_without_flash_attention(tiny_gguf
     assert float(np.max(np.abs(logits["MUL_MAT"] - logits["FLASH_ATTN_EXT"]))) < 1e-2 * scale
 
 
+F16_FAMILIES = {"avx512": 512, "avx2": 256}  # dg_f16_gemm_runs' answer for each
+
+
 @pytest.mark.parametrize("m, n, k, heads, heads_kv, permuted, nth", [
     (320, 256, 256, 4, 2, True, 2),   # scores of a canvas: permuted queries, grouped key heads
     (256, 64, 512, 2, 2, False, 1),   # values x probabilities, contiguous
@@ -602,11 +605,12 @@ def test_cpu_contexts_run_attention_as_matmuls_without_flash_attention(tiny_gguf
     (100, 20, 1100, 1, 1, True, 2),   # k in three chunks, the later ones added to the first
     (40, 600, 70, 1, 1, False, 5),    # column blocks (more than 256 columns, more threads than panels)
 ])
-def test_f16_matmul_agrees_with_a_double_precision_sum(m, n, k, heads, heads_kv, permuted, nth, monkeypatch):
-    """ggml-cpu's F16 x F32 MUL_MAT (the attention's products without flash attention) through a CPU graph:
-    on dg's AVX-512 kernel the F32 operand is used as it is, so the result is within float32 rounding of a
-    float64 sum; ggml's own (DG_F16_GEMM=0) rounds that operand to F16 first, 1e-4 off, which tells the
-    two apart."""
+@pytest.mark.parametrize("family", sorted(F16_FAMILIES))
+def test_f16_matmul_agrees_with_a_double_precision_sum(m, n, k, heads, heads_kv, permuted, nth, family, monkeypatch):
+    """ggml-cpu's F16 x F32 MUL_MAT (the attention's products without flash attention) through a CPU graph,
+    on each family of dg's kernel (DG_F16_GEMM=avx512 / avx2): the F32 operand is used as it is, so the
+    result is within float32 rounding of a float64 sum; ggml's own (DG_F16_GEMM=0) rounds that operand to
+    F16 first, 1e-4 off, which tells the two apart."""
     import ctypes
 
     from dgcli.runtime import native
@@ -619,21 +623,34 @@ def test_f16_matmul_agrees_with_a_double_precision_sum(m, n, k, heads, heads_kv,
         return err.value
 
     monkeypatch.setenv("DG_F16_GEMM", "0")
-    assert not lib.dg_f16_gemm_runs(m, n, k)
+    assert lib.dg_f16_gemm_runs(m, n, k) == 0
     assert 1e-5 < error() < 1e-3
-    monkeypatch.delenv("DG_F16_GEMM")
-    if not lib.dg_f16_gemm_runs(m, n, k):
-        pytest.skip("this CPU has no AVX-512: its F16 products stay on ggml's kernel (checked above)")
+    monkeypatch.setenv("DG_F16_GEMM", family)
+    if lib.dg_f16_gemm_runs(m, n, k) == 0:
+        pytest.skip(f"this CPU lacks the {family} kernel's instructions: ggml's runs (checked above)")
+    assert lib.dg_f16_gemm_runs(m, n, k) == F16_FAMILIES[family]
     assert error() < 2e-6
 
 
-def test_f16_matmul_leaves_a_decode_to_ggml():
-    """A one-token decode's products (one column) and small batches keep ggml's vector dot products."""
+def test_f16_matmul_follows_the_cpu_kernel_family(monkeypatch):
+    """Unset, the widest family this CPU runs; DG_CPU_KERNELS=avx2 the AVX2 one (so that one AVX-512
+    machine measures both), =ggml ggml's own; a one-token decode's products (one column) and small
+    batches keep ggml's vector dot products."""
     from dgcli.runtime import native
 
     lib = native.lib()._lib
-    assert not lib.dg_f16_gemm_runs(512, 1, 256)
-    assert not lib.dg_f16_gemm_runs(512, 15, 256)
+    monkeypatch.delenv("DG_F16_GEMM", raising=False)
+    monkeypatch.delenv("DG_CPU_KERNELS", raising=False)
+    widest = lib.dg_f16_gemm_runs(512, 256, 256)
+    assert widest in (0, 256, 512)
+    if widest == 0:
+        pytest.skip("this CPU has neither AVX-512 nor AVX2 with FMA and F16C: ggml's kernel throughout")
+    assert lib.dg_f16_gemm_runs(512, 1, 256) == 0
+    assert lib.dg_f16_gemm_runs(512, 15, 256) == 0
+    monkeypatch.setenv("DG_CPU_KERNELS", "avx2")
+    assert lib.dg_f16_gemm_runs(512, 256, 256) == 256
+    monkeypatch.setenv("DG_CPU_KERNELS", "ggml")
+    assert lib.dg_f16_gemm_runs(512, 256, 256) == 0
 
 
 def test_experts_take_our_tiles_only_for_batches_that_pay_for_the_packing(tmp_path, monkeypatch):

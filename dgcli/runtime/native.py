@@ -231,7 +231,7 @@ def _declare(lib_mod: Any) -> None:
         "dg_f16_matmul_selftest": ([ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                     ctypes.c_bool, ctypes.c_int32, ctypes.c_uint32, ctypes.POINTER(ctypes.c_double)],
                                    ctypes.c_int32),
-        "dg_f16_gemm_runs": ([ctypes.c_int64, ctypes.c_int64, ctypes.c_int64], ctypes.c_bool),
+        "dg_f16_gemm_runs": ([ctypes.c_int64, ctypes.c_int64, ctypes.c_int64], ctypes.c_int32),
         "dg_peak_gmacs": ([ctypes.c_int32, ctypes.c_double, ctypes.c_char_p, ctypes.c_int32], ctypes.c_double),
         "dg_profile_new": ([], ctypes.c_void_p),
         "dg_profile_free": ([ctypes.c_void_p], None),

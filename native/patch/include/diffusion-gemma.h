@@ -184,12 +184,13 @@ LLAMA_API int32_t dg_expert_buffer_selftest(int32_t kernel, int32_t weight_type,
 // ggml-cpu's MUL_MAT of an F16 [k, m, heads_kv] (a permuted view, as the KV cache's keys) by an F32
 // [k, n, heads] (a permuted view as the queries where `permuted`, else contiguous) in one CPU graph of
 // n_threads threads, against a float64 sum of the same values: *max_rel_err = max |difference| / max
-// |sum|. dg's AVX-512 kernel runs where dg_f16_gemm_runs says so (DG_F16_GEMM=0: ggml's, which rounds
-// the F32 operand to F16). 0, or -1 for bad arguments.
+// |sum|. dg's kernel runs where dg_f16_gemm_runs says so (DG_F16_GEMM=0: ggml's, which rounds the F32
+// operand to F16). 0, or -1 for bad arguments.
 LLAMA_API int32_t dg_f16_matmul_selftest(int64_t m, int64_t n, int64_t k, int64_t heads, int64_t heads_kv, bool permuted,
                                          int32_t n_threads, uint32_t seed, double * max_rel_err);
-// whether ggml-cpu's MUL_MAT of an F16 m x k by an F32 k x n runs on dg's kernel on this CPU, as now set
-LLAMA_API bool dg_f16_gemm_runs(int64_t m, int64_t n, int64_t k);
+// which of dg's kernels ggml-cpu's MUL_MAT of an F16 m x k by an F32 k x n runs on, as now set: 512
+// (AVX-512), 256 (AVX2), or 0 (ggml's own)
+LLAMA_API int32_t dg_f16_gemm_runs(int64_t m, int64_t n, int64_t k);
 
 // This CPU's single-thread multiply-add peak in G MAC/s for `kind`, from register-resident
 // instruction chains run for about `seconds` of the thread's CPU time, the fastest of five rounds

@@ -15,7 +15,7 @@
 #include <random>
 #include <vector>
 
-extern "C" bool dg_f16_gemm_takes(int64_t m, int64_t n, int64_t k); // ggml-cpu/dg-f16-gemm.cpp
+extern "C" int dg_f16_gemm_takes(int64_t m, int64_t n, int64_t k); // ggml-cpu/dg-f16-gemm.cpp
 
 int32_t dg_f16_matmul_selftest(int64_t m, int64_t n, int64_t k, int64_t heads, int64_t heads_kv, bool permuted,
                                int32_t n_threads, uint32_t seed, double * max_rel_err) {
@@ -85,6 +85,6 @@ int32_t dg_f16_matmul_selftest(int64_t m, int64_t n, int64_t k, int64_t heads, i
     return rc;
 }
 
-bool dg_f16_gemm_runs(int64_t m, int64_t n, int64_t k) {
+int32_t dg_f16_gemm_runs(int64_t m, int64_t n, int64_t k) {
     return dg_f16_gemm_takes(m, n, k);
 }
