@@ -93,7 +93,8 @@ class ScriptedAr:
         self.closed = False
         self.model = ScriptedModel()
 
-    def generate(self, prompt, max_new_tokens=256, seed=None, chat=True, temperature=0.0, on_event=None):
+    def generate(self, prompt, max_new_tokens=256, seed=None, chat=True, temperature=0.0, on_event=None,
+                 ignore_eos=False):
         ids = list(range(3, 3 + len(ANSWER)))[:max_new_tokens]
         for i, (tid, word) in enumerate(zip(ids, ANSWER)):
             if on_event:
