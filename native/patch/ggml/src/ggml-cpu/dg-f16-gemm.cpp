@@ -264,16 +264,17 @@ extern "C" int dg_f16_gemm_takes(int64_t m, int64_t n, int64_t k) {
 extern "C" void dg_f16_gemm(const struct ggml_compute_params * params, int family, int64_t m, int64_t n, int64_t k,
                             const ggml_fp16_t * A, int64_t lda, const float * B, int64_t ldb, float * C, int64_t ldc) {
 #ifdef DG_F16_X86
-    const kernels * ks = family == 512 ? &AVX512 : &AVX2;
+    const kernels * ks         = family == 512 ? &AVX512 : &AVX2;
+    const int64_t   PANEL_ROWS = ks->rows, TILE_COLS = ks->cols;
     // subnormal operands (a softmax's far tails) as zero, subnormal products flushed: an operand or
     // result below 2^-126 otherwise costs a microcode assist of ~100 cycles, and changes no sum by more
     // than that
-    const int64_t      PANEL_ROWS = ks->rows, TILE_COLS = ks->cols;
-    const unsigned int csr        = _mm_getcsr();
+    const unsigned int csr = _mm_getcsr();
     _mm_setcsr(csr | 0x8040); // FTZ | DAZ
     const int64_t n_panels = (m + PANEL_ROWS - 1) / PANEL_ROWS;
     // column blocks of at most 256 (their copy below stays in L2), and as few as give every thread a unit:
-    // a unit packs its panel once per k chunk
+    // a unit packs its panel once per k chunk; units go block by block, so that a thread copies each of
+    // its blocks once per k chunk
     const int64_t max_blocks = std::max<int64_t>(1, n / (4 * TILE_COLS));
     const int64_t n_blocks   = std::max((n + 255) / 256, std::min(max_blocks, (params->nth + n_panels - 1) / n_panels));
     const int64_t n_units    = n_panels * n_blocks;
@@ -291,7 +292,7 @@ extern "C" void dg_f16_gemm(const struct ggml_compute_params * params, int famil
         const int64_t nk     = std::min(K_CHUNK, k - k0);
         int64_t       copied = -1; // the block whose columns `columns` holds
         for (int64_t u = u0; u < u1; ++u) {
-            const int64_t p = u / n_blocks, q = u % n_blocks;
+            const int64_t q = u / n_panels, p = u % n_panels;
             const int64_t i0 = p * PANEL_ROWS, rows = std::min(PANEL_ROWS, m - i0);
             const int64_t j0 = n * q / n_blocks, j1 = n * (q + 1) / n_blocks;
             if (q != copied) {
