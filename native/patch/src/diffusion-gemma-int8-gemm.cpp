@@ -1285,10 +1285,26 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
     // run: tiles over spans of blocks of the repacked layout itself
     const span_tile_fn * spans = repacked_ || vnni_k_quant_on_the_fly() ? span_tiles_for(kernel_, type_) : nullptr;
     const bool           amx   = amx_k_quant(); // 16 columns a tile, the last tile's padded with zero columns
-    // whole 16-row groups into 64-byte aligned pieces of a result larger than this machine's caches
+    // whole 16-row groups into 64-byte aligned pieces of a result larger than this machine's caches. AMX's
+    // route only: the span tiles' (the K-quants packed on the fly where AMX does not run) gained at 1 thread
+    // and lost at 2 (docs/performance.md)
     const bool stream_out = amx && n_out_ % 16 == 0 && (uintptr_t) out % 64 == 0 && nb_slot % 64 == 0 &&
                             nb_token % 64 == 0 && streamed_result((double) n_out_ * n_used * n_tokens * sizeof(float));
     const tile_fn *      tiles = spans || amx ? nullptr : tiles_for(kernel_, &n_wide, type_);
+    // where row r0 of (slot, token) pair p lies in the result
+    const auto destination = [&](int64_t p, int64_t r0) {
+        return out + (p % n_used) * nb_slot + (p / n_used) * nb_token + r0 * (int64_t) sizeof(float);
+    };
+    // a group's rows of n columns (src: G floats each), column j's to pair pairs_of[j]'s rows
+    const auto write_group = [&](const int64_t * pairs_of, int64_t n, const float * src, int64_t g, int64_t rows) {
+        if (stream_out) {
+            stream_group_rows(n, src, [&](int64_t j) { return (float *) destination(pairs_of[j], g * G); });
+            return;
+        }
+        for (int64_t j = 0; j < n; ++j) {
+            copy_group_rows(destination(pairs_of[j], g * G), src + j * G, rows);
+        }
+    };
 #ifdef DG_LMH_X86
     if (tiles && q5_0_tile_avx2(type_, kernel_)) {
         tiles = tile_q5_0_avx2_by_columns;
@@ -1386,10 +1402,7 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
                     std::memset(tile_out, 0, sizeof(tile_out));
                     spans[nc](staged, gathered.data() + c * ab, ab, n_blocks_, 0, n_blocks_, tile_out, G);
                     prefetch_range(next, rows_bytes * tile / n_tiles, rows_bytes * (tile + 1) / n_tiles);
-                    for (int64_t j = 0; j < nc; ++j) {
-                        const int64_t u = pairs[c + j] % n_used, t = pairs[c + j] / n_used;
-                        copy_group_rows(out + u * nb_slot + t * nb_token + g * G * sizeof(float), tile_out + j * G, rows);
-                    }
+                    write_group(pairs + c, nc, tile_out, g, rows);
                     c += nc;
                 }
                 continue;
@@ -1420,9 +1433,7 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
                 if (g + 1 == g1) {
                     const int64_t r0 = g0 * G, r1 = std::min(g1 * G, n_out_);
                     for (int64_t j = 0; j < n; ++j) {
-                        const int64_t u = pairs[j] % n_used, t = pairs[j] / n_used;
-                        std::memcpy(out + u * nb_slot + t * nb_token + r0 * sizeof(float), sums.data() + j * width,
-                                    (size_t) (r1 - r0) * sizeof(float));
+                        std::memcpy(destination(pairs[j], r0), sums.data() + j * width, (size_t) (r1 - r0) * sizeof(float));
                     }
                 }
                 continue;
@@ -1439,17 +1450,7 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
                 }
                 (type_ == GGML_TYPE_Q4_K ? gemm_split_amx<true> : gemm_split_amx<false>)(staged, align_64(tiled.data()), n_super,
                                                                                          n_cols, columns.data());
-                if (stream_out) {
-                    stream_group_rows(n, columns.data(), [&](int64_t j) {
-                        const int64_t u = pairs[j] % n_used, t = pairs[j] / n_used;
-                        return (float *) (out + u * nb_slot + t * nb_token + g * G * sizeof(float));
-                    });
-                    continue;
-                }
-                for (int64_t j = 0; j < n; ++j) {
-                    const int64_t u = pairs[j] % n_used, t = pairs[j] / n_used;
-                    copy_group_rows(out + u * nb_slot + t * nb_token + g * G * sizeof(float), columns.data() + j * G, rows);
-                }
+                write_group(pairs, n, columns.data(), g, rows);
                 continue;
             }
 #endif
@@ -1464,10 +1465,7 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
                 const int64_t nc = n / n_tiles + (tile < n % n_tiles ? 1 : 0);
                 tiles[nc](staged, gathered.data() + c * ab, ab, n_blocks_, tile_out, G);
                 prefetch_range(next, next_bytes * tile / n_tiles, next_bytes * (tile + 1) / n_tiles);
-                for (int64_t j = 0; j < nc; ++j) {
-                    const int64_t u = pairs[c + j] % n_used, t = pairs[c + j] / n_used;
-                    copy_group_rows(out + u * nb_slot + t * nb_token + g * G * sizeof(float), tile_out + j * G, rows);
-                }
+                write_group(pairs + c, nc, tile_out, g, rows);
                 c += nc;
             }
         }
