@@ -594,11 +594,14 @@ __attribute__((target("avx2,f16c"))) void quantize_block_avx2(const float * x, u
 // Columns [c0, c1) of x, n_blocks blocks each, into act: column c at act + c * act_stride holds its
 // quants, then their scales (a chunked layout calls this once per chunk, act and x at the chunk's
 // start). `scalar`: the portable loop even where the CPU has AVX2 (the selftest compares the two).
-// `plus_128`: the activation + 128 for AVX2 too (its Q5_0 expert tile's unsigned operand).
+// `plus_128`: the activation + 128 for AVX2 too (its Q5_0 expert tile's unsigned operand); `signed_quants`:
+// for VNNI too, the quants as they are.
 void quantize_columns(dg_lm_head_kernel kernel, int64_t n_blocks, const float * x, int64_t ld_x, int64_t c0, int64_t c1,
-                      uint8_t * act, int64_t act_stride, bool scalar = false, bool plus_128 = false) {
-    // the VNNI layout's operand is unsigned: the activation + 128
-    const int8_t offset = kernel == dg_lm_head_kernel::avx2 && !plus_128 ? 0 : -128;
+                      uint8_t * act, int64_t act_stride, bool scalar = false, bool plus_128 = false,
+                      bool signed_quants = false) {
+    // the VNNI layout's operand is unsigned: the activation + 128 (not for the VNNI span tiles of the
+    // repacked Q8_0 / Q5_0 experts: `signed_quants`)
+    const int8_t offset = signed_quants || (kernel == dg_lm_head_kernel::avx2 && !plus_128) ? 0 : -128;
     static const bool avx2 = cpu_has("avx2");
     for (int64_t c = c0; c < c1; ++c) {
         const float * col    = x + c * ld_x;
@@ -959,7 +962,7 @@ void repack_group_q5_0(const uint8_t * rows, size_t row_bytes, int64_t n_blocks,
             for (int64_t q = 0; q < 8; ++q) {
                 for (int64_t k = 0; k < 4; ++k) {
                     const uint32_t bit = (high >> (4 * q + k)) & 1;
-                    if (vnni && !bit) { // mask q: the bytes 16 is taken from
+                    if (vnni && bit) { // mask q: the bytes 16 is added to
                         fifth[8 * q + (4 * r + k) / 8] |= (uint8_t) (1u << ((4 * r + k) % 8));
                     } else if (!vnni) {
                         fifth[4 * r + k] |= (uint8_t) (bit << q);
@@ -1080,7 +1083,17 @@ void dg_experts::repack(ggml_type type, int64_t n_in, int64_t n_out, int64_t e0,
             const int64_t   n_rows = std::min(G, n_out - g * G);
             uint8_t *       out    = (uint8_t *) dst + (e * n_groups + g) * stored;
             switch (type) {
-                case GGML_TYPE_Q8_0: pack_group(rows, row_bytes, type, n_in / QK, n_rows, G, out); break;
+                case GGML_TYPE_Q8_0:
+                    pack_group(rows, row_bytes, type, n_in / QK, n_rows, G, out);
+                    if (kernel == dg_lm_head_kernel::avx512_vnni) { // the quants + 128, unsigned
+                        for (int64_t b = 0; b < n_in / QK; ++b) {
+                            uint8_t * quants = out + b * dg_lm_head_group_block_bytes(G) + 4 * G;
+                            for (int64_t i = 0; i < QK * G; ++i) {
+                                quants[i] ^= 0x80;
+                            }
+                        }
+                    }
+                    break;
                 case GGML_TYPE_Q5_0:
                     repack_group_q5_0(rows, row_bytes, n_in / QK, n_rows, G, kernel != dg_lm_head_kernel::avx2, out);
                     break;
@@ -1133,7 +1146,14 @@ int64_t dg_experts::act_bytes() const {
     if (type_ == GGML_TYPE_Q6_K && kernel_ == dg_lm_head_kernel::avx512_vnni && !amx_k_quant()) {
         return n_in_ / QK_K * Q8_K_BYTES_SUMS16;
     }
+    if (signed_activations()) {
+        return n_blocks_ * (QK + 8);
+    }
     return is_k_quant(type_) ? n_in_ / QK_K * Q8_K_BYTES : n_blocks_ * (QK + 4);
+}
+
+bool dg_experts::signed_activations() const {
+    return repacked_ && kernel_ == dg_lm_head_kernel::avx512_vnni && (type_ == GGML_TYPE_Q8_0 || type_ == GGML_TYPE_Q5_0);
 }
 
 int64_t dg_experts::group_bytes() const {
@@ -1159,6 +1179,22 @@ void dg_experts::quantize(const float * x, int64_t ld_x, int64_t r0, int64_t r1,
         // AVX2's Q6_K tile takes them + 128 (vpmaddubsw's unsigned operand); AMX's signed
         quantize_columns_q8_K(n_in_ / QK_K, x, ld_x, r0, r1, act,
                               type_ == GGML_TYPE_Q6_K && kernel_ == dg_lm_head_kernel::avx2 ? 0x80 : 0, false, scalar);
+    } else if (signed_activations()) {
+        // the quants signed (offset 0), then after the scales each block's start: -(the weights' offset) x
+        // the sum of its quants
+        const int32_t weight_offset = type_ == GGML_TYPE_Q8_0 ? 128 : 16;
+        quantize_columns(kernel_, n_blocks_, x, ld_x, r0, r1, act, act_bytes(), scalar, false, /*signed_quants =*/ true);
+        for (int64_t r = r0; r < r1; ++r) {
+            const uint8_t * row = act + r * act_bytes();
+            for (int64_t b = 0; b < n_blocks_; ++b) {
+                int32_t sum = 0;
+                for (int64_t k = 0; k < QK; ++k) {
+                    sum += (int8_t) row[b * QK + k];
+                }
+                const int32_t start = -weight_offset * sum;
+                std::memcpy(act + r * act_bytes() + n_blocks_ * (QK + 4) + b * 4, &start, sizeof(start));
+            }
+        }
     } else {
         quantize_columns(kernel_, n_blocks_, x, ld_x, r0, r1, act, n_blocks_ * (QK + 4), scalar,
                          q5_0_tile_avx2(type_, kernel_));

@@ -179,6 +179,9 @@ public:
     // repacked layout for the span tiles
     bool              amx_k_quant() const;
     bool              vnni_k_quant_on_the_fly() const;
+    // the repacked Q8_0 / Q5_0 experts on VNNI's span tiles: activations signed, with each block's start
+    // after the scales (act_bytes), the stored quants unsigned
+    bool              signed_activations() const;
 
     // rows [r0, r1) of x (F32, row r at x + r * ld_x) quantized as dg_lm_head::quantize does; `scalar`:
     // the portable loops even where the CPU has AVX2 (the self-test compares the two)
