@@ -1183,16 +1183,17 @@ void dg_experts::quantize(const float * x, int64_t ld_x, int64_t r0, int64_t r1,
         // the quants signed (offset 0), then after the scales each block's start: -(the weights' offset) x
         // the sum of its quants
         const int32_t weight_offset = type_ == GGML_TYPE_Q8_0 ? 128 : 16;
-        quantize_columns(kernel_, n_blocks_, x, ld_x, r0, r1, act, act_bytes(), scalar, false, /*signed_quants =*/ true);
+        const int64_t row_bytes     = act_bytes();
+        quantize_columns(kernel_, n_blocks_, x, ld_x, r0, r1, act, row_bytes, scalar, false, /*signed_quants =*/ true);
         for (int64_t r = r0; r < r1; ++r) {
-            const uint8_t * row = act + r * act_bytes();
+            uint8_t * row = act + r * row_bytes;
             for (int64_t b = 0; b < n_blocks_; ++b) {
                 int32_t sum = 0;
                 for (int64_t k = 0; k < QK; ++k) {
                     sum += (int8_t) row[b * QK + k];
                 }
                 const int32_t start = -weight_offset * sum;
-                std::memcpy(act + r * act_bytes() + n_blocks_ * (QK + 4) + b * 4, &start, sizeof(start));
+                std::memcpy(row + n_blocks_ * (QK + 4) + b * 4, &start, sizeof(start));
             }
         }
     } else {
