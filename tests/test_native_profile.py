@@ -4,6 +4,7 @@ callback, and this CPU's multiply-add peaks. Torch-free."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from native_helpers import requires_native, small_q4_k_m_gguf
 
@@ -63,7 +64,6 @@ def test_step_profile_counts_the_repacked_experts_and_the_k_quant_head(tmp_path,
     every x86 CPU with AVX2 runs): the experts, repacked while loading, are MUL_MAT_ID nodes, gate+up and
     down apart, each routed (token, expert) pair costing n_out x K; the Q6_K LM head on its tile costs
     n_embd x vocabulary per canvas token."""
-    import pytest
 
     from dgcli.runtime import native
     from dgcli.runtime.model import DiffusionModel
@@ -123,6 +123,31 @@ def test_step_profile_predicts_the_real_depth_from_the_layer_nodes():
     assert report["profiled_cpu_s"] == 15.875
     assert report["real_cpu_s"] == (0.25 + 0.125 + 1.0 + 2.0) * 15 + 8.0 + 4.0 + 0.5
     assert report["floor_cpu_s"] == report["real_floor_cpu_s"] == 32 * 100 * 4 / 6400 / 1e9
+
+
+def test_step_profile_judges_each_repetition_against_the_peaks_beside_it():
+    """With the peaks measured next to each repetition, a group is taken from the repetition nearest its
+    floor at that repetition's peak (a neighbour on the core slows both), not from the fastest one, and
+    its share of the peak is against that repetition's peak; without them, from the fastest."""
+    from dgcli.runtime.profile import NodeTime
+
+    sp = _step_profile()
+    q8 = ((1000, 100, 1, 1), (32, 1000, 1, 1), (32, 100, 1, 1), (0, 0, 0, 0))  # 32 x 1000 x 100 multiply-adds
+    macs = 32 * 1000 * 100
+
+    def rep(seconds: float) -> list:
+        return [NodeTime("result_output", "MUL_MAT", "q8_0", q8, seconds, seconds)]
+
+    quiet, loaded = {"int8": (400.0, "x"), "bf16": (1.0, "y")}, {"int8": (100.0, "x"), "bf16": (1.0, "y")}
+    # the second repetition ran slower beside a peak a quarter as high: nearer its floor
+    report = sp.profile_groups([rep(1e-5), rep(2e-5)], quiet, n_vocab=1000, n_embd=32, layer_scale=1.0,
+                               rep_peaks=[quiet, loaded])
+    [head] = report["ops"]
+    assert head["cpu_s"] == 2e-5 and head["int8_peak"] == 100.0
+    assert head["of_int8_peak"] == pytest.approx(macs / 2e-5 / 1e9 / 100.0)
+    assert report["floor_cpu_s"] == pytest.approx(macs / 100.0 / 1e9)
+    [fastest] = sp.profile_groups([rep(1e-5), rep(2e-5)], quiet, n_vocab=1000, n_embd=32, layer_scale=1.0)["ops"]
+    assert fastest["cpu_s"] == 1e-5 and fastest["int8_peak"] == 400.0
 
 
 def test_step_profile_tells_the_dense_gemms_apart_by_their_activations():
