@@ -101,7 +101,10 @@ def run_variant(path: Path, env: dict[str, str], threads: int, steps: int, decod
     if site is not None:
         child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), child_env.get("PYTHONPATH")]))
     out = subprocess.run([sys.executable, "-c", _CHILD, str(path), str(threads), str(steps), str(decodes)], env=child_env,
-                         cwd=tree or ROOT, check=True, capture_output=True, text=True)
+                         cwd=tree or ROOT, capture_output=True, text=True)
+    if out.returncode != 0:
+        last = out.stderr.strip().splitlines()[-1:] or ["(no output)"]
+        raise SystemExit(f"step_ab: a variant's process failed ({out.returncode}): {last[0]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -199,8 +199,9 @@ def test_cpu_only_ram_need_counts_the_attention_scores_past_the_logits(tiny_mode
 def test_ram_need_counts_the_repacked_copies_of_cpu_q8_0_and_q5_0_weights(tmp_path, monkeypatch, weights):
     """The LM head (here tied to the token embedding) and the dense projections dg's int8 GEMMs copy
     when they run on the CPU: 36 bytes per 32 weights (Q8_0: 34, Q5_0: 22); the experts, repacked in
-    place of the file's copy, only their layout's growth (Q8_0: 36 per 34 bytes, Q5_0: 24 per 22);
-    nothing on other CPUs or for weights on a GPU."""
+    place of the file's copy, only their layout's growth (AVX2: Q8_0 36 per 34 bytes, Q5_0 24 per 22;
+    AVX-512 VNNI: the file's bytes, a group's scales padded to 64 bytes); nothing on other CPUs or for
+    weights on a GPU."""
     import re
 
     import gguf
@@ -230,12 +231,24 @@ def test_ram_need_counts_the_repacked_copies_of_cpu_q8_0_and_q5_0_weights(tmp_pa
     assert len(experts) == 2 * header.get("diffusion-gemma.block_count") and expected_experts > 0
 
     monkeypatch.setattr(info, "_cpu_runs_repacked_gemms", lambda: True)
+    monkeypatch.setattr(info, "expert_layout_family", lambda: "avx2")
     plan, ram, _ = info.header_plan(header, 0, 0, [])
     assert info.repacked_bytes(header, plan) == expected
     assert info.repacked_expert_growth(header, plan) == expected_experts
     monkeypatch.setattr(info, "_cpu_runs_repacked_gemms", lambda: False)
+    monkeypatch.setattr(info, "expert_layout_family", lambda: None)
     _, ram_without, _ = info.header_plan(header, 0, 0, [])
     assert ram - ram_without == expected + expected_experts
+
+    # VNNI's layout: the file's bytes, plus the scales' padding to 64 bytes per group of 16 rows where a
+    # row has an odd count of blocks (16 rows x 2 bytes x blocks: n_in bytes)
+    monkeypatch.setattr(info, "expert_layout_family", lambda: "avx512-vnni")
+    padding = sum(-(-int(t.shape[1]) // 16) * int(t.shape[2]) * (-int(t.shape[0]) % 64)
+                  for t in experts)
+    assert info.repacked_expert_growth(header, plan) == padding < expected_experts
+    assert padding > 0  # the tiny model's down projection: one block a row
+    monkeypatch.setattr(info, "_cpu_runs_repacked_gemms", lambda: True)
+    monkeypatch.setattr(info, "expert_layout_family", lambda: "avx2")
 
     # a GPU in use, even for one layer: llama.cpp runs the canvas's host matmuls there, nothing is repacked
     monkeypatch.setattr(info, "_cpu_runs_repacked_gemms", lambda: True)

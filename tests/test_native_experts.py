@@ -45,6 +45,7 @@ SHAPES = [
     (256, 37, 5, 2, 9, True, 1),         # a partial last row group
     (512, 100, 6, 3, 7, False, 4),       # more threads than some experts have groups
     (256, 16, 32, 8, 3, True, 5),        # most experts unused
+    (96, 40, 4, 2, 11, False, 2),        # an odd count of blocks: VNNI's Q8_0 / Q5_0 scales padded
 ]
 
 
@@ -88,8 +89,9 @@ def test_repacked_tiles_agree_with_a_double_precision_sum(family, weight_type, p
 
 def test_repacked_layouts_are_about_the_files_size():
     """The repacked experts replace the file's copy: each type's layout is within 10% of its file bytes
-    (Q8_0: + quant sums, 6%; Q5_0: + sums, 9%; Q4_K: scales unpacked, 3%; Q6_K: AVX2's correction, 2%),
-    and a width that is not whole blocks is refused."""
+    (AVX2's Q8_0: + quant sums, 6%; its Q5_0: + sums, 9%; Q4_K: scales unpacked, 3%; AVX2's Q6_K: its
+    correction, 2%; VNNI's Q8_0, Q5_0 and Q6_K: the file's bytes), and a width that is not whole blocks
+    is refused."""
     lib = _lib()
     file_bytes = {"q8_0": 34 / 32, "q5_0": 22 / 32, "q4_K": 144 / 256, "q6_K": 210 / 256}
     checked = 0
@@ -107,26 +109,23 @@ def test_repacked_layouts_are_about_the_files_size():
         pytest.skip("this CPU runs no dg kernel family (no AVX2)")
 
 
-def test_memory_plan_counts_the_repacked_layouts_growth():
-    """`dg info` and the pre-load check (dgcli.modelfile.info, no native library there) count the repacked experts'
-    growth over the file with the AVX2 layouts' sizes, the larger of the two families: the same bytes the
-    native layout takes on AVX2, and no fewer than on AVX-512 VNNI."""
-    from dgcli.modelfile.info import REPACKED_EXPERT_GROWTH
+def test_memory_plan_counts_the_repacked_layouts_bytes():
+    """`dg info` and the pre-load check (dgcli.modelfile.info, no native library there) count the repacked
+    experts' bytes as the native layouts of each family take them: real widths, an odd count of blocks
+    (VNNI's Q8_0 / Q5_0 scales padded), a partial row group, widths a type does not repack."""
+    from dgcli.modelfile.info import repacked_expert_bytes
 
     lib = _lib()
-    n_in, n_out, n_expert = 2816, 1408, 128
     checked = 0
-    for name, type_id in TYPES.items():
-        stored, file = REPACKED_EXPERT_GROWTH[name.upper()]
-        file_bytes = {"q8_0": 34 * n_in // 32, "q5_0": 22 * n_in // 32, "q4_K": 144 * n_in // 256,
-                      "q6_K": 210 * n_in // 256}[name] * n_out * n_expert
-        for family, kernel in FAMILIES.items():
-            if not _runs_here(family):
-                continue
-            native_bytes = lib.dg_expert_repacked_bytes(kernel, type_id, n_in, n_out, n_expert)
-            planned = file_bytes + file_bytes * (stored - file) // file
-            assert planned == native_bytes if family == "avx2" else planned >= native_bytes, (name, family)
-            checked += 1
+    for family, kernel in FAMILIES.items():
+        if not _runs_here(family):
+            continue
+        for name, type_id in TYPES.items():
+            for n_in, n_out, n_expert in ((2816, 1408, 128), (704, 2816, 128), (96, 40, 3), (512, 37, 5), (100, 16, 2)):
+                native_bytes = lib.dg_expert_repacked_bytes(kernel, type_id, n_in, n_out, n_expert)
+                planned = repacked_expert_bytes(name.upper(), n_in, n_out, n_expert, family)
+                assert (planned if planned is not None else -1) == native_bytes, (family, name, n_in, n_out)
+                checked += 1
     if not checked:
         pytest.skip("this CPU runs no dg kernel family (no AVX2)")
 

@@ -301,24 +301,58 @@ def repacked_bytes(header: GgufHeader, plan: PlacementPlan) -> int:
 
 
 # The MoE experts dg repacks while loading into a layout of its int8 GEMM (its own buffer type, native
-# diffusion-gemma-experts.cpp), which replaces the file's copy: bytes of that layout per byte of the file
-# (Q8_0 and Q5_0 with each row-block's quant sum, Q4_K with its 6-bit scales unpacked, Q6_K with the AVX2
-# kernels' correction; the VNNI Q6_K layout is the file's size).
-REPACKED_EXPERT_GROWTH = {"Q8_0": (36, 34), "Q5_0": (24, 22), "Q4_K": (148, 144), "Q6_K": (214, 210)}
+# diffusion-gemma-experts.cpp), which replaces the file's copy. Per group of 8 rows (AVX2) or 16 (AVX-512
+# VNNI), the bytes of each block of 32 or super-block of 256 (dg_experts::stored_group_bytes): AVX2's Q8_0
+# and Q5_0 with each row-block's quant sum, Q4_K with its 6-bit scales unpacked on both, AVX2's Q6_K with
+# its correction; VNNI's Q8_0 and Q5_0 put the group's scales first, padded to 64 bytes.
+_EXPERT_BLOCK_BYTES = {"avx2": {"Q8_0": 36, "Q5_0": 24, "Q4_K": 148, "Q6_K": 214},
+                       "avx512-vnni": {"Q8_0": 34, "Q5_0": 22, "Q4_K": 148, "Q6_K": 210}}
 _EXPERT_WEIGHTS = re.compile(r"blk\.\d+\.ffn_(gate_up|up|gate|down)_exps\.weight")
+
+
+def expert_layout_family() -> str | None:
+    """The kernel family whose layout the experts are repacked into on this machine, by the native rule
+    (dg_experts::repack_kernel_for_cpu): DG_EXPERT_GEMM, else DG_CPU_KERNELS, else the widest family the
+    CPU runs; None where they stay in the file's layout (no AVX2, not x86-64, ggml's kernels asked for)."""
+    if not is_x86_64():
+        return None
+    flags = cpu_flags()
+    runs = {"avx512-vnni": "avx512_vnni" in flags, "avx2": "avx2" in flags}
+    asked = next((v for v in (os.environ.get("DG_EXPERT_GEMM"), os.environ.get("DG_CPU_KERNELS"))
+                  if v and v != "auto"), None)
+    if asked is not None:
+        return asked if runs.get(asked) else None
+    return next((family for family, here in runs.items() if here), None)
+
+
+def repacked_expert_bytes(type_name: str, n_in: int, n_out: int, n_expert: int, family: str) -> int | None:
+    """Bytes of n_expert experts of n_out rows of n_in weights in `family`'s repacked layout (partial row
+    groups padded to whole ones), or None for a type or width it does not repack."""
+    per_block = _EXPERT_BLOCK_BYTES[family].get(type_name)
+    block = 256 if type_name in ("Q4_K", "Q6_K") else 32
+    if per_block is None or n_in <= 0 or n_in % block:
+        return None
+    group = 8 if family == "avx2" else 16
+    n_blocks = n_in // block
+    group_bytes = n_blocks * per_block * group
+    if family == "avx512-vnni" and type_name in ("Q8_0", "Q5_0"):
+        scales = n_blocks * 2 * group
+        group_bytes += (scales + 63) // 64 * 64 - scales
+    return n_expert * -(-n_out // group) * group_bytes
 
 
 def repacked_expert_growth(header: GgufHeader, plan: PlacementPlan) -> int:
     """Bytes the repacked experts of a diffusion-gemma model add over their share of the file: the
-    repack runs where no GPU is in use and the CPU has AVX2 (the loader then drops the file's pages of
-    those tensors, so only the growth is new)."""
-    if header.architecture != "diffusion-gemma" or plan.gpu or not _cpu_runs_repacked_gemms():
+    repack runs where no GPU is in use and the CPU runs a kernel family (the loader then drops the file's
+    pages of those tensors, so only the growth is new)."""
+    family = expert_layout_family()
+    if header.architecture != "diffusion-gemma" or plan.gpu or family is None:
         return 0
     growth = 0
     for t in header.tensors:
-        if _EXPERT_WEIGHTS.fullmatch(t.name) and t.type_name in REPACKED_EXPERT_GROWTH:
-            stored, file = REPACKED_EXPERT_GROWTH[t.type_name]
-            growth += t.n_bytes * (stored - file) // file
+        if _EXPERT_WEIGHTS.fullmatch(t.name) and len(t.shape) == 3:
+            repacked = repacked_expert_bytes(t.type_name, *(int(n) for n in t.shape), family)
+            growth += max(0, repacked - int(t.n_bytes)) if repacked is not None else 0
     return growth
 
 

@@ -938,8 +938,8 @@ bool expert_type_fits(ggml_type type, int64_t n_in, dg_lm_head_kernel kernel) {
 // The repacked layouts (described above the kernels), written from the file's rows: rows [0, n_rows) of
 // a group of G at `rows` (row r at rows + r * row_bytes) into `out`; rows past n_rows are zeros (their
 // scales 0, so they compute zeros).
-void repack_group_q5_0(const uint8_t * rows, size_t row_bytes, int64_t n_blocks, int64_t n_rows, int64_t G, bool vnni,
-                       uint8_t * out) {
+void repack_group_q5_0_avx2(const uint8_t * rows, size_t row_bytes, int64_t n_blocks, int64_t n_rows, uint8_t * out) {
+    constexpr int64_t G = 8;
     for (int64_t b = 0; b < n_blocks; ++b) {
         uint8_t * o = out + b * Q5_0_STORED * G;
         std::memset(o, 0, (size_t) (Q5_0_STORED * G));
@@ -961,12 +961,52 @@ void repack_group_q5_0(const uint8_t * rows, size_t row_bytes, int64_t n_blocks,
             std::memcpy(&high, blk.qh, sizeof(high));
             for (int64_t q = 0; q < 8; ++q) {
                 for (int64_t k = 0; k < 4; ++k) {
-                    const uint32_t bit = (high >> (4 * q + k)) & 1;
-                    if (vnni && bit) { // mask q: the bytes 16 is added to
-                        fifth[8 * q + (4 * r + k) / 8] |= (uint8_t) (1u << ((4 * r + k) % 8));
-                    } else if (!vnni) {
-                        fifth[4 * r + k] |= (uint8_t) (bit << q);
-                    }
+                    fifth[4 * r + k] |= (uint8_t) (((high >> (4 * q + k)) & 1) << q);
+                }
+            }
+        }
+    }
+}
+
+// VNNI's Q8_0 and Q5_0 groups: the scales of every block first, then the blocks' quants (the whole
+// group zeroed first: rows past n_rows have scale 0)
+void repack_group_q8_0_vnni(const uint8_t * rows, size_t row_bytes, int64_t n_blocks, int64_t n_rows, uint8_t * out) {
+    constexpr int64_t G      = 16;
+    uint8_t *         blocks = out + vnni_group_scales_bytes(n_blocks);
+    std::memset(out, 0, (size_t) (vnni_group_scales_bytes(n_blocks) + n_blocks * Q8_0_VNNI_QUANTS * G));
+    for (int64_t r = 0; r < n_rows; ++r) {
+        for (int64_t b = 0; b < n_blocks; ++b) {
+            const q8_0_block & blk = ((const q8_0_block *) (rows + r * row_bytes))[b];
+            std::memcpy(out + (b * G + r) * 2, &blk.d, 2);
+            uint8_t * quants = blocks + b * Q8_0_VNNI_QUANTS * G + 4 * r;
+            for (int64_t q = 0; q < QK / 4; ++q) { // + 128: vpdpbusd's unsigned operand
+                uint32_t four;
+                std::memcpy(&four, blk.qs + 4 * q, 4);
+                four ^= 0x80808080u;
+                std::memcpy(quants + q * 4 * G, &four, 4);
+            }
+        }
+    }
+}
+
+void repack_group_q5_0_vnni(const uint8_t * rows, size_t row_bytes, int64_t n_blocks, int64_t n_rows, uint8_t * out) {
+    constexpr int64_t G      = 16;
+    uint8_t *         blocks = out + vnni_group_scales_bytes(n_blocks);
+    std::memset(out, 0, (size_t) (vnni_group_scales_bytes(n_blocks) + n_blocks * Q5_0_VNNI_QUANTS * G));
+    for (int64_t r = 0; r < n_rows; ++r) {
+        for (int64_t b = 0; b < n_blocks; ++b) {
+            const q5_0_block & blk = ((const q5_0_block *) (rows + r * row_bytes))[b];
+            std::memcpy(out + (b * G + r) * 2, &blk.d, 2);
+            uint8_t * nibbles = blocks + b * Q5_0_VNNI_QUANTS * G;
+            uint8_t * fifth   = nibbles + 16 * G;
+            for (int64_t q = 0; q < 4; ++q) {
+                std::memcpy(nibbles + q * 4 * G + 4 * r, blk.qs + 4 * q, 4);
+            }
+            uint32_t high;
+            std::memcpy(&high, blk.qh, sizeof(high));
+            for (int64_t i = 0; i < QK; ++i) { // mask q = i / 4: the bytes 16 is added to
+                if ((high >> i) & 1) {
+                    fifth[8 * (i / 4) + (4 * r + i % 4) / 8] |= (uint8_t) (1u << ((4 * r + i % 4) % 8));
                 }
             }
         }
@@ -1056,8 +1096,12 @@ bool dg_experts::repack_takes(ggml_type type, int64_t n_in, dg_lm_head_kernel ke
 int64_t dg_experts::stored_group_bytes(ggml_type type, int64_t n_in, dg_lm_head_kernel kernel) {
     const int64_t G = kernel == dg_lm_head_kernel::avx2 ? 8 : 16;
     switch (type) {
-        case GGML_TYPE_Q8_0: return n_in / QK * dg_lm_head_group_block_bytes(G);
-        case GGML_TYPE_Q5_0: return n_in / QK * Q5_0_STORED * G;
+        case GGML_TYPE_Q8_0:
+            return G == 16 ? vnni_group_scales_bytes(n_in / QK) + n_in / QK * Q8_0_VNNI_QUANTS * G
+                           : n_in / QK * dg_lm_head_group_block_bytes(G);
+        case GGML_TYPE_Q5_0:
+            return G == 16 ? vnni_group_scales_bytes(n_in / QK) + n_in / QK * Q5_0_VNNI_QUANTS * G
+                           : n_in / QK * Q5_0_STORED * G;
         case GGML_TYPE_Q4_K: return n_in / QK_K * Q4_K_STORED * G;
         case GGML_TYPE_Q6_K:
             return n_in / QK_K * (kernel == dg_lm_head_kernel::avx2 ? Q6_K_STORED_AVX2 : Q6_K_STORED) * G;
@@ -1084,18 +1128,18 @@ void dg_experts::repack(ggml_type type, int64_t n_in, int64_t n_out, int64_t e0,
             uint8_t *       out    = (uint8_t *) dst + (e * n_groups + g) * stored;
             switch (type) {
                 case GGML_TYPE_Q8_0:
-                    pack_group(rows, row_bytes, type, n_in / QK, n_rows, G, out);
-                    if (kernel == dg_lm_head_kernel::avx512_vnni) { // the quants + 128, unsigned
-                        for (int64_t b = 0; b < n_in / QK; ++b) {
-                            uint8_t * quants = out + b * dg_lm_head_group_block_bytes(G) + 4 * G;
-                            for (int64_t i = 0; i < QK * G; ++i) {
-                                quants[i] ^= 0x80;
-                            }
-                        }
+                    if (G == 16) {
+                        repack_group_q8_0_vnni(rows, row_bytes, n_in / QK, n_rows, out);
+                    } else {
+                        pack_group(rows, row_bytes, type, n_in / QK, n_rows, G, out);
                     }
                     break;
                 case GGML_TYPE_Q5_0:
-                    repack_group_q5_0(rows, row_bytes, n_in / QK, n_rows, G, kernel != dg_lm_head_kernel::avx2, out);
+                    if (G == 16) {
+                        repack_group_q5_0_vnni(rows, row_bytes, n_in / QK, n_rows, out);
+                    } else {
+                        repack_group_q5_0_avx2(rows, row_bytes, n_in / QK, n_rows, out);
+                    }
                     break;
                 case GGML_TYPE_Q4_K: repack_group_q4_K(rows, row_bytes, n_in / QK_K, n_rows, G, out); break;
                 case GGML_TYPE_Q6_K:
