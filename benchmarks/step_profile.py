@@ -120,9 +120,7 @@ def group_of(node, n_vocab: int, n_embd: int) -> str:
     if node.op in ("MUL_MAT", "CUSTOM") and base in DENSE_GROUPS:
         if node.op == "MUL_MAT":
             return DENSE_GROUPS[base] + " (MUL_MAT)"
-        # per 256 inputs the repacked GEMM's activations take 288 bytes (Q8_0), the K-quant tiles' 292 or
-        # 324 (Q8_K, with the sub-blocks' sums as floats or int16 pairs)
-        return DENSE_GROUPS[base] + (" (repacked int8 GEMM)" if node.shapes[1][0] % 288 == 0 else " (K-quant tile)")
+        return DENSE_GROUPS[base] + (" (K-quant tile)" if q8_k_activations(node.shapes[1][0]) else " (repacked int8 GEMM)")
     if node.op == "FLASH_ATTN_EXT":
         return "attention (FLASH_ATTN_EXT)"
     if not base or base.startswith(("node_", "leaf_")) or " (" in base:
@@ -130,14 +128,24 @@ def group_of(node, n_vocab: int, n_embd: int) -> str:
     return f"{node.op} {base}"
 
 
+def q8_k_activations(row: int) -> int:
+    """The bytes per 256 inputs of a quantized activation row of `row` bytes if it is the K-quant tiles'
+    Q8_K (292: 256 quants, a scale, 8 float sums; 324 with 16 int16 pair sums), else 0: the repacked
+    GEMM's Q8_0 (36 per 32, 288 per 256). A row of whole 288-byte pieces is taken as Q8_0 (at K = 2048
+    a Q8_K row with int16 sums would read the same, a width no weight of these models has)."""
+    if row % 288 == 0:
+        return 0
+    return next((size for size in (292, 324) if row % size == 0), 0)
+
+
 def gemm_width(node, n_embd: int) -> int:
     """K of one of our GEMMs (custom ops): n_embd for the experts' gate+up, else from the quantized
-    activations' row: K/32 blocks of 32 quants and a 4-byte scale, or for Q4_K and Q6_K weights K/256
-    blocks of 256 quants, a 4-byte scale and 8 4-byte sums (a row that is not whole 36-byte blocks)."""
+    activations' row (q8_k_activations): K/256 Q8_K blocks, or K/32 blocks of 32 quants and a 4-byte scale."""
     if re.sub(r"-\d+$", "", node.name) == "ffn_moe_gate_up":
         return n_embd
     row = node.shapes[1][0]
-    return row // 36 * 32 if row % 36 == 0 else row // 292 * 256
+    per_256 = q8_k_activations(row)
+    return row // per_256 * 256 if per_256 else row // 36 * 32
 
 
 def multiply_adds(node, n_embd: int) -> int:

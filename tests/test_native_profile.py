@@ -151,8 +151,10 @@ def test_step_profile_judges_each_repetition_against_the_peaks_beside_it():
 
 
 def test_step_profile_tells_the_dense_gemms_apart_by_their_activations():
-    """A dense product's custom op is the repacked int8 GEMM (Q8_0 activations, 288 bytes per 256 inputs)
-    or a K-quant tile (Q8_K: 292, or 324 with the Q6_K tile's int16 sums, a multiple of 36 too)."""
+    """A dense product's custom op is the repacked int8 GEMM (Q8_0 activations, 36 bytes per 32 inputs:
+    288 per 256, or a width that is not whole 256s, as the dense FFN's 2112) or a K-quant tile (Q8_K: 292,
+    or 324 with the Q6_K tile's int16 sums, a multiple of 36 too), and its multiply-adds count K as that
+    format gives it."""
     from dgcli.runtime.profile import NodeTime
 
     sp = _step_profile()
@@ -165,3 +167,8 @@ def test_step_profile_tells_the_dense_gemms_apart_by_their_activations():
     assert sp.group_of(gemm(288 * n_super), 1000, 2816) == "attention projections (repacked int8 GEMM)"
     assert sp.group_of(gemm(292 * n_super), 1000, 2816) == "attention projections (K-quant tile)"
     assert sp.group_of(gemm(324 * n_super), 1000, 2816) == "attention projections (K-quant tile)"
+    assert sp.gemm_width(gemm(324 * n_super), 2816) == sp.gemm_width(gemm(292 * n_super), 2816) == 2816
+    assert sp.gemm_width(gemm(288 * n_super), 2816) == 2816
+    ffn_down = gemm(36 * 2112 // 32)  # Q5_0 / Q8_0 rows of the dense FFN's width
+    assert sp.group_of(ffn_down, 1000, 2816) == "attention projections (repacked int8 GEMM)"
+    assert sp.gemm_width(ffn_down, 2816) == 2112
