@@ -731,6 +731,7 @@ std::unique_ptr<dg_lm_head> dg_lm_head::repack(const void * rows, ggml_type type
         return nullptr;
     }
     std::unique_ptr<dg_lm_head> h(new dg_lm_head(kernel, n_embd, n_vocab));
+    h->q5_0_          = type == GGML_TYPE_Q5_0;
     const int64_t G   = h->group_;
     const int64_t GBB = dg_lm_head_group_block_bytes(G);
     const int64_t nb  = h->n_blocks_;
@@ -775,6 +776,10 @@ int64_t dg_lm_head::act_bytes() const {
     return n_blocks_ * (QK + 4);
 }
 
+bool dg_lm_head::activations_plus_128() const {
+    return kernel_ != dg_lm_head_kernel::avx2 || q5_0_tile_avx2(q5_0_ ? GGML_TYPE_Q5_0 : GGML_TYPE_Q8_0, kernel_);
+}
+
 int64_t dg_lm_head::chunk_blocks() const {
     return n_blocks_ > 2 * K_CHUNK ? K_CHUNK : n_blocks_;
 }
@@ -784,7 +789,7 @@ void dg_lm_head::quantize(const float * x, int64_t ld_x, int64_t c0, int64_t c1,
     const int64_t chunk = chunk_blocks();
     for (int64_t k0 = 0; k0 < n_blocks_; k0 += chunk) {
         quantize_columns(kernel_, std::min(chunk, n_blocks_ - k0), x + k0 * QK, ld_x, c0, c1, act + k0 * (QK + 4),
-                         act_bytes());
+                         act_bytes(), /*scalar =*/ false, /*plus_128 =*/ activations_plus_128());
     }
 }
 
@@ -835,6 +840,11 @@ void dg_lm_head::gemm(const uint8_t * act, int64_t n_cols, float * out, int64_t 
     const int64_t chunk  = chunk_blocks();
     int64_t         n_wide; // columns per tile
     const tile_fn * tiles = tiles_for(kernel_, &n_wide);
+#ifdef DG_LMH_X86
+    if (q5_0_ && q5_0_tile_avx2(GGML_TYPE_Q5_0, kernel_)) {
+        tiles = tile_q5_0_avx2_by_columns; // the same layout (with the quant sums it reads), the same widths
+    }
+#endif
 #ifdef DG_LMH_X86
     const tile_fn amx = amx_ && n_cols >= 16 ? tile_amx : nullptr; // 16 columns a tile, the rest on VNNI's
     if (amx) {

@@ -86,6 +86,10 @@ public:
     int64_t bytes() const;  // of the repacked matrix
     int64_t n_groups() const { return (n_vocab_ + group_ - 1) / group_; }
 
+    // Whether quantize stores the activations + 128 (the unsigned operand): the VNNI layout's tiles, and
+    // AVX2's for Q5_0 weights (tile_q5_0_avx2)
+    bool activations_plus_128() const;
+
 private:
     dg_lm_head(dg_lm_head_kernel kernel, int64_t n_embd, int64_t n_vocab);
 
@@ -95,6 +99,7 @@ private:
     int64_t           n_blocks_; // n_embd / 32
     int64_t           group_;    // rows per group: 16 for the VNNI layout, 8 for AVX2
     bool              amx_;      // the VNNI layout's 16-column tiles on AMX (amx_wanted)
+    bool              q5_0_ = false; // repacked from Q5_0 rows (quants -16..15: AVX2 runs its Q5_0 tile)
     // per (group, block): group fp16 scales, group int16 quant sums, then 8 x (group x 4) quants
     std::vector<uint8_t, std::allocator<uint8_t>> data_;
     uint8_t * base_ = nullptr; // data_ aligned to 64 bytes
