@@ -978,49 +978,53 @@ void repack_group_q5_0_avx2(const uint8_t * rows, size_t row_bytes, int64_t n_bl
     }
 }
 
-// VNNI's Q8_0 and Q5_0 groups: the scales of every block first, then the blocks' quants (the whole
-// group zeroed first: rows past n_rows have scale 0)
-void repack_group_q8_0_vnni(const uint8_t * rows, size_t row_bytes, int64_t n_blocks, int64_t n_rows, uint8_t * out) {
+// VNNI's Q8_0 and Q5_0 groups: the scales of every block first, then the blocks of quant_bytes x 16
+// bytes, each row's share of a block written by write(block of the file, the group's block, row); the
+// whole group zeroed first (rows past n_rows have scale 0)
+template <typename Block, typename WriteQuants>
+void repack_group_vnni(const uint8_t * rows, size_t row_bytes, int64_t n_blocks, int64_t n_rows, int64_t quant_bytes,
+                       uint8_t * out, WriteQuants write) {
     constexpr int64_t G      = 16;
     uint8_t *         blocks = out + vnni_group_scales_bytes(n_blocks);
-    std::memset(out, 0, (size_t) (vnni_group_scales_bytes(n_blocks) + n_blocks * Q8_0_VNNI_QUANTS * G));
+    std::memset(out, 0, (size_t) (vnni_group_scales_bytes(n_blocks) + n_blocks * quant_bytes * G));
     for (int64_t r = 0; r < n_rows; ++r) {
         for (int64_t b = 0; b < n_blocks; ++b) {
-            const q8_0_block & blk = ((const q8_0_block *) (rows + r * row_bytes))[b];
+            const Block & blk = ((const Block *) (rows + r * row_bytes))[b];
             std::memcpy(out + (b * G + r) * 2, &blk.d, 2);
-            uint8_t * quants = blocks + b * Q8_0_VNNI_QUANTS * G + 4 * r;
-            for (int64_t q = 0; q < QK / 4; ++q) { // + 128: vpdpbusd's unsigned operand
-                uint32_t four;
-                std::memcpy(&four, blk.qs + 4 * q, 4);
-                four ^= 0x80808080u;
-                std::memcpy(quants + q * 4 * G, &four, 4);
-            }
+            write(blk, blocks + b * quant_bytes * G, r);
         }
     }
 }
 
+void repack_group_q8_0_vnni(const uint8_t * rows, size_t row_bytes, int64_t n_blocks, int64_t n_rows, uint8_t * out) {
+    constexpr int64_t G = 16;
+    repack_group_vnni<q8_0_block>(rows, row_bytes, n_blocks, n_rows, Q8_0_VNNI_QUANTS, out,
+                                  [](const q8_0_block & blk, uint8_t * block, int64_t r) {
+        for (int64_t q = 0; q < QK / 4; ++q) { // + 128: vpdpbusd's unsigned operand
+            uint32_t four;
+            std::memcpy(&four, blk.qs + 4 * q, 4);
+            four ^= 0x80808080u;
+            std::memcpy(block + q * 4 * G + 4 * r, &four, 4);
+        }
+    });
+}
+
 void repack_group_q5_0_vnni(const uint8_t * rows, size_t row_bytes, int64_t n_blocks, int64_t n_rows, uint8_t * out) {
-    constexpr int64_t G      = 16;
-    uint8_t *         blocks = out + vnni_group_scales_bytes(n_blocks);
-    std::memset(out, 0, (size_t) (vnni_group_scales_bytes(n_blocks) + n_blocks * Q5_0_VNNI_QUANTS * G));
-    for (int64_t r = 0; r < n_rows; ++r) {
-        for (int64_t b = 0; b < n_blocks; ++b) {
-            const q5_0_block & blk = ((const q5_0_block *) (rows + r * row_bytes))[b];
-            std::memcpy(out + (b * G + r) * 2, &blk.d, 2);
-            uint8_t * nibbles = blocks + b * Q5_0_VNNI_QUANTS * G;
-            uint8_t * fifth   = nibbles + 16 * G;
-            for (int64_t q = 0; q < 4; ++q) {
-                std::memcpy(nibbles + q * 4 * G + 4 * r, blk.qs + 4 * q, 4);
-            }
-            uint32_t high;
-            std::memcpy(&high, blk.qh, sizeof(high));
-            for (int64_t i = 0; i < QK; ++i) { // mask q = i / 4: the bytes 16 is added to
-                if ((high >> i) & 1) {
-                    fifth[8 * (i / 4) + (4 * r + i % 4) / 8] |= (uint8_t) (1u << ((4 * r + i % 4) % 8));
-                }
+    constexpr int64_t G = 16;
+    repack_group_vnni<q5_0_block>(rows, row_bytes, n_blocks, n_rows, Q5_0_VNNI_QUANTS, out,
+                                  [](const q5_0_block & blk, uint8_t * block, int64_t r) {
+        uint8_t * fifth = block + 16 * G;
+        for (int64_t q = 0; q < 4; ++q) {
+            std::memcpy(block + q * 4 * G + 4 * r, blk.qs + 4 * q, 4);
+        }
+        uint32_t high;
+        std::memcpy(&high, blk.qh, sizeof(high));
+        for (int64_t i = 0; i < QK; ++i) { // mask q = i / 4: the bytes 16 is added to
+            if ((high >> i) & 1) {
+                fifth[8 * (i / 4) + (4 * r + i % 4) / 8] |= (uint8_t) (1u << ((4 * r + i % 4) % 8));
             }
         }
-    }
+    });
 }
 
 void repack_group_q4_K(const uint8_t * rows, size_t row_bytes, int64_t n_super, int64_t n_rows, int64_t G,
