@@ -1,7 +1,9 @@
 // Where the AVX2 family's Q4_K tile loses to the int8 peak: a model of tile_q4_K_avx2 (native/patch/src/
-// diffusion-gemma-int8-kernels.inc) on its staged layout (per super-block of 8 rows: 8 x 8 float scales
-// d * sc, 8 x 8 float offsets dmin * m, then 8 sub-blocks x 8 vectors of 8 rows x 4 unsigned quants)
-// against Q8_K activations (256 quants, d, 8 sub-block sums times d). The tile runs every Q4_K product of a
+// diffusion-gemma-int8-kernels.inc) on its staged layout (per super-block of 8 rows: the rows' d, 8 x 8
+// scales sc as int16 pairs for vpmaddwd, 8 x 8 float offsets dmin * m, then 8 sub-blocks x 8 vectors of
+// 8 rows x 4 unsigned quants), and of the form before it (8 x 8 float scales d * sc in place of the rows'
+// d and the integer scales: a float step per sub-block) with variants of that, against Q8_K activations
+// (256 quants, d, 8 sub-block sums times d). The tile runs every Q4_K product of a
 // Q4_K_M file on AVX2 (the attention projections, the experts' gate+up, the dense FFN). Timed with its
 // operands in L1 (one 8-row group of a 2816-wide row, every column tile over it, as the GEMM does), by
 // parts, and in variants. One thread, CPU time, best of 5 rounds. On an x86-64 Linux CPU with AVX2:
@@ -26,13 +28,77 @@ namespace {
 constexpr int64_t G = 8, QK = 32, QK_K = 256;
 constexpr int64_t Q8_K_BYTES = QK_K + 4 + 8 * 4;
 constexpr int64_t SB_BYTES   = 2 * 8 * G * 4 + 8 * 8 * G * 4;
+constexpr int64_t INT_SB_BYTES = G * 4 + SB_BYTES; // int_scales: the rows' d before the same sizes
 
-// per_sub_block: the activation's d applied to every sub-block's product (dg's tile); folded: d applied
-// once per super-block to the sum of the sub-blocks' scaled products (tried: docs/performance.md); no_offset:
+// int_scales: dg's tile (the sub-blocks' products times their integer scales in vpmaddwd, summed in int32,
+// one float step per super-block; the mins' term per sub-block in float); per_sub_block: the form before
+// it, the activation's d applied to every sub-block's product in float; folded: d applied once per
+// super-block to the sum of the sub-blocks' scaled products (tried: docs/performance.md); no_offset:
 // per_sub_block without the mins' term; no_scaling: without the float work per sub-block
-enum class form { per_sub_block, folded, no_offset, no_scaling };
+enum class form { int_scales, per_sub_block, folded, no_offset, no_scaling };
 
 #define PROBE_AVX2 __attribute__((target("avx2,fma,f16c"), noinline))
+
+// dg's tile on its layout (INT_SB_BYTES a super-block)
+template <int NC>
+PROBE_AVX2 void tile_int_scales(const uint8_t * group, const uint8_t * act, int64_t act_bytes, int64_t n_super,
+                                float * out) {
+    __m256 acc[NC];
+    #pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) {
+        acc[c] = _mm256_setzero_ps();
+    }
+    for (int64_t s = 0; s < n_super; ++s) {
+        const uint8_t * w       = group + s * INT_SB_BYTES;
+        const uint8_t * scales  = w + G * 4;
+        const float *   offsets = (const float *) (scales + 8 * G * 4);
+        const uint8_t * quants  = (const uint8_t *) (offsets + 8 * G);
+        const uint8_t * a       = act + s * Q8_K_BYTES;
+        __m256i         dot[NC];
+        #pragma GCC unroll 8
+        for (int c = 0; c < NC; ++c) {
+            dot[c] = _mm256_setzero_si256();
+        }
+        for (int j = 0; j < 8; ++j) {
+            const uint8_t * sub = quants + j * 8 * 4 * G;
+            __m256i         sum[NC];
+            #pragma GCC unroll 8
+            for (int c = 0; c < NC; ++c) {
+                sum[c] = _mm256_setzero_si256();
+            }
+            #pragma GCC unroll 8
+            for (int q = 0; q < 8; ++q) {
+                const __m256i wq = _mm256_loadu_si256((const __m256i *) (sub + q * 4 * G));
+                #pragma GCC unroll 8
+                for (int c = 0; c < NC; ++c) {
+                    int32_t four;
+                    std::memcpy(&four, a + c * act_bytes + j * QK + 4 * q, sizeof(four));
+                    sum[c] = _mm256_add_epi16(sum[c], _mm256_maddubs_epi16(wq, _mm256_set1_epi32(four)));
+                }
+            }
+            const __m256i sc     = _mm256_loadu_si256((const __m256i *) (scales + j * G * 4));
+            const __m256  offset = _mm256_loadu_ps(offsets + j * G);
+            #pragma GCC unroll 8
+            for (int c = 0; c < NC; ++c) {
+                float b;
+                std::memcpy(&b, a + c * act_bytes + QK_K + 4 + 4 * j, sizeof(b));
+                dot[c] = _mm256_add_epi32(dot[c], _mm256_madd_epi16(sum[c], sc));
+                acc[c] = _mm256_fnmadd_ps(offset, _mm256_set1_ps(b), acc[c]);
+            }
+        }
+        const __m256 d = _mm256_loadu_ps((const float *) w);
+        #pragma GCC unroll 8
+        for (int c = 0; c < NC; ++c) {
+            float dx;
+            std::memcpy(&dx, a + c * act_bytes + QK_K, sizeof(dx));
+            acc[c] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx)), _mm256_cvtepi32_ps(dot[c]), acc[c]);
+        }
+    }
+    #pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) {
+        _mm256_storeu_ps(out + c * G, acc[c]);
+    }
+}
 
 // out[c * G + r] = the group's 8 rows r x NC columns c over n_super super-blocks
 template <int NC, form F>
@@ -107,13 +173,19 @@ PROBE_AVX2 void tile(const uint8_t * group, const uint8_t * act, int64_t act_byt
 }
 
 // one group against n_cols columns in tiles of NC, `reps` times: its weights and the columns in L1/L2
+// (w: the float layout; w_int: int_scales's)
 template <int NC, form F>
-double rate(const uint8_t * w, const uint8_t * act, int64_t n_super, int64_t n_cols, float * out) {
+double rate(const uint8_t * w, const uint8_t * w_int, const uint8_t * act, int64_t n_super, int64_t n_cols, float * out) {
     const int64_t reps = 400;
     return best_rate([&] {
         for (int64_t r = 0; r < reps; ++r) {
             for (int64_t c = 0; c + NC <= n_cols; c += NC) {
-                tile<NC, F>(w, act + c * n_super * Q8_K_BYTES, n_super * Q8_K_BYTES, n_super, out + c * G);
+                if constexpr (F == form::int_scales) {
+                    tile_int_scales<NC>(w_int, act + c * n_super * Q8_K_BYTES, n_super * Q8_K_BYTES, n_super,
+                                        out + c * G);
+                } else {
+                    tile<NC, F>(w, act + c * n_super * Q8_K_BYTES, n_super * Q8_K_BYTES, n_super, out + c * G);
+                }
             }
         }
         return (double) reps * (double) (n_cols / NC * NC) * (double) G * (double) (n_super * QK_K);
@@ -125,6 +197,7 @@ double rate(const uint8_t * w, const uint8_t * act, int64_t n_super, int64_t n_c
 int main() {
     const int64_t n_super = 11, n_cols = 24; // a 2816-wide row; 24 columns: whole tiles of 1-4 and 6
     std::vector<uint8_t> w((size_t) (n_super * SB_BYTES)), act((size_t) (n_cols * n_super * Q8_K_BYTES));
+    std::vector<uint8_t> w_int((size_t) (n_super * INT_SB_BYTES));
     std::srand(1);
     for (int64_t s = 0; s < n_super; ++s) {
         float * f = (float *) (w.data() + s * SB_BYTES);
@@ -134,6 +207,17 @@ int main() {
         for (int64_t i = 2 * 8 * G * 4; i < SB_BYTES; ++i) {
             w[(size_t) (s * SB_BYTES + i)] = (uint8_t) (std::rand() % 16);
         }
+        uint8_t * o = w_int.data() + s * INT_SB_BYTES;
+        for (int r = 0; r < G; ++r) {
+            const float d = (float) (std::rand() % 64) * 1e-3f;
+            std::memcpy(o + 4 * r, &d, 4);
+        }
+        for (int i = 0; i < 8 * G; ++i) {
+            const int16_t sc = (int16_t) (std::rand() % 64);
+            std::memcpy(o + G * 4 + 4 * i, &sc, 2);
+            std::memcpy(o + G * 4 + 4 * i + 2, &sc, 2);
+        }
+        std::memcpy(o + G * 4 + 8 * G * 4, w.data() + s * SB_BYTES + 8 * G * 4, (size_t) (SB_BYTES - 8 * G * 4));
     }
     for (int64_t c = 0; c < n_cols * n_super; ++c) {
         uint8_t * a = act.data() + c * Q8_K_BYTES;
@@ -147,12 +231,11 @@ int main() {
     }
     std::vector<float> out((size_t) (n_cols * G));
     std::printf("AVX2 Q4_K tile, 8 rows x 2816, %lld columns, in L1/L2, G MAC/s (best of 5)\n", (long long) n_cols);
-    std::printf("columns  per_sub_block  folded  no_offset  no_scaling\n");
-#define ROW(NC)                                                                                                   \
-    std::printf("%7d  %13.1f  %6.1f  %9.1f  %10.1f\n", NC, rate<NC, form::per_sub_block>(w.data(), act.data(), n_super, n_cols, out.data()), \
-                rate<NC, form::folded>(w.data(), act.data(), n_super, n_cols, out.data()),                       \
-                rate<NC, form::no_offset>(w.data(), act.data(), n_super, n_cols, out.data()),                    \
-                rate<NC, form::no_scaling>(w.data(), act.data(), n_super, n_cols, out.data()))
+    std::printf("columns  int_scales (dg)  per_sub_block  folded  no_offset  no_scaling\n");
+#define RATE(NC, F) rate<NC, form::F>(w.data(), w_int.data(), act.data(), n_super, n_cols, out.data())
+#define ROW(NC)                                                                                              \
+    std::printf("%7d  %15.1f  %13.1f  %6.1f  %9.1f  %10.1f\n", NC, RATE(NC, int_scales), RATE(NC, per_sub_block), \
+                RATE(NC, folded), RATE(NC, no_offset), RATE(NC, no_scaling))
     ROW(1);
     ROW(2);
     ROW(3);
@@ -160,17 +243,16 @@ int main() {
     ROW(5);
     ROW(6);
     ROW(8);
-    // dg's tile (d per sub-block, at most 4 columns) against the form tried (folded, 6 columns), rounds
-    // alternating
-    std::vector<double> before, tried;
+    // dg's tile against the float form before it, both at its 4 columns, rounds alternating
+    std::vector<double> before, now;
     for (int round = 0; round < 15; ++round) {
-        before.push_back(rate<4, form::per_sub_block>(w.data(), act.data(), n_super, n_cols, out.data()));
-        tried.push_back(rate<6, form::folded>(w.data(), act.data(), n_super, n_cols, out.data()));
+        before.push_back(RATE(4, per_sub_block));
+        now.push_back(RATE(4, int_scales));
     }
     std::sort(before.begin(), before.end());
-    std::sort(tried.begin(), tried.end());
-    std::printf("interleaved, 15 rounds: dg's (4 columns, d per sub-block) %.1f / %.1f, tried (6 columns, folded) "
-                "%.1f / %.1f G MAC/s (best / median); tried / dg's %.3fx / %.3fx\n",
-                before.back(), before[7], tried.back(), tried[7], tried.back() / before.back(), tried[7] / before[7]);
+    std::sort(now.begin(), now.end());
+    std::printf("interleaved, 15 rounds, 4 columns: float per sub-block %.1f / %.1f, dg's integer scales %.1f / %.1f "
+                "G MAC/s (best / median); dg's / before %.3fx / %.3fx\n",
+                before.back(), before[7], now.back(), now[7], now.back() / before.back(), now[7] / before[7]);
     return out[0] == 12345.0f; // keeps the results live
 }

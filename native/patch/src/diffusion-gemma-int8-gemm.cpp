@@ -122,11 +122,16 @@ void q4_K_scale_min(const uint8_t * s, int j, int & sc, int & m) {
     }
 }
 
-// A Q4_K row group of 8 in the tiles' layout, per super-block: the 8 sub-blocks' scales d * sc_j
-// (float [sub-block][row]), their offsets dmin * m_j (the same), then per sub-block 8 x (8 x 4) quants
-// as unsigned bytes. Both products of an fp16 and a 6-bit integer are exact in float.
+// A Q4_K row group of 8 in the tiles' layout, per super-block: the rows' d (float [row]); the 8
+// sub-blocks' 6-bit scales sc_j as int16 pairs (sc of row r at 2r and 2r + 1, for vpmaddwd: the
+// super-block's products summed in int32 as ggml's vec_dot_q4_K_q8_K sums them, one float step per
+// super-block); their offsets dmin * m_j (float [sub-block][row], exact: an fp16 times a 6-bit
+// integer); then per sub-block 8 x (8 x 4) quants as unsigned bytes.
 constexpr int64_t Q4_K_GROUP  = 8;
-constexpr int64_t Q4_K_SB_BYTES = 2 * 8 * Q4_K_GROUP * 4 + 8 * 8 * Q4_K_GROUP * 4;
+constexpr int64_t q4_K_sb_bytes(int64_t G) {
+    return G * 4 + 2 * 8 * G * 4 + 8 * 8 * G * 4;
+}
+constexpr int64_t Q4_K_SB_BYTES = q4_K_sb_bytes(Q4_K_GROUP);
 
 // Activations against Q4_K, per super-block: ggml's Q8_K (its quants; d = 1 / iscale), then the
 // 8 sub-blocks' d * (sum of their quants), which the offsets multiply.
@@ -160,21 +165,24 @@ constexpr int64_t Q6_K_SB_BYTES = 8 * 4 + 8 * 4 + 16 * 32 + 64 * 32;
 // rows [0, n_rows) of a Q4_K group of G rows (row r at rows + r * row_bytes) in that layout; rows past
 // n_rows are zero (scales and offsets 0), so a partial last group computes zeros
 void pack_group_q4_K(const uint8_t * rows, size_t row_bytes, int64_t n_super, int64_t n_rows, int64_t G, uint8_t * out) {
-    const int64_t sb_bytes = (2 * 8 + 8 * 8) * G * 4;
+    const int64_t sb_bytes = q4_K_sb_bytes(G);
     for (int64_t s = 0; s < n_super; ++s) {
         uint8_t * o = out + s * sb_bytes;
         std::memset(o, 0, (size_t) sb_bytes);
-        float *   scales  = (float *) o;
-        float *   offsets = scales + 8 * G;
-        uint8_t * quants  = o + 2 * 8 * G * 4;
+        float *   d_rows  = (float *) o;
+        int16_t * scales  = (int16_t *) (d_rows + G);
+        float *   offsets = (float *) (scales + 2 * 8 * G);
+        uint8_t * quants  = (uint8_t *) (offsets + 8 * G);
         for (int64_t r = 0; r < n_rows; ++r) {
             const q4_K_block & blk = ((const q4_K_block *) (rows + r * row_bytes))[s];
-            const float d = ggml_fp16_to_fp32(blk.d), dmin = ggml_fp16_to_fp32(blk.dmin);
+            const float dmin = ggml_fp16_to_fp32(blk.dmin);
+            d_rows[r]        = ggml_fp16_to_fp32(blk.d);
             for (int j = 0; j < 8; ++j) {
                 int sc, m;
                 q4_K_scale_min(blk.scales, j, sc, m);
-                scales[j * G + r]  = d * (float) sc;
-                offsets[j * G + r] = dmin * (float) m;
+                scales[j * 2 * G + 2 * r]     = (int16_t) sc;
+                scales[j * 2 * G + 2 * r + 1] = (int16_t) sc;
+                offsets[j * G + r]            = dmin * (float) m;
                 for (int k = 0; k < QK; ++k) {
                     const uint8_t byte = blk.qs[(j / 2) * QK + k];
                     quants[j * 8 * 4 * G + (k / 4) * 4 * G + 4 * r + k % 4] = j % 2 ? byte >> 4 : byte & 0x0F;
