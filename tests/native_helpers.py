@@ -23,6 +23,21 @@ GPU_LAYERS = int(os.environ.get("DG_TEST_GPU_LAYERS") or 0)
 GPU_LOGIT_TOL = (1.5, 5e-2)
 
 
+def avx2_tiles(family: str, monkeypatch) -> str:
+    """The AVX2 family's tiles a test asks for: "avx-vnni" (vpdpbusd ymm; skipped where the CPU lacks
+    AVX-VNNI) or "avx2" (vpmaddubsw, DG_AVX_VNNI=0, so that a CPU with AVX-VNNI tests them too), set in the
+    environment, which a GEMM reads when it is made. Returns the native family's name ("avx2" for both);
+    other families pass through."""
+    if family == "avx-vnni":
+        monkeypatch.delenv("DG_AVX_VNNI", raising=False)
+        if not native.lib()._lib.dg_avx_vnni_in_use():
+            pytest.skip("this CPU lacks AVX-VNNI (the AVX2 family's vpdpbusd tiles)")
+        return "avx2"
+    if family == "avx2":
+        monkeypatch.setenv("DG_AVX_VNNI", "0")
+    return family
+
+
 def _gpu_reason() -> str:
     if not NATIVE_OK:
         return f"native library unavailable: {NATIVE_REASON}"

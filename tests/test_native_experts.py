@@ -18,11 +18,12 @@ import sys
 import numpy as np
 import pytest
 
-from native_helpers import requires_native, small_q4_k_m_gguf
+from native_helpers import avx2_tiles, requires_native, small_q4_k_m_gguf
 
 pytestmark = requires_native
 
 FAMILIES = {"avx2": 1, "avx512-vnni": 2}  # dg_expert_repack_kernel()'s numbers
+TILES = ["avx2", "avx-vnni", "avx512-vnni"]  # the families' tiles: avx-vnni, the AVX2 layouts on AVX-VNNI
 TYPES = {"q8_0": 8, "q5_0": 6, "q4_K": 12, "q6_K": 14}  # ggml_type: the types the registry's files give experts
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -49,15 +50,16 @@ SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", TILES)
 @pytest.mark.parametrize("weight_type", sorted(TYPES))
 @pytest.mark.parametrize("n_in, n_out, n_expert, n_used, n_tokens, per_slot, threads", SHAPES)
 def test_repacked_experts_give_ggml_mul_mat_id(family, weight_type, n_in, n_out, n_expert, n_used, n_tokens,
-                                               per_slot, threads):
+                                               per_slot, threads, monkeypatch):
     """MUL_MAT_ID on experts loaded into dg's buffer (repacked by its set_tensor, as the loader loads them)
     against ggml's own MUL_MAT_ID on the same ggml-quantized experts in plain memory, in one CPU graph:
     both quantize the activations the same way, so only float summation order may differ. An output the
     repacked GEMM computed wrong, skipped or read from the file's layout is far off."""
+    family = avx2_tiles(family, monkeypatch)
     if not _runs_here(family):
         pytest.skip(f"this CPU lacks the {family} kernels' instructions")
     if weight_type in ("q4_K", "q6_K") and n_in % 256:
@@ -70,7 +72,7 @@ def test_repacked_experts_give_ggml_mul_mat_id(family, weight_type, n_in, n_out,
 
 
 @pytest.mark.parametrize("prefetch", ["0", "1"], ids=["no-prefetch", "prefetch"])
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", TILES)
 @pytest.mark.parametrize("weight_type", sorted(TYPES))
 def test_repacked_tiles_agree_with_a_double_precision_sum(family, weight_type, prefetch, monkeypatch):
     """The repacked GEMM's arithmetic against a float64 sum over the same quantized activations and the
@@ -78,6 +80,7 @@ def test_repacked_tiles_agree_with_a_double_precision_sum(family, weight_type, p
     scales and mins, Q6_K's int8 scales, Q5_0's fifth bits), uneven routing, the work split over 3 threads;
     with and without the next group's prefetch (DG_EXPERT_PREFETCH; AMD CPUs have it by default)."""
     monkeypatch.setenv("DG_EXPERT_PREFETCH", prefetch)
+    family = avx2_tiles(family, monkeypatch)
     if not _runs_here(family):
         pytest.skip(f"this CPU lacks the {family} kernels' instructions")
     err = ctypes.c_double(-1.0)

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from native_helpers import requires_native, small_q4_k_m_gguf
+from native_helpers import avx2_tiles, requires_native, small_q4_k_m_gguf
 
 pytestmark = [requires_native, pytest.mark.slow]  # the kernels at the real model's widths
 
@@ -80,7 +80,7 @@ def test_moe_expert_gemm_matches_the_per_row_path(tmp_path, weights):
 # ---- the LM head on our repacked int8 GEMM ---------------------------------------------------------
 
 
-KERNELS = {"avx2": 1, "avx512-vnni": 2, "emulated": 3}
+KERNELS = {"avx2": 1, "avx-vnni": 1, "avx512-vnni": 2, "emulated": 3}  # avx-vnni: the AVX2 family on AVX-VNNI
 
 
 WEIGHT_TYPES = {"q8_0": 8, "q5_0": 6}  # ggml_type
@@ -107,6 +107,7 @@ def test_lm_head_kernel_agrees_with_a_double_precision_sum(kernel, weight_type, 
     from dgcli.runtime import native
 
     monkeypatch.setenv("DG_STREAM_RESULTS", stream)
+    avx2_tiles(kernel, monkeypatch)
     err = ctypes.c_double()
     rc = native.lib()._lib.dg_lm_head_selftest(KERNELS[kernel], WEIGHT_TYPES[weight_type], n_embd, n_vocab, n_cols,
                                                11, ctypes.byref(err))
@@ -225,7 +226,7 @@ class _NodeCapture:
     (64, 16, 32, 8, 3, True, 5),        # most experts unused
 ])
 def test_expert_gemm_kernel_agrees_with_a_double_precision_sum(kernel, weight_type, n_in, n_out, n_expert, n_used,
-                                                               n_tokens, per_slot, nth):
+                                                               n_tokens, per_slot, nth, monkeypatch):
     """The experts' GEMM (each row group packed on the fly, vectorized on AVX2) against a float64 sum of
     the same quantized activations and the experts as ggml's dequantizer decodes them, on random routing
     with uneven shares, the work split as `nth` threads split it: an output left unwritten by the split
@@ -234,6 +235,7 @@ def test_expert_gemm_kernel_agrees_with_a_double_precision_sum(kernel, weight_ty
 
     from dgcli.runtime import native
 
+    avx2_tiles(kernel, monkeypatch)
     err = ctypes.c_double()
     rc = native.lib()._lib.dg_experts_selftest(KERNELS[kernel], WEIGHT_TYPES[weight_type], n_in, n_out, n_expert,
                                                n_used, n_tokens, per_slot, nth, 13, ctypes.byref(err))
@@ -250,10 +252,11 @@ def test_expert_gemm_kernel_agrees_with_a_double_precision_sum(kernel, weight_ty
     (256, 16, 32, 8, 3, True, 5),       # most experts unused
 ])
 @pytest.mark.parametrize("weight_type", ["q4_K", "q6_K"])
-def test_k_quant_expert_gemm_agrees_with_a_double_precision_sum(weight_type, n_in, n_out, n_expert, n_used, n_tokens,
-                                                                 per_slot, nth):
+@pytest.mark.parametrize("tiles", ["avx2", "avx-vnni"])
+def test_k_quant_expert_gemm_agrees_with_a_double_precision_sum(tiles, weight_type, n_in, n_out, n_expert, n_used,
+                                                                 n_tokens, per_slot, nth, monkeypatch):
     """Q4_K and Q6_K experts (Q4_K_M files' gate+up; their LM head and some down projections) on their
-    AVX2 tiles: random super-blocks (Q4_K: 6-bit scales and mins, both fp16 factors; Q6_K: 6-bit quants,
+    AVX2 tiles (vpmaddubsw, or AVX-VNNI's vpdpbusd): random super-blocks (Q4_K: 6-bit scales and mins, both fp16 factors; Q6_K: 6-bit quants,
     int8 scales of the whole range, the fp16 factor last) against a float64 sum of the same
     Q8_K-quantized activations and the weights as ggml's dequantizer decodes them (Q4_K's offsets, Q6_K's
     -32, included); split as `nth` threads split it."""
@@ -261,6 +264,7 @@ def test_k_quant_expert_gemm_agrees_with_a_double_precision_sum(weight_type, n_i
 
     from dgcli.runtime import native
 
+    avx2_tiles(tiles, monkeypatch)
     err = ctypes.c_double()
     rc = native.lib()._lib.dg_experts_selftest(KERNELS["avx2"], K_QUANT_TYPES[weight_type], n_in, n_out, n_expert,
                                                n_used, n_tokens, per_slot, nth, 13, ctypes.byref(err))
@@ -451,11 +455,11 @@ def _q8_k_dequantized(x: np.ndarray) -> np.ndarray:
     return (quants * scale[:, None]).reshape(x.shape)
 
 
-@pytest.mark.parametrize("family", ["avx2", "avx512-vnni"])
+@pytest.mark.parametrize("family", ["avx2", "avx-vnni", "avx512-vnni"])
 def test_k_quant_dense_weights_on_our_tiles_give_ggml_products(tmp_path, monkeypatch, family):
     """A Q4_K_M file's dense Q4_K and Q6_K weights (attention, dense FFN, self-conditioning MLP, and the
     Q6_K LM head) on the experts' K-quant tiles as one expert, kept out of the repack buffers for them:
-    AVX2's tiles, or the VNNI family's (AMX's tiles where the CPU has them, else the span tiles of the
+    AVX2's tiles (vpmaddubsw, or AVX-VNNI's vpdpbusd), or the VNNI family's (AMX's tiles where the CPU has them, else the span tiles of the
     repacked experts, each group repacked on the fly).
     Each such product of a self-conditioned canvas decode against float64 over what ggml multiplies: the weights as its
     dequantizer decodes them and the node's own input quantized as its Q8_K (so a last-bit difference
@@ -468,6 +472,7 @@ def test_k_quant_dense_weights_on_our_tiles_give_ggml_products(tmp_path, monkeyp
     from dgcli.runtime import native
     from dgcli.runtime.model import DiffusionModel
 
+    family = avx2_tiles(family, monkeypatch)  # avx-vnni: the AVX2 family on AVX-VNNI's tiles
     path = small_q4_k_m_gguf(tmp_path / "q4_k_m.gguf", seed=5)
     reader = gguf.GGUFReader(path)
     k_quants = (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K)

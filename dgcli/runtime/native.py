@@ -205,6 +205,7 @@ def _declare(lib_mod: Any) -> None:
         "dg_dense_kernel": ([], ctypes.c_int32),
         "dg_dense_tiled_count": ([lib_mod.llama_model_p_ctypes], ctypes.c_int32),
         "dg_amx_in_use": ([], ctypes.c_int32),
+        "dg_avx_vnni_in_use": ([], ctypes.c_int32),
         "dg_plain_cpu_buffer_type": ([], ctypes.c_void_p),
         # (kernel, weight ggml type, n_in, n_out, n_expert, n_used, n_tokens, input_per_slot, nth, seed,
         #  max_rel_error out)

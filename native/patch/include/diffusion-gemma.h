@@ -201,8 +201,9 @@ LLAMA_API int32_t dg_f16_gemm_runs(int64_t m, int64_t n, int64_t k);
 #define DG_PEAK_INT8 0
 #define DG_PEAK_BF16 1
 #define DG_PEAK_F32  2
-// the int8 chain of dg's AVX2 kernels (vpmaddubsw + vpmaddwd) whatever wider instructions the CPU has:
-// the peak of that family where it is forced on an AVX-512 CPU (DG_CPU_KERNELS=avx2)
+// the int8 chain of dg's AVX2 kernels whatever wider instructions the CPU has: AVX-VNNI's vpdpbusd ymm
+// where their tiles run on it (dg_avx_vnni_in_use), else vpmaddubsw + vpmaddwd; the peak of that
+// family where it is forced on an AVX-512 CPU (DG_CPU_KERNELS=avx2)
 #define DG_PEAK_INT8_AVX2 3
 
 LLAMA_API double dg_peak_gmacs(int32_t kind, double seconds, char * name_out, int32_t name_len);
@@ -211,6 +212,10 @@ LLAMA_API double dg_peak_gmacs(int32_t kind, double seconds, char * name_out, in
 // embeddings) runs 16 columns at a time on AMX's tiles here (1): the CPU has AMX-INT8, Linux grants
 // the tile state, and DG_AMX is not 0.
 LLAMA_API int32_t dg_amx_in_use(void);
+
+// Whether the AVX2 family's tiles (Q4_K, Q8_0, Q5_0) run on AVX-VNNI's vpdpbusd here (1): the CPU has
+// AVX-VNNI and DG_AVX_VNNI is not 0. The family's peak (DG_PEAK_INT8_AVX2) is then that instruction's.
+LLAMA_API int32_t dg_avx_vnni_in_use(void);
 
 // Per-node timing of graph computes (benchmarks/step_profile.py): pass dg_profile_eval as the
 // context's cb_eval with a dg_profile as its user data; while enabled, every node computed is

@@ -473,6 +473,12 @@ const tile_fn tile_q4_K_avx2_by_columns[5] = { nullptr, tile_q4_K_avx2<1>, tile_
                                               tile_q4_K_avx2<4> };
 const tile_fn tile_q6_K_avx2_by_columns[5] = { nullptr, tile_q6_K_avx2<1>, tile_q6_K_avx2<2>, tile_q6_K_avx2<3>,
                                               tile_q6_K_avx2<4> };
+const tile_fn tile_q8_0_avxvnni_by_columns[5] = { nullptr, tile_q8_0_avxvnni<1>, tile_q8_0_avxvnni<2>,
+                                                 tile_q8_0_avxvnni<3>, tile_q8_0_avxvnni<4> };
+const tile_fn tile_q6_K_avxvnni_by_columns[5] = { nullptr, tile_q6_K_avxvnni<1>, tile_q6_K_avxvnni<2>,
+                                                 tile_q6_K_avxvnni<3>, tile_q6_K_avxvnni<4> };
+const tile_fn tile_q4_K_avxvnni_by_columns[5] = { nullptr, tile_q4_K_avxvnni<1>, tile_q4_K_avxvnni<2>,
+                                                 tile_q4_K_avxvnni<3>, tile_q4_K_avxvnni<4> };
 // the repacked experts' VNNI tiles (spans of blocks, accumulating), by column count
 #    define DG_LMH_SPAN_TILES(name)                                                                         \
         const span_tile_fn name##_by_columns[9] = { nullptr, name<1>, name<2>, name<3>, name<4>, name<5>, \
@@ -637,29 +643,50 @@ void quantize_columns(dg_lm_head_kernel kernel, int64_t n_blocks, const float * 
 }
 
 
+// Whether the AVX2 family's layouts run on AVX-VNNI's tiles: where the CPU has AVX-VNNI, unless
+// DG_AVX_VNNI=0 (A/B runs, and the plain AVX2 tiles' tests on such a CPU). Read when a GEMM is made.
+bool avx_vnni_wanted() {
+#ifdef DG_LMH_X86
+    __builtin_cpu_init();
+    const char * env = std::getenv("DG_AVX_VNNI");
+    return !(env && !std::strcmp(env, "0")) && cpu_has("avx2") && __builtin_cpu_supports("avxvnni");
+#else
+    return false;
+#endif
+}
+
+// Whether AVX2's staged tile for Q8_0 / Q5_0 weights (`type`) reads the activations + 128: Q5_0's
+// (tile_q5_0_avx2) and AVX-VNNI's for both (vpdpbusd's unsigned operand); tile_avx2's sign trick reads
+// them signed. The VNNI family's operands follow their own rule (quantize_columns).
+bool avx2_tile_plus_128(ggml_type type, dg_lm_head_kernel kernel, bool avx_vnni) {
+    return kernel == dg_lm_head_kernel::avx2 && (type == GGML_TYPE_Q5_0 || (type == GGML_TYPE_Q8_0 && avx_vnni));
+}
+
 // this kernel's tiles for weights of `type` by column count, and the widest (Q4_K, Q6_K: AVX2's only,
-// which dg_experts::make ensures)
-const tile_fn * tiles_for(dg_lm_head_kernel kernel, int64_t * n_wide, ggml_type type = GGML_TYPE_Q8_0) {
+// which dg_experts::make ensures); `avx_vnni`: the AVX2 family's on AVX-VNNI (avx_vnni_wanted)
+const tile_fn * tiles_for(dg_lm_head_kernel kernel, int64_t * n_wide, ggml_type type, bool avx_vnni) {
     *n_wide = kernel == dg_lm_head_kernel::avx2 ? 4 : 8;
 #ifdef DG_LMH_X86
     if (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K) {
         GGML_ASSERT(kernel == dg_lm_head_kernel::avx2);
-        return type == GGML_TYPE_Q4_K ? tile_q4_K_avx2_by_columns : tile_q6_K_avx2_by_columns;
+        if (type == GGML_TYPE_Q6_K) {
+            return avx_vnni ? tile_q6_K_avxvnni_by_columns : tile_q6_K_avx2_by_columns;
+        }
+        return avx_vnni ? tile_q4_K_avxvnni_by_columns : tile_q4_K_avx2_by_columns;
     }
     if (kernel == dg_lm_head_kernel::avx512_vnni) {
         return tile_vnni_by_columns;
     }
     if (kernel == dg_lm_head_kernel::avx2) {
-        return tile_avx2_by_columns;
+        if (avx_vnni) {
+            return tile_q8_0_avxvnni_by_columns; // Q8_0 and Q5_0: the same staged layout
+        }
+        return type == GGML_TYPE_Q5_0 ? tile_q5_0_avx2_by_columns : tile_avx2_by_columns;
     }
 #endif
+    (void) type;
+    (void) avx_vnni;
     return tile_emulated_by_columns;
-}
-
-// The experts' Q5_0 on AVX2 run tile_q5_0_avx2, against the activations + 128; the other staged types
-// their tiles_for's.
-bool q5_0_tile_avx2(ggml_type type, dg_lm_head_kernel kernel) {
-    return type == GGML_TYPE_Q5_0 && kernel == dg_lm_head_kernel::avx2;
 }
 
 // the repacked experts' span tiles of `type` by column count (VNNI; null: the staged AVX2 route)
@@ -720,7 +747,8 @@ const char * dg_lm_head::kernel_name(dg_lm_head_kernel kernel) {
 
 dg_lm_head::dg_lm_head(dg_lm_head_kernel kernel, int64_t n_embd, int64_t n_vocab) :
     kernel_(kernel), n_embd_(n_embd), n_vocab_(n_vocab), n_blocks_(n_embd / QK),
-    group_(kernel == dg_lm_head_kernel::avx2 ? 8 : 16), amx_(kernel == dg_lm_head_kernel::avx512_vnni && amx_wanted()) {}
+    group_(kernel == dg_lm_head_kernel::avx2 ? 8 : 16), amx_(kernel == dg_lm_head_kernel::avx512_vnni && amx_wanted()),
+    avx_vnni_(kernel == dg_lm_head_kernel::avx2 && avx_vnni_wanted()) {}
 
 bool dg_lm_head::qualifies(const ggml_tensor * w) {
     // tensor->extra is set by the CPU extra buffer types (repack, AMX): their own layout, not Q8_0
@@ -739,7 +767,7 @@ std::unique_ptr<dg_lm_head> dg_lm_head::repack(const void * rows, ggml_type type
         return nullptr;
     }
     std::unique_ptr<dg_lm_head> h(new dg_lm_head(kernel, n_embd, n_vocab));
-    h->q5_0_          = type == GGML_TYPE_Q5_0;
+    h->type_          = type;
     const int64_t G   = h->group_;
     const int64_t GBB = dg_lm_head_group_block_bytes(G);
     const int64_t nb  = h->n_blocks_;
@@ -785,7 +813,7 @@ int64_t dg_lm_head::act_bytes() const {
 }
 
 bool dg_lm_head::activations_plus_128() const {
-    return kernel_ != dg_lm_head_kernel::avx2 || q5_0_tile_avx2(q5_0_ ? GGML_TYPE_Q5_0 : GGML_TYPE_Q8_0, kernel_);
+    return kernel_ != dg_lm_head_kernel::avx2 || avx2_tile_plus_128(type_, kernel_, avx_vnni_);
 }
 
 int64_t dg_lm_head::chunk_blocks() const {
@@ -847,12 +875,7 @@ void dg_lm_head::gemm(const uint8_t * act, int64_t n_cols, float * out, int64_t 
     const int64_t ab     = act_bytes();
     const int64_t chunk  = chunk_blocks();
     int64_t         n_wide; // columns per tile
-    const tile_fn * tiles = tiles_for(kernel_, &n_wide);
-#ifdef DG_LMH_X86
-    if (q5_0_ && q5_0_tile_avx2(GGML_TYPE_Q5_0, kernel_)) {
-        tiles = tile_q5_0_avx2_by_columns; // the same layout (with the quant sums it reads), the same widths
-    }
-#endif
+    const tile_fn * tiles = tiles_for(kernel_, &n_wide, type_, avx_vnni_);
 #ifdef DG_LMH_X86
     const tile_fn amx = amx_ && n_cols >= 16 ? tile_amx : nullptr; // 16 columns a tile, the rest on VNNI's
     if (amx) {
@@ -926,6 +949,10 @@ void dg_lm_head_gemm_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
 
 int32_t dg_amx_in_use(void) {
     return amx_wanted() ? 1 : 0;
+}
+
+int32_t dg_avx_vnni_in_use(void) {
+    return avx_vnni_wanted() ? 1 : 0;
 }
 
 // ---- MoE experts --------------------------------------------------------------------------------
@@ -1206,7 +1233,7 @@ dg_experts::dg_experts(dg_lm_head_kernel kernel, const void * data, ggml_type ty
                        int64_t n_expert) :
     kernel_(kernel), data_((const uint8_t *) data), type_(type), n_in_(n_in), n_out_(n_out), n_expert_(n_expert),
     n_blocks_(n_in / QK), group_(kernel == dg_lm_head_kernel::avx2 ? 8 : 16), row_bytes_(ggml_row_size(type, n_in)),
-    amx_(amx_wanted()) {}
+    amx_(amx_wanted()), avx_vnni_(kernel == dg_lm_head_kernel::avx2 && avx_vnni_wanted()) {}
 
 int64_t dg_experts::act_bytes() const {
     if (type_ == GGML_TYPE_Q6_K && kernel_ == dg_lm_head_kernel::avx512_vnni && !amx_k_quant()) {
@@ -1220,6 +1247,10 @@ int64_t dg_experts::act_bytes() const {
 
 bool dg_experts::signed_activations() const {
     return repacked_ && kernel_ == dg_lm_head_kernel::avx512_vnni && (type_ == GGML_TYPE_Q8_0 || type_ == GGML_TYPE_Q5_0);
+}
+
+bool dg_experts::avx2_activations_plus_128() const {
+    return avx2_tile_plus_128(type_, kernel_, avx_vnni_);
 }
 
 int64_t dg_experts::group_bytes() const {
@@ -1264,7 +1295,7 @@ void dg_experts::quantize(const float * x, int64_t ld_x, int64_t r0, int64_t r1,
         }
     } else {
         quantize_columns(kernel_, n_blocks_, x, ld_x, r0, r1, act, n_blocks_ * (QK + 4), scalar,
-                         q5_0_tile_avx2(type_, kernel_));
+                         avx2_activations_plus_128());
     }
 }
 
@@ -1393,7 +1424,7 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
     // and lost at 2 (docs/performance.md)
     const bool stream_out = amx && n_out_ % 16 == 0 && (uintptr_t) out % 64 == 0 && nb_slot % 64 == 0 &&
                             nb_token % 64 == 0 && streamed_result((double) n_out_ * n_used * n_tokens * sizeof(float));
-    const tile_fn *      tiles = spans || amx ? nullptr : tiles_for(kernel_, &n_wide, type_);
+    const tile_fn *      tiles = spans || amx ? nullptr : tiles_for(kernel_, &n_wide, type_, avx_vnni_);
     // where row r0 of (slot, token) pair p lies in the result
     const auto destination = [&](int64_t p, int64_t r0) {
         return out + (p % n_used) * nb_slot + (p / n_used) * nb_token + r0 * (int64_t) sizeof(float);
@@ -1409,9 +1440,6 @@ void dg_experts::gemm(const uint8_t * act, int64_t n_act_slots, const int32_t * 
         }
     };
 #ifdef DG_LMH_X86
-    if (tiles && q5_0_tile_avx2(type_, kernel_)) {
-        tiles = tile_q5_0_avx2_by_columns;
-    }
     if (amx) {
         amx_configure(64); // the quants a TDP takes; this thread's, for the call
     }

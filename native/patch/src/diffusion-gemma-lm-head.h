@@ -87,7 +87,7 @@ public:
     int64_t n_groups() const { return (n_vocab_ + group_ - 1) / group_; }
 
     // Whether quantize stores the activations + 128 (the unsigned operand): the VNNI layout's tiles, and
-    // AVX2's for Q5_0 weights (tile_q5_0_avx2)
+    // AVX2's for Q5_0 weights (tile_q5_0_avx2) or on AVX-VNNI (tile_q8_0_avxvnni)
     bool activations_plus_128() const;
 
 private:
@@ -99,7 +99,8 @@ private:
     int64_t           n_blocks_; // n_embd / 32
     int64_t           group_;    // rows per group: 16 for the VNNI layout, 8 for AVX2
     bool              amx_;      // the VNNI layout's 16-column tiles on AMX (amx_wanted)
-    bool              q5_0_ = false; // repacked from Q5_0 rows (quants -16..15: AVX2 runs its Q5_0 tile)
+    bool              avx_vnni_; // the AVX2 layout's tiles on AVX-VNNI (avx_vnni_wanted)
+    ggml_type         type_ = GGML_TYPE_Q8_0; // the rows repacked: Q8_0 or Q5_0 (quants -16..15)
     // per (group, block): group fp16 scales, group int16 quant sums, then 8 x (group x 4) quants
     std::vector<uint8_t, std::allocator<uint8_t>> data_;
     uint8_t * base_ = nullptr; // data_ aligned to 64 bytes
@@ -187,6 +188,8 @@ public:
     // the repacked Q8_0 / Q5_0 experts on VNNI's span tiles: activations signed, with each block's start
     // after the scales (act_bytes), the stored quants unsigned
     bool              signed_activations() const;
+    // the AVX2 family's Q8_0 / Q5_0 tile reads the activations + 128 (tile_q5_0_avx2, AVX-VNNI's)
+    bool              avx2_activations_plus_128() const;
 
     // rows [r0, r1) of x (F32, row r at x + r * ld_x) quantized as dg_lm_head::quantize does; `scalar`:
     // the portable loops even where the CPU has AVX2 (the self-test compares the two)
@@ -224,6 +227,7 @@ private:
     size_t            row_bytes_;
     bool              repacked_ = false; // data_ in the repacked layout, not the file's
     bool              amx_;              // AMX's tiles wanted when this was made (amx_k_quant)
+    bool              avx_vnni_;         // the AVX2 layouts' tiles on AVX-VNNI (avx_vnni_wanted)
 };
 
 // ggml custom ops over a dg_experts (userdata): activations [n_in, rows] F32 -> quantized rows

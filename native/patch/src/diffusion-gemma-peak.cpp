@@ -148,7 +148,9 @@ double dg_peak_gmacs(int32_t kind, double seconds, char * name_out, int32_t name
     const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     const bool avx512 = __builtin_cpu_supports("avx512f");
     if (kind == DG_PEAK_INT8_AVX2) {
-        if (avx2) {
+        if (avx2 && dg_avx_vnni_in_use()) { // the family's tiles on AVX-VNNI
+            chain = int8_avx_vnni, name = "int8 AVX-VNNI (vpdpbusd ymm)";
+        } else if (avx2) {
             chain = int8_avx2, name = "int8 AVX2 (vpmaddubsw + vpmaddwd)";
         }
     } else if (kind == DG_PEAK_INT8) {
