@@ -10,7 +10,7 @@
 //
 //   g++ -O3 -o /tmp/avx2_q4k_tile_probe benchmarks/avx2_q4k_tile_probe.cpp && /tmp/avx2_q4k_tile_probe
 //
-// Compare its rates with dg_peak_gmacs's int8 peak (benchmarks/step_profile.py prints it).
+// (dg's tile on AVX-VNNI, tile_q4_K_avxvnni, runs where the CPU has it.) Compare its rates with dg_peak_gmacs's int8 peak (benchmarks/step_profile.py prints it).
 
 #include <immintrin.h>
 
@@ -30,14 +30,85 @@ constexpr int64_t Q8_K_BYTES = QK_K + 4 + 8 * 4;
 constexpr int64_t SB_BYTES   = 2 * 8 * G * 4 + 8 * 8 * G * 4;
 constexpr int64_t INT_SB_BYTES = G * 4 + SB_BYTES; // int_scales: the rows' d before the same sizes
 
-// int_scales: dg's tile (the sub-blocks' products times their integer scales in vpmaddwd, summed in int32,
+// avx_vnni: dg's tile on AVX-VNNI; int_scales: dg's tile without it (the sub-blocks' products times their integer scales in vpmaddwd, summed in int32,
 // one float step per super-block; the mins' term per sub-block in float); per_sub_block: the form before
 // it, the activation's d applied to every sub-block's product in float; folded: d applied once per
 // super-block to the sum of the sub-blocks' scaled products (tried: docs/performance.md); no_offset:
 // per_sub_block without the mins' term; no_scaling: without the float work per sub-block
-enum class form { int_scales, per_sub_block, folded, no_offset, no_scaling };
+enum class form { avx_vnni, int_scales, per_sub_block, folded, no_offset, no_scaling };
 
 #define PROBE_AVX2 __attribute__((target("avx2,fma,f16c"), noinline))
+
+#define PROBE_AVX_VNNI __attribute__((target("avx2,fma,f16c,avxvnni"), noinline))
+
+// dg's tile on AVX-VNNI (tile_q4_K_avxvnni), on the same layout: vpdpbusd per 4 quants into int32 per
+// half sub-block, vpdpwssd by the scales' low halves
+template <int NC>
+PROBE_AVX_VNNI void tile_avx_vnni(const uint8_t * group, const uint8_t * act, int64_t act_bytes, int64_t n_super,
+                                  float * out) {
+    const __m256i low = _mm256_set1_epi32(0xFFFF);
+    __m256        acc[NC];
+    #pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) {
+        acc[c] = _mm256_setzero_ps();
+    }
+    for (int64_t s = 0; s < n_super; ++s) {
+        const uint8_t * w       = group + s * INT_SB_BYTES;
+        const uint8_t * scales  = w + G * 4;
+        const float *   offsets = (const float *) (scales + 8 * G * 4);
+        const uint8_t * quants  = (const uint8_t *) (offsets + 8 * G);
+        const uint8_t * a       = act + s * Q8_K_BYTES;
+        __m256i         dot[NC];
+        #pragma GCC unroll 8
+        for (int c = 0; c < NC; ++c) {
+            dot[c] = _mm256_setzero_si256();
+        }
+        for (int j = 0; j < 8; ++j) {
+            const uint8_t * sub = quants + j * 8 * 4 * G;
+            const __m256i   sc  = _mm256_and_si256(_mm256_loadu_si256((const __m256i *) (scales + j * G * 4)), low);
+            #pragma GCC unroll 2
+            for (int half = 0; half < 2; ++half) {
+                __m256i sum[NC];
+                #pragma GCC unroll 8
+                for (int c = 0; c < NC; ++c) {
+                    sum[c] = _mm256_setzero_si256();
+                }
+                #pragma GCC unroll 4
+                for (int q = 4 * half; q < 4 * half + 4; ++q) {
+                    const __m256i wq = _mm256_loadu_si256((const __m256i *) (sub + q * 4 * G));
+                    #pragma GCC unroll 8
+                    for (int c = 0; c < NC; ++c) {
+                        int32_t four;
+                        std::memcpy(&four, a + c * act_bytes + j * QK + 4 * q, sizeof(four));
+                        sum[c] = _mm256_dpbusd_avx_epi32(sum[c], wq, _mm256_set1_epi32(four));
+                    }
+                }
+                #pragma GCC unroll 8
+                for (int c = 0; c < NC; ++c) {
+                    dot[c] = _mm256_dpwssd_avx_epi32(dot[c], sum[c], sc);
+                }
+            }
+            const __m256 offset = _mm256_loadu_ps(offsets + j * G);
+            #pragma GCC unroll 8
+            for (int c = 0; c < NC; ++c) {
+                float b;
+                std::memcpy(&b, a + c * act_bytes + QK_K + 4 + 4 * j, sizeof(b));
+                acc[c] = _mm256_fnmadd_ps(offset, _mm256_set1_ps(b), acc[c]);
+            }
+        }
+        const __m256 d = _mm256_loadu_ps((const float *) w);
+        #pragma GCC unroll 8
+        for (int c = 0; c < NC; ++c) {
+            float dx;
+            std::memcpy(&dx, a + c * act_bytes + QK_K, sizeof(dx));
+            acc[c] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx)), _mm256_cvtepi32_ps(dot[c]), acc[c]);
+        }
+    }
+    #pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) {
+        _mm256_storeu_ps(out + c * G, acc[c]);
+    }
+}
 
 // dg's tile on its layout (INT_SB_BYTES a super-block)
 template <int NC>
@@ -180,7 +251,10 @@ double rate(const uint8_t * w, const uint8_t * w_int, const uint8_t * act, int64
     return best_rate([&] {
         for (int64_t r = 0; r < reps; ++r) {
             for (int64_t c = 0; c + NC <= n_cols; c += NC) {
-                if constexpr (F == form::int_scales) {
+                if constexpr (F == form::avx_vnni) {
+                    tile_avx_vnni<NC>(w_int, act + c * n_super * Q8_K_BYTES, n_super * Q8_K_BYTES, n_super,
+                                      out + c * G);
+                } else if constexpr (F == form::int_scales) {
                     tile_int_scales<NC>(w_int, act + c * n_super * Q8_K_BYTES, n_super * Q8_K_BYTES, n_super,
                                         out + c * G);
                 } else {
@@ -231,11 +305,12 @@ int main() {
     }
     std::vector<float> out((size_t) (n_cols * G));
     std::printf("AVX2 Q4_K tile, 8 rows x 2816, %lld columns, in L1/L2, G MAC/s (best of 5)\n", (long long) n_cols);
-    std::printf("columns  int_scales (dg)  per_sub_block  folded  no_offset  no_scaling\n");
+    std::printf("columns  int_scales (dg)  per_sub_block  folded  no_offset  no_scaling  (dg's on AVX-VNNI)\n");
 #define RATE(NC, F) rate<NC, form::F>(w.data(), w_int.data(), act.data(), n_super, n_cols, out.data())
 #define ROW(NC)                                                                                              \
-    std::printf("%7d  %15.1f  %13.1f  %6.1f  %9.1f  %10.1f\n", NC, RATE(NC, int_scales), RATE(NC, per_sub_block), \
-                RATE(NC, folded), RATE(NC, no_offset), RATE(NC, no_scaling))
+    std::printf("%7d  %15.1f  %13.1f  %6.1f  %9.1f  %10.1f  %18.1f\n", NC, RATE(NC, int_scales),                 \
+                RATE(NC, per_sub_block), RATE(NC, folded), RATE(NC, no_offset), RATE(NC, no_scaling),                  \
+                __builtin_cpu_supports("avxvnni") ? RATE(NC, avx_vnni) : 0.0)
     ROW(1);
     ROW(2);
     ROW(3);
@@ -244,15 +319,23 @@ int main() {
     ROW(6);
     ROW(8);
     // dg's tile against the float form before it, both at its 4 columns, rounds alternating
-    std::vector<double> before, now;
+    std::vector<double> before, now, vnni;
     for (int round = 0; round < 15; ++round) {
         before.push_back(RATE(4, per_sub_block));
         now.push_back(RATE(4, int_scales));
+        if (__builtin_cpu_supports("avxvnni")) {
+            vnni.push_back(RATE(4, avx_vnni));
+        }
     }
     std::sort(before.begin(), before.end());
     std::sort(now.begin(), now.end());
     std::printf("interleaved, 15 rounds, 4 columns: float per sub-block %.1f / %.1f, dg's integer scales %.1f / %.1f "
                 "G MAC/s (best / median); dg's / before %.3fx / %.3fx\n",
                 before.back(), before[7], now.back(), now[7], now.back() / before.back(), now[7] / before[7]);
+    if (!vnni.empty()) {
+        std::sort(vnni.begin(), vnni.end());
+        std::printf("the same rounds, dg's tile on AVX-VNNI: %.1f / %.1f G MAC/s; / integer scales on AVX2 %.3fx / "
+                    "%.3fx\n", vnni.back(), vnni[7], vnni.back() / now.back(), vnni[7] / now[7]);
+    }
     return out[0] == 12345.0f; // keeps the results live
 }
