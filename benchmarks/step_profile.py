@@ -24,7 +24,8 @@ per expert, where the experts' weight reads dominate), written once and cached),
    per-node eval callback (dgcli.runtime.profile), grouped by op and node name: seconds, share of the
    step, multiply-adds, achieved G MAC/s per thread against the family's single-thread int8 peak
    (measured here with register-resident instruction chains, `dg_peak_gmacs`: vpdpbusd zmm for
-   avx512-vnni, the vpmaddubsw + vpmaddwd chain for avx2) and the bf16 peak, and the op's floor (its
+   avx512-vnni; for avx2 vpdpbusd ymm where its tiles run on AVX-VNNI, else the vpmaddubsw + vpmaddwd
+   chain) and the bf16 peak, and the op's floor (its
    multiply-adds at the peak: int8 for quantized weights, bf16 otherwise); the dense product is a row
    of its own; this CPU's single-thread read bandwidth is printed beside it, since with ~16 tokens per
    expert the experts' weights are read at about 16 multiply-adds a byte;

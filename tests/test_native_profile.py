@@ -38,13 +38,20 @@ def test_profiler_times_every_node_only_while_enabled(tiny_gguf):
     assert lm_head[0].src0_type == "f32"
 
 
-def test_peaks_are_measured_and_named():
+def test_peaks_are_measured_and_named(monkeypatch):
     from dgcli.runtime import native
 
     for kind in (native.PEAK_INT8, native.PEAK_BF16, native.PEAK_F32, native.PEAK_INT8_AVX2):
         rate, name = native.peak_gmacs(kind, 0.05)
         assert rate > 0.1 and name
-    # the AVX2 kernels' chain, whatever wider instructions the CPU has (the family switch's peak)
+    # the AVX2 kernels' chain, whatever wider instructions the CPU has (the family switch's peak): AVX-VNNI's
+    # where their tiles run on it, else vpmaddubsw's
+    lib = native.lib()._lib
+    _, name = native.peak_gmacs(native.PEAK_INT8_AVX2, 0.05)
+    assert name in (("int8 AVX-VNNI (vpdpbusd ymm)",) if lib.dg_avx_vnni_in_use() else
+                    ("int8 AVX2 (vpmaddubsw + vpmaddwd)", "fp32 scalar"))
+    monkeypatch.setenv("DG_AVX_VNNI", "0")
+    assert not lib.dg_avx_vnni_in_use()
     _, name = native.peak_gmacs(native.PEAK_INT8_AVX2, 0.05)
     assert name in ("int8 AVX2 (vpmaddubsw + vpmaddwd)", "fp32 scalar")
 
