@@ -1,16 +1,17 @@
-// Where the AVX2 family's Q4_K tile loses to the int8 peak: a model of tile_q4_K_avx2 (native/patch/src/
-// diffusion-gemma-int8-kernels.inc) on its staged layout (per super-block of 8 rows: the rows' d, 8 x 8
-// scales sc as int16 pairs for vpmaddwd, 8 x 8 float offsets dmin * m, then 8 sub-blocks x 8 vectors of
-// 8 rows x 4 unsigned quants), and of the form before it (8 x 8 float scales d * sc in place of the rows'
-// d and the integer scales: a float step per sub-block) with variants of that, against Q8_K activations
-// (256 quants, d, 8 sub-block sums times d). The tile runs every Q4_K product of a
+// Where the AVX2 family's Q4_K tile loses to the int8 peak: dg's tiles themselves (tile_q4_K_avx2 and
+// tile_q4_K_avxvnni, native/patch/src/diffusion-gemma-int8-q4k-tile.inc, included) on their staged layout
+// (per super-block of 8 rows: the rows' d, 8 x 8 scales sc as int16 pairs, 8 x 8 float offsets dmin * m,
+// then 8 sub-blocks x 8 vectors of 8 rows x 4 unsigned quants), and a model of the form before them (8 x
+// 8 float scales d * sc in place of the rows' d and the integer scales: a float step per sub-block) with
+// variants of that, against Q8_K activations (256 quants, d, 8 sub-block sums times d). The tile runs every Q4_K product of a
 // Q4_K_M file on AVX2 (the attention projections, the experts' gate+up, the dense FFN). Timed with its
 // operands in L1 (one 8-row group of a 2816-wide row, every column tile over it, as the GEMM does), by
 // parts, and in variants. One thread, CPU time, best of 5 rounds. On an x86-64 Linux CPU with AVX2:
 //
 //   g++ -O3 -o /tmp/avx2_q4k_tile_probe benchmarks/avx2_q4k_tile_probe.cpp && /tmp/avx2_q4k_tile_probe
 //
-// (dg's tile on AVX-VNNI, tile_q4_K_avxvnni, runs where the CPU has it.) Compare its rates with dg_peak_gmacs's int8 peak (benchmarks/step_profile.py prints it).
+// (dg's tile on AVX-VNNI runs where the CPU has it.) Compare its rates with dg_peak_gmacs's int8 peak
+// (benchmarks/step_profile.py prints it).
 
 #include <immintrin.h>
 
@@ -30,146 +31,31 @@ constexpr int64_t Q8_K_BYTES = QK_K + 4 + 8 * 4;
 constexpr int64_t SB_BYTES   = 2 * 8 * G * 4 + 8 * 8 * G * 4;
 constexpr int64_t INT_SB_BYTES = G * 4 + SB_BYTES; // int_scales: the rows' d before the same sizes
 
-// avx_vnni: dg's tile on AVX-VNNI; int_scales: dg's tile without it (the sub-blocks' products times their integer scales in vpmaddwd, summed in int32,
-// one float step per super-block; the mins' term per sub-block in float); per_sub_block: the form before
-// it, the activation's d applied to every sub-block's product in float; folded: d applied once per
+// avx_vnni: dg's tile on AVX-VNNI; int_scales: dg's tile on AVX2 (the sub-blocks' products times their
+// integer scales in vpmaddwd, summed in int32, one float step per super-block; the mins' term per
+// sub-block in float); per_sub_block: the form before it, the activation's d applied to every sub-block's product in float; folded: d applied once per
 // super-block to the sum of the sub-blocks' scaled products (tried: docs/performance.md); no_offset:
 // per_sub_block without the mins' term; no_scaling: without the float work per sub-block
 enum class form { avx_vnni, int_scales, per_sub_block, folded, no_offset, no_scaling };
 
 #define PROBE_AVX2 __attribute__((target("avx2,fma,f16c"), noinline))
 
-#define PROBE_AVX_VNNI __attribute__((target("avx2,fma,f16c,avxvnni"), noinline))
-
-// dg's tile on AVX-VNNI (tile_q4_K_avxvnni), on the same layout: vpdpbusd per 4 quants into int32 per
-// half sub-block, vpdpwssd by the scales' low halves
-template <int NC>
-PROBE_AVX_VNNI void tile_avx_vnni(const uint8_t * group, const uint8_t * act, int64_t act_bytes, int64_t n_super,
-                                  float * out) {
-    const __m256i low = _mm256_set1_epi32(0xFFFF);
-    __m256        acc[NC];
-    #pragma GCC unroll 8
-    for (int c = 0; c < NC; ++c) {
-        acc[c] = _mm256_setzero_ps();
-    }
-    for (int64_t s = 0; s < n_super; ++s) {
-        const uint8_t * w       = group + s * INT_SB_BYTES;
-        const uint8_t * scales  = w + G * 4;
-        const float *   offsets = (const float *) (scales + 8 * G * 4);
-        const uint8_t * quants  = (const uint8_t *) (offsets + 8 * G);
-        const uint8_t * a       = act + s * Q8_K_BYTES;
-        __m256i         dot[NC];
-        #pragma GCC unroll 8
-        for (int c = 0; c < NC; ++c) {
-            dot[c] = _mm256_setzero_si256();
-        }
-        for (int j = 0; j < 8; ++j) {
-            const uint8_t * sub = quants + j * 8 * 4 * G;
-            const __m256i   sc  = _mm256_and_si256(_mm256_loadu_si256((const __m256i *) (scales + j * G * 4)), low);
-            #pragma GCC unroll 2
-            for (int half = 0; half < 2; ++half) {
-                __m256i sum[NC];
-                #pragma GCC unroll 8
-                for (int c = 0; c < NC; ++c) {
-                    sum[c] = _mm256_setzero_si256();
-                }
-                #pragma GCC unroll 4
-                for (int q = 4 * half; q < 4 * half + 4; ++q) {
-                    const __m256i wq = _mm256_loadu_si256((const __m256i *) (sub + q * 4 * G));
-                    #pragma GCC unroll 8
-                    for (int c = 0; c < NC; ++c) {
-                        int32_t four;
-                        std::memcpy(&four, a + c * act_bytes + j * QK + 4 * q, sizeof(four));
-                        sum[c] = _mm256_dpbusd_avx_epi32(sum[c], wq, _mm256_set1_epi32(four));
-                    }
-                }
-                #pragma GCC unroll 8
-                for (int c = 0; c < NC; ++c) {
-                    dot[c] = _mm256_dpwssd_avx_epi32(dot[c], sum[c], sc);
-                }
-            }
-            const __m256 offset = _mm256_loadu_ps(offsets + j * G);
-            #pragma GCC unroll 8
-            for (int c = 0; c < NC; ++c) {
-                float b;
-                std::memcpy(&b, a + c * act_bytes + QK_K + 4 + 4 * j, sizeof(b));
-                acc[c] = _mm256_fnmadd_ps(offset, _mm256_set1_ps(b), acc[c]);
-            }
-        }
-        const __m256 d = _mm256_loadu_ps((const float *) w);
-        #pragma GCC unroll 8
-        for (int c = 0; c < NC; ++c) {
-            float dx;
-            std::memcpy(&dx, a + c * act_bytes + QK_K, sizeof(dx));
-            acc[c] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx)), _mm256_cvtepi32_ps(dot[c]), acc[c]);
-        }
-    }
-    #pragma GCC unroll 8
-    for (int c = 0; c < NC; ++c) {
-        _mm256_storeu_ps(out + c * G, acc[c]);
-    }
-}
-
-// dg's tile on its layout (INT_SB_BYTES a super-block)
-template <int NC>
-PROBE_AVX2 void tile_int_scales(const uint8_t * group, const uint8_t * act, int64_t act_bytes, int64_t n_super,
-                                float * out) {
-    __m256 acc[NC];
-    #pragma GCC unroll 8
-    for (int c = 0; c < NC; ++c) {
-        acc[c] = _mm256_setzero_ps();
-    }
-    for (int64_t s = 0; s < n_super; ++s) {
-        const uint8_t * w       = group + s * INT_SB_BYTES;
-        const uint8_t * scales  = w + G * 4;
-        const float *   offsets = (const float *) (scales + 8 * G * 4);
-        const uint8_t * quants  = (const uint8_t *) (offsets + 8 * G);
-        const uint8_t * a       = act + s * Q8_K_BYTES;
-        __m256i         dot[NC];
-        #pragma GCC unroll 8
-        for (int c = 0; c < NC; ++c) {
-            dot[c] = _mm256_setzero_si256();
-        }
-        for (int j = 0; j < 8; ++j) {
-            const uint8_t * sub = quants + j * 8 * 4 * G;
-            __m256i         sum[NC];
-            #pragma GCC unroll 8
-            for (int c = 0; c < NC; ++c) {
-                sum[c] = _mm256_setzero_si256();
-            }
-            #pragma GCC unroll 8
-            for (int q = 0; q < 8; ++q) {
-                const __m256i wq = _mm256_loadu_si256((const __m256i *) (sub + q * 4 * G));
-                #pragma GCC unroll 8
-                for (int c = 0; c < NC; ++c) {
-                    int32_t four;
-                    std::memcpy(&four, a + c * act_bytes + j * QK + 4 * q, sizeof(four));
-                    sum[c] = _mm256_add_epi16(sum[c], _mm256_maddubs_epi16(wq, _mm256_set1_epi32(four)));
-                }
-            }
-            const __m256i sc     = _mm256_loadu_si256((const __m256i *) (scales + j * G * 4));
-            const __m256  offset = _mm256_loadu_ps(offsets + j * G);
-            #pragma GCC unroll 8
-            for (int c = 0; c < NC; ++c) {
-                float b;
-                std::memcpy(&b, a + c * act_bytes + QK_K + 4 + 4 * j, sizeof(b));
-                dot[c] = _mm256_add_epi32(dot[c], _mm256_madd_epi16(sum[c], sc));
-                acc[c] = _mm256_fnmadd_ps(offset, _mm256_set1_ps(b), acc[c]);
-            }
-        }
-        const __m256 d = _mm256_loadu_ps((const float *) w);
-        #pragma GCC unroll 8
-        for (int c = 0; c < NC; ++c) {
-            float dx;
-            std::memcpy(&dx, a + c * act_bytes + QK_K, sizeof(dx));
-            acc[c] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx)), _mm256_cvtepi32_ps(dot[c]), acc[c]);
-        }
-    }
-    #pragma GCC unroll 8
-    for (int c = 0; c < NC; ++c) {
-        _mm256_storeu_ps(out + c * G, acc[c]);
-    }
-}
+// dg's two Q4_K tiles themselves, on their layout (INT_SB_BYTES a super-block)
+constexpr int64_t Q4_K_GROUP = G, Q4_K_SB_BYTES = INT_SB_BYTES;
+#define DG_Q4K_TILE   tile_int_scales
+#define DG_Q4K_TARGET __attribute__((target("avx2,fma"), noinline))
+#define DG_Q4K_VNNI   0
+#include "../native/patch/src/diffusion-gemma-int8-q4k-tile.inc"
+#undef DG_Q4K_TILE
+#undef DG_Q4K_TARGET
+#undef DG_Q4K_VNNI
+#define DG_Q4K_TILE   tile_avx_vnni
+#define DG_Q4K_TARGET __attribute__((target("avx2,fma,f16c,avxvnni"), noinline))
+#define DG_Q4K_VNNI   1
+#include "../native/patch/src/diffusion-gemma-int8-q4k-tile.inc"
+#undef DG_Q4K_TILE
+#undef DG_Q4K_TARGET
+#undef DG_Q4K_VNNI
 
 // out[c * G + r] = the group's 8 rows r x NC columns c over n_super super-blocks
 template <int NC, form F>
@@ -252,11 +138,11 @@ double rate(const uint8_t * w, const uint8_t * w_int, const uint8_t * act, int64
         for (int64_t r = 0; r < reps; ++r) {
             for (int64_t c = 0; c + NC <= n_cols; c += NC) {
                 if constexpr (F == form::avx_vnni) {
-                    tile_avx_vnni<NC>(w_int, act + c * n_super * Q8_K_BYTES, n_super * Q8_K_BYTES, n_super,
-                                      out + c * G);
+                    tile_avx_vnni<NC>(w_int, act + c * n_super * Q8_K_BYTES, n_super * Q8_K_BYTES, 8 * n_super,
+                                      out + c * G, G);
                 } else if constexpr (F == form::int_scales) {
-                    tile_int_scales<NC>(w_int, act + c * n_super * Q8_K_BYTES, n_super * Q8_K_BYTES, n_super,
-                                        out + c * G);
+                    tile_int_scales<NC>(w_int, act + c * n_super * Q8_K_BYTES, n_super * Q8_K_BYTES, 8 * n_super,
+                                        out + c * G, G);
                 } else {
                     tile<NC, F>(w, act + c * n_super * Q8_K_BYTES, n_super * Q8_K_BYTES, n_super, out + c * G);
                 }

@@ -213,8 +213,9 @@ LLAMA_API double dg_peak_gmacs(int32_t kind, double seconds, char * name_out, in
 // the tile state, and DG_AMX is not 0.
 LLAMA_API int32_t dg_amx_in_use(void);
 
-// Whether the AVX2 family's tiles (Q4_K, Q8_0, Q5_0) run on AVX-VNNI's vpdpbusd here (1): the CPU has
-// AVX-VNNI and DG_AVX_VNNI is not 0. The family's peak (DG_PEAK_INT8_AVX2) is then that instruction's.
+// Whether the AVX2 family's tiles (Q8_0, Q5_0, Q4_K, Q6_K) run on AVX-VNNI's vpdpbusd / vpdpwssd here
+// (1): the CPU has AVX-VNNI and DG_AVX_VNNI is not 0. The family's peak (DG_PEAK_INT8_AVX2) is then
+// vpdpbusd ymm's.
 LLAMA_API int32_t dg_avx_vnni_in_use(void);
 
 // Per-node timing of graph computes (benchmarks/step_profile.py): pass dg_profile_eval as the
